@@ -1,0 +1,36 @@
+"""Settings of each process, as Structs the CLI fills in (see `shared.cli`)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    model: str  # resolved path: a .gguf file or an HF folder
+    served_model_name: str
+    request_address: str  # the engine binds a ROUTER here; frontends connect
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    page_size: int = 16
+    kv_cache_memory_gb: float = 1.0
+    num_pages: int | None = None  # overrides kv_cache_memory_gb (tests use it to starve memory)
+    max_model_len: int | None = None  # default: the model's context length
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 128
+    threads: int | None = None
+    engine_id: str = "engine-0"
+
+
+class FrontendConfig(msgspec.Struct, kw_only=True):
+    model: str
+    served_model_name: str
+    engine_address: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Where engine/postproc frames for this frontend arrive; default: a fresh address.
+    result_address: str | None = None
+    tokenizer_threads: int = 4
+    heartbeat_interval_s: float = 1.0
+    engine_timeout_s: float = 5.0
+    log_level: str = "info"
