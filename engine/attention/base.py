@@ -1,0 +1,27 @@
+"""The attention-backend interface the models are written against.
+
+A backend owns the KV cache tensors (their layout is its business) and, once per step, turns
+the scheduled chunks into whatever metadata its kernels want. Models call `attend` once per
+layer with the step's new q/k/v; the backend stores k/v in the cache and attends over each
+sequence's whole context.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.scheduler import ScheduledChunk
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> object:
+        """Build the step's metadata (once per step, shared by all layers)."""
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: object
+    ) -> torch.Tensor:
+        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""

@@ -1,0 +1,192 @@
+"""The engine's state machine without sockets: add, abort, step, stats.
+
+`engine.server` feeds it from the network; tests can drive it directly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.kv_cache import PageAllocator
+from engine.model_runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from shared.protocol import EngineRequest, EngineStats, RequestOutput, pack_ids, unpack_ids
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        allocator: PageAllocator,
+        scheduler: Scheduler,
+        *,
+        eos_token_ids: list[int],
+        max_model_len: int,
+        vocab_size: int,
+        engine_id: str,
+        model_name: str,
+    ) -> None:
+        self.runner = runner
+        self.allocator = allocator
+        self.scheduler = scheduler
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.engine_id = engine_id
+        self.model_name = model_name
+        self.sequences: dict[str, Sequence] = {}
+        self.num_steps = 0
+        self.max_seqs_in_step = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        # Outputs produced outside a step (rejections, aborts), sent with the next batch.
+        self._pending: list[tuple[str, RequestOutput]] = []
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._pending)
+
+    # ---------------------------------------------------------------- requests in
+
+    def add(self, request: EngineRequest) -> None:
+        prompt = unpack_ids(request.prompt_token_ids).tolist()
+        problem = self._validate(request, prompt)
+        if problem is not None:
+            self._reject(request, len(prompt), problem)
+            return
+        params = request.params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        seq = Sequence(
+            request_id=request.request_id,
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
+            params=params,
+            reply_to=request.reply_to,
+            arrival_time=request.arrival_time,
+            max_output_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
+            generator=generator,
+        )
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _validate(self, request: EngineRequest, prompt: list[int]) -> str | None:
+        if request.request_id in self.sequences:
+            return f"request id {request.request_id!r} is already running"
+        if not prompt:
+            return "the prompt is empty"
+        if len(prompt) >= self.max_model_len:
+            return (
+                f"the prompt has {len(prompt)} tokens, which leaves no room to generate "
+                f"within max_model_len={self.max_model_len}"
+            )
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            return f"prompt token ids must lie in [0, {self.vocab_size})"
+        if request.params.max_tokens < 1:
+            return "max_tokens must be at least 1"
+        return None
+
+    def _reject(self, request: EngineRequest, num_prompt: int, message: str) -> None:
+        output = RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=b"",
+            num_prompt_tokens=num_prompt,
+            num_output_tokens=0,
+            finish_reason="error",
+            error=message,
+            error_status=400,
+        )
+        self._pending.append((request.reply_to, output))
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            seq = self.sequences.pop(request_id, None)
+            if seq is None:
+                continue  # already finished: nothing to free
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+            self.num_aborted += 1
+            self._pending.append((seq.reply_to, self._output_for(seq)))
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> list[tuple[str, RequestOutput]]:
+        """Run one model step; returns (reply_to, output) for every request with news."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return outputs
+        tokens = self.runner.execute(plan.chunks)
+        self.num_steps += 1
+        self.max_seqs_in_step = max(self.max_seqs_in_step, len(plan.chunks))
+        now = time.time()
+        sampled = iter(tokens)
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            token = next(sampled)
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._check_stop(seq, token)
+            outputs.append((seq.reply_to, self._output_for(seq)))
+            if seq.finish_reason is not None:
+                self._retire(seq)
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        # min_tokens gates EOS and stop tokens: the first min_tokens outputs cannot stop.
+        if seq.num_output_tokens > params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+        if seq.num_output_tokens >= seq.max_output_tokens:
+            seq.finish_reason = "length"
+
+    def _output_for(self, seq: Sequence) -> RequestOutput:
+        start = seq.num_prompt_tokens + seq.num_reported
+        new = seq.token_ids[start:]
+        seq.num_reported += len(new)
+        first = seq.first_token_time if seq.num_reported == len(new) and new else None
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=pack_ids(new),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            first_token_time=first,
+        )
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        del self.sequences[seq.request_id]
+        self.num_finished += 1
+
+    # ---------------------------------------------------------------- stats
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            engine_id=self.engine_id,
+            model_name=self.model_name,
+            max_model_len=self.max_model_len,
+            num_total_pages=self.allocator.num_pages,
+            num_free_pages=self.allocator.num_free,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_steps=self.num_steps,
+            max_seqs_in_step=self.max_seqs_in_step,
+            num_finished=self.num_finished,
+            num_aborted=self.num_aborted,
+            sent_at=time.time(),
+        )

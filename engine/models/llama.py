@@ -1,0 +1,167 @@
+"""The Llama family (Llama, Mistral, SmolLM) plus Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+
+Written against the attention-backend interface: the model sees a flattened batch of tokens
+from many sequences (prefill chunks and decodes mixed) and never knows how the KV cache is
+laid out. Weights come in with Hugging Face names (see `engine.models.weights`); the math
+follows transformers' implementation step for step, since it is our numerical reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend
+from engine.models.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Variance in float32 whatever the dtype, as transformers does.
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to max_positions, looked up per token."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, dtype, device) -> None:
+        dim = config.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+        inv_freq = 1.0 / (config.rope_theta**exponents)
+        inv_freq = _scale_inv_freq(inv_freq, config)
+        t = torch.arange(max_positions, dtype=torch.int64).to(torch.float)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype).to(device)
+        self.sin = emb.sin().to(dtype).to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope_scaling type {scaling.rope_type!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class DecoderLayer(msgspec.Struct):
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor  # q, k and v projections fused into one matmul
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_weight: torch.Tensor
+    post_attention_norm: torch.Tensor
+    gate_up_weight: torch.Tensor  # gate and up projections fused into one matmul
+    down_weight: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(dtype=dtype, device=device)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.layers = [self._layer(w, i) for i in range(config.num_layers)]
+        self.rope = RotaryEmbedding(config, max_positions, dtype, device)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    def _layer(self, w, i: int) -> DecoderLayer:
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        bias = None
+        if self.config.attention_bias:
+            bias = torch.cat([w(attn + f"{x}_proj.bias") for x in "qkv"])
+        return DecoderLayer(
+            input_norm=w(p + "input_layernorm.weight"),
+            qkv_weight=torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]),
+            qkv_bias=bias,
+            q_norm=w(attn + "q_norm.weight") if self.config.qk_norm else None,
+            k_norm=w(attn + "k_norm.weight") if self.config.qk_norm else None,
+            o_weight=w(attn + "o_proj.weight"),
+            post_attention_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up_weight=torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]),
+            down_weight=w(mlp + "down_proj.weight"),
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        meta: object,
+    ) -> torch.Tensor:
+        """Hidden states of every fed token, before the final norm: [T, hidden]."""
+        h = F.embedding(input_ids, self.embed)
+        for index, layer in enumerate(self.layers):
+            h = h + self._attention(index, layer, h, positions, backend, meta)
+            h = h + self._mlp(layer, h)
+        return h
+
+    def _attention(self, index, layer: DecoderLayer, h, positions, backend, meta) -> torch.Tensor:
+        c = self.config
+        x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
+        q = self.rope.apply(q, positions)
+        k = self.rope.apply(k, positions)
+        o = backend.attend(index, q, k, v.contiguous(), meta)
+        return F.linear(o.reshape(-1, self.q_size), layer.o_weight)
+
+    def _mlp(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given rows of `forward`'s output."""
+        h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).to(torch.float32)

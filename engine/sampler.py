@@ -1,0 +1,83 @@
+"""Token selection for one step, as tensor ops over the batch.
+
+Greedy rows take the argmax. Other rows are scaled by temperature, cut by top-k and top-p,
+and sampled with the exponential-race trick (argmax of p / Exp(1) noise), which equals
+multinomial sampling but lets every row draw its noise from its own seeded generator, so a
+seeded request gets the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from shared.protocol import SamplingParams
+
+_GREEDY_EPSILON = 1e-5
+
+
+class SamplingRows(msgspec.Struct):
+    """Per-row sampling parameters of one step, as tensors."""
+
+    temperature: torch.Tensor  # [B]
+    top_p: torch.Tensor  # [B]
+    top_k: torch.Tensor  # [B], vocab size where disabled
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+
+    @classmethod
+    def build(
+        cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab: int
+    ) -> SamplingRows:
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]),
+            generators=generators,
+            all_greedy=all(p.temperature < _GREEDY_EPSILON for p in params),
+        )
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """logits: [B, V] float32 -> token ids [B]."""
+    tokens = logits.argmax(dim=-1)
+    if rows.all_greedy:
+        return tokens
+    random_rows = (rows.temperature >= _GREEDY_EPSILON).nonzero().squeeze(1)
+    scaled = logits[random_rows] / rows.temperature[random_rows].unsqueeze(1)
+    picked = _sample_filtered(
+        scaled,
+        rows.top_k[random_rows],
+        rows.top_p[random_rows],
+        [rows.generators[i] for i in random_rows.tolist()],
+    )
+    tokens[random_rows] = picked
+    return tokens
+
+
+def _sample_filtered(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
+        probs = logits.softmax(dim=-1)
+        return _race(probs, generators)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the mass before it already reaches top_p; the first always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+    choice = _race(probs, generators)
+    return order.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    noise = torch.empty_like(probs)
+    for i, gen in enumerate(generators):
+        noise[i].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)

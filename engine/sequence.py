@@ -1,0 +1,49 @@
+"""A request's life inside the engine: its tokens, its pages, and how far the model has read it."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+import torch
+
+from shared.protocol import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence(msgspec.Struct, kw_only=True):
+    request_id: str
+    token_ids: list[int]  # prompt followed by everything generated so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    reply_to: str
+    arrival_time: float
+    # Generated tokens may not exceed this; already capped by max_model_len.
+    max_output_tokens: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    pages: list[int] = []
+    # Tokens whose K/V are in the cache. Reset to 0 when preempted (recompute).
+    num_computed: int = 0
+    # Outputs already reported to the frontend, so a step reports only what is new.
+    num_reported: int = 0
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]

@@ -1,0 +1,200 @@
+"""The engine process: loads the model, then runs the busy loop with socket I/O on threads.
+
+Threads: one receives requests, aborts and pings (and answers pings itself, so heartbeats
+flow even during a long step); one encodes and pushes outputs. The main thread only drains
+the inbox, steps the model and hands outputs over, so compute overlaps with (de)serialization.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import torch
+import zmq
+
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.core import EngineCore
+from engine.kv_cache import PageAllocator
+from engine.model_runner import ModelRunner
+from engine.models.config import ModelConfig, load_model_config
+from engine.models.llama import LlamaModel
+from engine.models.weights import load_weights
+from engine.scheduler import Scheduler
+from shared.codec import encode, engine_inbound_decoder
+from shared.config import EngineConfig
+from shared.protocol import AbortRequest, EngineRequest, OutputBatch, Ping, RequestOutput
+from shared.tokenizer import load_tokenizer, tokenizer_facts
+from shared.transport import PushPool, make_socket
+
+log = logging.getLogger("sluice.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------- construction
+
+
+def kv_pages_for(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    if config.num_pages is not None:
+        return config.num_pages
+    element = torch.empty((), dtype=dtype).element_size()
+    per_page = 2 * model.num_layers * config.page_size * model.num_kv_heads * model.head_dim
+    return max(1, int(config.kv_cache_memory_gb * 2**30) // (per_page * element))
+
+
+def build_engine(config: EngineConfig) -> EngineCore:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    dtype = DTYPES[config.dtype]
+    device = torch.device(config.device)
+    model_config = load_model_config(config.model)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    num_pages = kv_pages_for(config, model_config, dtype)
+    if num_pages * config.page_size < max_model_len:
+        raise SystemExit(
+            f"the KV cache ({num_pages} pages of {config.page_size} tokens) cannot hold one "
+            f"sequence of max_model_len={max_model_len}; give it more memory or lower "
+            "--max-model-len"
+        )
+    started = time.monotonic()
+    weights = load_weights(config.model, model_config, torch.float32)
+    model = LlamaModel(model_config, weights, max_model_len, dtype, device)
+    del weights
+    log.info("loaded %s (%s) in %.1fs", config.served_model_name, config.dtype,
+             time.monotonic() - started)
+    backend = TorchAttentionBackend(
+        model_config.num_layers, num_pages, config.page_size, model_config.num_kv_heads,
+        model_config.head_dim, dtype, device,
+    )
+    allocator = PageAllocator(num_pages, config.page_size)
+    facts = tokenizer_facts(load_tokenizer(config.model), config.model)
+    return EngineCore(
+        ModelRunner(model, backend, model_config.vocab_size),
+        allocator,
+        Scheduler(allocator, config.max_num_batched_tokens, config.max_num_seqs),
+        eos_token_ids=facts.eos_token_ids,
+        max_model_len=max_model_len,
+        vocab_size=model_config.vocab_size,
+        engine_id=config.engine_id,
+        model_name=config.served_model_name,
+    )
+
+
+# ---------------------------------------------------------------- the process
+
+
+class EngineServer:
+    def __init__(self, core: EngineCore, request_address: str) -> None:
+        self.core = core
+        self.request_address = request_address
+        self.ctx = zmq.Context()
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+        self.latest_stats = core.stats()
+
+    def run(self) -> None:
+        bound = threading.Event()
+        threads = [
+            threading.Thread(target=self._receive_loop, args=(bound,), name="engine-recv",
+                             daemon=True),
+            threading.Thread(target=self._send_loop, name="engine-send", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        bound.wait()
+        log.info("engine ready on %s", self.request_address)
+        try:
+            self._busy_loop()
+        finally:
+            self.stopping.set()
+            self.outbox.put(None)
+            for t in threads:
+                t.join(timeout=2)
+            self.ctx.term()
+
+    def _busy_loop(self) -> None:
+        core = self.core
+        while not self.stopping.is_set():
+            self._drain_inbox(block=not core.has_work)
+            if core.has_work:
+                started = time.perf_counter()
+                outputs = core.step()
+                if outputs:
+                    self.outbox.put((outputs, time.perf_counter() - started))
+            self.latest_stats = core.stats()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            message = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(message, EngineRequest):
+                self.core.add(message)
+            elif isinstance(message, AbortRequest):
+                self.core.abort(message.request_ids)
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _receive_loop(self, bound: threading.Event) -> None:
+        sock = make_socket(self.ctx, zmq.ROUTER)
+        sock.bind(self.request_address)
+        bound.set()
+        decoder = engine_inbound_decoder()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self.stopping.is_set():
+            if not poller.poll(100):
+                continue
+            identity, payload = sock.recv_multipart(copy=False)
+            try:
+                message = decoder.decode(payload.buffer)
+            except Exception as exc:  # a bad peer must not take the engine down
+                log.warning("dropping undecodable message: %s", exc)
+                continue
+            if isinstance(message, Ping):
+                sock.send_multipart([identity, encode(self.latest_stats)])
+            else:
+                self.inbox.put(message)
+        sock.close(linger=0)
+
+    def _send_loop(self) -> None:
+        pushers = PushPool(self.ctx)
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                break
+            outputs, step_time = item
+            by_destination: dict[str, list[RequestOutput]] = defaultdict(list)
+            for reply_to, output in outputs:
+                by_destination[reply_to].append(output)
+            for reply_to, batch in by_destination.items():
+                pushers.send(reply_to, encode(OutputBatch(batch, step_time)))
+        pushers.close()
+
+
+def run_engine(config: EngineConfig) -> None:
+    core = build_engine(config)
+    server = EngineServer(core, config.request_address)
+
+    def stop(signum, frame):
+        server.stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        server.run()
+    except Exception:
+        # A failed step leaves the cache and scheduler untrustworthy: exit non-zero so an
+        # orchestrator restarts the engine (frontends answer 503 meanwhile).
+        log.exception("engine fault; exiting")
+        sys.exit(1)
