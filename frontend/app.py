@@ -1,0 +1,99 @@
+"""The HTTP surface: routes, body decoding and the error boundary. Handlers stay thin."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from frontend import serving
+from frontend.api_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from frontend.errors import APIError, error_response
+from frontend.metrics import metrics_registry, render
+from frontend.serving import ServingContext
+
+log = logging.getLogger("sluice.frontend")
+_json = msgspec.json.Encoder()
+VERSION = "0.1.0"
+
+
+async def _decode(request: Request, body_type):
+    body = await request.body()
+    try:
+        return msgspec.json.decode(body, type=body_type)
+    except msgspec.ValidationError as exc:
+        raise APIError(400, f"Invalid request: {exc}", _param_of(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"The request body is not valid JSON: {exc}") from exc
+
+
+def _param_of(message: str) -> str | None:
+    # msgspec says e.g. "Object contains unknown field `temprature` - at `$`".
+    if "`" in message:
+        return message.split("`")[1]
+    return None
+
+
+def _guarded(handler):
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return error_response(exc)
+        except Exception:
+            log.exception("unhandled error in %s", request.url.path)
+            return error_response(APIError(500, "internal server error"))
+
+    return endpoint
+
+
+def build_app(ctx: ServingContext) -> Starlette:
+    registry = metrics_registry(ctx.client)
+
+    async def health(request: Request) -> Response:
+        status = 200 if ctx.client.engine_alive else 503
+        return Response(status_code=status)
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
+
+    async def models(request: Request) -> Response:
+        stats = ctx.client.stats
+        max_len = stats.max_model_len if stats else 0
+        card = ModelCard(id=ctx.model_name, created=0, max_model_len=max_len)
+        return Response(_json.encode(ModelList([card])), media_type="application/json")
+
+    async def chat(request: Request) -> Response:
+        body = await _decode(request, ChatCompletionRequest)
+        return await serving.chat_completion(ctx, request, body)
+
+    async def completions(request: Request) -> Response:
+        body = await _decode(request, CompletionRequest)
+        return await serving.completion(ctx, request, body)
+
+    async def metrics(request: Request) -> Response:
+        return Response(render(registry), media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await ctx.client.start()
+        try:
+            yield
+        finally:
+            await ctx.client.stop()
+            ctx.tokenization.shutdown()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/v1/models", _guarded(models), methods=["GET"]),
+        Route("/v1/chat/completions", _guarded(chat), methods=["POST"]),
+        Route("/v1/completions", _guarded(completions), methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

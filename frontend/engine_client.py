@@ -1,0 +1,188 @@
+"""The frontend's side of the engine connection.
+
+Requests and aborts go out on a DEALER connected to the engine's ROUTER; pings ride the same
+socket and the engine's stats come back on it, which doubles as the heartbeat. Outputs arrive
+on this frontend's own PULL socket (`reply_to`), read by a receiver thread that also runs the
+postproc step (detokenization) when no fleet does it, so the event loop only gets finished
+text frames, one hop per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from postproc.processor import OutputProcessor
+from shared.codec import encode, frontend_inbound_decoder
+from shared.protocol import (
+    AbortRequest,
+    EngineRequest,
+    EngineStats,
+    FrameBatch,
+    OutputBatch,
+    Ping,
+    TextFrame,
+)
+from shared.transport import make_socket, new_ipc_address
+
+log = logging.getLogger("sluice.frontend")
+
+
+class EngineUnavailable(Exception):
+    pass
+
+
+class RequestStream(msgspec.Struct):
+    queue: asyncio.Queue
+    next_seq: int = 0
+    finished: bool = False
+
+
+class EngineClient:
+    def __init__(
+        self,
+        engine_address: str,
+        processor: OutputProcessor,
+        result_address: str | None = None,
+        heartbeat_interval_s: float = 1.0,
+        engine_timeout_s: float = 5.0,
+    ) -> None:
+        self.engine_address = engine_address
+        self.result_address = result_address or new_ipc_address("frontend")
+        self.processor = processor
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.engine_timeout_s = engine_timeout_s
+        self.frontend_id = f"frontend-{uuid.uuid4().hex[:8]}"
+        self.stats: EngineStats | None = None
+        self._last_heard = 0.0
+        self._streams: dict[str, RequestStream] = {}
+        self._ctx = zmq.asyncio.Context()
+        self._stopping = threading.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._dealer = make_socket(self._ctx, zmq.DEALER)
+        self._dealer.connect(self.engine_address)
+        bound = threading.Event()
+        self._receiver = threading.Thread(
+            target=self._receive_outputs, args=(bound,), name="frontend-recv", daemon=True
+        )
+        self._receiver.start()
+        bound.wait()
+        self._tasks = [
+            asyncio.create_task(self._ping_loop()),
+            asyncio.create_task(self._stats_loop()),
+        ]
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        self._receiver.join(timeout=2)
+        self._dealer.close(linger=0)
+        self._ctx.term()
+
+    # ---------------------------------------------------------------- health
+
+    @property
+    def engine_alive(self) -> bool:
+        return time.monotonic() - self._last_heard < self.engine_timeout_s
+
+    async def _ping_loop(self) -> None:
+        was_alive = False
+        while True:
+            ping = Ping(sender_id=self.frontend_id, sent_at=time.time())
+            await self._dealer.send(encode(ping))
+            await asyncio.sleep(self.heartbeat_interval_s)
+            alive = self.engine_alive
+            if was_alive and not alive:
+                log.error("engine stopped answering; failing %d requests", len(self._streams))
+                self._fail_all("the engine stopped responding")
+            was_alive = alive
+
+    async def _stats_loop(self) -> None:
+        decoder = frontend_inbound_decoder()
+        while True:
+            message = decoder.decode(await self._dealer.recv())
+            if isinstance(message, EngineStats):
+                self.stats = message
+                self._last_heard = time.monotonic()
+
+    # ---------------------------------------------------------------- requests
+
+    async def submit(self, request: EngineRequest, prompt_ids, skip_special_tokens: bool):
+        """Send a request; returns the queue its TextFrames will arrive on."""
+        if not self.engine_alive:
+            raise EngineUnavailable("no engine is connected")
+        stream = RequestStream(asyncio.Queue())
+        self._streams[request.request_id] = stream
+        self.processor.register(request.request_id, prompt_ids, skip_special_tokens)
+        await self._dealer.send(encode(request))
+        return stream.queue
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request early; safe to call for finished or unknown ids."""
+        stream = self._streams.pop(request_id, None)
+        self.processor.discard(request_id)
+        if stream is not None and not stream.finished:
+            await self._dealer.send(encode(AbortRequest([request_id])))
+
+    def release(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    # ---------------------------------------------------------------- outputs
+
+    def _receive_outputs(self, bound: threading.Event) -> None:
+        ctx = zmq.Context.instance()
+        sock = make_socket(ctx, zmq.PULL)
+        sock.bind(self.result_address)
+        bound.set()
+        decoder = frontend_inbound_decoder()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(100):
+                continue
+            message = decoder.decode(sock.recv(copy=False).buffer)
+            if isinstance(message, OutputBatch):
+                frames = self.processor.process(message)
+            elif isinstance(message, FrameBatch):
+                frames = message.frames
+            else:
+                continue
+            if frames:
+                self._loop.call_soon_threadsafe(self._deliver, frames)
+        sock.close(linger=0)
+
+    def _deliver(self, frames: list[TextFrame]) -> None:
+        for frame in frames:
+            stream = self._streams.get(frame.request_id)
+            if stream is None or frame.seq < stream.next_seq:
+                continue  # gone, or a duplicate from a replaying postproc worker
+            stream.next_seq = frame.seq + 1
+            if frame.finish_reason is not None:
+                stream.finished = True
+                del self._streams[frame.request_id]
+            stream.queue.put_nowait(frame)
+
+    def _fail_all(self, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self.processor.discard(request_id)
+            stream.queue.put_nowait(
+                TextFrame(
+                    request_id=request_id, seq=stream.next_seq, text="", token_ids=b"",
+                    num_prompt_tokens=0, num_output_tokens=0, finish_reason="error",
+                    error=message, error_status=503,
+                )
+            )

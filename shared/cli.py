@@ -1,0 +1,211 @@
+"""`sluice` command line: serve (all on one machine), engine, frontend, bench.
+
+Each process kind imports its own package only when its subcommand runs, so `shared` stays
+the bottom of the dependency graph at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from shared.config import EngineConfig, FrontendConfig
+from shared.transport import free_tcp_port, new_ipc_address
+
+DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5555"
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct, bundled)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients use in 'model' (default: derived from --model)")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache (default: float32)")
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="memory for the KV cache, in GiB (default: 1)")
+    g.add_argument("--num-kv-pages", type=int, default=None,
+                   help="exact number of KV pages (overrides --kv-cache-memory-gb)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + answer in tokens (default: the model's context)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step; longer prompts are prefilled in chunks")
+    g.add_argument("--max-num-seqs", type=int, default=128,
+                   help="most sequences in the running batch")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frontend")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--tokenizer-threads", type=int, default=4,
+                   help="threads that render and tokenize requests")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice", description="OpenAI-compatible LLM serving: frontend, engine, postproc."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="engine + frontend on this machine (over ipc)")
+    _add_model_arguments(serve)
+    _add_engine_arguments(serve)
+    _add_frontend_arguments(serve)
+
+    engine = sub.add_parser("engine", help="run the engine alone")
+    _add_model_arguments(engine)
+    _add_engine_arguments(engine)
+    engine.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
+                        help=f"where to bind for frontends (default: {DEFAULT_ENGINE_ADDRESS})")
+
+    frontend = sub.add_parser("frontend", help="run one HTTP frontend against an engine")
+    _add_model_arguments(frontend)
+    _add_frontend_arguments(frontend)
+    frontend.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
+                          help=f"the engine to use (default: {DEFAULT_ENGINE_ADDRESS})")
+    frontend.add_argument("--result-address", default=None,
+                          help="where this frontend receives outputs; must be reachable from "
+                               "the engine (default: ipc next to an ipc engine, otherwise "
+                               "tcp://127.0.0.1 on a free port)")
+
+    bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server")
+    from shared.bench import add_bench_arguments
+
+    add_bench_arguments(bench)
+    return parser
+
+
+def _model_names(args) -> tuple[str, str]:
+    from shared.model_source import resolve_model_path, served_model_name
+
+    path = resolve_model_path(args.model)
+    return path, args.served_model_name or served_model_name(path)
+
+
+def engine_config(args, address: str) -> EngineConfig:
+    path, name = _model_names(args)
+    return EngineConfig(
+        model=path, served_model_name=name, request_address=address, dtype=args.dtype,
+        device=args.device, page_size=args.page_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, num_pages=args.num_kv_pages,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, threads=args.threads,
+    )
+
+
+def frontend_config(args, engine_address: str, result_address: str | None) -> FrontendConfig:
+    path, name = _model_names(args)
+    if result_address is None and not engine_address.startswith("ipc://"):
+        result_address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    return FrontendConfig(
+        model=path, served_model_name=name, engine_address=engine_address, host=args.host,
+        port=args.port, result_address=result_address,
+        tokenizer_threads=args.tokenizer_threads, log_level=args.log_level,
+    )
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _serve(args) -> int:
+    """Start engine and frontend as two processes over ipc and watch them."""
+    address = new_ipc_address("engine")
+    common = ["--log-level", args.log_level]
+    if args.model:
+        common += ["--model", args.model]
+    if args.served_model_name:
+        common += ["--served-model-name", args.served_model_name]
+    engine_argv = [
+        "engine", *common, "--engine-address", address, "--dtype", args.dtype,
+        "--device", args.device, "--page-size", str(args.page_size),
+        "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--max-num-seqs", str(args.max_num_seqs),
+    ]
+    for flag, value in (("--num-kv-pages", args.num_kv_pages),
+                        ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
+        if value is not None:
+            engine_argv += [flag, str(value)]
+    frontend_argv = [
+        "frontend", *common, "--engine-address", address, "--host", args.host,
+        "--port", str(args.port), "--tokenizer-threads", str(args.tokenizer_threads),
+    ]
+    children = [
+        subprocess.Popen([sys.executable, "-m", "shared.cli", *argv])
+        for argv in (engine_argv, frontend_argv)
+    ]
+    return _supervise(children)
+
+
+def _supervise(children: list[subprocess.Popen]) -> int:
+    stopping = False
+
+    def stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = 0
+    while not stopping:
+        exited = [c for c in children if c.poll() is not None]
+        if exited:
+            code = exited[0].returncode or 1
+            break
+        time.sleep(0.2)
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    for child in children:
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from shared.bench import run_bench
+
+        result = run_bench(args)
+        return 0 if result.errors == 0 else 1
+    _setup_logging(args.log_level)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "engine":
+        from engine.server import run_engine
+
+        run_engine(engine_config(args, args.engine_address))
+        return 0
+    if args.command == "frontend":
+        from frontend.server import run_frontend
+
+        run_frontend(frontend_config(args, args.engine_address, args.result_address))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
