@@ -1,0 +1,192 @@
+"""Weight loading into Hugging Face tensor names, from GGUF files or safetensors folders.
+
+The model code consumes one naming scheme (HF's, Linear weights as [out, in]) whatever the
+checkpoint format; `expected_shapes` is the contract both loaders are checked against.
+"""
+
+import glob
+import os
+
+import gguf
+import msgspec
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from engine.models.config import ModelConfig, gguf_reader
+
+# llama.cpp per-block tensor names -> HF names under model.layers.{i}.
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, by HF name, with HF's shape."""
+    shapes = {
+        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+        "model.norm.weight": (config.hidden_size,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    for i in range(config.num_layers):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in _layer_shapes(config).items()})
+    return shapes
+
+
+def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = {
+        "input_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_out, hidden),
+        "self_attn.k_proj.weight": (kv_out, hidden),
+        "self_attn.v_proj.weight": (kv_out, hidden),
+        "self_attn.o_proj.weight": (hidden, q_out),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    if config.attention_bias:
+        shapes.update(
+            {
+                "self_attn.q_proj.bias": (q_out,),
+                "self_attn.k_proj.bias": (kv_out,),
+                "self_attn.v_proj.bias": (kv_out,),
+            }
+        )
+    if config.qk_norm:
+        shapes["self_attn.q_norm.weight"] = (config.head_dim,)
+        shapes["self_attn.k_norm.weight"] = (config.head_dim,)
+    return shapes
+
+
+def load_weights(
+    model_path: str, config: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Load all weights of a `.gguf` file or HF safetensors folder as `dtype` tensors."""
+    expected = expected_shapes(config)
+    if model_path.endswith(".gguf"):
+        weights = _load_gguf(model_path, config, expected, dtype)
+    else:
+        weights = _load_safetensors(model_path, expected, dtype)
+    _check_complete(weights, expected)
+    return weights
+
+
+def _check_complete(weights: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]):
+    missing = sorted(expected.keys() - weights.keys())
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+
+def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
+    weights = {}
+    for tensor in gguf_reader(path).tensors:
+        name = _hf_name(tensor.name)
+        if name not in expected:
+            raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = _undo_rope_permute(array, tensor.name, config)
+        weights[name] = _to_torch(array, dtype)
+    return weights
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """Map `blk.3.attn_q.weight` to `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def _undo_rope_permute(array: np.ndarray, gguf_name: str, config: ModelConfig) -> np.ndarray:
+    """Reverse llama.cpp's q/k row permutation, exactly as transformers does.
+
+    For llama, convert_hf_to_gguf.py reorders each head's rows from HF's half-split rotary
+    layout (first half / second half) to ggml's interleaved pairs. Qwen models use ggml's NEOX
+    rope and are stored unpermuted.
+    """
+    if config.architecture != "llama":
+        return array
+    if ".attn_q." in gguf_name:
+        n_head = config.num_heads
+    elif ".attn_k." in gguf_name:
+        n_head = config.num_kv_heads
+    else:
+        return array
+    # Within a head, GGUF row 2j+p holds HF row p*half+j (p picks the rotary half).
+    half = array.shape[0] // n_head // 2
+    grouped = array.reshape(n_head, half, 2, *array.shape[1:])
+    return grouped.swapaxes(2, 1).reshape(array.shape)
+
+
+def _to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    # F32 tensors come back as read-only views of the memory-mapped file; copy those so the
+    # result owns its memory and torch does not warn about a non-writable buffer.
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array).to(dtype)
+
+
+# --- safetensors ------------------------------------------------------------------------------
+
+
+def _load_safetensors(folder, expected, dtype) -> dict[str, torch.Tensor]:
+    weights = {}
+    for shard in _safetensors_shards(folder):
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                if name in expected:
+                    weights[name] = f.get_tensor(name).to(dtype)
+                elif not _ignorable(name):
+                    raise ValueError(f"unexpected tensor {name!r} in {shard}")
+    return weights
+
+
+def _ignorable(name: str) -> bool:
+    # Old checkpoints carry RoPE buffers, and some tied ones still store a copy of lm_head.
+    return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
+
+
+class _ShardIndex(msgspec.Struct):
+    weight_map: dict[str, str]  # tensor name -> shard file name
+
+
+def _safetensors_shards(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, "rb") as f:
+            weight_map = msgspec.json.decode(f.read(), type=_ShardIndex).weight_map
+        shard_names = sorted(set(weight_map.values()))
+        return [os.path.join(folder, name) for name in shard_names]
+    # Only HF-layout files: mistral repos also ship consolidated.safetensors, with other names.
+    shards = sorted(glob.glob(os.path.join(folder, "model*.safetensors")))
+    if not shards:
+        raise ValueError(f"no model*.safetensors files in {folder!r}")
+    return shards
