@@ -1,0 +1,19 @@
+import pytest
+
+from tests.servers import Stack
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    """One full stack (engine + frontend) on the default model, shared by a test session.
+
+    A small step budget makes multi-chunk prefill happen with moderately long prompts.
+    """
+    s = Stack(str(tmp_path_factory.mktemp("stack")), "--max-num-batched-tokens", "256")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def base_url(stack):
+    return stack.base_url

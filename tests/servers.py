@@ -1,0 +1,86 @@
+"""Start real sluice processes on loopback for tests, and always stop them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from shared.transport import free_tcp_port
+
+STARTUP_TIMEOUT_S = 180
+
+
+class Proc:
+    def __init__(self, args: list[str], log_path: str) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        # A new session so stop() can take down the whole group (serve has children).
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        self._log.close()
+
+
+def wait_healthy(base_url: str, procs: list[Proc], timeout: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"process exited early:\n{p.log()[-4000:]}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url} not healthy:\n" + "\n".join(p.log()[-3000:] for p in procs))
+
+
+class Stack:
+    """`sluice serve` on a free port."""
+
+    def __init__(self, tmp_dir: str, *extra: str) -> None:
+        self.port = free_tcp_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.proc = Proc(
+            ["serve", "--port", str(self.port), *extra], os.path.join(tmp_dir, "serve.log")
+        )
+        try:
+            wait_healthy(self.base_url, [self.proc])
+        except Exception:
+            self.proc.stop()
+            raise
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    """Prometheus text -> {name: value}, labels dropped (one engine in tests)."""
+    values = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, value = line.rsplit(" ", 1)
+        values[name.split("{", 1)[0]] = float(value)
+    return values
