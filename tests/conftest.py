@@ -17,3 +17,13 @@ def stack(tmp_path_factory):
 @pytest.fixture(scope="session")
 def base_url(stack):
     return stack.base_url
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """`sluice engine` + two `sluice frontend`s over tcp (step budget 256: chunked prefill)."""
+    from tests.servers import Cluster
+
+    c = Cluster(str(tmp_path_factory.mktemp("cluster")), "--max-num-batched-tokens", "256")
+    yield c
+    c.stop()

@@ -84,3 +84,33 @@ def metrics(base_url: str) -> dict[str, float]:
         name, value = line.rsplit(" ", 1)
         values[name.split("{", 1)[0]] = float(value)
     return values
+
+
+class Cluster:
+    """One engine and two frontends as separate processes over tcp, as an orchestrator runs them."""
+
+    def __init__(self, tmp_dir: str, *engine_extra: str) -> None:
+        self.engine_address = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.engine = Proc(
+            ["engine", "--engine-address", self.engine_address, *engine_extra],
+            os.path.join(tmp_dir, "engine.log"),
+        )
+        self.frontends: list[Proc] = []
+        self.base_urls: list[str] = []
+        try:
+            for i in range(2):
+                port = free_tcp_port()
+                self.base_urls.append(f"http://127.0.0.1:{port}")
+                self.frontends.append(Proc(
+                    ["frontend", "--engine-address", self.engine_address, "--port", str(port)],
+                    os.path.join(tmp_dir, f"frontend{i}.log"),
+                ))
+            for url in self.base_urls:
+                wait_healthy(url, [self.engine, *self.frontends])
+        except Exception:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for p in [*self.frontends, self.engine]:
+            p.stop()

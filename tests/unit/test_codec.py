@@ -1,0 +1,303 @@
+"""The wire codec: every message round-trips, token ids stay raw int32, bad input is refused."""
+
+import msgspec
+import numpy as np
+import pytest
+
+from shared import protocol
+from shared.codec import encode, engine_inbound_decoder, frontend_inbound_decoder
+from shared.protocol import (
+    AbortRequest,
+    EngineRequest,
+    EngineStats,
+    FrameBatch,
+    OutputBatch,
+    Ping,
+    RequestOutput,
+    SamplingParams,
+    TextFrame,
+    pack_ids,
+    unpack_ids,
+)
+
+PROMPT = [1, 0, 2**31 - 1, 128000, 7, -1]
+
+
+def _full_params() -> SamplingParams:
+    return SamplingParams(
+        max_tokens=17,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        seed=12345,
+        stop_token_ids=[2, 32000],
+        ignore_eos=True,
+        min_tokens=3,
+    )
+
+
+ENGINE_INBOUND = {
+    "request": EngineRequest(
+        request_id="req-1",
+        prompt_token_ids=pack_ids(PROMPT),
+        params=_full_params(),
+        reply_to="tcp://127.0.0.1:5555",
+        arrival_time=1712345678.25,
+        skip_special_tokens=False,
+    ),
+    "request-defaults": EngineRequest(
+        request_id="req-2",
+        prompt_token_ids=pack_ids([5]),
+        params=SamplingParams(max_tokens=1),
+        reply_to="ipc:///tmp/x",
+        arrival_time=0.0,
+    ),
+    "abort": AbortRequest(request_ids=["a", "b", "ünïcode"]),
+    "abort-empty": AbortRequest(request_ids=[]),
+    "ping": Ping(sender_id="frontend-0", sent_at=3.5),
+}
+
+FRONTEND_INBOUND = {
+    "outputs": OutputBatch(
+        outputs=[
+            RequestOutput(
+                request_id="req-1",
+                new_token_ids=pack_ids([9, 8]),
+                num_prompt_tokens=6,
+                num_output_tokens=2,
+                first_token_time=12.5,
+            ),
+            RequestOutput(
+                request_id="req-2",
+                new_token_ids=pack_ids([32000]),
+                num_prompt_tokens=1,
+                num_output_tokens=5,
+                finish_reason="stop",
+                stop_reason=32000,
+            ),
+            RequestOutput(
+                request_id="req-3",
+                new_token_ids=b"",
+                num_prompt_tokens=0,
+                num_output_tokens=0,
+                finish_reason="error",
+                error="the prompt is empty",
+                error_status=400,
+            ),
+        ],
+        step_time=99.0,
+    ),
+    "outputs-empty": OutputBatch(outputs=[], step_time=0.0),
+    "frames": FrameBatch(
+        frames=[
+            TextFrame(
+                request_id="req-1",
+                seq=0,
+                text="Hello, wörld ✓",
+                token_ids=pack_ids([1, 2, 3]),
+                num_prompt_tokens=4,
+                num_output_tokens=3,
+                first_token_time=1.0,
+            ),
+            TextFrame(
+                request_id="req-1",
+                seq=1,
+                text="",
+                token_ids=b"",
+                num_prompt_tokens=4,
+                num_output_tokens=3,
+                finish_reason="stop",
+                stop_reason="</s>",
+            ),
+            TextFrame(
+                request_id="req-2",
+                seq=5,
+                text="x",
+                token_ids=pack_ids([4]),
+                num_prompt_tokens=4,
+                num_output_tokens=9,
+                finish_reason="length",
+                stop_reason=17,
+                error="boom",
+                error_status=503,
+            ),
+        ]
+    ),
+    "stats": EngineStats(
+        engine_id="engine-0",
+        model_name="tiny",
+        max_model_len=2048,
+        num_total_pages=100,
+        num_free_pages=42,
+        num_running=3,
+        num_waiting=1,
+        num_steps=1000,
+        max_seqs_in_step=8,
+        num_finished=77,
+        num_aborted=2,
+        sent_at=5.0,
+    ),
+}
+
+
+def test_cases_cover_every_tagged_message():
+    tagged = {
+        cls
+        for cls in vars(protocol).values()
+        if isinstance(cls, type)
+        and issubclass(cls, msgspec.Struct)
+        and cls.__struct_config__.tag is not None
+    }
+    covered = {type(m) for m in (*ENGINE_INBOUND.values(), *FRONTEND_INBOUND.values())}
+    assert covered == tagged
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_INBOUND))
+def test_engine_inbound_round_trip(name):
+    message = ENGINE_INBOUND[name]
+    decoded = engine_inbound_decoder().decode(encode(message))
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+@pytest.mark.parametrize("name", sorted(FRONTEND_INBOUND))
+def test_frontend_inbound_round_trip(name):
+    message = FRONTEND_INBOUND[name]
+    decoded = frontend_inbound_decoder().decode(encode(message))
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+def test_decode_accepts_memoryview():
+    data = encode(ENGINE_INBOUND["ping"])
+    assert engine_inbound_decoder().decode(memoryview(data)) == ENGINE_INBOUND["ping"]
+
+
+def test_nested_structs_keep_their_types():
+    decoded = engine_inbound_decoder().decode(encode(ENGINE_INBOUND["request"]))
+    assert isinstance(decoded.params, SamplingParams)
+    assert decoded.params.stop_token_ids == [2, 32000] and decoded.params.seed == 12345
+    batch = frontend_inbound_decoder().decode(encode(FRONTEND_INBOUND["outputs"]))
+    assert all(isinstance(o, RequestOutput) for o in batch.outputs)
+    frames = frontend_inbound_decoder().decode(encode(FRONTEND_INBOUND["frames"]))
+    assert frames.frames[1].stop_reason == "</s>" and frames.frames[2].stop_reason == 17
+
+
+def test_defaults_are_restored_when_omitted():
+    decoded = engine_inbound_decoder().decode(encode(ENGINE_INBOUND["request-defaults"]))
+    assert decoded.params == SamplingParams(max_tokens=1)
+    assert decoded.params.temperature == 1.0 and decoded.params.stop_token_ids == []
+    assert decoded.skip_special_tokens is True
+    out = frontend_inbound_decoder().decode(encode(FRONTEND_INBOUND["outputs"])).outputs[0]
+    assert out.finish_reason is None and out.error_status == 0
+
+
+# --- token ids ----------------------------------------------------------------------------------
+
+
+def test_pack_ids_is_little_endian_int32():
+    buf = pack_ids(PROMPT)
+    assert isinstance(buf, bytes)
+    assert len(buf) == 4 * len(PROMPT)
+    assert buf[:8] == b"\x01\x00\x00\x00\x00\x00\x00\x00"
+    assert buf[8:12] == b"\xff\xff\xff\x7f"
+    assert buf == np.array(PROMPT, dtype="<i4").tobytes()
+
+
+def test_unpack_ids_round_trip():
+    ids = unpack_ids(pack_ids(PROMPT))
+    assert ids.dtype == np.dtype("<i4")
+    assert ids.tolist() == PROMPT
+    assert unpack_ids(pack_ids([])).tolist() == []
+    assert pack_ids(np.array([3, 4], dtype=np.int64)) == pack_ids([3, 4])
+
+
+def test_token_ids_travel_as_raw_bytes():
+    ids = list(range(1000, 1300))
+    message = EngineRequest(
+        request_id="r",
+        prompt_token_ids=pack_ids(ids),
+        params=SamplingParams(max_tokens=1),
+        reply_to="x",
+        arrival_time=0.0,
+    )
+    data = encode(message)
+    # The packed buffer appears verbatim (a msgpack bin), not as a list of ints.
+    assert pack_ids(ids) in data
+    assert len(data) < 4 * len(ids) + 200
+    decoded = engine_inbound_decoder().decode(data)
+    assert isinstance(decoded.prompt_token_ids, bytes)
+    assert unpack_ids(decoded.prompt_token_ids).tolist() == ids
+
+
+def test_output_token_ids_travel_as_raw_bytes():
+    batch = OutputBatch(
+        outputs=[
+            RequestOutput(
+                request_id="r",
+                new_token_ids=pack_ids([70000, 3]),
+                num_prompt_tokens=1,
+                num_output_tokens=2,
+            )
+        ],
+        step_time=0.0,
+    )
+    data = encode(batch)
+    assert pack_ids([70000, 3]) in data
+    decoded = frontend_inbound_decoder().decode(data)
+    assert unpack_ids(decoded.outputs[0].new_token_ids).tolist() == [70000, 3]
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FRONTEND_INBOUND))
+def test_engine_decoder_rejects_frontend_messages(name):
+    with pytest.raises(msgspec.ValidationError):
+        engine_inbound_decoder().decode(encode(FRONTEND_INBOUND[name]))
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_INBOUND))
+def test_frontend_decoder_rejects_engine_messages(name):
+    with pytest.raises(msgspec.ValidationError):
+        frontend_inbound_decoder().decode(encode(ENGINE_INBOUND[name]))
+
+
+def test_untagged_and_mistyped_messages_rejected():
+    decoder = engine_inbound_decoder()
+    with pytest.raises(msgspec.ValidationError):
+        decoder.decode(msgspec.msgpack.encode({"sender_id": "x", "sent_at": 1.0}))
+    with pytest.raises(msgspec.ValidationError):
+        decoder.decode(msgspec.msgpack.encode({"type": "ping", "sender_id": 5, "sent_at": 1.0}))
+    with pytest.raises(msgspec.ValidationError):
+        decoder.decode(msgspec.msgpack.encode({"type": "nope"}))
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"", b"\xc1", b"\x81\xa4type", b"\xdb\xff\xff\xff\xff"],
+    ids=["empty", "reserved-byte", "truncated-map", "huge-str-length"],
+)
+@pytest.mark.parametrize("decoder", [engine_inbound_decoder, frontend_inbound_decoder])
+def test_garbage_raises_decode_error(garbage, decoder):
+    with pytest.raises(msgspec.DecodeError) as info:
+        decoder().decode(garbage)
+    # Malformed bytes, not a well-formed message of the wrong shape.
+    assert not isinstance(info.value, msgspec.ValidationError)
+
+
+@pytest.mark.parametrize(
+    "decoder,message",
+    [
+        (engine_inbound_decoder, ENGINE_INBOUND["request"]),
+        (engine_inbound_decoder, ENGINE_INBOUND["ping"]),
+        (frontend_inbound_decoder, FRONTEND_INBOUND["outputs"]),
+        (frontend_inbound_decoder, FRONTEND_INBOUND["stats"]),
+    ],
+)
+def test_truncated_or_padded_message_raises_decode_error(decoder, message):
+    data = encode(message)
+    for bad in (data[: len(data) // 2], data[:-1], data + b"\x00"):
+        with pytest.raises(msgspec.DecodeError) as info:
+            decoder().decode(bad)
+        assert not isinstance(info.value, msgspec.ValidationError)

@@ -1,0 +1,597 @@
+"""EngineCore end to end on a tiny random Llama: batching invariance, transformers parity,
+abort, stop conditions and request validation. No sockets, no real checkpoint."""
+
+from collections import defaultdict
+
+import msgspec
+import pytest
+import torch
+
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.core import EngineCore
+from engine.kv_cache import PageAllocator
+from engine.model_runner import ModelRunner
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaModel
+from engine.models.weights import expected_shapes
+from engine.scheduler import Scheduler
+from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
+
+CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+VOCAB = CONFIG.vocab_size
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for name, shape in expected_shapes(CONFIG).items():
+        if len(shape) == 1:  # norms: around 1, but not exactly, so a missed one shows
+            out[name] = 1.0 + 0.2 * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            out[name] = torch.randn(shape, generator=gen)
+        else:  # Linear [out, in]: unit-variance outputs keep logits well spread
+            out[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+    return out
+
+
+class Recorder:
+    """Logits of every sampled row and every scheduler plan, per request id."""
+
+    def __init__(self) -> None:
+        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.preemptions = 0
+        self.chunked = 0  # prefill chunks that continued an earlier one
+        self.max_batch = 0
+
+
+def build_core(
+    weights,
+    *,
+    num_pages: int = 256,
+    page_size: int = 4,
+    budget: int = 512,
+    max_num_seqs: int = 32,
+    max_model_len: int = 256,
+    eos: tuple[int, ...] = (),
+) -> tuple[EngineCore, Recorder]:
+    rec = Recorder()
+    model = LlamaModel(CONFIG, weights, max_model_len, torch.float32, CPU)
+    backend = TorchAttentionBackend(
+        CONFIG.num_layers, num_pages, page_size, CONFIG.num_kv_heads, CONFIG.head_dim,
+        torch.float32, CPU,
+    )
+    runner = ModelRunner(model, backend, VOCAB)
+    allocator = PageAllocator(num_pages, page_size)
+    scheduler = Scheduler(allocator, budget, max_num_seqs)
+
+    pending_ids: list[str] = []
+    model_logits = model.logits
+
+    def logits(hidden):
+        out = model_logits(hidden)
+        assert out.shape[0] == len(pending_ids)
+        for request_id, row in zip(pending_ids, out, strict=True):
+            rec.logits[request_id].append(row.clone())
+        return out
+
+    model.logits = logits
+    runner_execute = runner.execute
+
+    def execute(chunks):
+        pending_ids[:] = [c.seq.request_id for c in chunks if c.samples]
+        rec.chunked += sum(
+            1 for c in chunks if 0 < c.start < c.seq.num_prompt_tokens and c.num_tokens > 1
+        )
+        rec.max_batch = max(rec.max_batch, len(chunks))
+        return runner_execute(chunks)
+
+    runner.execute = execute
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        plan = schedule()
+        rec.preemptions += len(plan.preempted)
+        return plan
+
+    scheduler.schedule = recording_schedule
+    core = EngineCore(
+        runner,
+        allocator,
+        scheduler,
+        eos_token_ids=list(eos),
+        max_model_len=max_model_len,
+        vocab_size=VOCAB,
+        engine_id="test-engine",
+        model_name="tiny",
+    )
+    return core, rec
+
+
+def request(request_id: str, prompt, reply_to: str = "tcp://frontend", **params) -> EngineRequest:
+    params.setdefault("temperature", 0.0)
+    params.setdefault("max_tokens", 12)
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=pack_ids(prompt),
+        params=SamplingParams(**params),
+        reply_to=reply_to,
+        arrival_time=0.0,
+    )
+
+
+class Result(msgspec.Struct):
+    tokens: list[int] = []
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    error: str | None = None
+    error_status: int = 0
+    num_prompt_tokens: int = 0
+    num_outputs: int = 0
+    first_token_times: int = 0
+
+
+def collect(results: dict[str, Result], outputs) -> None:
+    for reply_to, out in outputs:
+        assert reply_to == "tcp://frontend"
+        r = results.setdefault(out.request_id, Result())
+        assert r.finish_reason is None, f"{out.request_id} reported after finishing"
+        new = unpack_ids(out.new_token_ids).tolist()
+        r.tokens.extend(new)
+        assert out.num_output_tokens == len(r.tokens)
+        r.num_prompt_tokens = out.num_prompt_tokens
+        r.finish_reason, r.stop_reason = out.finish_reason, out.stop_reason
+        r.error, r.error_status = out.error, out.error_status
+        r.num_outputs += 1
+        if out.first_token_time is not None:
+            r.first_token_times += 1
+            assert new and len(r.tokens) == len(new), "first_token_time on a later output"
+
+
+def drain(core: EngineCore, results: dict[str, Result] | None = None, max_steps=2000):
+    results = {} if results is None else results
+    steps = 0
+    while core.has_work:
+        collect(results, core.step())
+        steps += 1
+        assert steps < max_steps
+    return results
+
+
+def run(core: EngineCore, requests, arrivals=None) -> dict[str, Result]:
+    """Add requests (at step `arrivals[i]` if given) and step until everything is done."""
+    arrivals = arrivals or [0] * len(requests)
+    todo = sorted(zip(arrivals, range(len(requests)), requests, strict=True))
+    results: dict[str, Result] = {}
+    step = 0
+    while todo or core.has_work:
+        while todo and todo[0][0] <= step:
+            core.add(todo.pop(0)[2])
+        collect(results, core.step())
+        step += 1
+        assert step < 2000
+    assert_all_free(core)
+    return results
+
+
+def assert_all_free(core: EngineCore) -> None:
+    assert core.allocator.num_free == core.allocator.num_pages
+    assert not core.scheduler.running and not core.scheduler.waiting
+    assert not core.sequences
+
+
+def prompts(lengths, seed=1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+PROMPT_LENGTHS = [5, 17, 1, 40, 9, 23]
+
+
+# --- batching invariance ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def alone(weights):
+    """Greedy tokens (and logits) of each prompt run on its own in a roomy engine."""
+    tokens, logits = {}, {}
+    for i, prompt in enumerate(prompts(PROMPT_LENGTHS)):
+        core, rec = build_core(weights)
+        result = run(core, [request(f"p{i}", prompt)])[f"p{i}"]
+        assert result.finish_reason == "length" and len(result.tokens) == 12
+        tokens[f"p{i}"] = result.tokens
+        logits[f"p{i}"] = torch.stack(rec.logits[f"p{i}"])
+    return tokens, logits
+
+
+def test_reference_argmax_margins_are_clear(alone):
+    # Batching changes float rounding (~1e-6); the invariance tests below rely on greedy
+    # choices that such noise cannot flip.
+    _, logits = alone
+    for rows in logits.values():
+        top2 = rows.topk(2, dim=-1).values
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-3
+    # A random model that emitted one token forever would make the comparisons toothless.
+    tokens, _ = alone
+    assert len({t for seq in tokens.values() for t in seq}) > 10
+
+
+def _all_requests():
+    return [request(f"p{i}", p) for i, p in enumerate(prompts(PROMPT_LENGTHS))]
+
+
+def test_batched_equals_alone(weights, alone):
+    core, rec = build_core(weights)
+    results = run(core, _all_requests())
+    assert {k: r.tokens for k, r in results.items()} == alone[0]
+    assert rec.max_batch == len(PROMPT_LENGTHS)
+    assert core.stats().max_seqs_in_step == len(PROMPT_LENGTHS)
+
+
+def test_chunked_prefill_equals_alone(weights, alone):
+    core, rec = build_core(weights, budget=8)
+    results = run(core, _all_requests())
+    assert {k: r.tokens for k, r in results.items()} == alone[0]
+    assert rec.chunked >= 5  # the 40-token prompt alone takes 5 chunks
+    assert all(r.finish_reason == "length" for r in results.values())
+
+
+def test_staggered_arrivals_equal_alone(weights, alone):
+    core, rec = build_core(weights, budget=16)
+    results = run(core, _all_requests(), arrivals=[0, 0, 3, 5, 6, 11])
+    assert {k: r.tokens for k, r in results.items()} == alone[0]
+    assert rec.max_batch > 1
+
+
+@pytest.mark.parametrize("budget", [512, 7])
+def test_preemption_equals_alone(weights, alone, budget):
+    # 16 pages of 4 tokens: the longest request (40 + 12) fits alone, the batch never does.
+    core, rec = build_core(weights, num_pages=16, budget=budget)
+    results = run(core, _all_requests())
+    assert {k: r.tokens for k, r in results.items()} == alone[0]
+    assert rec.preemptions > 0
+    assert all(r.finish_reason == "length" for r in results.values())
+
+
+def test_max_num_seqs_one_equals_alone(weights, alone):
+    core, rec = build_core(weights, max_num_seqs=1)
+    results = run(core, _all_requests())
+    assert {k: r.tokens for k, r in results.items()} == alone[0]
+    assert rec.max_batch == 1
+
+
+def test_streamed_outputs_one_token_per_step(weights):
+    core, _ = build_core(weights)
+    core.add(request("a", prompts([6])[0], max_tokens=5))
+    outputs = []
+    while core.has_work:
+        outputs.extend(out for _, out in core.step())
+    assert [len(unpack_ids(o.new_token_ids)) for o in outputs] == [1] * 5
+    assert [o.num_output_tokens for o in outputs] == [1, 2, 3, 4, 5]
+    assert [o.finish_reason for o in outputs] == [None] * 4 + ["length"]
+    assert outputs[0].first_token_time is not None
+    assert all(o.first_token_time is None for o in outputs[1:])
+    assert all(o.num_prompt_tokens == 6 for o in outputs)
+    stats = core.stats()
+    assert stats.num_finished == 1 and stats.num_free_pages == stats.num_total_pages
+
+
+# --- parity with transformers -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_model(weights):
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.LlamaConfig(
+        vocab_size=CONFIG.vocab_size,
+        hidden_size=CONFIG.hidden_size,
+        intermediate_size=CONFIG.intermediate_size,
+        num_hidden_layers=CONFIG.num_layers,
+        num_attention_heads=CONFIG.num_heads,
+        num_key_value_heads=CONFIG.num_kv_heads,
+        head_dim=CONFIG.head_dim,
+        rms_norm_eps=CONFIG.rms_norm_eps,
+        rope_theta=CONFIG.rope_theta,
+        max_position_embeddings=CONFIG.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(hf_config).to(torch.float32).eval()
+    model.load_state_dict(weights, strict=True)
+    return model
+
+
+def _hf_greedy(model, prompt: list[int], steps: int):
+    ids = list(prompt)
+    logits = []
+    with torch.no_grad():
+        for _ in range(steps):
+            last = model(torch.tensor([ids])).logits[0, -1].float()
+            logits.append(last)
+            ids.append(int(last.argmax()))
+    return ids[len(prompt) :], torch.stack(logits)
+
+
+@pytest.mark.parametrize("budget", [512, 8], ids=["whole-prefill", "chunked"])
+def test_matches_transformers(weights, hf_model, budget):
+    steps = 20
+    lengths = [13, 3, 29]
+    ps = prompts(lengths, seed=7)
+    core, rec = build_core(weights, budget=budget, page_size=4)
+    results = run(core, [request(f"q{i}", p, max_tokens=steps) for i, p in enumerate(ps)])
+    for i, prompt in enumerate(ps):
+        hf_tokens, hf_logits = _hf_greedy(hf_model, prompt, steps)
+        ours = torch.stack(rec.logits[f"q{i}"])
+        assert ours.shape == hf_logits.shape == (steps, VOCAB)
+        torch.testing.assert_close(ours, hf_logits, atol=1e-4, rtol=0)
+        assert results[f"q{i}"].tokens == hf_tokens
+    # The logits are not trivially equal (e.g. all zero).
+    assert hf_logits.std() > 0.5
+
+
+# --- abort ------------------------------------------------------------------------------------
+
+
+def test_abort_frees_pages_and_reports_abort(weights):
+    core, _ = build_core(weights, max_num_seqs=2, budget=64)
+    ps = prompts([10, 12, 8])
+    for i, p in enumerate(ps):
+        core.add(request(f"a{i}", p, max_tokens=50))
+    results: dict[str, Result] = {}
+    for _ in range(3):
+        collect(results, core.step())
+    assert set(results) == {"a0", "a1"}  # a2 waits: max_num_seqs=2
+    assert core.allocator.num_free < core.allocator.num_pages
+    streamed = len(results["a0"].tokens)
+    assert streamed == 3
+
+    core.abort(["a0", "a2", "never-heard-of"])
+    assert "a0" not in core.sequences and "a2" not in core.sequences
+    collect(results, core.step())
+    assert results["a0"].finish_reason == "abort"
+    assert results["a2"].finish_reason == "abort" and results["a2"].tokens == []
+    assert "never-heard-of" not in results
+    # a0's earlier tokens are not sent again; whatever ran since is (at most) reported once.
+    assert len(results["a0"].tokens) == streamed
+
+    core.abort(["a1"])
+    collect(results, core.step())
+    assert results["a1"].finish_reason == "abort"
+    assert_all_free(core)
+    assert not core.has_work
+    stats = core.stats()
+    assert stats.num_aborted == 3 and stats.num_finished == 0
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_abort_after_finish_is_a_no_op(weights):
+    core, _ = build_core(weights)
+    results = run(core, [request("f", prompts([4])[0], max_tokens=2)])
+    core.abort(["f"])
+    assert not core.has_work
+    assert core.step() == []
+    assert results["f"].finish_reason == "length"
+    assert core.stats().num_aborted == 0
+
+
+def test_abort_of_preempted_request(weights):
+    core, rec = build_core(weights, num_pages=16)
+    for i, p in enumerate(prompts(PROMPT_LENGTHS)):
+        core.add(request(f"p{i}", p, max_tokens=30))
+    results: dict[str, Result] = {}
+    while not rec.preemptions:
+        collect(results, core.step())
+    waiting = [s.request_id for s in core.scheduler.waiting]
+    assert waiting
+    core.abort([s.request_id for s in core.scheduler.running] + waiting)
+    drain(core, results)
+    assert all(results[w].finish_reason == "abort" for w in waiting)
+    assert_all_free(core)
+
+
+# --- stop conditions ----------------------------------------------------------------------------
+
+STOP_PROMPT = prompts([11], seed=3)[0]
+
+
+@pytest.fixture(scope="module")
+def free_run(weights) -> list[int]:
+    """The greedy continuation of STOP_PROMPT with nothing to stop it."""
+    core, _ = build_core(weights)
+    tokens = run(core, [request("r", STOP_PROMPT, max_tokens=16)])["r"].tokens
+    assert len(tokens) == 16
+    return tokens
+
+
+def _one(weights, eos=(), max_model_len=256, **params) -> Result:
+    core, _ = build_core(weights, eos=eos, max_model_len=max_model_len)
+    return run(core, [request("s", STOP_PROMPT, **params)])["s"]
+
+
+def _first_stop(tokens, stops, min_tokens=0):
+    """Index of the first output that may stop, under the min_tokens gate."""
+    return next(i for i, t in enumerate(tokens) if t in stops and i + 1 > min_tokens)
+
+
+def test_stop_token_ids(weights, free_run):
+    stop = free_run[3]
+    k = free_run.index(stop)
+    r = _one(weights, max_tokens=16, stop_token_ids=[stop])
+    assert (r.finish_reason, r.stop_reason) == ("stop", stop)
+    assert r.tokens == free_run[: k + 1]  # the stop token itself is reported
+
+
+def test_eos(weights, free_run):
+    eos = free_run[4]
+    k = free_run.index(eos)
+    r = _one(weights, eos=(eos, 127 if eos != 127 else 126), max_tokens=16)
+    assert (r.finish_reason, r.stop_reason) == ("stop", None)
+    assert r.tokens == free_run[: k + 1]
+
+
+def test_ignore_eos(weights, free_run):
+    r = _one(weights, eos=(free_run[0],), max_tokens=16, ignore_eos=True)
+    assert (r.finish_reason, r.stop_reason) == ("length", None)
+    assert r.tokens == free_run
+
+
+def test_ignore_eos_still_honours_stop_token_ids(weights, free_run):
+    eos, stop = free_run[1], free_run[5]
+    r = _one(weights, eos=(eos,), max_tokens=16, ignore_eos=True, stop_token_ids=[stop])
+    k = _first_stop(free_run, {stop})
+    assert (r.finish_reason, r.stop_reason) == ("stop", stop)
+    assert r.tokens == free_run[: k + 1]
+
+
+@pytest.mark.parametrize("min_tokens", [1, 3, 6])
+def test_min_tokens_gates_stop_tokens(weights, free_run, min_tokens):
+    # Every token seen in the first min_tokens outputs is a stop token: without the gate the
+    # request would end on its first output.
+    stops = sorted(set(free_run[:min_tokens]))
+    r = _one(weights, max_tokens=16, stop_token_ids=stops, min_tokens=min_tokens)
+    k = next(
+        (i for i, t in enumerate(free_run) if t in stops and i + 1 > min_tokens), None
+    )
+    if k is None:
+        assert r.finish_reason == "length" and r.tokens == free_run
+    else:
+        assert (r.finish_reason, r.stop_reason) == ("stop", free_run[k])
+        assert r.tokens == free_run[: k + 1]
+    assert len(r.tokens) > min_tokens
+
+
+def test_min_tokens_gates_eos(weights, free_run):
+    r = _one(weights, eos=(free_run[0],), max_tokens=16, min_tokens=1)
+    k = next((i for i, t in enumerate(free_run) if t == free_run[0] and i >= 1), None)
+    if k is None:
+        assert r.finish_reason == "length" and r.tokens == free_run
+    else:
+        assert (r.finish_reason, r.stop_reason) == ("stop", None)
+        assert r.tokens == free_run[: k + 1]
+    assert len(r.tokens) > 1
+
+
+def test_min_tokens_does_not_delay_length(weights, free_run):
+    r = _one(weights, max_tokens=4, min_tokens=10)
+    assert r.finish_reason == "length" and r.tokens == free_run[:4]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+def test_max_tokens(weights, free_run, max_tokens):
+    r = _one(weights, max_tokens=max_tokens)
+    assert (r.finish_reason, r.stop_reason) == ("length", None)
+    assert r.tokens == free_run[:max_tokens]
+
+
+def test_max_model_len_caps_output(weights, free_run):
+    room = 5
+    r = _one(weights, max_model_len=len(STOP_PROMPT) + room, max_tokens=100)
+    assert r.finish_reason == "length"
+    assert r.tokens == free_run[:room]
+
+
+def test_max_model_len_one_token_of_room(weights, free_run):
+    r = _one(weights, max_model_len=len(STOP_PROMPT) + 1, max_tokens=100)
+    assert r.finish_reason == "length" and r.tokens == free_run[:1]
+
+
+def test_seeded_sampling_reproducible_across_batches(weights):
+    params = dict(temperature=1.0, seed=42, max_tokens=10)
+    p = prompts([9], seed=11)[0]
+    core, _ = build_core(weights)
+    solo = run(core, [request("x", p, **params)])["x"].tokens
+    core, _ = build_core(weights, budget=5)
+    others = [request(f"o{i}", q, temperature=1.0) for i, q in enumerate(prompts([3, 14, 7]))]
+    mixed = run(core, [*others, request("x", p, **params)], arrivals=[0, 0, 2, 1])["x"].tokens
+    assert mixed == solo
+    core, _ = build_core(weights)
+    other_seed = run(core, [request("x", p, **{**params, "seed": 43})])["x"].tokens
+    assert other_seed != solo
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt,params,max_model_len",
+    [
+        ([], {}, 256),
+        ([1, VOCAB, 2], {}, 256),
+        ([1, 2**31 - 1], {}, 256),
+        ([-1, 3], {}, 256),
+        (list(range(32)), {}, 32),
+        (list(range(40)), {}, 32),
+        ([1, 2], {"max_tokens": 0}, 256),
+    ],
+    ids=[
+        "empty",
+        "id-equals-vocab",
+        "id-huge",
+        "id-negative",
+        "prompt-equals-max-len",
+        "prompt-over-max-len",
+        "max-tokens-zero",
+    ],
+)
+def test_invalid_request_rejected(weights, prompt, params, max_model_len):
+    core, _ = build_core(weights, max_model_len=max_model_len)
+    core.add(request("bad", prompt, **params))
+    core.add(request("good", [5, 6, 7], max_tokens=3))
+    assert "bad" not in core.sequences
+    results = drain(core)
+    bad = results["bad"]
+    assert (bad.finish_reason, bad.error_status) == ("error", 400)
+    assert bad.error and bad.tokens == [] and bad.num_outputs == 1
+    assert bad.num_prompt_tokens == len(prompt)
+    assert results["good"].finish_reason == "length" and len(results["good"].tokens) == 3
+    assert_all_free(core)
+    assert core.stats().num_finished == 1
+
+
+def test_rejection_is_reported_without_running_anything(weights):
+    core, _ = build_core(weights)
+    core.add(request("bad", []))
+    assert core.has_work
+    outputs = core.step()
+    assert [o.finish_reason for _, o in outputs] == ["error"]
+    assert core.stats().num_steps == 0
+    assert not core.has_work
+
+
+def test_duplicate_request_id_rejected_without_disturbing_original(weights, free_run):
+    core, _ = build_core(weights)
+    core.add(request("dup", STOP_PROMPT, max_tokens=6))
+    results: dict[str, Result] = {}
+    collect(results, core.step())
+    core.add(request("dup", [1, 2, 3], max_tokens=6))
+    outputs = core.step()
+    errors = [o for _, o in outputs if o.finish_reason == "error"]
+    assert len(errors) == 1 and errors[0].error_status == 400
+    assert errors[0].request_id == "dup" and errors[0].new_token_ids == b""
+    # The original keeps its tokens and finishes normally.
+    collect(results, [(r, o) for r, o in outputs if o.finish_reason != "error"])
+    drain(core, results)
+    assert results["dup"].tokens == free_run[:6]
+    assert results["dup"].finish_reason == "length"
+    assert_all_free(core)
+
+
+def test_request_id_reusable_after_finish(weights, free_run):
+    core, _ = build_core(weights)
+    first = run(core, [request("r", STOP_PROMPT, max_tokens=3)])["r"]
+    second = run(core, [request("r", STOP_PROMPT, max_tokens=3)])["r"]
+    assert first.tokens == second.tokens == free_run[:3]
+    assert second.finish_reason == "length"
