@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from shared.protocol import EngineRequest, EngineStats, RequestOutput, pack_ids, unpack_ids
+from shared.protocol import (
+    EngineRequest,
+    EngineStats,
+    RequestOutput,
+    TokenLogprobs,
+    pack_ids,
+    unpack_ids,
+)
 
 
 class EngineCore:
@@ -70,9 +78,18 @@ class EngineCore:
             arrival_time=request.arrival_time,
             max_output_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
             generator=generator,
+            min_tokens_banned=self._min_tokens_banned(params),
         )
         self.sequences[seq.request_id] = seq
         self.scheduler.add(seq)
+
+    def _min_tokens_banned(self, params) -> list[int]:
+        if params.min_tokens == 0:
+            return []
+        banned = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= self.eos_token_ids
+        return sorted(banned)
 
     def _validate(self, request: EngineRequest, prompt: list[int]) -> str | None:
         if request.request_id in self.sequences:
@@ -120,22 +137,27 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return outputs
-        tokens = self.runner.execute(plan.chunks)
+        result = self.runner.execute(plan.chunks)
         self.num_steps += 1
         self.max_seqs_in_step = max(self.max_seqs_in_step, len(plan.chunks))
         now = time.time()
-        sampled = iter(tokens)
+        sampled = iter(result.sampled)
         for chunk in plan.chunks:
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
+            part = result.prompt_logprobs.get(seq.request_id)
+            if part is not None:
+                seq.prompt_logprob_parts[part.start] = part
             if not chunk.samples:
                 continue
             token = next(sampled)
-            seq.token_ids.append(token)
+            seq.token_ids.append(token.token)
+            if token.logprob is not None:
+                seq.cumulative_logprob += token.logprob
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._check_stop(seq, token)
-            outputs.append((seq.reply_to, self._output_for(seq)))
+            self._check_stop(seq, token.token)
+            outputs.append((seq.reply_to, self._output_for(seq, token.logprobs)))
             if seq.finish_reason is not None:
                 self._retire(seq)
         return outputs
@@ -153,11 +175,12 @@ class EngineCore:
         if seq.num_output_tokens >= seq.max_output_tokens:
             seq.finish_reason = "length"
 
-    def _output_for(self, seq: Sequence) -> RequestOutput:
+    def _output_for(self, seq: Sequence, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         start = seq.num_prompt_tokens + seq.num_reported
         new = seq.token_ids[start:]
+        is_first = seq.num_reported == 0 and bool(new)
         seq.num_reported += len(new)
-        first = seq.first_token_time if seq.num_reported == len(new) and new else None
+        wants = seq.params.logprobs is not None
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=pack_ids(new),
@@ -165,7 +188,10 @@ class EngineCore:
             num_output_tokens=seq.num_output_tokens,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            first_token_time=first,
+            first_token_time=seq.first_token_time if is_first else None,
+            logprobs=logprobs if new else None,
+            prompt_logprobs=prompt_logprobs(seq) if is_first else None,
+            cumulative_logprob=seq.cumulative_logprob if wants else None,
         )
 
     def _retire(self, seq: Sequence) -> None:
@@ -190,3 +216,15 @@ class EngineCore:
             num_aborted=self.num_aborted,
             sent_at=time.time(),
         )
+
+
+def prompt_logprobs(seq: Sequence) -> TokenLogprobs | None:
+    """All prompt positions' logprobs; the first token has none (NaN, no alternatives)."""
+    n = seq.params.prompt_logprobs
+    if n is None:
+        return None
+    parts = [seq.prompt_logprob_parts[k] for k in sorted(seq.prompt_logprob_parts)]
+    chosen = np.concatenate([[np.nan], *(p.chosen for p in parts)]).astype("<f4")
+    top_ids = np.concatenate([np.zeros((1, n)), *(p.top_ids for p in parts)]).astype("<i4")
+    top_lps = np.concatenate([np.full((1, n), np.nan), *(p.top_logprobs for p in parts)])
+    return TokenLogprobs(chosen.tobytes(), top_ids.tobytes(), top_lps.astype("<f4").tobytes())

@@ -2,35 +2,101 @@
 
 from __future__ import annotations
 
+import msgspec
+import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
-from engine.sampler import SamplingRows, sample
+from engine.sampler import SamplingRows, sample, token_logprobs
 from engine.scheduler import ScheduledChunk
+from shared.protocol import TokenLogprobs
+
+
+class SampledToken(msgspec.Struct):
+    token: int
+    logprob: float | None = None  # the chosen token's, when the request wants logprobs
+    logprobs: TokenLogprobs | None = None
+
+
+class PromptLogprobs(msgspec.Struct):
+    """Logprobs of prompt positions start+1 .. start+len(chosen) (the tokens after each fed
+    position), from one prefill chunk."""
+
+    start: int
+    chosen: np.ndarray  # float32[k]
+    top_ids: np.ndarray  # int32[k, n]
+    top_logprobs: np.ndarray  # float32[k, n]
+
+
+class StepResult(msgspec.Struct):
+    sampled: list[SampledToken]  # one per chunk whose `samples` is True, in order
+    prompt_logprobs: dict[str, PromptLogprobs]  # by request id
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, backend: AttentionBackend, vocab_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        backend: AttentionBackend,
+        vocab_size: int,
+    ) -> None:
         self.model = model
         self.backend = backend
         self.vocab_size = vocab_size
         self.device = model.device
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> list[int]:
-        """Run one step; returns one new token for each chunk whose `samples` is True."""
+    def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
         input_ids, positions, sample_rows = self._flatten(chunks)
         meta = self.backend.prepare(chunks)
         hidden = self.model.forward(input_ids, positions, self.backend, meta)
+        result = StepResult([], self._prompt_logprobs(chunks, hidden))
         sampling = [c for c in chunks if c.samples]
-        if not sampling:
-            return []
-        logits = self.model.logits(hidden[sample_rows])
-        rows = SamplingRows.build(
-            [c.seq.params for c in sampling], [c.seq.generator for c in sampling], self.vocab_size
-        )
-        return sample(logits, rows).tolist()
+        if sampling:
+            logits = self.model.logits(hidden[sample_rows])
+            result.sampled = self._sample([c.seq for c in sampling], logits)
+        return result
+
+    def _sample(self, seqs, logits: torch.Tensor) -> list[SampledToken]:
+        process_logits(logits, seqs)
+        params = [s.params for s in seqs]
+        rows = SamplingRows.build(params, [s.generator for s in seqs], self.vocab_size)
+        tokens = sample(logits, rows)
+        sampled = [SampledToken(t) for t in tokens.tolist()]
+        wanting = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanting:
+            num_top = max(params[i].logprobs for i in wanting)
+            chosen, top_ids, top_lps = token_logprobs(logits[wanting], tokens[wanting], num_top)
+            for r, i in enumerate(wanting):
+                n = params[i].logprobs
+                sampled[i].logprob = float(chosen[r])
+                sampled[i].logprobs = TokenLogprobs(
+                    chosen[r : r + 1].cpu().numpy().astype("<f4").tobytes(),
+                    top_ids[r, :n].cpu().numpy().astype("<i4").tobytes(),
+                    top_lps[r, :n].cpu().numpy().astype("<f4").tobytes(),
+                )
+        return sampled
+
+    def _prompt_logprobs(self, chunks, hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+        out, row = {}, 0
+        for chunk in chunks:
+            seq, rows = chunk.seq, slice(row, row + chunk.num_tokens)
+            row += chunk.num_tokens
+            n = seq.params.prompt_logprobs
+            # Each fed prompt position predicts the next prompt token, if there is one.
+            last = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1)
+            if n is None or seq.num_output_tokens > 0 or last <= chunk.start:
+                continue
+            count = last - chunk.start
+            logits = self.model.logits(hidden[rows][:count])
+            targets = torch.tensor(seq.token_ids[chunk.start + 1 : last + 1], device=self.device)
+            chosen, top_ids, top_lps = (t.cpu().numpy() for t in token_logprobs(logits, targets, n))
+            out[seq.request_id] = PromptLogprobs(
+                chunk.start, chosen, top_ids.astype(np.int32), top_lps
+            )
+        return out
 
     def _flatten(self, chunks: list[ScheduledChunk]):
         ids: list[int] = []

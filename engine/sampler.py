@@ -24,6 +24,7 @@ class SamplingRows(msgspec.Struct):
     top_k: torch.Tensor  # [B], vocab size where disabled
     generators: list[torch.Generator | None]
     all_greedy: bool
+    min_p: torch.Tensor | None = None  # [B]; None when no row uses it
 
     @classmethod
     def build(
@@ -35,6 +36,10 @@ class SamplingRows(msgspec.Struct):
             top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]),
             generators=generators,
             all_greedy=all(p.temperature < _GREEDY_EPSILON for p in params),
+            min_p=(
+                torch.tensor([p.min_p for p in params], dtype=torch.float32)
+                if any(p.min_p > 0 for p in params) else None
+            ),
         )
 
 
@@ -49,6 +54,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         scaled,
         rows.top_k[random_rows],
         rows.top_p[random_rows],
+        None if rows.min_p is None else rows.min_p[random_rows],
         [rows.generators[i] for i in random_rows.tolist()],
     )
     tokens[random_rows] = picked
@@ -59,9 +65,15 @@ def _sample_filtered(
     logits: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
+    min_p: torch.Tensor | None,
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
     vocab = logits.shape[-1]
+    if min_p is not None:
+        # Drop tokens less likely than min_p times the most likely one.
+        probs = logits.softmax(dim=-1)
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
         probs = logits.softmax(dim=-1)
         return _race(probs, generators)
@@ -72,8 +84,9 @@ def _sample_filtered(
     # Drop a token when the mass before it already reaches top_p; the first always stays.
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
-    choice = _race(probs, generators)
-    return order.gather(1, choice.unsqueeze(1)).squeeze(1)
+    # Back to vocabulary order before drawing, so each row's noise lines up with token ids
+    # the same way on both paths: a seeded row's draw must not depend on its neighbours.
+    return _race(torch.zeros_like(probs).scatter_(1, order, probs), generators)
 
 
 def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -81,3 +94,15 @@ def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     for i, gen in enumerate(generators):
         noise[i].exponential_(generator=gen)
     return (probs / noise).argmax(dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of the processed distribution (after bias, masks and penalties, before
+    temperature): the chosen tokens' [R], and the num_top best ids and logprobs [R, num_top]."""
+    logprobs = logits.log_softmax(dim=-1)
+    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    top_lps, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (
+        logprobs[:, :0], torch.zeros((len(logits), 0), dtype=torch.long))
+    return picked, top_ids, top_lps

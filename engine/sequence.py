@@ -35,6 +35,14 @@ class Sequence(msgspec.Struct, kw_only=True):
     first_token_time: float | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
+    # Tokens that may not be drawn until min_tokens are out: stop token ids, plus EOS unless
+    # ignore_eos. Empty when min_tokens is 0.
+    min_tokens_banned: list[int] = []
+    # Logprob bookkeeping, used only when the request asks for logprobs.
+    cumulative_logprob: float = 0.0
+    # Prompt logprobs by the start position of the prefill chunk that produced them;
+    # keyed so a recomputed chunk (after preemption) overwrites instead of duplicating.
+    prompt_logprob_parts: dict = {}
 
     @property
     def num_output_tokens(self) -> int:

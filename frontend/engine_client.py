@@ -66,6 +66,7 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._stopping = threading.Event()
         self._tasks: list[asyncio.Task] = []
+        self._sends: set[asyncio.Future] = set()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -120,15 +121,14 @@ class EngineClient:
 
     # ---------------------------------------------------------------- requests
 
-    async def submit(self, request: EngineRequest, prompt_ids, skip_special_tokens: bool):
-        """Send a request; returns the queue its TextFrames will arrive on."""
+    async def submit(self, request: EngineRequest, prompt_ids, queue: asyncio.Queue) -> None:
+        """Send a request; its TextFrames will arrive on `queue` (which several may share)."""
         if not self.engine_alive:
             raise EngineUnavailable("no engine is connected")
-        stream = RequestStream(asyncio.Queue())
+        stream = RequestStream(queue)
         self._streams[request.request_id] = stream
-        self.processor.register(request.request_id, prompt_ids, skip_special_tokens)
+        self.processor.register(request.request_id, prompt_ids, request.output)
         await self._dealer.send(encode(request))
-        return stream.queue
 
     async def abort(self, request_id: str) -> None:
         """Stop a request early; safe to call for finished or unknown ids."""
@@ -154,17 +154,24 @@ class EngineClient:
             if not poller.poll(100):
                 continue
             message = decoder.decode(sock.recv(copy=False).buffer)
+            stopped: list[str] = []
             if isinstance(message, OutputBatch):
-                frames = self.processor.process(message)
+                processed = self.processor.process(message)
+                frames, stopped = processed.frames, processed.stopped_early
             elif isinstance(message, FrameBatch):
                 frames = message.frames
             else:
                 continue
             if frames:
-                self._loop.call_soon_threadsafe(self._deliver, frames)
+                self._loop.call_soon_threadsafe(self._deliver, frames, stopped)
         sock.close(linger=0)
 
-    def _deliver(self, frames: list[TextFrame]) -> None:
+    def _deliver(self, frames: list[TextFrame], stopped_early: list[str]) -> None:
+        if stopped_early:
+            # A stop string ended these; the engine is still generating them.
+            send = asyncio.ensure_future(self._dealer.send(encode(AbortRequest(stopped_early))))
+            self._sends.add(send)  # keep a reference until it is done
+            send.add_done_callback(self._sends.discard)
         for frame in frames:
             stream = self._streams.get(frame.request_id)
             if stream is None or frame.seq < stream.next_seq:

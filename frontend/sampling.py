@@ -1,35 +1,139 @@
-"""The one place an OpenAI request becomes engine SamplingParams (SPEC P-4, P-5).
+"""The one place an OpenAI request becomes engine parameters (SPEC P-4 to P-7, P-10).
 
 Defaults are pinned here, not inherited from the engine: a missing temperature or top_p
 means 1.0, completions default to 16 new tokens, chat to whatever room the context leaves.
+Every field-combination check of P-6 lives here too, so each is a 400 before any work.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from frontend.api_models import UNSUPPORTED_WHEN_SET, ChatCompletionRequest, CompletionRequest
+import msgspec
+
+from frontend.api_models import (
+    CHAT_UNSUPPORTED_WHEN_SET,
+    UNSUPPORTED_WHEN_SET,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from frontend.errors import bad_request
-from shared.protocol import SamplingParams
+from shared.protocol import OutputParams, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_LOGPROBS = 20  # the server limit on top alternatives per token, as OpenAI's
 _SEED_RANGE = 2**64
+_BIAS_LIMIT = 100.0
+
+Request = ChatCompletionRequest | CompletionRequest
 
 
-def reject_unsupported(request: ChatCompletionRequest | CompletionRequest) -> None:
-    for field, default in UNSUPPORTED_WHEN_SET:
-        value = getattr(request, field, default)
-        if value != default:
+class Plan(msgspec.Struct, frozen=True):
+    """What the engine should run for one request: `candidates` copies, `n` returned."""
+
+    params: SamplingParams
+    output: OutputParams
+    n: int
+    candidates: int  # best_of; equals n unless the best n of more are wanted
+
+
+def check_request(request: Request) -> None:
+    """Combination checks that need no prompt (SPEC P-6), then unsupported fields."""
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if request.n < 1:
+        raise bad_request("n must be at least 1", "n")
+    if isinstance(request, ChatCompletionRequest):
+        _check_chat(request)
+    else:
+        _check_completion(request)
+    unsupported = UNSUPPORTED_WHEN_SET
+    if isinstance(request, ChatCompletionRequest):
+        unsupported += CHAT_UNSUPPORTED_WHEN_SET
+    for field, default in unsupported:
+        if getattr(request, field, default) != default:
             raise bad_request(f"'{field}' is not supported by this server yet", field)
 
 
-def to_sampling_params(
-    request: ChatCompletionRequest | CompletionRequest,
+def _check_chat(request: ChatCompletionRequest) -> None:
+    if request.top_logprobs is not None and request.logprobs is not True:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if request.logprobs is not None and not isinstance(request.logprobs, bool):
+        raise bad_request("logprobs must be a boolean for chat completions", "logprobs")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    if request.tool_choice not in (None, "none") and not request.tools:
+        raise bad_request("tool_choice requires tools", "tool_choice")
+    named = isinstance(request.tool_choice, dict)
+    if named and request.response_format is not None:
+        raise bad_request(
+            "a named tool_choice cannot be combined with response_format", "response_format"
+        )
+    if named and request.prompt_token_ids is not None:
+        raise bad_request(
+            "a named tool_choice cannot be combined with prompt_token_ids", "tool_choice"
+        )
+
+
+def _check_completion(request: CompletionRequest) -> None:
+    if request.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    logprobs = request.logprobs
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int):
+            raise bad_request("logprobs must be an integer for completions", "logprobs")
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+    if request.best_of is not None:
+        if request.best_of < request.n:
+            raise bad_request("best_of must be greater than or equal to n", "best_of")
+        if request.stream and request.best_of > request.n:
+            raise bad_request("best_of > n cannot be streamed", "best_of")
+
+
+def plan_request(
+    request: Request,
     *,
     endpoint: Literal["chat", "completions"],
     prompt_len: int,
     max_model_len: int,
-) -> SamplingParams:
+    vocab_size: int,
+) -> Plan:
+    max_tokens = _max_tokens(request, endpoint, prompt_len, max_model_len)
+    logprobs, prompt_logprobs = _logprobs(request)
+    candidates = request.n
+    if isinstance(request, CompletionRequest) and request.best_of is not None:
+        candidates = request.best_of
+        if candidates > request.n and logprobs is None:
+            logprobs = 0  # ranking the candidates needs their cumulative logprobs
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k in (None, -1) else request.top_k,
+        seed=None if request.seed is None else request.seed % _SEED_RANGE,
+        stop_token_ids=list(request.stop_token_ids or []),
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        min_p=request.min_p,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=logit_bias_pairs(request.logit_bias, vocab_size),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+    _check_ranges(params)
+    output = OutputParams(
+        skip_special_tokens=request.skip_special_tokens,
+        stop=_stop_strings(request.stop),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        logprobs=logprobs is not None or prompt_logprobs is not None,
+    )
+    return Plan(params, output, request.n, candidates)
+
+
+def _max_tokens(request: Request, endpoint: str, prompt_len: int, max_model_len: int) -> int:
     room = max_model_len - prompt_len
     if room <= 0:
         raise bad_request(
@@ -37,47 +141,79 @@ def to_sampling_params(
             f"has {prompt_len} tokens, which leaves no room for the answer.",
             "messages" if endpoint == "chat" else "prompt",
         )
-    max_tokens = _requested_max_tokens(request)
-    if max_tokens is None:
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if endpoint == "completions" else room
-    if max_tokens < 1:
+    asked = request.max_tokens
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        asked = request.max_completion_tokens
+    if asked is None:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if endpoint == "completions" else room
+    if asked < 1:
         raise bad_request("max_tokens must be at least 1", "max_tokens")
-    if max_tokens > room:
+    if asked > room:
         raise bad_request(
-            f"max_tokens={max_tokens} is too large: the prompt has {prompt_len} tokens and "
-            f"this model's maximum context length is {max_model_len}.",
+            f"max_tokens={asked} is too large: the prompt has {prompt_len} tokens and this "
+            f"model's maximum context length is {max_model_len}.",
             "max_tokens",
         )
-    temperature = 1.0 if request.temperature is None else request.temperature
-    top_p = 1.0 if request.top_p is None else request.top_p
-    top_k = 0 if request.top_k is None or request.top_k == -1 else request.top_k
-    _check_ranges(temperature, top_p, top_k, request.min_tokens, max_tokens)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=None if request.seed is None else request.seed % _SEED_RANGE,
-        stop_token_ids=list(request.stop_token_ids or []),
-        ignore_eos=request.ignore_eos,
-        min_tokens=request.min_tokens,
+    return asked
+
+
+def _logprobs(request: Request) -> tuple[int | None, int | None]:
+    """(logprobs per generated token, logprobs per prompt token) for the engine."""
+    if isinstance(request, ChatCompletionRequest):
+        if request.logprobs is not True:
+            return None, None
+        return request.top_logprobs or 0, None
+    logprobs = request.logprobs
+    prompt = logprobs if request.echo and logprobs is not None else None
+    return logprobs, prompt
+
+
+def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> list[tuple[int, float]]:
+    """OpenAI's {"token id": bias} -> (id, bias) pairs, checked against the real vocabulary.
+
+    Values are clamped to [-100, 100] as vLLM does.
+    """
+    if not bias:
+        return []
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(
+                f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                "logit_bias",
+            )
+        pairs.append((token_id, max(-_BIAS_LIMIT, min(_BIAS_LIMIT, float(value)))))
+    return pairs
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(not s for s in stops):
+        raise bad_request("stop strings must not be empty", "stop")
+    return stops
+
+
+def _check_ranges(p: SamplingParams) -> None:
+    checks = (
+        (p.temperature >= 0, "temperature", "temperature must be non-negative"),
+        (0 < p.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+        (p.top_k >= 0, "top_k", "top_k must be -1 (disabled) or at least 1"),
+        (0 <= p.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+        (-2 <= p.presence_penalty <= 2, "presence_penalty",
+         "presence_penalty must be in [-2, 2]"),
+        (-2 <= p.frequency_penalty <= 2, "frequency_penalty",
+         "frequency_penalty must be in [-2, 2]"),
+        (0 < p.repetition_penalty <= 2, "repetition_penalty",
+         "repetition_penalty must be in (0, 2]"),
+        (p.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),
+        (p.min_tokens <= p.max_tokens, "min_tokens", "min_tokens must not exceed max_tokens"),
     )
-
-
-def _requested_max_tokens(request) -> int | None:
-    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
-        return request.max_completion_tokens
-    return request.max_tokens
-
-
-def _check_ranges(temperature, top_p, top_k, min_tokens, max_tokens) -> None:
-    if temperature < 0:
-        raise bad_request("temperature must be non-negative", "temperature")
-    if not 0 < top_p <= 1:
-        raise bad_request("top_p must be in (0, 1]", "top_p")
-    if top_k < 0:
-        raise bad_request("top_k must be -1 (disabled) or at least 1", "top_k")
-    if min_tokens < 0:
-        raise bad_request("min_tokens must be non-negative", "min_tokens")
-    if min_tokens > max_tokens:
-        raise bad_request("min_tokens must not exceed max_tokens", "min_tokens")
+    for ok, param, message in checks:
+        if not ok:
+            raise bad_request(message, param)

@@ -3,6 +3,9 @@
 Route handlers stay thin; this module turns the engine's text frames into OpenAI bodies and
 SSE chunks, streaming or not, and makes sure every accepted request ends with a response or
 an error and, if the client leaves, an abort that frees its pages.
+
+A request with n > 1 (or best_of) runs as that many engine requests ("candidates") that
+share one frame queue; each candidate's frames carry its request id, which maps to its index.
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ from frontend.api_models import (
     Usage,
 )
 from frontend.engine_client import EngineClient, EngineUnavailable
-from frontend.errors import APIError, bad_request, error_body
+from frontend.errors import APIError, error_body
 from frontend.input_stage import chat_prompt_ids, completion_prompt_ids
-from frontend.sampling import reject_unsupported, to_sampling_params
+from frontend.output_format import (
+    chat_logprobs,
+    completion_logprobs,
+)
+from frontend.sampling import Plan, check_request, plan_request
 from frontend.tokenization import Tokenization
-from shared.protocol import EngineRequest, TextFrame, pack_ids
+from shared.protocol import EngineRequest, LogprobEntry, TextFrame, pack_ids
 
 _json = msgspec.json.Encoder()
 _DISCONNECTED = object()  # queue sentinel: the client went away
@@ -48,11 +55,34 @@ class ServingContext(msgspec.Struct):
     vocab_size: int
 
 
-class PreparedRequest(msgspec.Struct):
+class Job(msgspec.Struct):
+    """One HTTP request's engine work: one engine request per candidate."""
+
     request_id: str
-    prompt_ids: list[int]
-    engine_request: EngineRequest
     created: int
+    prompt_ids: list[int]
+    plan: Plan
+    candidates: list[EngineRequest]
+    index_of: dict[str, int]
+
+
+class Candidate(msgspec.Struct):
+    """Everything one candidate produced, for non-streaming answers and best_of ranking."""
+
+    texts: list[str] = []
+    logprobs: list[LogprobEntry] = []
+    prompt_logprobs: list[LogprobEntry] | None = None
+    last: TextFrame | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    @property
+    def score(self) -> float:
+        if self.last is None or self.last.cumulative_logprob is None:
+            return float("-inf")
+        return self.last.cumulative_logprob
 
 
 def check_model(ctx: ServingContext, model: str | None) -> None:
@@ -66,43 +96,48 @@ def max_model_len(ctx: ServingContext) -> int:
     return ctx.client.stats.max_model_len
 
 
-# ---------------------------------------------------------------- engine request
+# ---------------------------------------------------------------- engine requests
 
 
-async def prepare(
+def build_job(
     ctx: ServingContext,
     request: ChatCompletionRequest | CompletionRequest,
     prompt_ids: list[int],
     endpoint: str,
     prefix: str,
-) -> PreparedRequest:
-    params = to_sampling_params(
-        request, endpoint=endpoint, prompt_len=len(prompt_ids), max_model_len=max_model_len(ctx)
+) -> Job:
+    plan = plan_request(
+        request, endpoint=endpoint, prompt_len=len(prompt_ids),
+        max_model_len=max_model_len(ctx), vocab_size=ctx.vocab_size,
     )
     request_id = f"{prefix}-{request.request_id or uuid.uuid4().hex}"
-    engine_request = EngineRequest(
-        request_id=request_id,
-        prompt_token_ids=pack_ids(prompt_ids),
-        params=params,
-        reply_to=ctx.client.result_address,
-        arrival_time=time.time(),
-        skip_special_tokens=request.skip_special_tokens,
-    )
-    return PreparedRequest(request_id, prompt_ids, engine_request, int(time.time()))
+    packed = pack_ids(prompt_ids)
+    now = time.time()
+    candidates = []
+    for i in range(plan.candidates):
+        params = plan.params
+        if params.seed is not None and i > 0:
+            # Each candidate draws its own sample; seed + i keeps the set reproducible.
+            params = msgspec.structs.replace(params, seed=params.seed + i)
+        candidates.append(EngineRequest(
+            request_id=request_id if plan.candidates == 1 else f"{request_id}-{i}",
+            prompt_token_ids=packed, params=params, reply_to=ctx.client.result_address,
+            arrival_time=now, output=plan.output,
+        ))
+    index_of = {c.request_id: i for i, c in enumerate(candidates)}
+    return Job(request_id, int(now), prompt_ids, plan, candidates, index_of)
 
 
-# ---------------------------------------------------------------- engine round trip
-
-
-async def _submit(ctx: ServingContext, prepared: PreparedRequest) -> asyncio.Queue:
+async def _submit(ctx: ServingContext, job: Job) -> asyncio.Queue:
+    queue: asyncio.Queue = asyncio.Queue()
     try:
-        return await ctx.client.submit(
-            prepared.engine_request,
-            prepared.prompt_ids,
-            prepared.engine_request.skip_special_tokens,
-        )
+        for candidate in job.candidates:
+            await ctx.client.submit(candidate, job.prompt_ids, queue)
     except EngineUnavailable as exc:
+        for candidate in job.candidates:
+            await ctx.client.abort(candidate.request_id)
         raise APIError(503, str(exc)) from exc
+    return queue
 
 
 async def _watch_disconnect(http: Request, queue: asyncio.Queue) -> None:
@@ -114,37 +149,81 @@ async def _watch_disconnect(http: Request, queue: asyncio.Queue) -> None:
 
 
 async def _frames(
-    ctx: ServingContext, http: Request, prepared: PreparedRequest, queue: asyncio.Queue
-) -> AsyncIterator[TextFrame]:
-    """The request's frames until it finishes; aborts it if the client leaves first."""
+    ctx: ServingContext, http: Request, job: Job, queue: asyncio.Queue
+) -> AsyncIterator[tuple[int, TextFrame]]:
+    """(candidate index, frame) until every candidate finishes; aborts the rest if the client
+    leaves first."""
     watcher = asyncio.create_task(_watch_disconnect(http, queue))
-    finished = False
+    unfinished = set(job.index_of)
     try:
-        while True:
+        while unfinished:
             frame = await queue.get()
             if frame is _DISCONNECTED:
                 return
-            yield frame
             if frame.finish_reason is not None:
-                finished = True
-                return
+                unfinished.discard(frame.request_id)
+            yield job.index_of[frame.request_id], frame
     finally:
         watcher.cancel()
-        if not finished:
-            await ctx.client.abort(prepared.request_id)
-        ctx.client.release(prepared.request_id)
+        for request_id in unfinished:
+            await ctx.client.abort(request_id)
+        for request_id in job.index_of:
+            ctx.client.release(request_id)
 
 
-def _usage(frame: TextFrame) -> Usage:
-    return Usage(
-        frame.num_prompt_tokens,
-        frame.num_output_tokens,
-        frame.num_prompt_tokens + frame.num_output_tokens,
-    )
+async def _collect(frames) -> list[Candidate] | None:
+    """Gathers a whole job; None when the client left first."""
+    results: dict[int, Candidate] = {}
+    async with aclosing(frames):
+        async for index, frame in frames:
+            c = results.setdefault(index, Candidate([], []))
+            c.texts.append(frame.text)
+            c.logprobs.extend(frame.logprobs or ())
+            if frame.prompt_logprobs is not None:
+                c.prompt_logprobs = frame.prompt_logprobs
+            c.last = frame
+            if frame.finish_reason == "error":
+                raise _frame_error(frame)
+    if not results or any(c.last is None or c.last.finish_reason is None
+                          for c in results.values()):
+        return None
+    return [results[i] for i in sorted(results)]
+
+
+def _best(job: Job, candidates: list[Candidate]) -> list[Candidate]:
+    """The n answers to return: all of them, or the best n by cumulative logprob (P-10)."""
+    if job.plan.candidates == job.plan.n:
+        return candidates
+    return sorted(candidates, key=lambda c: c.score, reverse=True)[: job.plan.n]
+
+
+def _usage(candidates: list[Candidate]) -> Usage:
+    prompt = candidates[0].last.num_prompt_tokens
+    completion = sum(c.last.num_output_tokens for c in candidates)
+    return Usage(prompt, completion, prompt + completion)
 
 
 def _frame_error(frame: TextFrame) -> APIError:
     return APIError(frame.error_status or 500, frame.error or "the request failed")
+
+
+def _error_event(frame: TextFrame) -> bytes:
+    return _event(error_body(frame.error_status or 500, frame.error or "the request failed"))
+
+
+class StreamUsage(msgspec.Struct):
+    """Running token counts of a streamed job, per candidate."""
+
+    prompt_tokens: int = 0
+    completion_tokens: dict[int, int] = {}
+
+    def update(self, index: int, frame: TextFrame) -> None:
+        self.prompt_tokens = frame.num_prompt_tokens
+        self.completion_tokens[index] = frame.num_output_tokens
+
+    def total(self) -> Usage:
+        completion = sum(self.completion_tokens.values())
+        return Usage(self.prompt_tokens, completion, self.prompt_tokens + completion)
 
 
 # ---------------------------------------------------------------- chat
@@ -154,70 +233,58 @@ async def chat_completion(
     ctx: ServingContext, http: Request, request: ChatCompletionRequest
 ) -> Response:
     check_model(ctx, request.model)
-    reject_unsupported(request)
-    if request.stream_options is not None and not request.stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    check_request(request)
     prompt_ids = await chat_prompt_ids(ctx, request)
-    prepared = await prepare(ctx, request, prompt_ids, "chat", "chatcmpl")
-    queue = await _submit(ctx, prepared)
-    frames = _frames(ctx, http, prepared, queue)
+    job = build_job(ctx, request, prompt_ids, "chat", "chatcmpl")
+    frames = _frames(ctx, http, job, await _submit(ctx, job))
     if request.stream:
-        return _sse(_chat_stream(ctx, request, prepared, frames))
-    return await _chat_response(ctx, prepared, frames)
-
-
-async def _chat_response(ctx, prepared: PreparedRequest, frames) -> Response:
-    texts, last = [], None
-    async with aclosing(frames):
-        async for frame in frames:
-            texts.append(frame.text)
-            last = frame
-    if last is None:
+        return _sse(_chat_stream(ctx, request, job, frames))
+    candidates = await _collect(frames)
+    if candidates is None:
         return Response(status_code=499)  # the client left; nobody reads this
-    if last.finish_reason == "error":
-        raise _frame_error(last)
-    body = ChatCompletion(
-        id=prepared.request_id,
-        created=prepared.created,
-        model=ctx.model_name,
-        choices=[
-            ChatChoice(
-                index=0,
-                message=AssistantMessage("assistant", "".join(texts)),
-                finish_reason=last.finish_reason,
-                stop_reason=last.stop_reason,
-            )
-        ],
-        usage=_usage(last),
-    )
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage("assistant", c.text),
+            finish_reason=c.last.finish_reason,
+            stop_reason=c.last.stop_reason,
+            logprobs=chat_logprobs(c.logprobs) if job.plan.params.logprobs is not None else None,
+        )
+        for i, c in enumerate(_best(job, candidates))
+    ]
+    body = ChatCompletion(job.request_id, job.created, ctx.model_name, choices,
+                          _usage(candidates))
     return Response(_json.encode(body), media_type="application/json")
 
 
-async def _chat_stream(ctx, request: ChatCompletionRequest, prepared, frames):
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
+async def _chat_stream(ctx, request: ChatCompletionRequest, job: Job, frames):
+    options = request.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+    want_logprobs = job.plan.params.logprobs is not None
+    usage = StreamUsage()
 
-    def chunk(delta: Delta, finish=None, stop_reason=None) -> bytes:
-        choice = ChatChunkChoice(0, delta, finish, stop_reason)
-        body = ChatCompletionChunk(prepared.request_id, prepared.created, ctx.model_name, [choice])
-        return _event(body)
+    def chunk(choices, with_usage=None) -> bytes:
+        return _event(ChatCompletionChunk(job.request_id, job.created, ctx.model_name, choices,
+                                          with_usage))
 
-    yield chunk(Delta(role="assistant"))
-    async for frame in frames:
-        if frame.finish_reason == "error":
-            yield _event(error_body(frame.error_status or 500, frame.error or "request failed"))
-            break
-        if frame.finish_reason is None:
-            if frame.text:
-                yield chunk(Delta(content=frame.text))
-            continue
-        delta = Delta(content=frame.text) if frame.text else Delta()
-        yield chunk(delta, frame.finish_reason, frame.stop_reason)
-        if include_usage:
-            yield _event(
-                ChatCompletionChunk(
-                    prepared.request_id, prepared.created, ctx.model_name, [], _usage(frame)
-                )
-            )
+    for i in range(job.plan.n):
+        yield chunk([ChatChunkChoice(i, Delta(role="assistant"))])
+    async with aclosing(frames):
+        async for index, frame in frames:
+            if frame.finish_reason == "error":
+                yield _error_event(frame)
+                break
+            usage.update(index, frame)
+            if frame.finish_reason is None and not frame.text:
+                continue
+            logprobs = chat_logprobs(frame.logprobs or []) if want_logprobs else None
+            delta = Delta(content=frame.text) if frame.text else Delta()
+            choice = ChatChunkChoice(index, delta, frame.finish_reason, frame.stop_reason,
+                                     logprobs)
+            yield chunk([choice], usage.total() if continuous else None)
+    if include_usage:
+        yield chunk([], usage.total())
     yield b"data: [DONE]\n\n"
 
 
@@ -226,62 +293,77 @@ async def _chat_stream(ctx, request: ChatCompletionRequest, prepared, frames):
 
 async def completion(ctx: ServingContext, http: Request, request: CompletionRequest) -> Response:
     check_model(ctx, request.model)
-    reject_unsupported(request)
-    if request.stream_options is not None and not request.stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    check_request(request)
     prompt_ids = await completion_prompt_ids(ctx, request)
-    prepared = await prepare(ctx, request, prompt_ids, "completions", "cmpl")
-    queue = await _submit(ctx, prepared)
-    frames = _frames(ctx, http, prepared, queue)
+    job = build_job(ctx, request, prompt_ids, "completions", "cmpl")
+    echo_text = await _echo_text(ctx, request, prompt_ids)
+    frames = _frames(ctx, http, job, await _submit(ctx, job))
     if request.stream:
-        return _sse(_completion_stream(ctx, request, prepared, frames))
-    return await _completion_response(ctx, prepared, frames)
-
-
-async def _completion_response(ctx, prepared: PreparedRequest, frames) -> Response:
-    texts, last = [], None
-    async with aclosing(frames):
-        async for frame in frames:
-            texts.append(frame.text)
-            last = frame
-    if last is None:
+        return _sse(_completion_stream(ctx, request, job, frames, echo_text))
+    candidates = await _collect(frames)
+    if candidates is None:
         return Response(status_code=499)
-    if last.finish_reason == "error":
-        raise _frame_error(last)
-    choice = CompletionChoice(0, "".join(texts), last.finish_reason, last.stop_reason)
-    body = Completion(prepared.request_id, prepared.created, ctx.model_name, [choice], _usage(last))
+    choices = []
+    for i, c in enumerate(_best(job, candidates)):
+        logprobs = None
+        if job.plan.params.logprobs is not None and request.logprobs is not None:
+            entries = (c.prompt_logprobs or []) + c.logprobs
+            logprobs = completion_logprobs(entries, start_offset=0)
+        choices.append(CompletionChoice(i, echo_text + c.text, c.last.finish_reason,
+                                        c.last.stop_reason, logprobs))
+    body = Completion(job.request_id, job.created, ctx.model_name, choices,
+                      _usage(candidates))
     return Response(_json.encode(body), media_type="application/json")
 
 
-async def _completion_stream(ctx, request: CompletionRequest, prepared, frames):
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
+async def _echo_text(ctx: ServingContext, request: CompletionRequest, prompt_ids) -> str:
+    if not request.echo:
+        return ""
+    if isinstance(request.prompt, str):
+        return request.prompt
+    return await ctx.tokenization.decode(prompt_ids, skip_special_tokens=False)
 
-    def chunk(text: str, finish=None, stop_reason=None, usage=None) -> bytes:
-        choices = [] if usage else [CompletionChoice(0, text, finish, stop_reason)]
-        return _event(
-            Completion(prepared.request_id, prepared.created, ctx.model_name, choices, usage)
-        )
+
+async def _completion_stream(ctx, request: CompletionRequest, job: Job, frames, echo_text):
+    options = request.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+    want_logprobs = request.logprobs is not None
+    usage = StreamUsage()
+    offsets = [0] * job.plan.n
+    echoed = [False] * job.plan.n
+
+    def chunk(choices, with_usage=None) -> bytes:
+        return _event(Completion(job.request_id, job.created, ctx.model_name, choices,
+                                 with_usage))
 
     async with aclosing(frames):
-        async for frame in frames:
+        async for index, frame in frames:
             if frame.finish_reason == "error":
                 yield _error_event(frame)
                 break
-            if frame.finish_reason is None:
-                if frame.text:
-                    yield chunk(frame.text)
+            usage.update(index, frame)
+            entries = list(frame.logprobs or ())
+            text = frame.text
+            if request.echo and not echoed[index]:
+                echoed[index] = True
+                text = echo_text + text
+                entries = list(frame.prompt_logprobs or ()) + entries
+            if frame.finish_reason is None and not text:
                 continue
-            yield chunk(frame.text, frame.finish_reason, frame.stop_reason)
-            if include_usage:
-                yield chunk("", usage=_usage(frame))
+            logprobs = None
+            if want_logprobs:
+                logprobs = completion_logprobs(entries, start_offset=offsets[index])
+            offsets[index] += len(text)
+            choice = CompletionChoice(index, text, frame.finish_reason, frame.stop_reason,
+                                      logprobs)
+            yield chunk([choice], usage.total() if continuous else None)
+    if include_usage:
+        yield chunk([], usage.total())
     yield b"data: [DONE]\n\n"
 
 
 # ---------------------------------------------------------------- SSE
-
-
-def _error_event(frame: TextFrame) -> bytes:
-    return _event(error_body(frame.error_status or 500, frame.error or "the request failed"))
 
 
 def _event(body: msgspec.Struct) -> bytes:

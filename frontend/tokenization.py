@@ -1,97 +1,259 @@
-"""Rendering (messages -> text) and tokenizing (text -> ids), off the event loop.
+"""Rendering (messages -> text) and tokenizing (text -> ids), off the event loop (SPEC T-8, T-9).
 
-Both run in a thread pool. Each call borrows a tokenizer copy from a pool that grows on
-demand, because one shared tokenizer behind a lock would serialize every request's
-tokenization across the pool's threads.
+Both run on a pool of worker threads. Each job borrows a tokenizer copy from a pool that grows
+on demand, because one shared tokenizer behind a lock would serialize every request's
+tokenization across the threads.
+
+A render that outlives --render-timeout fails its request, and its worker is retired and
+replaced by a fresh thread, so a stuck template cannot hold a worker (or, with one thread,
+the whole pool). CPython cannot kill a thread; we ask the stuck one to stop by raising an
+exception in it, which works whenever the template loops in Python (Jinja compiles to
+Python), and otherwise leave it to finish on its own: the workers are daemon threads, so a
+stuck one never blocks the process from exiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import ctypes
+import itertools
+import logging
 import queue
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 
+import msgspec
+
+from frontend import input_metrics
 from frontend.api_models import ChatMessage
+from frontend.budgets import PromptTokens, TokenizeParams, finish, fit_text, shift_offsets
+from frontend.rendering import RenderedPrompt, RenderParams, TemplateSettings, render
+
+log = logging.getLogger("sluice.frontend")
+
+
+class InputSettings(msgspec.Struct, frozen=True, kw_only=True):
+    max_chars_per_token: int  # TokenizerFacts, computed once at load (SPEC T-11)
+    pad_token_id: int | None = None
+    threads: int = 4
+    render_timeout_s: float = 30.0
+    templates: TemplateSettings = TemplateSettings()
+
+
+class RenderTimeout(Exception):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"Rendering the chat template took longer than {timeout_s:g} s and was stopped: "
+            "the template or the messages are too expensive to render. (Server operators can "
+            "raise --render-timeout.)"
+        )
+
+
+class RenderInterrupted(BaseException):
+    """Raised inside a stuck render's thread. A BaseException, so `except Exception` in
+    template or library code cannot swallow it."""
+
+
+# ---------------------------------------------------------------- tokenizer copies
 
 
 class TokenizerPool:
+    """Tokenizer copies, one per concurrent job; grows on demand when all are lent out.
+
+    The prototype is never lent, so copying it never races with a job using it.
+    """
+
     def __init__(self, tokenizer) -> None:
         self._prototype = tokenizer
+        self._grow_lock = threading.Lock()
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle.put(tokenizer)
+        self.copies = 0
+        self._idle.put(self._new_copy())
+
+    def _new_copy(self):
+        with self._grow_lock:
+            self.copies += 1
+            return copy.deepcopy(self._prototype)
 
     @contextmanager
     def borrow(self):
         try:
             tok = self._idle.get_nowait()
         except queue.Empty:
-            tok = copy.deepcopy(self._prototype)
+            tok = self._new_copy()
         try:
             yield tok
         finally:
             self._idle.put(tok)
 
 
-def message_text(message: ChatMessage) -> str | None:
-    if message.content is None or isinstance(message.content, str):
-        return message.content
-    texts = []
-    for part in message.content:
-        if part.type != "text":
-            raise ValueError(f"content parts of type {part.type!r} are not supported")
-        texts.append(part.text or "")
-    return "".join(texts)
+# ---------------------------------------------------------------- worker threads
 
 
-def _template_messages(messages: list[ChatMessage]) -> list[dict]:
-    out = []
-    for m in messages:
-        entry = {"role": m.role, "content": message_text(m)}
-        if m.name is not None:
-            entry["name"] = m.name
-        if m.tool_calls is not None:
-            entry["tool_calls"] = m.tool_calls
-        if m.tool_call_id is not None:
-            entry["tool_call_id"] = m.tool_call_id
-        out.append(entry)
-    return out
+class WorkerPool(Executor):
+    """Daemon worker threads over one queue; a stuck worker can be swapped for a fresh one.
+
+    Not a ThreadPoolExecutor: its threads are joined at interpreter exit (a stuck one would
+    hang shutdown), and work queued behind a stuck thread of an abandoned executor would
+    wait forever. Here the queue stays and only the stuck thread leaves.
+    """
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = threads
+        self._name = name
+        self._serial = itertools.count()
+        self._retired: set[int] = set()
+        self._lock = threading.Lock()
+        for _ in range(threads):
+            self._spawn()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._work.put((future, fn, args, kwargs))
+        return future
+
+    def replace(self, ident: int) -> None:
+        """Retire the worker `ident` (it exits when its job ends) and start a new one."""
+        with self._lock:
+            if ident in self._retired:
+                return
+            self._retired.add(ident)
+        self._spawn()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for _ in range(self._threads):
+            self._work.put(None)
+
+    def _spawn(self) -> None:
+        name = f"{self._name}-{next(self._serial)}"
+        threading.Thread(target=self._worker, name=name, daemon=True).start()
+
+    def _worker(self) -> None:
+        ident = threading.get_ident()
+        try:
+            while ident not in self._retired:
+                item = self._work.get()
+                if item is None:
+                    return
+                _run_item(*item)
+        except RenderInterrupted:
+            pass  # landed between jobs of a retired worker: it was leaving anyway
+
+
+def _run_item(future: Future, fn, args, kwargs) -> None:
+    if not future.set_running_or_notify_cancel():
+        return  # cancelled while queued (its request timed out first)
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+class _RenderJob:
+    """Which thread runs a render, so a timeout can stop that thread and only that one."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ident: int | None = None
+        self.done = False
+
+
+def _interrupt(ident: int) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), ctypes.py_object(RenderInterrupted)
+    )
+
+
+# ---------------------------------------------------------------- the stage
 
 
 class Tokenization:
-    """The frontend's input stage; every method is a coroutine that runs in the pool."""
+    """The frontend's input stage workers; every public method is a coroutine."""
 
-    def __init__(self, tokenizer, threads: int) -> None:
+    def __init__(self, tokenizer, settings: InputSettings) -> None:
+        self.settings = settings
         self.pool = TokenizerPool(tokenizer)
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+        self.workers = WorkerPool(settings.threads, "tokenize")
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await asyncio.wrap_future(self.workers.submit(fn, *args))
+
+    # -------------------------------------------------------- rendering
 
     async def render_chat(
-        self,
-        messages: list[ChatMessage],
-        add_generation_prompt: bool,
-        template_kwargs: dict | None,
-    ) -> str:
-        return await self._run(self._render, messages, add_generation_prompt, template_kwargs)
-
-    def _render(self, messages, add_generation_prompt, template_kwargs) -> str:
-        with self.pool.borrow() as tok:
-            return tok.apply_chat_template(
-                _template_messages(messages),
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
+        self, messages: list[ChatMessage], params: RenderParams
+    ) -> RenderedPrompt:
+        job = _RenderJob()
+        future = self.workers.submit(self._render, job, messages, params)
+        try:
+            return await asyncio.wait_for(
+                asyncio.wrap_future(future), self.settings.render_timeout_s
             )
+        except TimeoutError:
+            self._abandon(job)
+            raise RenderTimeout(self.settings.render_timeout_s) from None
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return await self._run(self._encode, text, add_special_tokens)
+    def _render(self, job: _RenderJob, messages, params: RenderParams) -> RenderedPrompt:
+        with job.lock:
+            job.ident = threading.get_ident()
+        try:
+            with self.pool.borrow() as tok:
+                return render(tok, messages, params, self.settings.templates)
+        finally:
+            with job.lock:
+                job.done = True
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _abandon(self, job: _RenderJob) -> None:
+        input_metrics.RENDER_TIMEOUTS.inc()
+        with job.lock:  # the job cannot finish (and its thread move on) while we decide
+            if job.ident is None or job.done:
+                return  # never started (wait_for cancelled it) or finished just now
+            log.warning("chat template render timed out; replacing its worker thread")
+            self.workers.replace(job.ident)
+            _interrupt(job.ident)
+
+    # -------------------------------------------------------- tokenizing
+
+    async def tokenize(self, text: str, params: TokenizeParams) -> PromptTokens:
+        return await self._run(self._tokenize, text, params)
+
+    def _tokenize(self, text: str, params: TokenizeParams) -> PromptTokens:
+        # The ceiling comes first: an over-long text never reaches the tokenizer.
+        fitted = fit_text(text, params, self.settings.max_chars_per_token)
         with self.pool.borrow() as tok:
-            return tok.encode(text, add_special_tokens=add_special_tokens)
+            encoding = tok.backend_tokenizer.encode(
+                fitted.text, add_special_tokens=params.add_special_tokens
+            )
+            input_metrics.TOKENIZER_CHARS.inc(len(fitted.text))
+            cap = params.encode_cap
+            capped = cap is not None and len(encoding) > cap
+            if capped:
+                encoding.truncate(cap)  # only the kept tokens become Python lists
+            tokens = PromptTokens(
+                ids=encoding.ids,
+                offsets=shift_offsets(encoding.offsets, fitted.cut_left)
+                if params.return_offsets else None,
+                num_chars=len(text),
+                chars_cut=fitted.cut_left + fitted.cut_right,
+            )
+            tokens = finish(tokens, params, capped=capped, pad_token_id=self.settings.pad_token_id)
+            if params.needs_detokenization:
+                tokens.text = tok.decode(tokens.ids, skip_special_tokens=False)
+        return tokens
+
+    async def fit_ids(self, ids: list[int], params: TokenizeParams) -> PromptTokens:
+        """prompt_token_ids passthrough: budgets only, no rendering (SPEC T-10)."""
+        tokens = finish(
+            PromptTokens(ids=ids), params, capped=False, pad_token_id=self.settings.pad_token_id
+        )
+        if params.needs_detokenization:  # after truncation: the text matches the ids sent
+            tokens.text = await self.decode(tokens.ids, skip_special_tokens=False)
+        return tokens
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self._run(self._decode, ids, skip_special_tokens)
@@ -101,4 +263,4 @@ class Tokenization:
             return tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.workers.shutdown(wait=False)

@@ -34,6 +34,41 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: int = 0
+    min_p: float = 0.0
+    # Penalties: presence/frequency count output tokens only; repetition counts prompt and
+    # output (SPEC P-11).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs, ids already checked against the vocabulary, bias in [-100, 100].
+    logit_bias: list[tuple[int, float]] = []
+    # Top alternatives to report per generated token; None = no logprobs at all, 0 = only the
+    # sampled token's logprob.
+    logprobs: int | None = None
+    # Same for prompt tokens (completions `echo` with logprobs).
+    prompt_logprobs: int | None = None
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True):
+    """Logprobs of k consecutive tokens, as raw buffers.
+
+    token_logprobs: float32[k], the chosen token's logprob (NaN for a prompt's first token);
+    top_ids: int32[k * n] and top_logprobs: float32[k * n], the n best alternatives of each
+    position in descending order (n = the request's logprobs; 0 leaves them empty).
+    """
+
+    token_logprobs: bytes
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+
+
+class OutputParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How a request's tokens become text: what the postproc step needs, not the engine."""
+
+    skip_special_tokens: bool = True
+    stop: list[str] = []  # stop strings, matched on detokenized text
+    include_stop_str_in_output: bool = False
+    logprobs: bool = False  # attach token strings to the logprobs the engine sends
 
 
 # ---------------------------------------------------------------- frontend -> engine
@@ -48,7 +83,7 @@ class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     reply_to: str
     arrival_time: float
     # What a postproc worker needs to turn tokens into text for this request.
-    skip_special_tokens: bool = True
+    output: OutputParams = OutputParams()
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
@@ -94,6 +129,11 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     error_status: int = 0  # HTTP-style: 400 the request was at fault, 500/503 we were
     # Set on the first output of a request: when the engine produced its first token.
     first_token_time: float | None = None
+    # With logprobs requested: one entry per token in new_token_ids.
+    logprobs: TokenLogprobs | None = None
+    # With prompt_logprobs requested, on the first output only: one entry per prompt token.
+    prompt_logprobs: TokenLogprobs | None = None
+    cumulative_logprob: float | None = None
 
 
 class OutputBatch(msgspec.Struct, tag="outputs", frozen=True):
@@ -104,6 +144,19 @@ class OutputBatch(msgspec.Struct, tag="outputs", frozen=True):
 
 
 # ---------------------------------------------------------------- postproc -> frontend
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str  # the token's own text (byte-level pieces decoded as far as they go)
+    logprob: float
+
+
+class LogprobEntry(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str
+    logprob: float  # NaN for a prompt's first token, which has no logprob
+    top: list[TopLogprob]
 
 
 class TextFrame(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -124,6 +177,9 @@ class TextFrame(msgspec.Struct, frozen=True, omit_defaults=True):
     error: str | None = None
     error_status: int = 0
     first_token_time: float | None = None
+    logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[LogprobEntry] | None = None
+    cumulative_logprob: float | None = None
 
 
 class FrameBatch(msgspec.Struct, tag="frames", frozen=True):

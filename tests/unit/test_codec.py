@@ -11,11 +11,15 @@ from shared.protocol import (
     EngineRequest,
     EngineStats,
     FrameBatch,
+    LogprobEntry,
     OutputBatch,
+    OutputParams,
     Ping,
     RequestOutput,
     SamplingParams,
     TextFrame,
+    TokenLogprobs,
+    TopLogprob,
     pack_ids,
     unpack_ids,
 )
@@ -33,6 +37,21 @@ def _full_params() -> SamplingParams:
         stop_token_ids=[2, 32000],
         ignore_eos=True,
         min_tokens=3,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.1,
+        logit_bias=[(5, -100.0), (9, 2.5)],
+        logprobs=3,
+        prompt_logprobs=0,
+    )
+
+
+def _token_logprobs(k: int, n: int) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_logprobs=np.linspace(-3, 0, k, dtype="<f4").tobytes(),
+        top_ids=pack_ids(range(k * n)),
+        top_logprobs=np.full(k * n, -1.5, dtype="<f4").tobytes(),
     )
 
 
@@ -43,7 +62,12 @@ ENGINE_INBOUND = {
         params=_full_params(),
         reply_to="tcp://127.0.0.1:5555",
         arrival_time=1712345678.25,
-        skip_special_tokens=False,
+        output=OutputParams(
+            skip_special_tokens=False,
+            stop=["\n\n", "END"],
+            include_stop_str_in_output=True,
+            logprobs=True,
+        ),
     ),
     "request-defaults": EngineRequest(
         request_id="req-2",
@@ -66,6 +90,9 @@ FRONTEND_INBOUND = {
                 num_prompt_tokens=6,
                 num_output_tokens=2,
                 first_token_time=12.5,
+                logprobs=_token_logprobs(2, 3),
+                prompt_logprobs=_token_logprobs(6, 0),
+                cumulative_logprob=-2.75,
             ),
             RequestOutput(
                 request_id="req-2",
@@ -98,6 +125,14 @@ FRONTEND_INBOUND = {
                 num_prompt_tokens=4,
                 num_output_tokens=3,
                 first_token_time=1.0,
+                logprobs=[
+                    LogprobEntry(
+                        1, "a", -0.5, [TopLogprob(1, "a", -0.5), TopLogprob(9, "é", -2.0)]
+                    ),
+                    LogprobEntry(2, "", -1.0, []),
+                ],
+                prompt_logprobs=[LogprobEntry(7, "<s>", -4.0, [TopLogprob(3, "x", -0.1)])],
+                cumulative_logprob=-1.5,
             ),
             TextFrame(
                 request_id="req-1",
@@ -140,16 +175,59 @@ FRONTEND_INBOUND = {
 }
 
 
-def test_cases_cover_every_tagged_message():
-    tagged = {
+def _struct_types() -> set[type]:
+    return {
         cls
         for cls in vars(protocol).values()
-        if isinstance(cls, type)
-        and issubclass(cls, msgspec.Struct)
-        and cls.__struct_config__.tag is not None
+        if isinstance(cls, type) and issubclass(cls, msgspec.Struct) and cls is not msgspec.Struct
     }
-    covered = {type(m) for m in (*ENGINE_INBOUND.values(), *FRONTEND_INBOUND.values())}
-    assert covered == tagged
+
+
+def _nested_types(value) -> set[type]:
+    """Every Struct type inside a message, with how it is reached not mattering."""
+    if isinstance(value, msgspec.Struct):
+        found = {type(value)}
+        for field in value.__struct_fields__:
+            found |= _nested_types(getattr(value, field))
+        return found
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_nested_types(v) for v in value)) if value else set()
+    return set()
+
+
+ALL_MESSAGES = (*ENGINE_INBOUND.values(), *FRONTEND_INBOUND.values())
+
+
+def test_cases_cover_every_tagged_message():
+    tagged = {cls for cls in _struct_types() if cls.__struct_config__.tag is not None}
+    assert {type(m) for m in ALL_MESSAGES} == tagged
+
+
+def test_cases_cover_every_protocol_struct():
+    # A new Struct in shared/protocol.py must get a round-trip case here.
+    assert set().union(*(_nested_types(m) for m in ALL_MESSAGES)) == _struct_types()
+
+
+def test_cases_set_every_field_somewhere():
+    # Each field takes a non-default value in some case, so omit_defaults cannot hide a field
+    # that fails to round-trip.
+    unset = {(cls.__name__, f) for cls in _struct_types() for f in cls.__struct_fields__}
+    stack = list(ALL_MESSAGES)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, msgspec.Struct):
+            for info in msgspec.structs.fields(value):
+                current = getattr(value, info.name)
+                if info.default_factory is not msgspec.NODEFAULT:
+                    default = info.default_factory()
+                else:
+                    default = info.default
+                if default is msgspec.NODEFAULT or current != default:
+                    unset.discard((type(value).__name__, info.name))
+                stack.append(current)
+    assert not unset
 
 
 @pytest.mark.parametrize("name", sorted(ENGINE_INBOUND))
@@ -187,7 +265,7 @@ def test_defaults_are_restored_when_omitted():
     decoded = engine_inbound_decoder().decode(encode(ENGINE_INBOUND["request-defaults"]))
     assert decoded.params == SamplingParams(max_tokens=1)
     assert decoded.params.temperature == 1.0 and decoded.params.stop_token_ids == []
-    assert decoded.skip_special_tokens is True
+    assert decoded.output == OutputParams() and decoded.output.skip_special_tokens is True
     out = frontend_inbound_decoder().decode(encode(FRONTEND_INBOUND["outputs"])).outputs[0]
     assert out.finish_reason is None and out.error_status == 0
 

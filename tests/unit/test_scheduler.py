@@ -268,9 +268,7 @@ def test_preemption_evicts_most_recent_and_recomputes():
     assert all(s.num_output_tokens == 4 for s in (a, b, c))
     assert c.output_ids[:1] == c_output
     # c's readmission recomputes prompt + generated token in one chunk and then samples.
-    readmit = next(
-        x for o in sim.history[2:] for x in o.chunks if x.seq is c and x.start == 0
-    )
+    readmit = next(x for o in sim.history[2:] for x in o.chunks if x.seq is c and x.start == 0)
     assert readmit.num_tokens == 9 and readmit.samples
     assert sim.alloc.num_free == 6
 

@@ -1,0 +1,78 @@
+"""Per-request changes to a step's logits before sampling, as tensor ops over the batch.
+
+Order (as vLLM): logit_bias, the min_tokens mask on stop tokens, then repetition,
+frequency and presence penalties. Rows that use none of these cost nothing: each stage
+builds tensors only for the rows that need it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sequence import Sequence
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place; row i of `logits` belongs to seqs[i]."""
+    _logit_bias(logits, seqs)
+    _min_tokens(logits, seqs)
+    _penalties(logits, seqs)
+
+
+def _logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    rows, cols, values = [], [], []
+    for i, seq in enumerate(seqs):
+        for token_id, bias in seq.params.logit_bias:
+            rows.append(i)
+            cols.append(token_id)
+            values.append(bias)
+    if rows:
+        logits.index_put_(
+            (torch.tensor(rows), torch.tensor(cols)), torch.tensor(values), accumulate=True
+        )
+
+
+def _min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Until min_tokens are out, EOS and stop token ids cannot be drawn."""
+    rows, cols = [], []
+    for i, seq in enumerate(seqs):
+        if seq.num_output_tokens >= seq.params.min_tokens:
+            continue
+        rows.extend([i] * len(seq.min_tokens_banned))
+        cols.extend(seq.min_tokens_banned)
+    if rows:
+        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+
+
+def _penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    vocab = logits.shape[1]
+    repetition = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    if repetition:
+        # Counts prompt and output tokens (SPEC P-11).
+        seen = _counts([seqs[i].token_ids for i in repetition], vocab) > 0
+        penalty = torch.tensor([seqs[i].params.repetition_penalty for i in repetition])
+        rows = logits[repetition]
+        scaled = torch.where(rows > 0, rows / penalty[:, None], rows * penalty[:, None])
+        logits[repetition] = torch.where(seen, scaled, rows)
+    additive = [
+        i for i, s in enumerate(seqs)
+        if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
+    ]
+    if additive:
+        # Counts output tokens only (SPEC P-11).
+        counts = _counts([seqs[i].output_ids for i in additive], vocab)
+        frequency = torch.tensor([seqs[i].params.frequency_penalty for i in additive])
+        presence = torch.tensor([seqs[i].params.presence_penalty for i in additive])
+        logits[additive] -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+
+
+def _counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+    """[R, vocab] float32 occurrence counts, via one scatter_add over padded ids."""
+    width = max(1, max(len(t) for t in token_lists))
+    ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for r, tokens in enumerate(token_lists):
+        if tokens:
+            ids[r, : len(tokens)] = torch.tensor(tokens)
+    counts = torch.zeros((len(token_lists), vocab + 1))
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]

@@ -1,0 +1,202 @@
+"""The renderer: chat messages -> prompt text (SPEC T-1 to T-3).
+
+It only makes text; tokenizing is the next stage, with its own parameters (`frontend.budgets`).
+`render` is synchronous and runs in `frontend.tokenization`'s pool, under the render timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import msgspec
+
+from frontend.api_models import ChatMessage
+
+# Arguments the renderer passes itself; chat_template_kwargs may not override them.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+class RenderError(ValueError):
+    """The request cannot be rendered; a 400 carrying the reason. `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class TemplateSettings(msgspec.Struct, frozen=True):
+    """Server-wide template choices, fixed at start-up."""
+
+    chat_template: str | None = None  # --chat-template, already read from its file
+    trust_request_chat_template: bool = False
+
+
+class RenderParams(msgspec.Struct, frozen=True, kw_only=True):
+    """The renderer's own parameters (SPEC T-1)."""
+
+    request_template: str | None = None  # the request's chat_template, when trusted
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] = {}
+    # Text the server appends after the template's output (e.g. a forced tool-call opening).
+    injected_prefix: str = ""
+
+
+class RenderedPrompt(msgspec.Struct, frozen=True):
+    """The template's own text, kept apart from what the server injected: parsers read the
+    template's view of the conversation, the model reads both (SPEC T-1)."""
+
+    template_text: str
+    injected_prefix: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.template_text + self.injected_prefix
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:  # not Jinja: a path that does not exist
+        raise FileNotFoundError(f"--chat-template: no such file: {value}")
+    return value
+
+
+def check_render_params(params: RenderParams, messages: list[ChatMessage]) -> None:
+    if params.continue_final_message and params.add_generation_prompt:
+        raise RenderError(
+            "continue_final_message and add_generation_prompt cannot both be true; "
+            "set add_generation_prompt to false to continue the last message",
+            "continue_final_message",
+        )
+    if params.continue_final_message and (not messages or messages[-1].role != "assistant"):
+        raise RenderError(
+            "continue_final_message needs the last message to be the assistant's",
+            "continue_final_message",
+        )
+    reserved = sorted(_RESERVED_KWARGS.intersection(params.template_kwargs))
+    if reserved:
+        raise RenderError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}; use the request field",
+            "chat_template_kwargs",
+        )
+
+
+# ---------------------------------------------------------------- template choice (SPEC T-2)
+
+
+def resolve_template(tok, params: RenderParams, settings: TemplateSettings) -> str:
+    """The request's template (only when trusted; checked by the caller), the server's, then
+    the tokenizer's. A tokenizer may hold several named ones; its own lookup picks one."""
+    explicit = params.request_template or settings.chat_template
+    if explicit is None and not tok.chat_template:
+        raise RenderError(
+            "This model has no chat template, and none was configured: start the server with "
+            "--chat-template, or use /v1/completions with a prompt"
+        )
+    try:
+        return tok.get_chat_template(explicit, params.tools)
+    except ValueError as exc:  # several named templates and no default among them
+        raise RenderError(str(exc), "chat_template") from exc
+
+
+# ---------------------------------------------------------------- messages
+
+
+def message_text(message: ChatMessage) -> str | None:
+    """Content parts joined into one string (as vLLM does): templates expect a string."""
+    if message.content is None or isinstance(message.content, str):
+        return message.content
+    texts = []
+    for part in message.content:
+        if part.type not in ("text", "refusal"):
+            raise RenderError(f"content parts of type {part.type!r} are not supported")
+        texts.append((part.text if part.type == "text" else part.refusal) or "")
+    return "\n".join(texts)
+
+
+def _tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # OpenAI sends arguments as a JSON string; HF templates iterate them as a mapping.
+    out = []
+    for call in calls:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function = {**function, "arguments": json.loads(function["arguments"])}
+            except ValueError:
+                pass  # not JSON: the template gets the string as sent
+            call = {**call, "function": function}
+        out.append(call)
+    return out
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": m.role, "content": message_text(m)}
+        if m.name is not None:
+            entry["name"] = m.name
+        if m.tool_calls is not None:
+            entry["tool_calls"] = _tool_calls(m.tool_calls)
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            entry["reasoning_content"] = m.reasoning_content
+        out.append(entry)
+    return out
+
+
+def developer_as_system(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """SPEC T-3: a template with no developer branch would treat one as a user turn (or
+    reject it), so it becomes system, merged with system messages next to it, because many
+    templates only accept one system message, first."""
+    if "developer" in template or not any(m["role"] == "developer" for m in messages):
+        return messages
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = {**m, "role": "system"} if m["role"] == "developer" else m
+        if m["role"] == "system" and out and out[-1]["role"] == "system":
+            parts = [p for p in (out[-1]["content"], m["content"]) if p]
+            out[-1] = {**out[-1], "content": "\n\n".join(parts)}
+        else:
+            out.append(m)
+    return out
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def render(
+    tok, messages: list[ChatMessage], params: RenderParams, settings: TemplateSettings
+) -> RenderedPrompt:
+    template = resolve_template(tok, params, settings)
+    conversation = developer_as_system(template_messages(messages), template)
+    try:
+        text = tok.apply_chat_template(
+            conversation,
+            tools=params.tools,
+            chat_template=template,
+            add_generation_prompt=params.add_generation_prompt,
+            continue_final_message=params.continue_final_message,
+            tokenize=False,
+            return_dict=False,  # explicit: transformers v5 changed the default
+            **params.template_kwargs,
+        )
+    except Exception as exc:  # templates reject bad input by raising: the client's 400
+        raise RenderError(f"The chat template rejected the request: {_reason(exc)}") from exc
+    return RenderedPrompt(text, params.injected_prefix)
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,41 @@
+"""Stop strings on detokenized text, with hold-back (SPEC P-9, O-2, O-3).
+
+Text that could still be the start of a stop string is held back (at most the longest stop
+string minus one character), so a client never sees a prefix of a stop string that later
+turns out to match.
+"""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    def __init__(self, stops: list[str], include_stop: bool) -> None:
+        self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Returns (text safe to emit, the stop string that matched or None)."""
+        self.pending += text
+        match = self._earliest_match()
+        if match is not None:
+            index, stop = match
+            end = index + len(stop) if self.include_stop else index
+            out, self.pending = self.pending[:end], ""
+            return out, stop
+        cut = max(0, len(self.pending) - self.hold)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+    def _earliest_match(self) -> tuple[int, str] | None:
+        best = None
+        for stop in self.stops:
+            index = self.pending.find(stop)
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
