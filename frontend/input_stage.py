@@ -1,60 +1,157 @@
-"""The input stage: from a request to prompt token ids (SPEC T-*).
+"""The input stage: from a request to prompt token ids (SPEC T-*, L-4).
 
-Chat requests are rendered with the chat template and tokenized without special tokens (the
-template holds BOS); completion prompts are tokenized with them; `prompt_token_ids` skip
-rendering entirely. Rendering and tokenizing run in `frontend.tokenization`'s thread pool.
+Chat requests are rendered with a chat template (`frontend.rendering`), then tokenized
+without special tokens, because the template already holds BOS (SPEC T-4); completion prompts
+are tokenized with them; `prompt_token_ids` skip rendering. Every path then goes through the
+same budgets (`frontend.budgets`). Rendering and tokenizing run in `frontend.tokenization`'s
+worker threads, never on the event loop.
 """
 
 from __future__ import annotations
 
 import base64
+import uuid
 
+import msgspec
 import numpy as np
 
+from frontend import input_metrics
 from frontend.api_models import ChatCompletionRequest, CompletionRequest
-from frontend.errors import bad_request
+from frontend.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
+from frontend.errors import APIError, bad_request
+from frontend.rendering import RenderedPrompt, RenderError, RenderParams, check_render_params
+from frontend.tokenization import RenderTimeout
+
+Request = ChatCompletionRequest | CompletionRequest
+
+
+class PromptInput(msgspec.Struct):
+    tokens: PromptTokens
+    rendered: RenderedPrompt | None = None  # None when the client sent token ids
 
 
 async def chat_prompt_ids(ctx, request: ChatCompletionRequest) -> list[int]:
-    if request.prompt_token_ids is not None:
-        return _passthrough_ids(request.prompt_token_ids, ctx.vocab_size)
-    if not request.messages:
-        raise bad_request("messages must not be empty", "messages")
-    try:
-        text = await ctx.tokenization.render_chat(
-            request.messages, request.add_generation_prompt, request.chat_template_kwargs
-        )
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from exc
-    except Exception as exc:  # a template that raises is the request's problem (SPEC T-2)
-        raise bad_request(f"chat template error: {exc}", "messages") from exc
-    # The template already holds BOS; adding special tokens would double it (SPEC T-4).
-    return await ctx.tokenization.encode(text, add_special_tokens=False)
+    return (await chat_input(ctx, request)).tokens.ids
 
 
 async def completion_prompt_ids(ctx, request: CompletionRequest) -> list[int]:
+    return (await completion_input(ctx, request)).tokens.ids
+
+
+# ---------------------------------------------------------------- chat
+
+
+async def chat_input(ctx, request: ChatCompletionRequest) -> PromptInput:
+    params = _tokenize_params(ctx, request, add_special_tokens=False)
+    if request.prompt_token_ids is not None:
+        return await _passthrough(ctx, request, request.prompt_token_ids, params, "chat")
+    if not request.messages:
+        raise bad_request("messages must not be empty", "messages")
+    rendered = await _render(ctx, request)
+    tokens = await _tokenize(ctx, rendered.text, params, "messages")
+    _record(request, "chat", tokens, rendered=True)
+    return PromptInput(tokens, rendered)
+
+
+async def _render(ctx, request: ChatCompletionRequest) -> RenderedPrompt:
+    settings = ctx.tokenization.settings.templates
+    if request.chat_template is not None and not settings.trust_request_chat_template:
+        raise bad_request(
+            "this server does not accept a chat_template in requests (the operator can allow "
+            "it with --trust-request-chat-template)",
+            "chat_template",
+        )
+    params = RenderParams(
+        request_template=request.chat_template,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        tools=request.tools,
+        template_kwargs=request.chat_template_kwargs or {},
+    )
+    try:
+        check_render_params(params, request.messages)
+        return await ctx.tokenization.render_chat(request.messages, params)
+    except RenderError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    except RenderTimeout as exc:
+        # A 400, not a 5xx: the same request would time out again, and clients retry 5xx
+        # automatically, each retry stranding another thread on the same template.
+        input_metrics.REJECTED.labels("render_timeout").inc()
+        raise bad_request(str(exc), "messages") from exc
+
+
+# ---------------------------------------------------------------- completions
+
+
+async def completion_input(ctx, request: CompletionRequest) -> PromptInput:
+    params = _tokenize_params(ctx, request, add_special_tokens=request.add_special_tokens)
     prompt = request.prompt if request.prompt_token_ids is None else request.prompt_token_ids
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
-    if isinstance(prompt, str):
-        if request.prompt_token_ids is not None:
-            return _passthrough_ids(prompt, ctx.vocab_size)
-        return await ctx.tokenization.encode(prompt, request.add_special_tokens)
-    if not prompt:
-        raise bad_request("the prompt must not be empty", "prompt")
-    if all(isinstance(x, int) for x in prompt):
-        return _passthrough_ids(prompt, ctx.vocab_size)
+    if isinstance(prompt, str) and request.prompt_token_ids is None:
+        return await _completion_text(ctx, request, prompt, params)
+    if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
+        return await _passthrough(ctx, request, prompt, params, "completions")
     if len(prompt) != 1:
         raise bad_request("batched prompts are not supported yet; send one prompt", "prompt")
     single = prompt[0]
     if isinstance(single, str):
-        return await ctx.tokenization.encode(single, request.add_special_tokens)
+        return await _completion_text(ctx, request, single, params)
     if isinstance(single, list):
-        return _passthrough_ids(single, ctx.vocab_size)
+        return await _passthrough(ctx, request, single, params, "completions")
     raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")
 
 
-def _passthrough_ids(ids: list[int] | str, vocab_size: int) -> list[int]:
+async def _completion_text(ctx, request, text: str, params: TokenizeParams) -> PromptInput:
+    tokens = await _tokenize(ctx, text, params, "prompt")
+    _record(request, "completions", tokens, rendered=False)
+    return PromptInput(tokens)
+
+
+# ---------------------------------------------------------------- shared steps
+
+
+def _max_model_len(ctx) -> int:
+    stats = ctx.client.stats
+    if stats is None or not ctx.client.engine_alive:
+        raise APIError(503, "The engine is not available; try again shortly.")
+    return stats.max_model_len
+
+
+def _tokenize_params(ctx, request: Request, *, add_special_tokens: bool) -> TokenizeParams:
+    params = TokenizeParams(
+        max_total_tokens=_max_model_len(ctx),
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
+        truncation_side=request.truncation_side,
+        add_special_tokens=add_special_tokens,
+    )
+    try:
+        check_truncation(params)
+    except BudgetError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    return params
+
+
+async def _tokenize(ctx, text: str, params: TokenizeParams, field: str) -> PromptTokens:
+    try:
+        return await ctx.tokenization.tokenize(text, params)
+    except BudgetError as exc:
+        input_metrics.REJECTED.labels("too_long").inc()
+        raise bad_request(str(exc), exc.param or field) from exc
+
+
+async def _passthrough(ctx, request, ids, params: TokenizeParams, endpoint: str) -> PromptInput:
+    ids = _decode_ids(ids, ctx.vocab_size)
+    try:
+        tokens = await ctx.tokenization.fit_ids(ids, params)
+    except BudgetError as exc:
+        input_metrics.REJECTED.labels("too_long").inc()
+        raise bad_request(str(exc), exc.param or "prompt_token_ids") from exc
+    _record(request, endpoint, tokens, rendered=False)
+    return PromptInput(tokens)
+
+
+def _decode_ids(ids: list[int] | str, vocab_size: int) -> list[int]:
     if isinstance(ids, str):
         try:
             ids = np.frombuffer(base64.b64decode(ids, validate=True), dtype="<i4").tolist()
@@ -65,3 +162,19 @@ def _passthrough_ids(ids: list[int] | str, vocab_size: int) -> list[int]:
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise bad_request(f"token ids must lie in [0, {vocab_size})", "prompt")
     return list(ids)
+
+
+def _record(request: Request, endpoint: str, tokens: PromptTokens, *, rendered: bool) -> None:
+    # The engine request id ends with request.request_id; fixing it here when the client sent
+    # none lets the log line and the engine's id be matched.
+    if request.request_id is None:
+        request.request_id = uuid.uuid4().hex
+    input_metrics.record(input_metrics.InputRecord(
+        endpoint=endpoint,
+        request=request.request_id,
+        rendered=rendered,
+        chars=tokens.num_chars,
+        prompt_tokens=len(tokens.ids),
+        truncated_tokens=tokens.tokens_cut,
+        truncated_chars=tokens.chars_cut,
+    ))

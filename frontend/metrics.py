@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from frontend.engine_client import EngineClient
+from frontend.input_metrics import register_input_metrics
 
 _GAUGES = (
     ("num_running", "sluice:num_requests_running", "Requests in the engine's running batch."),
@@ -45,6 +46,7 @@ class EngineStatsCollector:
 def metrics_registry(client: EngineClient) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineStatsCollector(client))
+    register_input_metrics(registry)
     return registry
 
 

@@ -8,13 +8,28 @@ import uvicorn
 
 from frontend.app import build_app
 from frontend.engine_client import EngineClient
+from frontend.rendering import TemplateSettings, load_chat_template
 from frontend.serving import ServingContext
-from frontend.tokenization import Tokenization
+from frontend.tokenization import InputSettings, Tokenization
 from postproc.processor import OutputProcessor
 from shared.config import FrontendConfig
-from shared.tokenizer import load_tokenizer, tokenizer_facts
+from shared.tokenizer import TokenizerFacts, load_tokenizer, tokenizer_facts
 
 log = logging.getLogger("sluice.frontend")
+
+
+def _input_settings(config: FrontendConfig, facts: TokenizerFacts) -> InputSettings:
+    templates = TemplateSettings(
+        chat_template=load_chat_template(config.chat_template),
+        trust_request_chat_template=config.trust_request_chat_template,
+    )
+    return InputSettings(
+        max_chars_per_token=facts.max_chars_per_token,
+        pad_token_id=facts.pad_token_id,
+        threads=config.tokenizer_threads,
+        render_timeout_s=config.render_timeout_s,
+        templates=templates,
+    )
 
 
 def run_frontend(config: FrontendConfig) -> None:
@@ -31,7 +46,7 @@ def run_frontend(config: FrontendConfig) -> None:
     )
     ctx = ServingContext(
         client=client,
-        tokenization=Tokenization(tokenizer, config.tokenizer_threads),
+        tokenization=Tokenization(tokenizer, _input_settings(config, facts)),
         model_name=config.served_model_name,
         vocab_size=facts.max_token_id + 1,
     )

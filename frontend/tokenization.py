@@ -28,7 +28,14 @@ import msgspec
 
 from frontend import input_metrics
 from frontend.api_models import ChatMessage
-from frontend.budgets import PromptTokens, TokenizeParams, finish, fit_text, shift_offsets
+from frontend.budgets import (
+    FittedText,
+    PromptTokens,
+    TokenizeParams,
+    finish,
+    fit_text,
+    shift_offsets,
+)
 from frontend.rendering import RenderedPrompt, RenderParams, TemplateSettings, render
 
 log = logging.getLogger("sluice.frontend")
@@ -92,6 +99,10 @@ class TokenizerPool:
 # ---------------------------------------------------------------- worker threads
 
 
+class _WorkerState:
+    retired = False  # set by WorkerPool.replace; the worker leaves after its current job
+
+
 class WorkerPool(Executor):
     """Daemon worker threads over one queue; a stuck worker can be swapped for a fresh one.
 
@@ -105,7 +116,9 @@ class WorkerPool(Executor):
         self._threads = threads
         self._name = name
         self._serial = itertools.count()
-        self._retired: set[int] = set()
+        # Live workers by thread id. Ids are reused once a thread ends, so a worker's state
+        # is its own object, registered when it starts, not a set of retired ids.
+        self._workers: dict[int, _WorkerState] = {}
         self._lock = threading.Lock()
         for _ in range(threads):
             self._spawn()
@@ -118,9 +131,10 @@ class WorkerPool(Executor):
     def replace(self, ident: int) -> None:
         """Retire the worker `ident` (it exits when its job ends) and start a new one."""
         with self._lock:
-            if ident in self._retired:
+            state = self._workers.get(ident)
+            if state is None or state.retired:
                 return
-            self._retired.add(ident)
+            state.retired = True
         self._spawn()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -132,9 +146,11 @@ class WorkerPool(Executor):
         threading.Thread(target=self._worker, name=name, daemon=True).start()
 
     def _worker(self) -> None:
-        ident = threading.get_ident()
+        me = _WorkerState()
+        with self._lock:
+            self._workers[threading.get_ident()] = me
         try:
-            while ident not in self._retired:
+            while not me.retired:
                 item = self._work.get()
                 if item is None:
                     return
@@ -167,6 +183,28 @@ def _interrupt(ident: int) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(ident), ctypes.py_object(RenderInterrupted)
     )
+
+
+def _encode(tok, fitted: FittedText, params: TokenizeParams, num_chars: int):
+    """Token ids (and offsets) of a fitted text, capped at params.encode_cap; returns
+    (PromptTokens, whether the cap cut anything)."""
+    # encode_batch releases the GIL while the Rust tokenizer works; encode holds it, which
+    # would stall the event loop for a whole long prompt even from a worker thread.
+    [encoding] = tok.backend_tokenizer.encode_batch(
+        [fitted.text], add_special_tokens=params.add_special_tokens
+    )
+    input_metrics.TOKENIZER_CHARS.inc(len(fitted.text))
+    cap = params.encode_cap
+    capped = cap is not None and len(encoding) > cap
+    keep = slice(0, cap if capped else None)
+    offsets = None
+    if params.return_offsets:
+        offsets = shift_offsets(encoding.offsets[keep], fitted.cut_left)
+    tokens = PromptTokens(
+        ids=encoding.ids[keep], offsets=offsets, num_chars=num_chars,
+        chars_cut=fitted.cut_left + fitted.cut_right,
+    )
+    return tokens, capped
 
 
 # ---------------------------------------------------------------- the stage
@@ -220,27 +258,14 @@ class Tokenization:
     # -------------------------------------------------------- tokenizing
 
     async def tokenize(self, text: str, params: TokenizeParams) -> PromptTokens:
-        return await self._run(self._tokenize, text, params)
+        return await self._run(self.tokenize_sync, text, params)
 
-    def _tokenize(self, text: str, params: TokenizeParams) -> PromptTokens:
+    def tokenize_sync(self, text: str, params: TokenizeParams) -> PromptTokens:
+        """The pool job behind `tokenize` (tests call it directly)."""
         # The ceiling comes first: an over-long text never reaches the tokenizer.
         fitted = fit_text(text, params, self.settings.max_chars_per_token)
         with self.pool.borrow() as tok:
-            encoding = tok.backend_tokenizer.encode(
-                fitted.text, add_special_tokens=params.add_special_tokens
-            )
-            input_metrics.TOKENIZER_CHARS.inc(len(fitted.text))
-            cap = params.encode_cap
-            capped = cap is not None and len(encoding) > cap
-            if capped:
-                encoding.truncate(cap)  # only the kept tokens become Python lists
-            tokens = PromptTokens(
-                ids=encoding.ids,
-                offsets=shift_offsets(encoding.offsets, fitted.cut_left)
-                if params.return_offsets else None,
-                num_chars=len(text),
-                chars_cut=fitted.cut_left + fitted.cut_right,
-            )
+            tokens, capped = _encode(tok, fitted, params, len(text))
             tokens = finish(tokens, params, capped=capped, pad_token_id=self.settings.pad_token_id)
             if params.needs_detokenization:
                 tokens.text = tok.decode(tokens.ids, skip_special_tokens=False)

@@ -54,6 +54,15 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--tokenizer-threads", type=int, default=4,
                    help="threads that render and tokenize requests")
+    g.add_argument("--render-timeout", type=float, default=30.0,
+                   help="seconds a chat template may take to render before its request fails "
+                        "with a 400 and its thread is replaced (default: 30)")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template for chat requests: a file path or the Jinja text itself "
+                        "(default: the tokenizer's)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (a request's template runs "
+                        "on this server's CPU; off by default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +125,8 @@ def frontend_config(args, engine_address: str, result_address: str | None) -> Fr
         model=path, served_model_name=name, engine_address=engine_address, host=args.host,
         port=args.port, result_address=result_address,
         tokenizer_threads=args.tokenizer_threads, log_level=args.log_level,
+        render_timeout_s=args.render_timeout, chat_template=args.chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 
@@ -147,7 +158,12 @@ def _serve(args) -> int:
     frontend_argv = [
         "frontend", *common, "--engine-address", address, "--host", args.host,
         "--port", str(args.port), "--tokenizer-threads", str(args.tokenizer_threads),
+        "--render-timeout", str(args.render_timeout),
     ]
+    if args.chat_template is not None:
+        frontend_argv += ["--chat-template", args.chat_template]
+    if args.trust_request_chat_template:
+        frontend_argv.append("--trust-request-chat-template")
     children = [
         subprocess.Popen([sys.executable, "-m", "shared.cli", *argv])
         for argv in (engine_argv, frontend_argv)

@@ -31,6 +31,9 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     # Where engine/postproc frames for this frontend arrive; default: a fresh address.
     result_address: str | None = None
     tokenizer_threads: int = 4
+    render_timeout_s: float = 30.0  # a chat render running longer fails its request
+    chat_template: str | None = None  # --chat-template: a file path or the template itself
+    trust_request_chat_template: bool = False  # honour a request's chat_template
     heartbeat_interval_s: float = 1.0
     engine_timeout_s: float = 5.0
     log_level: str = "info"

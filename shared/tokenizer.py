@@ -125,6 +125,7 @@ class TokenizerFacts(msgspec.Struct, frozen=True):
     bos_token_id: int | None
     max_chars_per_token: int  # longest single token once decoded, in characters
     special_token_ids: list[int]
+    pad_token_id: int | None = None  # what prompt padding appends (SPEC T-7)
 
 
 class _GenerationConfig(msgspec.Struct):
@@ -164,6 +165,7 @@ def tokenizer_facts(tokenizer, model_path: str) -> TokenizerFacts:
         bos_token_id=bos,
         max_chars_per_token=_max_chars_per_token(tokenizer, largest_id),
         special_token_ids=_special_token_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
     )
 
 
