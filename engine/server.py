@@ -20,6 +20,7 @@ import zmq
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core import EngineCore
+from engine.device import resolve_dtype
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, load_model_config
@@ -33,9 +34,6 @@ from shared.tokenizer import load_tokenizer, tokenizer_facts
 from shared.transport import PushPool, make_socket
 
 log = logging.getLogger("sluice.engine")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 # ---------------------------------------------------------------- construction
 
@@ -51,8 +49,8 @@ def kv_pages_for(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -
 def build_engine(config: EngineConfig) -> EngineCore:
     if config.threads:
         torch.set_num_threads(config.threads)
-    dtype = DTYPES[config.dtype]
     device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
     model_config = load_model_config(config.model)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     num_pages = kv_pages_for(config, model_config, dtype)
@@ -66,7 +64,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     weights = load_weights(config.model, model_config, torch.float32)
     model = LlamaModel(model_config, weights, max_model_len, dtype, device)
     del weights
-    log.info("loaded %s (%s) in %.1fs", config.served_model_name, config.dtype,
+    log.info("loaded %s (%s) in %.1fs", config.served_model_name, dtype,
              time.monotonic() - started)
     backend = TorchAttentionBackend(
         model_config.num_layers, num_pages, config.page_size, model_config.num_kv_heads,

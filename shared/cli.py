@@ -31,8 +31,10 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights, activations and KV cache (default: float32)")
+    g.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache; auto = bfloat16 on CUDA and on CPUs "
+                        "with native bf16 matmul (AMX, AVX512-BF16), else float32")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,

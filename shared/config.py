@@ -9,7 +9,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # resolved path: a .gguf file or an HF folder
     served_model_name: str
     request_address: str  # the engine binds a ROUTER here; frontends connect
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
     page_size: int = 16

@@ -24,6 +24,8 @@ def cluster(tmp_path_factory):
     """`sluice engine` + two `sluice frontend`s over tcp (step budget 256: chunked prefill)."""
     from tests.servers import Cluster
 
-    c = Cluster(str(tmp_path_factory.mktemp("cluster")), "--max-num-batched-tokens", "256")
+    # float32: the reference test compares with transformers' float32 greedy tokens.
+    c = Cluster(str(tmp_path_factory.mktemp("cluster")), "--max-num-batched-tokens", "256",
+                "--dtype", "float32")
     yield c
     c.stop()
