@@ -1,0 +1,37 @@
+"""Reasoning parsers, registered by name (`--reasoning-parser NAME`).
+
+    parser = get_reasoning_parser("qwen3")(rendered_prompt_text)   # one per request
+    delta = parser.feed(text)       # ReasoningDelta(reasoning, content)
+    delta = parser.finish()         # at the end of the output
+    reasoning, content = parser.parse(text)   # one-shot
+
+See docs/parsers.md.
+"""
+
+from __future__ import annotations
+
+from postproc.reasoning.base import ReasoningDelta, ReasoningParser, prompt_think_state
+from postproc.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from postproc.reasoning.qwen3 import Qwen3ReasoningParser
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+}
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    """The parser class registered as `name`; ValueError naming the known ones if none."""
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        known = ", ".join(sorted(REASONING_PARSERS))
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {known}") from None
+
+
+__all__ = [
+    "REASONING_PARSERS",
+    "ReasoningDelta",
+    "ReasoningParser",
+    "get_reasoning_parser",
+    "prompt_think_state",
+]

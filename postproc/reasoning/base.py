@@ -1,0 +1,138 @@
+"""What the reasoning parsers share: a `<think>` / `</think>` state machine on streamed text.
+
+One instance per request. The initial state comes from the rendered prompt (SPEC O-5): a
+template may have opened the thinking block already (`...<think>\n`: the output starts inside
+it) or written a closed one (`<think>\n\n</think>\n\n`: thinking is off, the output is all
+content). When the prompt says neither, the parser's own default applies.
+
+Tags are never emitted, whole or in part: a possible prefix of one at the end of the text is
+held back until the next piece decides it. A tag that changes nothing (`<think>` while
+thinking, `</think>` while not) is dropped. Reasoning is trimmed of surrounding whitespace and
+content that follows a `</think>` of leading whitespace (the model's layout around the tags);
+content that is not preceded by a `</think>` in the output comes back exactly.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from postproc.tool_parsers.base import find_first, partial_suffix_len
+
+# Text after the prompt's last think tag that contains a turn marker means the tag belongs to
+# an earlier turn (or a user message), not to the generation being started.
+_TURN_MARKERS = ("<|", "<\uff5c", "<start_of_turn>", "<end_of_turn>", "[INST]", "[/INST]")
+
+OPEN, CLOSED = "open", "closed"
+
+
+class ReasoningDelta(msgspec.Struct):
+    reasoning: str = ""
+    content: str = ""
+
+
+def prompt_think_state(prompt_text: str, start_tag: str, end_tag: str) -> str | None:
+    """OPEN if the prompt leaves the model inside a thinking block, CLOSED if it ends right
+    after a closed one, None if it says nothing about the turn being generated."""
+    i, j = prompt_text.rfind(start_tag), prompt_text.rfind(end_tag)
+    if i < 0 and j < 0:
+        return None
+    if i > j:
+        state, tail = OPEN, prompt_text[i + len(start_tag):]
+    else:
+        state, tail = CLOSED, prompt_text[j + len(end_tag):]
+    if any(marker in tail for marker in _TURN_MARKERS):
+        return None
+    return state
+
+
+class ReasoningParser:
+    name: ClassVar[str] = ""
+    start_tag: ClassVar[str] = "<think>"
+    end_tag: ClassVar[str] = "</think>"
+    # Whether the output starts inside the thinking block when the prompt does not say.
+    thinks_by_default: ClassVar[bool] = False
+
+    def __init__(self, prompt_text: str = "") -> None:
+        state = prompt_think_state(prompt_text, self.start_tag, self.end_tag)
+        self._start(self.thinks_by_default if state is None else state == OPEN)
+
+    def _start(self, thinking: bool) -> None:
+        self._initial = thinking
+        self._thinking = thinking
+        self._section_start = thinking  # strip leading whitespace of this section
+        self._held_ws = ""  # trailing whitespace of the reasoning, until more reasoning comes
+        self._buf = ""
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self._finished = False
+
+    @property
+    def in_reasoning(self) -> bool:
+        """True while the output is inside a thinking block."""
+        return self._thinking
+
+    def feed(self, delta_text: str) -> ReasoningDelta:
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        if delta_text:
+            self._buf += delta_text
+            self._run(final=False)
+        return self._take()
+
+    def finish(self) -> ReasoningDelta:
+        if not self._finished:
+            self._finished = True
+            self._run(final=True)
+            self._held_ws = ""  # the end of the reasoning: its trailing whitespace is layout
+        return self._take()
+
+    def parse(self, text: str) -> tuple[str | None, str | None]:
+        """One-shot: (reasoning, content), each None when empty. Fresh state, same prompt."""
+        fresh = object.__new__(type(self))
+        fresh._start(self._initial)
+        first, last = fresh.feed(text), fresh.finish()
+        return (first.reasoning + last.reasoning) or None, (first.content + last.content) or None
+
+    def _run(self, final: bool) -> None:
+        tags = (self.start_tag, self.end_tag)
+        buf = self._buf
+        while True:
+            i, tag = find_first(buf, tags)
+            if i < 0:
+                break
+            self._emit(buf[:i])
+            buf = buf[i + len(tag):]
+            if tag == self.end_tag and self._thinking:
+                self._thinking = False
+                self._held_ws = ""
+                self._section_start = True
+            elif tag == self.start_tag and not self._thinking:
+                self._thinking = True
+                self._section_start = True
+        keep = 0 if final else partial_suffix_len(buf, tags)
+        self._emit(buf[: len(buf) - keep])
+        self._buf = buf[len(buf) - keep:]
+
+    def _emit(self, text: str) -> None:
+        if not text:
+            return
+        if self._section_start:
+            text = text.lstrip()
+            if not text:
+                return
+            self._section_start = False
+        if not self._thinking:
+            self._content.append(text)
+            return
+        text = self._held_ws + text
+        body = text.rstrip()
+        self._held_ws = text[len(body):]
+        if body:
+            self._reasoning.append(body)
+
+    def _take(self) -> ReasoningDelta:
+        out = ReasoningDelta("".join(self._reasoning), "".join(self._content))
+        self._reasoning, self._content = [], []
+        return out

@@ -1,0 +1,61 @@
+"""Tool-call parsers, registered by name (`--tool-call-parser NAME`).
+
+    parser = get_tool_parser("hermes")(request_tools)   # one per request
+    delta = parser.feed(text)       # ToolDelta(content, calls): what can no longer change
+    delta = parser.finish()         # at the end of the output
+    parsed = parser.parse(text)     # one-shot: ParsedTools(content, calls)
+
+See docs/parsers.md.
+"""
+
+from __future__ import annotations
+
+from postproc.tool_parsers.base import (
+    FunctionCall,
+    FunctionCallDelta,
+    ParsedTools,
+    ToolCall,
+    ToolCallDelta,
+    ToolDelta,
+    ToolParser,
+    collect,
+)
+from postproc.tool_parsers.hermes import HermesToolParser
+from postproc.tool_parsers.llama3_json import Llama3JsonToolParser
+from postproc.tool_parsers.mistral import MistralToolParser
+from postproc.tool_parsers.pythonic import PythonicToolParser
+from postproc.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    cls.name: cls
+    for cls in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        PythonicToolParser,
+        Qwen3CoderToolParser,
+    )
+}
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class registered as `name`; ValueError naming the known ones if none."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        known = ", ".join(sorted(TOOL_PARSERS))
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {known}") from None
+
+
+__all__ = [
+    "TOOL_PARSERS",
+    "FunctionCall",
+    "FunctionCallDelta",
+    "ParsedTools",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolDelta",
+    "ToolParser",
+    "collect",
+    "get_tool_parser",
+]

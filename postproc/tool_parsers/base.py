@@ -1,0 +1,295 @@
+"""What every tool-call parser shares: the data shapes, call ids, and the streaming machinery.
+
+A parser instance holds one request's state. `feed(delta_text)` takes the next piece of
+detokenized output (after the reasoning parser, if any, has taken its part) and returns what
+can no longer change (SPEC O-2): content text, and whole tool calls as OpenAI streaming deltas.
+`finish()` flushes what was held back. `parse(text)` is the one-shot form, for non-streaming
+responses; it runs the same machine on the whole text, so a streamed request and a
+non-streamed one always agree, however the text was split.
+
+A call is emitted once it is complete and valid, as two deltas: the first with index, id,
+type "function", the function name and empty arguments; the second with the whole arguments
+JSON. Holding a call back until it is complete costs the client the sight of half-written
+arguments, and buys three things: no fragment is ever sent that later turns out not to be a
+call (a call that never finishes, or whose JSON is broken, is returned as content instead);
+the arguments are normalised JSON (`json.dumps`, non-ASCII kept) whatever the model's
+spacing was; and the streamed result equals the one-shot result exactly.
+
+Content rules, shared by all formats:
+- Delimiters (`<tool_call>`, `[TOOL_CALLS]`, ...) never appear in content, whole or in part:
+  a possible prefix of one at the end of the text is held back until it is decided.
+- Whitespace that only separates content from a call, or calls from each other, is not
+  content ("Let me check.\\n\\n<tool_call>..." gives content "Let me check."). Output without
+  calls comes back exactly as generated.
+- Text that fails to become a call (broken JSON, unfinished at the end) is content, with the
+  delimiters taken out: it is not lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import string
+from typing import Any, ClassVar
+
+import msgspec
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One entry of a chat chunk's `delta.tool_calls`; encodes to OpenAI's shape."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta
+
+
+class ToolDelta(msgspec.Struct):
+    content: str = ""
+    calls: list[ToolCallDelta] = msgspec.field(default_factory=list)
+
+
+class ParsedTools(msgspec.Struct):
+    content: str | None  # None when there is none (OpenAI's shape for a tool-call message)
+    calls: list[ToolCall]
+
+
+def partial_suffix_len(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of one of `markers`."""
+    best = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:k]):
+                best = k
+                break
+    return best
+
+
+def find_first(text: str, markers: tuple[str, ...], start: int = 0) -> tuple[int, str | None]:
+    """The earliest occurrence of any marker at or after `start`: (index, marker) or (-1, None)."""
+    best, which = -1, None
+    for marker in markers:
+        i = text.find(marker, start)
+        if i >= 0 and (best < 0 or i < best):
+            best, which = i, marker
+    return best, which
+
+
+def tools_by_name(tools: list[Any] | None) -> dict[str, dict]:
+    """OpenAI `tools` (function tools; dicts or Structs) -> {name: function dict}."""
+    out: dict[str, dict] = {}
+    for tool in tools or ():
+        if not isinstance(tool, dict):
+            tool = msgspec.to_builtins(tool)
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            out[function["name"]] = function
+    return out
+
+
+def arguments_json(value: Any) -> str | None:
+    """A call's arguments as a JSON object string, or None when they are not an object.
+
+    Accepts a dict, or a string holding a JSON object (some models double-encode).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dict):
+        return None
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return None
+
+
+def call_from_object(obj: Any) -> tuple[str, str] | None:
+    """{"name": ..., "arguments" | "parameters": {...}} -> (name, arguments JSON) or None."""
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    if "arguments" in obj:
+        args = obj["arguments"]
+    elif "parameters" in obj:
+        args = obj["parameters"]
+    else:
+        args = {}
+    text = arguments_json({} if args is None else args)
+    return None if text is None else (name, text)
+
+
+class ToolParser:
+    """Base class: subclasses implement `_step` (and `_reset`) for their format."""
+
+    name: ClassVar[str] = ""
+    # Strings that never appear in content (removed from fallback text too).
+    delimiters: ClassVar[tuple[str, ...]] = ()
+    id_length: ClassVar[int] = 24
+    id_prefix: ClassVar[str] = "call_"
+
+    def __init__(
+        self,
+        tools: list[Any] | None = None,
+        *,
+        call_id_seed: str | None = None,
+        prefill: str = "",
+    ):
+        """`tools`: the request's OpenAI tools (may be empty).
+
+        `call_id_seed`: when given (e.g. the request id), call ids are derived from it and the
+        call's index, so a replay of the same request on another worker produces the same
+        ids; otherwise they are random.
+
+        `prefill`: text the server put after the rendered prompt that the output continues,
+        such as a forced call's opening (`<tool_call>\n{"name": "f", "arguments": `, SPEC
+        C-3). It is parsed as the start of the output but never returned as content.
+        """
+        self._tools_arg = tools
+        self.tools = tools_by_name(tools)
+        self._call_id_seed = call_id_seed
+        self._prefill = prefill
+        self._buf = ""  # text received but not yet decided
+        self._content: list[str] = []
+        self._deltas: list[ToolCallDelta] = []
+        self._held_ws = ""  # trailing whitespace of content: kept only if content follows
+        self._after_call = False
+        self._num_calls = 0
+        self._finished = False
+        self._reset()
+        if prefill:
+            self.feed(prefill)  # whatever it completes on its own is not model output
+            self._content, self._deltas, self._num_calls = [], [], 0
+            self._held_ws, self._after_call = "", False
+
+    # -- the public interface ------------------------------------------------------------
+
+    def feed(self, delta_text: str) -> ToolDelta:
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        if delta_text:
+            self._buf += delta_text
+            while self._step(False):
+                pass
+        return self._take()
+
+    def finish(self) -> ToolDelta:
+        if not self._finished:
+            self._finished = True
+            while self._step(True):
+                pass
+            if self._buf:  # a subclass left text undecided: it is content
+                self._text(self._buf)
+                self._buf = ""
+            if self._held_ws and not self._after_call:
+                self._content.append(self._held_ws)
+            self._held_ws = ""
+        return self._take()
+
+    def parse(self, text: str) -> ParsedTools:
+        """One-shot parse of a whole output, on fresh state (this instance is untouched)."""
+        fresh = type(self)(
+            self._tools_arg, call_id_seed=self._call_id_seed, prefill=self._prefill
+        )
+        first, last = fresh.feed(text), fresh.finish()
+        return collect([first, last])
+
+    @property
+    def num_calls(self) -> int:
+        """Calls emitted so far (e.g. to pick finish_reason "tool_calls")."""
+        return self._num_calls
+
+    # -- for subclasses --------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        """Sets the format's own initial state."""
+
+    def _step(self, final: bool) -> bool:
+        """Consumes what it can decide from `self._buf`, calling `_text` / `_call`.
+
+        Returns True to be called again (progress made, state changed). With `final`, nothing
+        more will come: everything must be decided.
+        """
+        raise NotImplementedError
+
+    def _text(self, text: str) -> None:
+        for delimiter in self.delimiters:
+            if delimiter in text:
+                text = text.replace(delimiter, "")
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        text = self._held_ws + text
+        body = text.rstrip()
+        self._held_ws = text[len(body):]
+        if body:
+            self._content.append(body)
+
+    def _call(self, name: str, arguments: str, call_id: str | None = None) -> None:
+        self._held_ws = ""
+        self._after_call = True
+        index = self._num_calls
+        self._num_calls += 1
+        self._deltas.append(ToolCallDelta(
+            index=index, id=call_id or self._make_id(index), type="function",
+            function=FunctionCallDelta(name=name, arguments=""),
+        ))
+        self._deltas.append(
+            ToolCallDelta(index=index, function=FunctionCallDelta(arguments=arguments))
+        )
+
+    def _make_id(self, index: int) -> str:
+        n = self.id_length
+        if self._call_id_seed is None:
+            body = "".join(secrets.choice(_ALNUM) for _ in range(n))
+        else:
+            digest = hashlib.sha256(f"{self._call_id_seed}\0{index}".encode()).digest()
+            number = int.from_bytes(digest, "big")
+            chars = []
+            for _ in range(n):
+                number, r = divmod(number, len(_ALNUM))
+                chars.append(_ALNUM[r])
+            body = "".join(chars)
+        return self.id_prefix + body
+
+    def _take(self) -> ToolDelta:
+        out = ToolDelta("".join(self._content), self._deltas)
+        self._content, self._deltas = [], []
+        return out
+
+
+def collect(deltas: list[ToolDelta]) -> ParsedTools:
+    """Aggregates streamed deltas into the non-streaming result."""
+    content = "".join(d.content for d in deltas)
+    calls: list[ToolCall] = []
+    for delta in deltas:
+        for c in delta.calls:
+            if c.id is not None:
+                calls.append(ToolCall(id=c.id, function=FunctionCall(c.function.name or "", "")))
+            if c.function.arguments:
+                calls[c.index].function.arguments += c.function.arguments
+    return ParsedTools(content or None, calls)

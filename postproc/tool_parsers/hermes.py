@@ -1,0 +1,28 @@
+"""hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, anywhere.
+
+Used by Hermes 2/3, Qwen2.5 and Qwen3 (non-coder) chat templates. A block whose JSON is
+complete is accepted even when the output ends before `</tool_call>` (e.g. when the close tag
+is a stop string).
+"""
+
+from __future__ import annotations
+
+import json
+
+from postproc.tool_parsers.base import call_from_object
+from postproc.tool_parsers.tagged import TaggedBlockParser
+
+
+class HermesToolParser(TaggedBlockParser):
+    name = "hermes"
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+    delimiters = (open_tag, close_tag)
+
+    def _block_calls(self, body: str, terminated: bool) -> list[tuple[str, str]] | None:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        call = call_from_object(obj)
+        return [call] if call else None

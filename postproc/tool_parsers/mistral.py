@@ -1,0 +1,170 @@
+"""mistral: Mistral's `[TOOL_CALLS]`, in both of its spellings.
+
+    before v11 tokenizers:  [TOOL_CALLS] [{"name": "f", "arguments": {...}}, {...}]
+    v11 and later:          [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}
+    with call ids (v13):    [TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{...}
+
+`[ARGS]` may be missing when the detokenizer dropped it (`name{...}`). Content may come
+before the calls and after them. `[TOOL_CALLS]` is a special token: the request must keep
+special tokens in the detokenized text (skip_special_tokens=False).
+
+Call ids are 9 letters and digits (no `call_` prefix): Mistral chat templates reject any
+other shape when the conversation comes back with the tool results. An id the model wrote
+with `[CALL_ID]` is used as is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from postproc.tool_parsers.base import (
+    ToolParser,
+    arguments_json,
+    call_from_object,
+    find_first,
+    partial_suffix_len,
+)
+from postproc.tool_parsers.scanners import JsonValueEnd
+
+_BOT = "[TOOL_CALLS]"
+_ARGS = "[ARGS]"
+_CALL_ID = "[CALL_ID]"
+_NAME = re.compile(r"[\w.\-]*")
+
+_TEXT, _AFTER_BOT, _ARRAY, _NAMED = range(4)
+
+
+class MistralToolParser(ToolParser):
+    name = "mistral"
+    delimiters = (_BOT, _ARGS, _CALL_ID)
+    id_prefix = ""
+    id_length = 9
+
+    def _reset(self) -> None:
+        self._mode = _TEXT
+        self._scanner: JsonValueEnd | None = None
+
+    def _fallback(self) -> bool:
+        """The text after [TOOL_CALLS] is not a call: read it again as content."""
+        self._scanner = None
+        self._mode = _TEXT
+        return True
+
+    def _step(self, final: bool) -> bool:
+        buf = self._buf
+        if self._mode == _TEXT:
+            i, _ = find_first(buf, (_BOT,))
+            if i >= 0:
+                self._text(buf[:i])
+                self._buf = buf[i + len(_BOT):]
+                self._mode = _AFTER_BOT
+                return True
+            keep = 0 if final else partial_suffix_len(buf, self.delimiters)
+            if len(buf) > keep:
+                self._text(buf[: len(buf) - keep])
+                self._buf = buf[len(buf) - keep:]
+            return False
+        if self._mode == _AFTER_BOT:
+            rest = buf.lstrip()
+            if not rest:
+                if final:
+                    self._buf = ""
+                return False
+            self._mode = _ARRAY if rest[0] in "[{" and not rest.startswith(_ARGS) else _NAMED
+            return True
+        if self._mode == _ARRAY:
+            if self._scanner is None:
+                self._array_start = len(buf) - len(buf.lstrip())
+                self._scanner = JsonValueEnd(self._array_start)
+            end = self._scanner.scan(buf)
+            if end is None:
+                return self._fallback() if final else False
+            calls = _array_calls(buf[self._array_start:end])
+            if calls is None:
+                return self._fallback()
+            self._scanner = None
+            for name, arguments in calls:
+                self._call(name, arguments)
+            self._buf = buf[end:]
+            self._mode = _TEXT
+            return True
+        return self._named(buf, final)
+
+    def _named(self, buf: str, final: bool) -> bool:
+        if self._scanner is None:
+            header = _header(buf, final)
+            if header is _WAIT:
+                return False
+            if header is _FAIL:
+                return self._fallback()
+            name, call_id, args_start = header
+            self._scanner = JsonValueEnd(args_start)
+            self._pending = (name, call_id, args_start)
+        end = self._scanner.scan(buf)
+        if end is None:
+            return self._fallback() if final else False
+        name, call_id, args_start = self._pending
+        arguments = arguments_json(buf[args_start:end])
+        if arguments is None:
+            return self._fallback()
+        self._scanner = None
+        self._call(name, arguments, call_id)
+        self._buf = buf[end:]
+        self._mode = _TEXT
+        return True
+
+
+_WAIT = object()
+_FAIL = object()
+
+
+def _header(buf: str, final: bool):
+    """`name[CALL_ID]id[ARGS]` -> (name, call id or None, where the arguments' `{` is),
+    or _WAIT while it may still become one, or _FAIL when it cannot."""
+    start = len(buf) - len(buf.lstrip())
+    pos = _NAME.match(buf, start).end()
+    name = buf[start:pos]
+    call_id = None
+    if buf.startswith(_CALL_ID, pos):
+        id_start = pos + len(_CALL_ID)
+        id_end = buf.find(_ARGS, id_start)
+        if id_end < 0:
+            tail = buf[id_start:]
+            body = tail[: len(tail) - partial_suffix_len(tail, (_ARGS,))]
+            if final or not (body == "" or body.isalnum()):
+                return _FAIL
+            return _WAIT
+        call_id = buf[id_start:id_end]
+        if not call_id.isalnum():
+            return _FAIL
+        pos = id_end + len(_ARGS)
+    elif buf.startswith(_ARGS, pos):
+        pos += len(_ARGS)
+    else:
+        rest = buf[pos:]
+        if not rest or _ARGS.startswith(rest) or _CALL_ID.startswith(rest):
+            return _FAIL if final else _WAIT  # the name, or its marker, is still arriving
+        if rest[0] != "{":
+            return _FAIL
+    stripped = buf[pos:].lstrip()
+    if not stripped:
+        return _FAIL if final else _WAIT
+    if stripped[0] != "{" or not name:
+        return _FAIL
+    return name, call_id, len(buf) - len(stripped)
+
+
+def _array_calls(text: str) -> list[tuple[str, str]] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        return None
+    calls = [call_from_object(item) for item in value]
+    if any(call is None for call in calls):
+        return None
+    return calls

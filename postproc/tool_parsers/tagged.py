@@ -1,0 +1,60 @@
+"""Formats where each call sits between an open and a close tag (hermes, qwen3_coder)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from postproc.tool_parsers.base import ToolParser, find_first, partial_suffix_len
+
+
+class TaggedBlockParser(ToolParser):
+    open_tag: ClassVar[str]
+    close_tag: ClassVar[str]
+
+    def _reset(self) -> None:
+        self._in_block = False
+        self._search_from = 0  # inside a block: where the next tag search starts
+
+    def _block_calls(self, body: str, terminated: bool) -> list[tuple[str, str]] | None:
+        """The calls in one block's body, or None if it is not a valid call.
+
+        `terminated` is False for a block the output ended inside (no close tag)."""
+        raise NotImplementedError
+
+    def _step(self, final: bool) -> bool:
+        tags = (self.open_tag, self.close_tag)
+        buf = self._buf
+        if not self._in_block:
+            i, tag = find_first(buf, tags)
+            if i >= 0:
+                self._text(buf[:i])
+                self._buf = buf[i + len(tag):]
+                if tag == self.open_tag:
+                    self._in_block = True
+                    self._search_from = 0
+                return True  # a stray close tag is simply dropped
+            keep = 0 if final else partial_suffix_len(buf, tags)
+            if len(buf) > keep:
+                self._text(buf[: len(buf) - keep])
+                self._buf = buf[len(buf) - keep:]
+            return False
+        # Inside a block: it ends at the close tag, or where the next block opens (a model
+        # that forgot to close one), or at the end of the output.
+        i, tag = find_first(buf, tags, self._search_from)
+        if i < 0:
+            if not final:
+                self._search_from = max(0, len(buf) - max(len(t) for t in tags) + 1)
+                return False
+            body, rest, terminated = buf, "", False
+        else:
+            body, terminated = buf[:i], True
+            rest = buf[i + len(tag):] if tag == self.close_tag else buf[i:]
+        calls = self._block_calls(body, terminated)
+        if calls:
+            for name, arguments in calls:
+                self._call(name, arguments)
+        else:
+            self._text(body)  # not a call after all: content, without the tags
+        self._buf = rest
+        self._in_block = False
+        return bool(rest) or not final
