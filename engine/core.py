@@ -50,6 +50,8 @@ class EngineCore:
         self.max_seqs_in_step = 0
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_preemptions = 0
+        self.num_computed_tokens = 0
         # Outputs produced outside a step (rejections, aborts), sent with the next batch.
         self._pending: list[tuple[str, RequestOutput]] = []
 
@@ -79,6 +81,8 @@ class EngineCore:
             max_output_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
             generator=generator,
             min_tokens_banned=self._min_tokens_banned(params),
+            cache_salt=request.cache_salt,
+            priority=request.priority,
         )
         self.sequences[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -103,8 +107,17 @@ class EngineCore:
             )
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             return f"prompt token ids must lie in [0, {self.vocab_size})"
-        if request.params.max_tokens < 1:
+        params = request.params
+        if params.max_tokens < 1:
             return "max_tokens must be at least 1"
+        # Frontends check these too; a bad value here would index past the logits or
+        # overflow a generator and take the whole engine down, so refuse it per request.
+        if params.seed is not None and not 0 <= params.seed < 2**64:
+            return "seed must lie in [0, 2**64)"
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                return f"{name} token ids must lie in [0, {self.vocab_size})"
         return None
 
     def _reject(self, request: EngineRequest, num_prompt: int, message: str) -> None:
@@ -139,12 +152,15 @@ class EngineCore:
             return outputs
         result = self.runner.execute(plan.chunks)
         self.num_steps += 1
+        self.num_preemptions += len(plan.preempted)
+        self.num_computed_tokens += plan.num_tokens
         self.max_seqs_in_step = max(self.max_seqs_in_step, len(plan.chunks))
         now = time.time()
         sampled = iter(result.sampled)
         for chunk in plan.chunks:
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
+            self.scheduler.computed(seq)
             part = result.prompt_logprobs.get(seq.request_id)
             if part is not None:
                 seq.prompt_logprob_parts[part.start] = part
@@ -215,6 +231,10 @@ class EngineCore:
             num_finished=self.num_finished,
             num_aborted=self.num_aborted,
             sent_at=time.time(),
+            num_preemptions=self.num_preemptions,
+            num_computed_tokens=self.num_computed_tokens,
+            prefix_cache_queries=self.allocator.prefix_queries,
+            prefix_cache_hits=self.allocator.prefix_hits,
         )
 
 

@@ -27,8 +27,10 @@ def _logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             cols.append(token_id)
             values.append(bias)
     if rows:
+        device = logits.device
         logits.index_put_(
-            (torch.tensor(rows), torch.tensor(cols)), torch.tensor(values), accumulate=True
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(values, device=device), accumulate=True,
         )
 
 
@@ -41,7 +43,8 @@ def _min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         rows.extend([i] * len(seq.min_tokens_banned))
         cols.extend(seq.min_tokens_banned)
     if rows:
-        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
 
 
 def _penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -49,8 +52,10 @@ def _penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     repetition = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if repetition:
         # Counts prompt and output tokens (SPEC P-11).
-        seen = _counts([seqs[i].token_ids for i in repetition], vocab) > 0
-        penalty = torch.tensor([seqs[i].params.repetition_penalty for i in repetition])
+        seen = (_counts([seqs[i].token_ids for i in repetition], vocab) > 0).to(logits.device)
+        penalty = torch.tensor(
+            [seqs[i].params.repetition_penalty for i in repetition], device=logits.device
+        )
         rows = logits[repetition]
         scaled = torch.where(rows > 0, rows / penalty[:, None], rows * penalty[:, None])
         logits[repetition] = torch.where(seen, scaled, rows)
@@ -60,9 +65,13 @@ def _penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     ]
     if additive:
         # Counts output tokens only (SPEC P-11).
-        counts = _counts([seqs[i].output_ids for i in additive], vocab)
-        frequency = torch.tensor([seqs[i].params.frequency_penalty for i in additive])
-        presence = torch.tensor([seqs[i].params.presence_penalty for i in additive])
+        counts = _counts([seqs[i].output_ids for i in additive], vocab).to(logits.device)
+        frequency = torch.tensor(
+            [seqs[i].params.frequency_penalty for i in additive], device=logits.device
+        )
+        presence = torch.tensor(
+            [seqs[i].params.presence_penalty for i in additive], device=logits.device
+        )
         logits[additive] -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
 
 

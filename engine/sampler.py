@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from engine.models.ops import top_k_top_p_sample
 from shared.protocol import SamplingParams
 
 _GREEDY_EPSILON = 1e-5
@@ -49,7 +50,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     if rows.all_greedy:
         return tokens
     random_rows = (rows.temperature >= _GREEDY_EPSILON).nonzero().squeeze(1)
-    scaled = logits[random_rows] / rows.temperature[random_rows].unsqueeze(1)
+    scaled = logits[random_rows] / rows.temperature[random_rows].unsqueeze(1).to(logits.device)
     picked = _sample_filtered(
         scaled,
         rows.top_k[random_rows],
@@ -69,16 +70,25 @@ def _sample_filtered(
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
     vocab = logits.shape[-1]
+    # The row parameters are built on the CPU; on CUDA they follow the logits.
+    device = logits.device
+    top_k, top_p = top_k.to(device), top_p.to(device)
     if min_p is not None:
+        min_p = min_p.to(device)
         # Drop tokens less likely than min_p times the most likely one.
         probs = logits.softmax(dim=-1)
         floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
+    if logits.is_cuda and all(g is None for g in generators):
+        # FlashInfer's fused top-k/top-p kernel, where installed (rows without a seed only).
+        picked = top_k_top_p_sample(logits, top_k, top_p)
+        if picked is not None:
+            return picked
     if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
         probs = logits.softmax(dim=-1)
         return _race(probs, generators)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the mass before it already reaches top_p; the first always stays.
@@ -92,7 +102,12 @@ def _sample_filtered(
 def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     noise = torch.empty_like(probs)
     for i, gen in enumerate(generators):
-        noise[i].exponential_(generator=gen)
+        if gen is not None and gen.device != noise.device:
+            # A seeded row's CPU generator draws on the CPU: the same noise on every device.
+            noise[i].copy_(torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(
+                generator=gen))
+        else:
+            noise[i].exponential_(generator=gen)
     return (probs / noise).argmax(dim=-1)
 
 
@@ -104,5 +119,5 @@ def token_logprobs(
     logprobs = logits.log_softmax(dim=-1)
     picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     top_lps, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (
-        logprobs[:, :0], torch.zeros((len(logits), 0), dtype=torch.long))
+        logprobs[:, :0], torch.zeros((len(logits), 0), dtype=torch.long, device=logits.device))
     return picked, top_ids, top_lps

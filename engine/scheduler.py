@@ -2,20 +2,27 @@
 
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first (a decode
 costs one token, an unfinished prefill continues with the next chunk), then waiting ones are
-admitted in arrival order while budget, pages and `max_num_seqs` allow. A prompt longer than
+admitted in queue order while budget, pages and `max_num_seqs` allow. A prompt longer than
 the budget is prefilled in chunks over several steps, so long prompts never stall decodes.
-When pages run out, the most recently admitted sequence is preempted: its pages are freed and
-it goes back to the front of the queue to be recomputed later, so nothing is lost.
+
+Queue order is arrival (`fcfs`) or (priority, arrival) (`priority`, lower first). When pages
+run out, the running sequence that comes last in that order is preempted: its pages are
+released (full ones stay in the prefix cache) and it goes back to the queue to be recomputed,
+so nothing is lost. On admission a sequence takes every leading full page the prefix cache
+already holds and skips their prefill.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 
 import msgspec
 
-from engine.kv_cache import OutOfPages, PageAllocator
+from engine.kv_cache import OutOfPages, PageAllocator, chain_hash, root_hash
 from engine.sequence import Sequence, SequenceStatus
+
+POLICIES = ("fcfs", "priority")
 
 
 class ScheduledChunk(msgspec.Struct):
@@ -40,20 +47,35 @@ class SchedulerOutput(msgspec.Struct):
 
 class Scheduler:
     def __init__(
-        self, allocator: PageAllocator, max_num_batched_tokens: int, max_num_seqs: int
+        self,
+        allocator: PageAllocator,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}")
         self.allocator = allocator
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy
+        self.waiting: list[Sequence] = []  # kept sorted by _key
         self.running: list[Sequence] = []
+        self._arrivals = itertools.count()
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        return (seq.priority if self.policy == "priority" else 0, seq.order)
+
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.order = next(self._arrivals)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=self._key)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -74,16 +96,31 @@ class Scheduler:
             if preempted:
                 break  # memory is short this step; don't admit what we just evicted
             seq = self.waiting[0]
+            if seq.num_computed == 0 and not seq.pages:
+                self._take_cached_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             if not self._try_grow(seq, n):
+                # A waiting sequence holds no pages, or it could starve the running ones;
+                # its cached pages stay in the prefix cache for the next attempt.
+                self._free_pages(seq)
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            # Running stays in queue order too, so the victim of a preemption (the last one)
+            # is never a sequence already scheduled earlier in this step.
+            bisect.insort(self.running, seq, key=self._key)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
 
         return SchedulerOutput(chunks, preempted)
+
+    def computed(self, seq: Sequence) -> None:
+        """After a step: record the sequence's newly filled pages in the prefix cache."""
+        full = seq.num_computed // self.allocator.page_size
+        self._extend_hashes(seq, full)
+        for i in range(seq.num_registered_pages, full):
+            self.allocator.register(seq.pages[i], seq.page_hashes[i])
+        seq.num_registered_pages = max(seq.num_registered_pages, full)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and return its pages."""
@@ -93,6 +130,24 @@ class Scheduler:
             self.waiting.remove(seq)
         self._free_pages(seq)
         seq.status = SequenceStatus.FINISHED
+
+    # ---------------------------------------------------------------- prefix cache
+
+    def _extend_hashes(self, seq: Sequence, num_pages: int) -> None:
+        size = self.allocator.page_size
+        while len(seq.page_hashes) < num_pages:
+            i = len(seq.page_hashes)
+            parent = seq.page_hashes[-1] if i else root_hash(seq.cache_salt)
+            seq.page_hashes.append(chain_hash(parent, seq.token_ids[i * size : (i + 1) * size]))
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        # At least one token must still be computed: its logits give the next token.
+        cacheable = (len(seq.token_ids) - 1) // self.allocator.page_size
+        self._extend_hashes(seq, cacheable)
+        pages = self.allocator.cached_prefix(seq.page_hashes[:cacheable])
+        seq.pages = pages
+        seq.num_computed = len(pages) * self.allocator.page_size
+        seq.num_registered_pages = len(pages)
 
     # ---------------------------------------------------------------- pages
 
@@ -118,10 +173,11 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_pages(seq)
-        seq.num_computed = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)
 
     def _free_pages(self, seq: Sequence) -> None:
         self.allocator.release(seq.pages)
         seq.pages = []
+        seq.num_computed = 0
+        seq.num_registered_pages = 0

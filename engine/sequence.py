@@ -25,10 +25,16 @@ class Sequence(msgspec.Struct, kw_only=True):
     arrival_time: float
     # Generated tokens may not exceed this; already capped by max_model_len.
     max_output_tokens: int
+    cache_salt: str | None = None
+    priority: int = 0  # lower runs first under the priority policy
+    order: int = 0  # arrival order in the engine, the FCFS key and the tie-breaker
     status: SequenceStatus = SequenceStatus.WAITING
     pages: list[int] = []
     # Tokens whose K/V are in the cache. Reset to 0 when preempted (recompute).
     num_computed: int = 0
+    # Prefix-cache hashes of the full pages of token_ids, computed as pages fill.
+    page_hashes: list[bytes] = []
+    num_registered_pages: int = 0  # leading pages already recorded in the prefix cache
     # Outputs already reported to the frontend, so a step reports only what is new.
     num_reported: int = 0
     generator: torch.Generator | None = None

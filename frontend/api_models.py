@@ -1,8 +1,13 @@
 """OpenAI request and response bodies as msgspec Structs.
 
-Requests forbid unknown fields so a typo is a 400 naming the field, before any work. Fields of
-the OpenAI API that we accept but do not honour yet are listed in `UNSUPPORTED_WHEN_SET`;
-sending them with a non-default value is a 400 saying so, rather than silently ignored.
+Requests forbid unknown fields so a typo is a 400 naming the field, before any work (SPEC P-1).
+Every field of the current OpenAI API is known: the ones we cannot honour are listed in the
+`*UNSUPPORTED_WHEN_SET` tuples (a non-default value is a 400 saying so, rather than silently
+ignored), the ones that change nothing about the tokens in `ACCEPTED_AND_IGNORED`.
+`docs/openai-compat.md` lists every field with its status; a unit test keeps it true.
+
+OpenAI marks most optional fields nullable, and clients do send `"n": null`: a null in a field
+with a non-null default means that default (`_NullMeansDefault`).
 """
 
 from __future__ import annotations
@@ -13,10 +18,30 @@ import msgspec
 
 # ---------------------------------------------------------------- requests
 
+_NULL_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+
+class _NullMeansDefault(msgspec.Struct):
+    """After decoding, a field sent as null that has a non-null default takes that default."""
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        defaults = _NULL_DEFAULTS.get(cls)
+        if defaults is None:
+            defaults = _NULL_DEFAULTS[cls] = tuple(
+                (f.name, f.default) for f in msgspec.structs.fields(cls)
+                if f.default is not msgspec.NODEFAULT and f.default is not None
+            )
+        for name, default in defaults:
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+
+class StreamOptions(_NullMeansDefault, forbid_unknown_fields=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
+    # Newer OpenAI clients send it; we never add obfuscation padding, so it changes nothing.
+    include_obfuscation: bool | None = None
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -26,6 +51,7 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     input_audio: Any = None
     file: Any = None
     refusal: str | None = None
+    prompt_cache_breakpoint: Any = None  # a caching hint: changes nothing about the tokens
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -40,27 +66,27 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     function_call: Any = None
 
 
-class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     user: str | None = None
     # vLLM-compatible extensions
     top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float | None = 0.0
+    repetition_penalty: float | None = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -68,6 +94,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # default: left (keep the end)
     prompt_token_ids: list[int] | str | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -89,7 +116,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     response_format: dict[str, Any] | None = None
     functions: Any = None
     function_call: Any = None
-    # Accepted and ignored: they change nothing about the tokens.
+    # Accepted and ignored (ACCEPTED_AND_IGNORED) or rejected when set (the UNSUPPORTED lists).
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -101,12 +128,15 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: str | None = None
     # vLLM-compatible chat extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    echo: bool = False
+    echo: bool | None = False
     documents: Any = None
 
 
@@ -114,16 +144,37 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     # str, list[str], list[int] or list[list[int]]; msgspec allows one array type per
     # union, so the element kinds are checked when the prompt is read.
     prompt: str | list[str | int | list[int]] | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
 
-# Fields we know but cannot honour yet: (field, default) — a different value is a 400.
+class TokenizeRequest(_NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /tokenize: either `prompt` (text) or `messages` (rendered with the chat
+    template first), never both. add_special_tokens defaults as on the generation endpoints:
+    True for a prompt, False for messages (the template already holds BOS, SPEC T-4)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+# Fields we know but cannot honour yet: (field, default) — a different value is a 400
+# (unless it means the same as the default: `NEUTRAL_VALUES`).
 # Entries leave these lists as the features land; docs/openai-compat.md is checked against them.
 UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
-    ("truncate_prompt_tokens", None),
     ("guided_json", None),
     ("guided_regex", None),
     ("guided_choice", None),
@@ -132,17 +183,49 @@ UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
 )
 CHAT_UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
     ("tools", None),
+    ("tool_choice", None),
     ("functions", None),
     ("function_call", None),
     ("response_format", None),
     ("echo", False),
-    ("continue_final_message", False),
-    ("chat_template", None),
     ("documents", None),
     ("audio", None),
-    ("prediction", None),
+    ("modalities", None),
+    ("moderation", None),
     ("web_search_options", None),
 )
+COMPLETION_UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
+    ("suffix", None),  # SPEC P-6: reject, don't ignore
+)
+# Values of unsupported fields that ask for nothing beyond the default, so they pass.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none",),  # SPEC P-6: fine without tools
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),  # SPEC P-8: text means no constraint
+    "modalities": (["text"],),
+}
+# Fields accepted with any value because they change nothing about the tokens we produce
+# (bookkeeping, billing, caching and routing hints, or knobs of features we never run).
+ACCEPTED_AND_IGNORED: frozenset[str] = frozenset({
+    "user",
+    "spaces_between_special_tokens",
+    # chat only
+    "parallel_tool_calls",
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "reasoning_effort",
+    "verbosity",
+    "prediction",
+    # stream_options
+    "include_obfuscation",
+})
 
 
 # ---------------------------------------------------------------- responses
@@ -263,3 +346,12 @@ class CompletionLogprobs(msgspec.Struct):
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from frontend import serving
-from frontend.api_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from frontend.api_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from frontend.errors import APIError, error_response
 from frontend.metrics import metrics_registry, render
 from frontend.serving import ServingContext
@@ -32,11 +41,22 @@ async def _decode(request: Request, body_type):
         raise APIError(400, f"The request body is not valid JSON: {exc}") from exc
 
 
+_FIELD_PROBLEM = re.compile(r"Object (?:contains unknown|missing required) field `([^`]*)`")
+
+
 def _param_of(message: str) -> str | None:
-    # msgspec says e.g. "Object contains unknown field `temprature` - at `$`".
-    if "`" in message:
-        return message.split("`")[1]
-    return None
+    """The request field a msgspec validation error is about, as a dotted path.
+
+    msgspec says e.g. "Object contains unknown field `temprature` - at `$`",
+    "Expected `int`, got `str` - at `$.n`" or "... - at `$.messages[0]`".
+    """
+    path = ""
+    if " - at `$" in message:
+        path = message.rsplit(" - at `$", 1)[1].rstrip("`").lstrip(".")
+    named = _FIELD_PROBLEM.match(message)
+    if named:
+        return f"{path}.{named.group(1)}" if path else named.group(1)
+    return path or None
 
 
 def _guarded(handler):
@@ -76,7 +96,19 @@ def build_app(ctx: ServingContext) -> Starlette:
         body = await _decode(request, CompletionRequest)
         return await serving.completion(ctx, request, body)
 
+    async def tokenize(request: Request) -> Response:
+        body = await _decode(request, TokenizeRequest)
+        result = await serving.tokenize(ctx, body)
+        return Response(_json.encode(result), media_type="application/json")
+
+    async def detokenize(request: Request) -> Response:
+        body = await _decode(request, DetokenizeRequest)
+        result = await serving.detokenize(ctx, body)
+        return Response(_json.encode(result), media_type="application/json")
+
     async def metrics(request: Request) -> Response:
+        if ctx.client.engine_alive:
+            await ctx.client.refresh_stats()
         return Response(render(registry), media_type="text/plain; version=0.0.4")
 
     @contextlib.asynccontextmanager
@@ -94,6 +126,17 @@ def build_app(ctx: ServingContext) -> Starlette:
         Route("/v1/models", _guarded(models), methods=["GET"]),
         Route("/v1/chat/completions", _guarded(chat), methods=["POST"]),
         Route("/v1/completions", _guarded(completions), methods=["POST"]),
+        Route("/tokenize", _guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", _guarded(detokenize), methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+    )
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own errors (unknown path 404, wrong method 405) in the one error shape."""
+    response = error_response(APIError(exc.status_code, exc.detail or "request failed"))
+    response.headers.update(exc.headers or {})
+    return response

@@ -67,6 +67,7 @@ class EngineClient:
         self._stopping = threading.Event()
         self._tasks: list[asyncio.Task] = []
         self._sends: set[asyncio.Future] = set()
+        self._stats_arrived = asyncio.Event()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -118,6 +119,17 @@ class EngineClient:
             if isinstance(message, EngineStats):
                 self.stats = message
                 self._last_heard = time.monotonic()
+                self._stats_arrived.set()
+                self._stats_arrived = asyncio.Event()
+
+    async def refresh_stats(self, timeout_s: float = 1.0) -> None:
+        """Ask the engine for its stats now, so a scrape never shows a second-old picture."""
+        arrived = self._stats_arrived
+        await self._dealer.send(encode(Ping(sender_id=self.frontend_id, sent_at=time.time())))
+        try:
+            await asyncio.wait_for(arrived.wait(), timeout_s)
+        except TimeoutError:
+            pass  # the engine is busy or gone: the heartbeat's picture has to do
 
     # ---------------------------------------------------------------- requests
 
@@ -136,6 +148,10 @@ class EngineClient:
         self.processor.discard(request_id)
         if stream is not None and not stream.finished:
             await self._dealer.send(encode(AbortRequest([request_id])))
+
+    def in_flight(self, request_id: str) -> bool:
+        """Whether this frontend already has a request with this id running."""
+        return request_id in self._streams
 
     def release(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -19,6 +19,11 @@ _COUNTERS = (
     ("num_steps", "sluice:engine_steps", "Model steps the engine has run."),
     ("num_finished", "sluice:requests_finished", "Requests the engine finished."),
     ("num_aborted", "sluice:requests_aborted", "Requests aborted before they finished."),
+    ("num_preemptions", "sluice:num_preemptions", "Sequences preempted for lack of KV pages."),
+    ("num_computed_tokens", "sluice:computed_tokens", "Tokens fed through the model."),
+    ("prefix_cache_queries", "sluice:prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "sluice:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
 )
 
 

@@ -13,6 +13,8 @@ import msgspec
 
 from frontend.api_models import (
     CHAT_UNSUPPORTED_WHEN_SET,
+    COMPLETION_UNSUPPORTED_WHEN_SET,
+    NEUTRAL_VALUES,
     UNSUPPORTED_WHEN_SET,
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,15 +45,17 @@ def check_request(request: Request) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if request.n < 1:
         raise bad_request("n must be at least 1", "n")
+    if request.cache_salt is not None and not request.cache_salt:
+        raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
     if isinstance(request, ChatCompletionRequest):
         _check_chat(request)
+        unsupported = UNSUPPORTED_WHEN_SET + CHAT_UNSUPPORTED_WHEN_SET
     else:
         _check_completion(request)
-    unsupported = UNSUPPORTED_WHEN_SET
-    if isinstance(request, ChatCompletionRequest):
-        unsupported += CHAT_UNSUPPORTED_WHEN_SET
+        unsupported = UNSUPPORTED_WHEN_SET + COMPLETION_UNSUPPORTED_WHEN_SET
     for field, default in unsupported:
-        if getattr(request, field, default) != default:
+        value = getattr(request, field, default)
+        if value != default and value not in NEUTRAL_VALUES.get(field, ()):
             raise bad_request(f"'{field}' is not supported by this server yet", field)
 
 
@@ -76,8 +80,6 @@ def _check_chat(request: ChatCompletionRequest) -> None:
 
 
 def _check_completion(request: CompletionRequest) -> None:
-    if request.suffix is not None:
-        raise bad_request("suffix is not supported", "suffix")
     logprobs = request.logprobs
     if logprobs is not None:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int):
@@ -112,7 +114,7 @@ def plan_request(
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=0 if request.top_k in (None, -1) else request.top_k,
         seed=None if request.seed is None else request.seed % _SEED_RANGE,
-        stop_token_ids=list(request.stop_token_ids or []),
+        stop_token_ids=_stop_token_ids(request.stop_token_ids, vocab_size),
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
         min_p=request.min_p,
@@ -141,18 +143,19 @@ def _max_tokens(request: Request, endpoint: str, prompt_len: int, max_model_len:
             f"has {prompt_len} tokens, which leaves no room for the answer.",
             "messages" if endpoint == "chat" else "prompt",
         )
-    asked = request.max_tokens
+    asked, field = request.max_tokens, "max_tokens"
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
-        asked = request.max_completion_tokens
+        # The newer name wins when a client sends both, as in vLLM.
+        asked, field = request.max_completion_tokens, "max_completion_tokens"
     if asked is None:
         return COMPLETIONS_DEFAULT_MAX_TOKENS if endpoint == "completions" else room
     if asked < 1:
-        raise bad_request("max_tokens must be at least 1", "max_tokens")
+        raise bad_request(f"{field} must be at least 1", field)
     if asked > room:
         raise bad_request(
-            f"max_tokens={asked} is too large: the prompt has {prompt_len} tokens and this "
+            f"{field}={asked} is too large: the prompt has {prompt_len} tokens and this "
             f"model's maximum context length is {max_model_len}.",
-            "max_tokens",
+            field,
         )
     return asked
 
@@ -177,10 +180,10 @@ def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> list[tup
         return []
     pairs = []
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        # Plain decimal digits only: int() would also take " 5", "1_0" or non-ASCII digits.
+        if not (key.isascii() and key.lstrip("-").isdigit()):
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        token_id = int(key)
         if not 0 <= token_id < vocab_size:
             raise bad_request(
                 f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
@@ -188,6 +191,18 @@ def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> list[tup
             )
         pairs.append((token_id, max(-_BIAS_LIMIT, min(_BIAS_LIMIT, float(value)))))
     return pairs
+
+
+def _stop_token_ids(ids: list[int] | None, vocab_size: int) -> list[int]:
+    if not ids:
+        return []
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(
+                f"stop_token_ids entry {token_id} is outside the vocabulary [0, {vocab_size})",
+                "stop_token_ids",
+            )
+    return list(ids)
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -31,10 +31,16 @@ from frontend.api_models import (
     CompletionChoice,
     CompletionRequest,
     Delta,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
 )
+from frontend.budgets import BudgetError, TokenizeParams
 from frontend.engine_client import EngineClient, EngineUnavailable
-from frontend.errors import APIError, error_body
+from frontend.errors import APIError, bad_request, error_body
+from frontend.input_stage import _render as render_messages
 from frontend.input_stage import chat_prompt_ids, completion_prompt_ids
 from frontend.output_format import (
     chat_logprobs,
@@ -117,18 +123,27 @@ def build_job(
     for i in range(plan.candidates):
         params = plan.params
         if params.seed is not None and i > 0:
-            # Each candidate draws its own sample; seed + i keeps the set reproducible.
-            params = msgspec.structs.replace(params, seed=params.seed + i)
+            # Each candidate draws its own sample; seed + i keeps the set reproducible. The
+            # engine's generators take seeds below 2**64, so wrap rather than overflow.
+            params = msgspec.structs.replace(params, seed=(params.seed + i) % 2**64)
         candidates.append(EngineRequest(
             request_id=request_id if plan.candidates == 1 else f"{request_id}-{i}",
             prompt_token_ids=packed, params=params, reply_to=ctx.client.result_address,
             arrival_time=now, output=plan.output,
+            cache_salt=request.cache_salt, priority=request.priority,  # SPEC P-12
         ))
     index_of = {c.request_id: i for i, c in enumerate(candidates)}
     return Job(request_id, int(now), prompt_ids, plan, candidates, index_of)
 
 
 async def _submit(ctx: ServingContext, job: Job) -> asyncio.Queue:
+    for candidate in job.candidates:
+        if ctx.client.in_flight(candidate.request_id):
+            # Registering it again would steal the running request's frames.
+            raise APIError(
+                400, f"a request with request_id {candidate.request_id!r} is already running",
+                "request_id",
+            )
     queue: asyncio.Queue = asyncio.Queue()
     try:
         for candidate in job.candidates:
@@ -268,8 +283,9 @@ async def _chat_stream(ctx, request: ChatCompletionRequest, job: Job, frames):
         return _event(ChatCompletionChunk(job.request_id, job.created, ctx.model_name, choices,
                                           with_usage))
 
+    opening = Usage(len(job.prompt_ids), 0, len(job.prompt_ids)) if continuous else None
     for i in range(job.plan.n):
-        yield chunk([ChatChunkChoice(i, Delta(role="assistant"))])
+        yield chunk([ChatChunkChoice(i, Delta(role="assistant"))], opening)
     async with aclosing(frames):
         async for index, frame in frames:
             if frame.finish_reason == "error":
@@ -376,3 +392,50 @@ def _sse(events) -> StreamingResponse:
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize
+
+
+async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> TokenizeResponse:
+    """vLLM's /tokenize: the ids a prompt (or rendered messages) would have, under the same
+    budgets as a generation request, so a text too long to serve is a 400 here too."""
+    check_model(ctx, request.model)
+    limit = max_model_len(ctx)
+    if (request.prompt is None) == (request.messages is None):
+        raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
+    if request.prompt is not None:
+        text, field, add_special = request.prompt, "prompt", True
+    else:
+        if not request.messages:
+            raise bad_request("messages must not be empty", "messages")
+        chat = ChatCompletionRequest(
+            messages=request.messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template=request.chat_template,
+            chat_template_kwargs=request.chat_template_kwargs,
+            tools=request.tools,
+        )
+        # The template already holds BOS, so no special tokens by default (SPEC T-4).
+        text, field, add_special = (await render_messages(ctx, chat)).text, "messages", False
+    if request.add_special_tokens is not None:
+        add_special = request.add_special_tokens
+    params = TokenizeParams(max_total_tokens=limit, add_special_tokens=add_special)
+    try:
+        tokens = await ctx.tokenization.tokenize(text, params)
+    except BudgetError as exc:
+        raise bad_request(str(exc), exc.param or field) from exc
+    return TokenizeResponse(count=len(tokens.ids), max_model_len=limit, tokens=tokens.ids)
+
+
+async def detokenize(ctx: ServingContext, request: DetokenizeRequest) -> DetokenizeResponse:
+    check_model(ctx, request.model)
+    for token_id in request.tokens:
+        if not 0 <= token_id < ctx.vocab_size:
+            raise bad_request(
+                f"token id {token_id} is outside the vocabulary [0, {ctx.vocab_size})", "tokens"
+            )
+    # As vLLM (and tokenizer.decode's default): special tokens stay in the text.
+    text = await ctx.tokenization.decode(request.tokens, skip_special_tokens=False)
+    return DetokenizeResponse(prompt=text)

@@ -72,7 +72,13 @@ class OutputProcessor:
     def _frame(self, state: RequestState, output: RequestOutput) -> TextFrame:
         ids = unpack_ids(output.new_token_ids)
         finished = output.finish_reason is not None
-        text = state.detokenizer.push(ids.tolist()) if len(ids) else ""
+        text_ids = ids
+        if (output.finish_reason == "stop" and len(ids)
+                and not state.params.include_stop_str_in_output):
+            # The engine stops with "stop" only on EOS or a stop_token_id, the last token:
+            # like a stop string, it is left out of the text unless asked for (SPEC O-3).
+            text_ids = ids[:-1]
+        text = state.detokenizer.push(text_ids.tolist()) if len(text_ids) else ""
         if finished:
             text += state.detokenizer.flush()
         finish_reason, stop_reason = output.finish_reason, output.stop_reason

@@ -36,15 +36,27 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV cache; auto = bfloat16 on CUDA and on CPUs "
                         "with native bf16 matmul (AMX, AVX512-BF16), else float32")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "flashinfer"],
+                   help="auto = flashinfer on CUDA when installed and the dtype is 16-bit, "
+                        "else torch (the engine logs which and why)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
-                   help="memory for the KV cache, in GiB (default: 1)")
+                   help="memory for the KV cache on CPU, in GiB (default: 1)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of the GPU's memory for weights, activations and the KV "
+                        "cache, which gets what the others leave (default: 0.9)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     g.add_argument("--num-kv-pages", type=int, default=None,
                    help="exact number of KV pages (overrides --kv-cache-memory-gb)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + answer in tokens (default: the model's context)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one step; longer prompts are prefilled in chunks")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="queue order: arrival, or the request's priority (lower first), then "
+                        "arrival")
     g.add_argument("--max-num-seqs", type=int, default=128,
                    help="most sequences in the running batch")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -112,10 +124,12 @@ def engine_config(args, address: str) -> EngineConfig:
     path, name = _model_names(args)
     return EngineConfig(
         model=path, served_model_name=name, request_address=address, dtype=args.dtype,
-        device=args.device, page_size=args.page_size,
+        device=args.device, attention_backend=args.attention_backend, page_size=args.page_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_pages=args.num_kv_pages,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, threads=args.threads,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
@@ -150,13 +164,18 @@ def _serve(args) -> int:
         "engine", *common, "--engine-address", address, "--dtype", args.dtype,
         "--device", args.device, "--page-size", str(args.page_size),
         "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
+        "--attention-backend", args.attention_backend,
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-num-seqs", str(args.max_num_seqs),
+        "--scheduling-policy", args.scheduling_policy,
     ]
     for flag, value in (("--num-kv-pages", args.num_kv_pages),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
         if value is not None:
             engine_argv += [flag, str(value)]
+    if args.enforce_eager:
+        engine_argv.append("--enforce-eager")
     frontend_argv = [
         "frontend", *common, "--engine-address", address, "--host", args.host,
         "--port", str(args.port), "--tokenizer-threads", str(args.tokenizer_threads),

@@ -11,13 +11,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     request_address: str  # the engine binds a ROUTER here; frontends connect
     dtype: str = "auto"
     device: str = "cpu"
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto | torch | flashinfer (see engine.attention.selector)
     page_size: int = 16
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float = 1.0  # on CPU; on CUDA gpu_memory_utilization sizes the cache
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory: weights, KV, activations
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     num_pages: int | None = None  # overrides kv_cache_memory_gb (tests use it to starve memory)
     max_model_len: int | None = None  # default: the model's context length
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
+    scheduling_policy: str = "fcfs"
     threads: int | None = None
     engine_id: str = "engine-0"
 

@@ -84,6 +84,11 @@ class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     arrival_time: float
     # What a postproc worker needs to turn tokens into text for this request.
     output: OutputParams = OutputParams()
+    # Passed through untouched (SPEC P-12): the salt joins the root of the request's
+    # prefix-cache hash chain, so tenants with different salts never share cached pages;
+    # priority orders the waiting queue under a priority scheduler (lower runs first, as vLLM).
+    cache_salt: str | None = None
+    priority: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
@@ -114,6 +119,11 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     num_finished: int
     num_aborted: int
     sent_at: float
+    num_preemptions: int = 0
+    # Tokens fed through the model (prefill and decode); a prefix-cache hit skips some.
+    num_computed_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):

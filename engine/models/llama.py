@@ -16,13 +16,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
 from engine.models.config import ModelConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Variance in float32 whatever the dtype, as transformers does.
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+from engine.models.ops import TorchOps
 
 
 class RotaryEmbedding:
@@ -33,6 +27,8 @@ class RotaryEmbedding:
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
         inv_freq = 1.0 / (config.rope_theta**exponents)
         inv_freq = _scale_inv_freq(inv_freq, config)
+        self.inv_freq = inv_freq  # float32; fused RoPE kernels build their own tables from it
+        self.max_positions = max_positions
         t = torch.arange(max_positions, dtype=torch.int64).to(torch.float)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -92,10 +88,13 @@ class LlamaModel:
         max_positions: int,
         dtype: torch.dtype,
         device: torch.device,
+        ops: TorchOps | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
+        # Norm, RoPE and SiLU-and-mul: plain torch unless fused kernels are given (CUDA).
+        self.ops = ops or TorchOps()
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(dtype=dtype, device=device)
@@ -142,26 +141,24 @@ class LlamaModel:
 
     def _attention(self, index, layer: DecoderLayer, h, positions, backend, meta) -> torch.Tensor:
         c = self.config
-        x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+        x = self.ops.rms_norm(h, layer.input_norm, c.rms_norm_eps)
         qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
         if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q = self.rope.apply(q, positions)
-        k = self.rope.apply(k, positions)
+            q = self.ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+            k = self.ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
+        q, k = self.ops.rope(self.rope, q, k, positions)
         o = backend.attend(index, q, k, v.contiguous(), meta)
         return F.linear(o.reshape(-1, self.q_size), layer.o_weight)
 
     def _mlp(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps)
-        gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down_weight)
+        x = self.ops.rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps)
+        return F.linear(self.ops.silu_and_mul(F.linear(x, layer.gate_up_weight)), layer.down_weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of `forward`'s output."""
-        h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        h = self.ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         return F.linear(h, self.lm_head).to(torch.float32)

@@ -35,6 +35,11 @@ def chat(*turns: str, system: str | None = None) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
+    return reference_prompts()
+
+
+def reference_prompts() -> list[list[int]]:
+    """The eight prompts (tests/gpu/test_flashinfer.py checks a GPU engine on them too)."""
     tok = load_tokenizer(default_model_path())
 
     def render(messages):

@@ -68,6 +68,8 @@ ENGINE_INBOUND = {
             include_stop_str_in_output=True,
             logprobs=True,
         ),
+        cache_salt="tenant-ünïcode-salt",
+        priority=-7,
     ),
     "request-defaults": EngineRequest(
         request_id="req-2",
@@ -171,6 +173,10 @@ FRONTEND_INBOUND = {
         num_finished=77,
         num_aborted=2,
         sent_at=5.0,
+        num_preemptions=4,
+        num_computed_tokens=123456,
+        prefix_cache_queries=640,
+        prefix_cache_hits=320,
     ),
 }
 

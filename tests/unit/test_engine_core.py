@@ -47,6 +47,10 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def weights() -> dict[str, torch.Tensor]:
+    return random_weights()
+
+
+def random_weights() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     out = {}
     for name, shape in expected_shapes(CONFIG).items():
@@ -78,6 +82,7 @@ def build_core(
     max_num_seqs: int = 32,
     max_model_len: int = 256,
     eos: tuple[int, ...] = (),
+    policy: str = "fcfs",
 ) -> tuple[EngineCore, Recorder]:
     rec = Recorder()
     model = LlamaModel(CONFIG, weights, max_model_len, torch.float32, CPU)
@@ -92,7 +97,7 @@ def build_core(
     )
     runner = ModelRunner(model, backend, VOCAB)
     allocator = PageAllocator(num_pages, page_size)
-    scheduler = Scheduler(allocator, budget, max_num_seqs)
+    scheduler = Scheduler(allocator, budget, max_num_seqs, policy)
 
     pending_ids: list[str] = []
     model_logits = model.logits
@@ -563,6 +568,11 @@ def test_seeded_sampling_reproducible_across_batches(weights):
         (list(range(32)), {}, 32),
         (list(range(40)), {}, 32),
         ([1, 2], {"max_tokens": 0}, 256),
+        ([1, 2], {"seed": 2**64, "temperature": 1.0}, 256),
+        ([1, 2], {"seed": -1, "temperature": 1.0}, 256),
+        ([1, 2], {"logit_bias": [(VOCAB, 5.0)]}, 256),
+        ([1, 2], {"logit_bias": [(-1, 5.0)]}, 256),
+        ([1, 2], {"stop_token_ids": [VOCAB], "min_tokens": 2}, 256),
     ],
     ids=[
         "empty",
@@ -572,6 +582,11 @@ def test_seeded_sampling_reproducible_across_batches(weights):
         "prompt-equals-max-len",
         "prompt-over-max-len",
         "max-tokens-zero",
+        "seed-too-large",
+        "seed-negative",
+        "logit-bias-id-equals-vocab",
+        "logit-bias-id-negative",
+        "stop-token-id-equals-vocab",
     ],
 )
 def test_invalid_request_rejected(weights, prompt, params, max_model_len):

@@ -1,0 +1,88 @@
+"""Which attention backend an engine runs: from the device, the dtype and the
+`--attention-backend` flag (auto | torch | flashinfer).
+
+auto picks flashinfer on a CUDA device where flashinfer imports and the dtype is 16-bit,
+and torch everywhere else, with the reason, which the engine logs. Asking for flashinfer
+where it cannot run is an error that says why, never a silent fallback. flashinfer is only
+imported when the device is CUDA.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from engine.models.config import ModelConfig
+from engine.models.ops import flashinfer_import_error
+
+BACKENDS = ("auto", "torch", "flashinfer")
+
+
+class BackendUnavailable(ValueError):
+    """The requested attention backend cannot run here; the message says why."""
+
+
+class BackendChoice(msgspec.Struct, frozen=True):
+    name: str  # "torch" | "flashinfer"
+    reason: str
+
+
+def flashinfer_unavailable(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+    """None when the flashinfer backend can run on this device and dtype; else why not."""
+    if device.type != "cuda":
+        return f"flashinfer needs a CUDA device and this engine runs on {device}"
+    if not torch.cuda.is_available():
+        return "torch sees no usable CUDA device"
+    error = flashinfer_import_error()
+    if error is not None:
+        return (
+            f"flashinfer does not import ({error}); install it with the `cuda` extra "
+            "(pip install 'sluice[cuda]', i.e. flashinfer-python)"
+        )
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return (
+            f"FlashInfer's attention kernels take float16 or bfloat16, not "
+            f"{str(dtype).removeprefix('torch.')}; use --dtype bfloat16 (or auto)"
+        )
+    return None
+
+
+def select_attention_backend(
+    requested: str, device: torch.device, dtype: torch.dtype
+) -> BackendChoice:
+    if requested not in BACKENDS:
+        raise BackendUnavailable(
+            f"unknown attention backend {requested!r}; choose one of {', '.join(BACKENDS)}"
+        )
+    if requested == "torch":
+        return BackendChoice("torch", "--attention-backend torch")
+    why_not = flashinfer_unavailable(device, dtype)
+    if requested == "flashinfer":
+        if why_not is not None:
+            raise BackendUnavailable(f"--attention-backend flashinfer cannot run: {why_not}")
+        return BackendChoice("flashinfer", "--attention-backend flashinfer")
+    if why_not is None:
+        return BackendChoice("flashinfer", "auto: CUDA device with flashinfer installed")
+    return BackendChoice("torch", f"auto: flashinfer skipped because {why_not}")
+
+
+def create_attention_backend(
+    name: str,
+    model: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+):
+    if name == "flashinfer":
+        from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(
+            model.num_layers, num_pages, page_size, model.num_heads, model.num_kv_heads,
+            model.head_dim, dtype, device,
+        )
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend(
+        model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim, dtype, device
+    )

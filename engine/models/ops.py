@@ -1,0 +1,136 @@
+"""The model's elementwise building blocks, behind one small interface.
+
+`TorchOps` is the reference: plain torch, every device, the CPU path. Its code is the
+model's original code moved here unchanged, so CPU numerics stay exactly what the
+transformers reference test pins. `FlashInferOps` swaps in FlashInfer's fused CUDA kernels
+(RMSNorm, RoPE from a cos/sin cache, SiLU-and-mul) for fp16/bf16 models on CUDA; it is
+only ever built on CUDA, and importing this module never imports flashinfer.
+
+`top_k_top_p_sample` is the sampler's door to FlashInfer's fused top-k/top-p kernel; it
+answers None wherever the kernel does not apply, and the sampler then uses its own path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Variance in float32 whatever the dtype, as transformers does.
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def rope(self, rope, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] -> both rotated."""
+        return rope.apply(q, positions), rope.apply(k, positions)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, 2 * intermediate] (gate then up) -> silu(gate) * up."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+@functools.cache
+def flashinfer_import_error() -> str | None:
+    """None when `import flashinfer` works here, else why it does not (asked once)."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken CUDA/driver setup under it
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class FlashInferOps(TorchOps):
+    """FlashInfer's fused kernels; falls back to the torch op where a kernel cannot take the
+    input (float32, odd widths). Numerics differ from TorchOps in the last bits: RMSNorm
+    multiplies by the weight before rounding, RoPE rotates in float32."""
+
+    name = "flashinfer"
+
+    def __init__(self) -> None:
+        import flashinfer
+
+        self._fi = flashinfer
+        self._cos_sin: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def _fits(x: torch.Tensor) -> bool:
+        return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self._fits(x):
+            return rms_norm(x, weight, eps)
+        if x.dim() == 2:
+            return self._fi.rmsnorm(x.contiguous(), weight, eps)
+        # Per-head norms (Qwen3 q/k norm): fold the heads into rows.
+        shape = x.shape
+        return self._fi.rmsnorm(x.reshape(-1, shape[-1]).contiguous(), weight, eps).view(shape)
+
+    def cos_sin_cache(self, rope) -> torch.Tensor:
+        """float32 [max_positions, head_dim]: cos of each frequency, then sin, as
+        `apply_rope_with_cos_sin_cache` wants; built from the float32 inverse frequencies
+        (rope scaling already folded in), so it is finer than the model-dtype tables."""
+        cache = self._cos_sin.get(id(rope))
+        if cache is None:
+            t = torch.arange(rope.max_positions, dtype=torch.int64).to(torch.float)
+            freqs = torch.outer(t, rope.inv_freq.to(torch.float))
+            cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(rope.cos.device)
+            self._cos_sin[id(rope)] = cache
+        return cache
+
+    def rope(self, rope, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        if not self._fits(q):
+            return super().rope(rope, q, k, positions)
+        tokens, head_dim = q.shape[0], q.shape[-1]
+        # [T, H, D] views of the fused qkv output fold into [T, H * D] without a copy.
+        q_out, k_out = self._fi.apply_rope_with_cos_sin_cache(
+            positions, q.reshape(tokens, -1), k.reshape(tokens, -1), head_dim,
+            self.cos_sin_cache(rope), is_neox=True,
+        )
+        return q_out.view(tokens, -1, head_dim), k_out.view(tokens, -1, head_dim)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        # The kernel wants each row 16-byte aligned.
+        if not self._fits(x) or (x.shape[-1] * x.element_size()) % 16:
+            return super().silu_and_mul(x)
+        return self._fi.silu_and_mul(x.contiguous())
+
+
+def make_ops(name: str) -> TorchOps:
+    """The ops that go with an attention backend: flashinfer's with flashinfer."""
+    return FlashInferOps() if name == "flashinfer" else TorchOps()
+
+
+def top_k_top_p_sample(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor | None:
+    """Draw one token per row of temperature-scaled `logits` [R, V] under per-row top-k
+    (V where disabled) and top-p, with FlashInfer's fused rejection-sampling kernel (top-k
+    first, then top-p on the renormalised rest: the torch sampler's semantics). Only for rows
+    without a seeded generator: the kernel draws from the device's global generator, so a
+    seed could not make its row reproducible. None when the kernel does not apply here."""
+    if not logits.is_cuda or flashinfer_import_error() is not None:
+        return None
+    import flashinfer.sampling
+
+    probs = logits.float().softmax(dim=-1)
+    if bool((top_k >= logits.shape[-1]).all()) and bool((top_p >= 1.0).all()):
+        tokens = flashinfer.sampling.sampling_from_probs(probs)  # no filter at all
+    else:
+        tokens = flashinfer.sampling.top_k_top_p_sampling_from_probs(
+            probs,
+            top_k.to(device=logits.device, dtype=torch.int32),
+            top_p.to(device=logits.device, dtype=torch.float32),
+        )
+    return tokens.long()
