@@ -195,3 +195,19 @@ def test_health_version_models(base_url):
     assert httpx.get(f"{base_url}/version").json()["version"]
     card = httpx.get(f"{base_url}/v1/models").json()["data"][0]
     assert card["id"] == "SmolLM2-135M-Instruct" and card["max_model_len"] == 8192
+
+
+def test_sluice_bench_against_the_stack(base_url):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "bench", "--base-url", f"{base_url}/v1",
+         "--concurrency", "2", "--num-requests", "4", "--max-tokens", "8", "--ignore-eos",
+         "--warmup", "0", "--json"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(out.stdout)
+    assert (result["completed"], result["errors"]) == (4, 0)
+    assert result["output_tokens"] == 32  # exact: counted from the usage chunks
+    assert result["ttft_p50_ms"] > 0 and result["output_tokens_per_s"] > 0
