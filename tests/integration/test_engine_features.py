@@ -53,6 +53,7 @@ def starved(tmp_path_factory):
     stack.stop()
 
 
+@pytest.mark.slow
 def test_memory_starved_engine_preempts_and_completes_everything(starved):
     prompts = [f"Write a short poem about the number {i}." for i in range(6)]
 

@@ -4,6 +4,7 @@ import json
 import threading
 
 import httpx
+import pytest
 
 from tests.servers import metrics
 
@@ -19,6 +20,7 @@ def _stream(url: str, prompt: str, results: dict) -> None:
     results[(url, prompt)] = events
 
 
+@pytest.mark.slow  # starts its own engine and two frontends
 def test_both_frontends_serve_at_once(cluster):
     results: dict = {}
     prompts = ["Name three rivers.", "What is two plus two?"]
