@@ -117,6 +117,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
     model_config = load_model_config(config.model)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     on_gpu = device.type == "cuda"
+    if on_gpu and device.index is not None:
+        torch.cuda.set_device(device)  # streams, graphs and kernel workspaces follow it
     if not on_gpu:  # sized up front; on a GPU the cache gets what the weights leave
         num_pages = kv_pages_for(config, model_config, dtype)
         _check_cache_holds(num_pages, config, max_model_len)
