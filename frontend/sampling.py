@@ -56,6 +56,8 @@ def check_request(request: Request) -> None:
     for field, default in unsupported:
         value = getattr(request, field, default)
         if value != default and value not in NEUTRAL_VALUES.get(field, ()):
+            if field == "tools" and request.tool_choice == "none":
+                continue  # the template sees the tools; the model is told not to call them
             raise bad_request(f"'{field}' is not supported by this server yet", field)
 
 

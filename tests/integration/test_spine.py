@@ -211,3 +211,14 @@ def test_sluice_bench_against_the_stack(base_url):
     assert (result["completed"], result["errors"]) == (4, 0)
     assert result["output_tokens"] == 32  # exact: counted from the usage chunks
     assert result["ttft_p50_ms"] > 0 and result["output_tokens_per_s"] > 0
+
+
+def test_tools_with_tool_choice_none_are_served(base_url):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    body = {"messages": PARIS, "temperature": 0, "max_tokens": 8, "tools": tools}
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    r = httpx.post(f"{base_url}/v1/chat/completions",
+                   json={**body, "tool_choice": "none"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")

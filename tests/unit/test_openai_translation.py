@@ -170,6 +170,12 @@ def test_tool_choice_none_without_tools_is_fine():
     plan(chat(tool_choice="none"))
 
 
+def test_tools_with_tool_choice_none_are_only_rendered():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    plan(chat(tools=tools, tool_choice="none"))
+    assert rejected(chat, tools=tools).param == "tools"  # auto would need a tool parser
+
+
 # ---------------------------------------------------------------- P-7, P-10
 
 
