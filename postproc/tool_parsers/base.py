@@ -234,6 +234,24 @@ class ToolParser:
         """
         raise NotImplementedError
 
+    def _content_until(
+        self, markers: tuple[str, ...], final: bool, hold: tuple[str, ...] | None = None
+    ) -> str | None:
+        """Emit buffered content up to the first of `markers` and consume that marker;
+        returns it. With none found, emit everything that cannot be the start of one of
+        `hold` (default: the markers), keep the rest for later, and return None."""
+        buf = self._buf
+        i, marker = find_first(buf, markers)
+        if i >= 0:
+            self._text(buf[:i])
+            self._buf = buf[i + len(marker):]
+            return marker
+        keep = 0 if final else partial_suffix_len(buf, hold or markers)
+        if len(buf) > keep:
+            self._text(buf[: len(buf) - keep])
+            self._buf = buf[len(buf) - keep:]
+        return None
+
     def _text(self, text: str) -> None:
         for delimiter in self.delimiters:
             if delimiter in text:

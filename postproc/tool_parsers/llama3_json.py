@@ -17,8 +17,6 @@ import json
 from postproc.tool_parsers.base import (
     ToolParser,
     call_from_object,
-    find_first,
-    partial_suffix_len,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
 
@@ -54,17 +52,10 @@ class Llama3JsonToolParser(ToolParser):
                 self._mode = _CALLS if rest[0] == "{" else _CONTENT
             return True
         if mode == _CONTENT:
-            i, _ = find_first(buf, (_TAG,))
-            if i >= 0:
-                self._text(buf[:i])
-                self._buf = buf[i + len(_TAG):]
-                self._mode = _CALLS
-                return True
-            keep = 0 if final else partial_suffix_len(buf, (_TAG,))
-            if len(buf) > keep:
-                self._text(buf[: len(buf) - keep])
-                self._buf = buf[len(buf) - keep:]
-            return False
+            if self._content_until((_TAG,), final) is None:
+                return False
+            self._mode = _CALLS
+            return True
         if mode == _SEP:
             rest = buf.lstrip()
             if not rest:

@@ -22,7 +22,6 @@ from postproc.tool_parsers.base import (
     ToolParser,
     arguments_json,
     call_from_object,
-    find_first,
     partial_suffix_len,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
@@ -54,17 +53,10 @@ class MistralToolParser(ToolParser):
     def _step(self, final: bool) -> bool:
         buf = self._buf
         if self._mode == _TEXT:
-            i, _ = find_first(buf, (_BOT,))
-            if i >= 0:
-                self._text(buf[:i])
-                self._buf = buf[i + len(_BOT):]
-                self._mode = _AFTER_BOT
-                return True
-            keep = 0 if final else partial_suffix_len(buf, self.delimiters)
-            if len(buf) > keep:
-                self._text(buf[: len(buf) - keep])
-                self._buf = buf[len(buf) - keep:]
-            return False
+            if self._content_until((_BOT,), final, hold=self.delimiters) is None:
+                return False
+            self._mode = _AFTER_BOT
+            return True
         if self._mode == _AFTER_BOT:
             rest = buf.lstrip()
             if not rest:

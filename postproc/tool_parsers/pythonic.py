@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any
 
-from postproc.tool_parsers.base import ToolParser, find_first, partial_suffix_len
+from postproc.tool_parsers.base import ToolParser
 from postproc.tool_parsers.scanners import PythonValueEnd
 
 _PY_START = "<|python_start|>"
@@ -58,19 +58,13 @@ class PythonicToolParser(ToolParser):
                 self._mode = _LIST if rest[0] == "[" else _CONTENT
             return True
         if mode == _CONTENT:
-            i, tag = find_first(buf, self.delimiters)
-            if i >= 0:
-                self._text(buf[:i])
-                self._buf = buf[i + len(tag):]
-                if tag == _PY_START:
-                    self._wrapped = True
-                    self._mode = _LIST
-                return True
-            keep = 0 if final else partial_suffix_len(buf, self.delimiters)
-            if len(buf) > keep:
-                self._text(buf[: len(buf) - keep])
-                self._buf = buf[len(buf) - keep:]
-            return False
+            tag = self._content_until(self.delimiters, final)
+            if tag is None:
+                return False
+            if tag == _PY_START:
+                self._wrapped = True
+                self._mode = _LIST
+            return True
         if mode == _AFTER:
             rest = buf.lstrip()
             if rest.startswith(_PY_END):

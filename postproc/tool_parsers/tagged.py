@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from postproc.tool_parsers.base import ToolParser, find_first, partial_suffix_len
+from postproc.tool_parsers.base import ToolParser, find_first
 
 
 class TaggedBlockParser(ToolParser):
@@ -25,19 +25,13 @@ class TaggedBlockParser(ToolParser):
         tags = (self.open_tag, self.close_tag)
         buf = self._buf
         if not self._in_block:
-            i, tag = find_first(buf, tags)
-            if i >= 0:
-                self._text(buf[:i])
-                self._buf = buf[i + len(tag):]
-                if tag == self.open_tag:
-                    self._in_block = True
-                    self._search_from = 0
-                return True  # a stray close tag is simply dropped
-            keep = 0 if final else partial_suffix_len(buf, tags)
-            if len(buf) > keep:
-                self._text(buf[: len(buf) - keep])
-                self._buf = buf[len(buf) - keep:]
-            return False
+            tag = self._content_until(tags, final)
+            if tag is None:
+                return False
+            if tag == self.open_tag:
+                self._in_block = True
+                self._search_from = 0
+            return True  # a stray close tag is simply dropped
         # Inside a block: it ends at the close tag, or where the next block opens (a model
         # that forgot to close one), or at the end of the output.
         i, tag = find_first(buf, tags, self._search_from)
