@@ -77,6 +77,16 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a request's template runs "
                         "on this server's CPU; off by default)")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split the model's thinking from its answer (default: off)")
+    g.add_argument("--reasoning-field", default="reasoning_content",
+                   choices=["reasoning_content", "reasoning"],
+                   help="the response field that carries thinking (default: reasoning_content, "
+                        "as DeepSeek, SGLang and llama.cpp; vLLM now says reasoning)")
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
+                   help="turn the model's tool-call syntax into tool_calls (default: off; "
+                        "tools are then only accepted with tool_choice none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +153,8 @@ def frontend_config(args, engine_address: str, result_address: str | None) -> Fr
         tokenizer_threads=args.tokenizer_threads, log_level=args.log_level,
         render_timeout_s=args.render_timeout, chat_template=args.chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        reasoning_field=args.reasoning_field,
     )
 
 
@@ -185,6 +197,11 @@ def _serve(args) -> int:
         frontend_argv += ["--chat-template", args.chat_template]
     if args.trust_request_chat_template:
         frontend_argv.append("--trust-request-chat-template")
+    for flag, value in (("--reasoning-parser", args.reasoning_parser),
+                        ("--tool-call-parser", args.tool_call_parser)):
+        if value is not None:
+            frontend_argv += [flag, value]
+    frontend_argv += ["--reasoning-field", args.reasoning_field]
     children = [
         subprocess.Popen([sys.executable, "-m", "shared.cli", *argv])
         for argv in (engine_argv, frontend_argv)

@@ -40,3 +40,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     heartbeat_interval_s: float = 1.0
     engine_timeout_s: float = 5.0
     log_level: str = "info"
+    # Output parsers by name (postproc.reasoning / postproc.tool_parsers); None = off.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_field: str = "reasoning_content"  # vLLM now says "reasoning"
