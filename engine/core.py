@@ -10,6 +10,7 @@ import time
 import numpy as np
 import torch
 
+from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -36,6 +37,7 @@ class EngineCore:
         vocab_size: int,
         engine_id: str,
         model_name: str,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.runner = runner
         self.allocator = allocator
@@ -46,12 +48,16 @@ class EngineCore:
         self.engine_id = engine_id
         self.model_name = model_name
         self.sequences: dict[str, Sequence] = {}
+        # Structured output (llguidance); None: constrained requests are refused.
+        self.grammar = grammar
+        self._compiling: dict[str, Sequence] = {}  # requests whose grammar is not ready yet
         self.num_steps = 0
         self.max_seqs_in_step = 0
         self.num_finished = 0
         self.num_aborted = 0
         self.num_preemptions = 0
         self.num_computed_tokens = 0
+        self.step_time_total_s = 0.0
         # Outputs produced outside a step (rejections, aborts), sent with the next batch.
         self._pending: list[tuple[str, RequestOutput]] = []
 
@@ -84,6 +90,9 @@ class EngineCore:
             cache_salt=request.cache_salt,
             priority=request.priority,
         )
+        if params.constraint is not None:
+            seq.grammar = self.grammar.compile(params.constraint)
+            self._compiling[seq.request_id] = seq
         self.sequences[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -110,6 +119,8 @@ class EngineCore:
         params = request.params
         if params.max_tokens < 1:
             return "max_tokens must be at least 1"
+        if params.constraint is not None and self.grammar is None:
+            return "structured output is not available: this engine has no grammar backend"
         # Frontends check these too; a bad value here would index past the logits or
         # overflow a generator and take the whole engine down, so refuse it per request.
         if params.seed is not None and not 0 <= params.seed < 2**64:
@@ -138,6 +149,7 @@ class EngineCore:
             if seq is None:
                 continue  # already finished: nothing to free
             self.scheduler.finish(seq)
+            self._drop_grammar(seq)
             seq.finish_reason = "abort"
             self.num_aborted += 1
             self._pending.append((seq.reply_to, self._output_for(seq)))
@@ -146,9 +158,14 @@ class EngineCore:
 
     def step(self) -> list[tuple[str, RequestOutput]]:
         """Run one model step; returns (reply_to, output) for every request with news."""
+        started = time.perf_counter()
+        self._poll_grammars()
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         if not plan.chunks:
+            if self._compiling:
+                # Only grammars are left to wait for: sleep on them rather than spin.
+                GrammarBackend.wait_any([s.grammar for s in self._compiling.values()], 0.01)
             return outputs
         result = self.runner.execute(plan.chunks)
         self.num_steps += 1
@@ -172,11 +189,50 @@ class EngineCore:
                 seq.cumulative_logprob += token.logprob
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._check_stop(seq, token.token)
+            if seq.grammar is not None:
+                self._advance_grammar(seq, token.token)
+            if seq.finish_reason is None:
+                self._check_stop(seq, token.token)
             outputs.append((seq.reply_to, self._output_for(seq, token.logprobs)))
             if seq.finish_reason is not None:
                 self._retire(seq)
+        self.step_time_total_s += time.perf_counter() - started
         return outputs
+
+    # ---------------------------------------------------------------- grammars
+
+    def _poll_grammars(self) -> None:
+        """Requests whose grammar finished compiling may run; a grammar that failed to compile
+        ends its request with a 400 (the frontend validates, but the engine has the last word)."""
+        for request_id, seq in list(self._compiling.items()):
+            if not seq.grammar.compiled:
+                continue
+            del self._compiling[request_id]
+            problem = seq.grammar.poll()
+            if problem is not None:
+                self._fail(seq, f"invalid grammar: {problem}", 400)
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> None:
+        if not seq.grammar.advance(token):
+            # The mask allows only tokens the grammar accepts, so this is our fault.
+            seq.finish_reason, seq.error_status = "error", 500
+            seq.error = f"the grammar rejected sampled token {token}: {seq.grammar.error}"
+        elif seq.grammar.is_stopped and token in self.eos_token_ids:
+            # Stopped by EOS. A grammar that completes on another token is not finished here:
+            # its mask then allows only EOS, so the answer ends with EOS like any other "stop"
+            # (whose last token the output side leaves out of the text), even with ignore_eos.
+            seq.finish_reason = "stop"
+
+    def _fail(self, seq: Sequence, message: str, status: int) -> None:
+        seq.finish_reason, seq.error, seq.error_status = "error", message, status
+        self._pending.append((seq.reply_to, self._output_for(seq)))
+        self._retire(seq)
+
+    def _drop_grammar(self, seq: Sequence) -> None:
+        if seq.grammar is not None:
+            seq.grammar.close()
+            seq.grammar = None
+        self._compiling.pop(seq.request_id, None)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
@@ -204,6 +260,8 @@ class EngineCore:
             num_output_tokens=seq.num_output_tokens,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
+            error=seq.error,
+            error_status=seq.error_status,
             first_token_time=seq.first_token_time if is_first else None,
             logprobs=logprobs if new else None,
             prompt_logprobs=prompt_logprobs(seq) if is_first else None,
@@ -212,6 +270,7 @@ class EngineCore:
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self._drop_grammar(seq)
         del self.sequences[seq.request_id]
         self.num_finished += 1
 
@@ -235,6 +294,7 @@ class EngineCore:
             num_computed_tokens=self.num_computed_tokens,
             prefix_cache_queries=self.allocator.prefix_queries,
             prefix_cache_hits=self.allocator.prefix_hits,
+            step_time_total_s=self.step_time_total_s,
         )
 
 

@@ -57,6 +57,10 @@ class PageAllocator:
         """Pages a new request can take: plain free ones plus cached ones nobody owns."""
         return len(self._free) + len(self._cached_free)
 
+    def refcount(self, page: int) -> int:
+        """How many sequences own `page` (0: free)."""
+        return self._refcount[page]
+
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

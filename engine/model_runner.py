@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.grammar import GrammarMasks
 from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
 from engine.sampler import SamplingRows, sample, token_logprobs
@@ -52,15 +53,21 @@ class ModelRunner:
         input_ids, positions, sample_rows = self._flatten(chunks)
         meta = self.backend.prepare(chunks)
         hidden = self.model.forward(input_ids, positions, self.backend, meta)
+        seqs = [c.seq for c in chunks if c.samples]
+        # On the CPU while the device still runs the forward pass.
+        masks = _grammar_masks(seqs)
         result = StepResult([], self._prompt_logprobs(chunks, hidden))
-        sampling = [c for c in chunks if c.samples]
-        if sampling:
+        if seqs:
             logits = self.model.logits(hidden[sample_rows])
-            result.sampled = self._sample([c.seq for c in sampling], logits)
+            result.sampled = self._sample(seqs, logits, masks)
         return result
 
-    def _sample(self, seqs, logits: torch.Tensor) -> list[SampledToken]:
+    def _sample(self, seqs, logits: torch.Tensor, masks: GrammarMasks | None = None
+                ) -> list[SampledToken]:
         process_logits(logits, seqs)
+        if masks is not None:
+            # Last, so nothing re-enables a token the grammar forbids; logprobs see it (O-4).
+            seqs[masks.rows[0]].grammar.backend.apply_masks(logits, masks)
         params = [s.params for s in seqs]
         rows = SamplingRows.build(params, [s.generator for s in seqs], self.vocab_size)
         tokens = sample(logits, rows)
@@ -110,3 +117,9 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), as_tensor(sample_rows)
+
+
+def _grammar_masks(seqs) -> GrammarMasks | None:
+    grammars = [s.grammar for s in seqs]
+    first = next((g for g in grammars if g is not None), None)
+    return None if first is None else first.backend.fill_masks(grammars)

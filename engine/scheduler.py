@@ -10,6 +10,13 @@ run out, the running sequence that comes last in that order is preempted: its pa
 released (full ones stay in the prefix cache) and it goes back to the queue to be recomputed,
 so nothing is lost. On admission a sequence takes every leading full page the prefix cache
 already holds and skips their prefill.
+
+A page enters the prefix cache when it is scheduled to be filled, not after the step: backends
+store every new K/V of a step before any attention reads the cache, so a sequence admitted
+later in the same step (the n candidates of one request, or the same system prompt arriving
+together) reads pages another sequence fills in that very step, and the prompt is prefilled
+once. Such a reader is always scheduled in the same step as the writer, since a lookup happens
+only on admission.
 """
 
 from __future__ import annotations
@@ -88,14 +95,19 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self._reserve_pages(seq, n, preempted):
                 break  # seq itself was preempted; everything after it is gone too
+            self._register_pages(seq, seq.num_computed + n)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        j = 0  # the first waiting sequence not passed over
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             if preempted:
                 break  # memory is short this step; don't admit what we just evicted
-            seq = self.waiting[0]
+            seq = self.waiting[j]
+            if seq.awaiting_grammar:
+                j += 1  # its grammar is still compiling: it keeps its place, others go first
+                continue
             if seq.num_computed == 0 and not seq.pages:
                 self._take_cached_prefix(seq)
             n = min(seq.num_uncomputed, budget)
@@ -104,23 +116,21 @@ class Scheduler:
                 # its cached pages stay in the prefix cache for the next attempt.
                 self._free_pages(seq)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             seq.status = SequenceStatus.RUNNING
             # Running stays in queue order too, so the victim of a preemption (the last one)
             # is never a sequence already scheduled earlier in this step.
             bisect.insort(self.running, seq, key=self._key)
+            self._register_pages(seq, seq.num_computed + n)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
 
         return SchedulerOutput(chunks, preempted)
 
     def computed(self, seq: Sequence) -> None:
-        """After a step: record the sequence's newly filled pages in the prefix cache."""
-        full = seq.num_computed // self.allocator.page_size
-        self._extend_hashes(seq, full)
-        for i in range(seq.num_registered_pages, full):
-            self.allocator.register(seq.pages[i], seq.page_hashes[i])
-        seq.num_registered_pages = max(seq.num_registered_pages, full)
+        """After a step: make sure every filled full page is in the prefix cache (they were
+        registered when scheduled, so this is normally a no-op)."""
+        self._register_pages(seq, seq.num_computed)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and return its pages."""
@@ -139,6 +149,16 @@ class Scheduler:
             i = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if i else root_hash(seq.cache_salt)
             seq.page_hashes.append(chain_hash(parent, seq.token_ids[i * size : (i + 1) * size]))
+
+    def _register_pages(self, seq: Sequence, num_filled: int) -> None:
+        """Record the full pages among the first `num_filled` tokens in the prefix cache."""
+        full = num_filled // self.allocator.page_size
+        if full <= seq.num_registered_pages:
+            return
+        self._extend_hashes(seq, full)
+        for i in range(seq.num_registered_pages, full):
+            self.allocator.register(seq.pages[i], seq.page_hashes[i])
+        seq.num_registered_pages = full
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         # At least one token must still be computed: its logits give the next token.

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
 from shared.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import RequestGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -49,6 +53,16 @@ class Sequence(msgspec.Struct, kw_only=True):
     # Prompt logprobs by the start position of the prefill chunk that produced them;
     # keyed so a recomputed chunk (after preemption) overwrites instead of duplicating.
     prompt_logprob_parts: dict = {}
+    # The request's grammar matcher (llguidance), when it has a constraint; None otherwise.
+    grammar: RequestGrammar | None = None
+    # Set with finish_reason "error": what went wrong, and whose fault (HTTP-style status).
+    error: str | None = None
+    error_status: int = 0
+
+    @property
+    def awaiting_grammar(self) -> bool:
+        """True while its grammar compiles: the scheduler passes it over until then."""
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """The engine process: loads the model, then runs the busy loop with socket I/O on threads.
 
 Threads: one receives requests, aborts and pings (and answers pings itself, so heartbeats
-flow even during a long step); one encodes and pushes outputs. The main thread only drains
+flow even during a long step); one encodes and routes outputs to postproc workers or
+frontends (`engine.output_router`). The main thread only drains
 the inbox, steps the model and hands outputs over, so compute overlaps with (de)serialization.
 """
 
@@ -13,8 +14,8 @@ import signal
 import sys
 import threading
 import time
-from collections import defaultdict
 
+import msgspec
 import torch
 import zmq
 
@@ -31,12 +32,13 @@ from engine.models.config import ModelConfig, load_model_config
 from engine.models.llama import LlamaModel
 from engine.models.ops import make_ops
 from engine.models.weights import load_weights
+from engine.output_router import FleetCounts, OutputRouter
 from engine.scheduler import Scheduler
 from shared.codec import encode, engine_inbound_decoder
 from shared.config import EngineConfig
-from shared.protocol import AbortRequest, EngineRequest, OutputBatch, Ping, RequestOutput
+from shared.protocol import AbortRequest, EngineRequest, EngineStats, Ping
 from shared.tokenizer import load_tokenizer, tokenizer_facts
-from shared.transport import PushPool, make_socket
+from shared.transport import make_socket
 
 log = logging.getLogger("sluice.engine")
 
@@ -162,14 +164,18 @@ def build_engine(config: EngineConfig) -> EngineCore:
 
 
 class EngineServer:
-    def __init__(self, core: EngineCore, request_address: str) -> None:
+    def __init__(
+        self, core: EngineCore, request_address: str, postproc_address: str | None = None
+    ) -> None:
         self.core = core
         self.request_address = request_address
+        self.postproc_address = postproc_address
         self.ctx = zmq.Context()
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         self.latest_stats = core.stats()
+        self.fleet_counts = FleetCounts()
 
     def run(self) -> None:
         bound = threading.Event()
@@ -234,29 +240,46 @@ class EngineServer:
                 log.warning("dropping undecodable message: %s", exc)
                 continue
             if isinstance(message, Ping):
-                sock.send_multipart([identity, encode(self.latest_stats)])
-            else:
-                self.inbox.put(message)
+                sock.send_multipart([identity, encode(self._stats())])
+                continue
+            if isinstance(message, EngineRequest):
+                self.outbox.put(message)  # the router learns of it before its first output
+            self.inbox.put(message)
         sock.close(linger=0)
 
+    def _stats(self) -> EngineStats:
+        fleet = self.fleet_counts
+        return msgspec.structs.replace(
+            self.latest_stats, num_postproc_workers=fleet.live_workers,
+            postproc_assigned=fleet.assigned, postproc_replayed=fleet.replayed,
+        )
+
     def _send_loop(self) -> None:
-        pushers = PushPool(self.ctx)
-        while True:
-            item = self.outbox.get()
-            if item is None:
-                break
-            outputs, step_time = item
-            by_destination: dict[str, list[RequestOutput]] = defaultdict(list)
-            for reply_to, output in outputs:
-                by_destination[reply_to].append(output)
-            for reply_to, batch in by_destination.items():
-                pushers.send(reply_to, encode(OutputBatch(batch, step_time)))
-        pushers.close()
+        """Routes outputs to postproc workers or frontends; between batches it takes the
+        workers' heartbeats, so a short wait keeps them flowing when the engine is idle."""
+        router = OutputRouter(self.ctx, self.postproc_address)
+        self.fleet_counts = router.counts
+        try:
+            while True:
+                try:
+                    item = self.outbox.get(timeout=0.05)
+                except queue.Empty:
+                    item = ()
+                if item is None:
+                    break
+                if isinstance(item, EngineRequest):
+                    router.add_request(item)
+                elif item:
+                    router.route(*item)
+                for abort in router.poll_workers():
+                    self.inbox.put(abort)  # a worker matched a stop string
+        finally:
+            router.close()
 
 
 def run_engine(config: EngineConfig) -> None:
     core = build_engine(config)
-    server = EngineServer(core, config.request_address)
+    server = EngineServer(core, config.request_address, config.postproc_address)
 
     def stop(signum, frame):
         server.stopping.set()

@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from postproc.openai_shapes import Usage
+from postproc.tool_parsers.base import ToolCall
+
 # ---------------------------------------------------------------- requests
 
 _NULL_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
@@ -66,6 +69,33 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     function_call: Any = None
 
 
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json: Any = None  # a JSON schema, as an object or as its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
+    json_object: bool | None = None
+    structural_tag: str | None = None  # not supported: a 400 when set
+    disable_fallback: bool = False  # one backend here: nothing to fall back from
+    disable_any_whitespace: bool = False  # our JSON has no free whitespace anyway
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None  # a regex for the whitespace JSON may use
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: Any = None  # absent: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share (OpenAI's plus vLLM's extensions)."""
 
@@ -100,7 +130,7 @@ class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: Any = None
+    structured_outputs: StructuredOutputs | None = None
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
@@ -113,7 +143,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     functions: Any = None
     function_call: Any = None
     # Accepted and ignored (ACCEPTED_AND_IGNORED) or rejected when set (the UNSUPPORTED lists).
@@ -174,19 +204,10 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 # Fields we know but cannot honour yet: (field, default) — a different value is a 400
 # (unless it means the same as the default: `NEUTRAL_VALUES`).
 # Entries leave these lists as the features land; docs/openai-compat.md is checked against them.
-UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
-    ("guided_json", None),
-    ("guided_regex", None),
-    ("guided_choice", None),
-    ("guided_grammar", None),
-    ("structured_outputs", None),
-)
+UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = ()
 CHAT_UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
-    ("tools", None),
-    ("tool_choice", None),
     ("functions", None),
     ("function_call", None),
-    ("response_format", None),
     ("echo", False),
     ("documents", None),
     ("audio", None),
@@ -199,11 +220,8 @@ COMPLETION_UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
 )
 # Values of unsupported fields that ask for nothing beyond the default, so they pass.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),  # SPEC P-6: fine without tools
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),  # SPEC P-8: text means no constraint
     "modalities": (["text"],),
 }
 # Fields accepted with any value because they change nothing about the tokens we produce
@@ -212,7 +230,6 @@ ACCEPTED_AND_IGNORED: frozenset[str] = frozenset({
     "user",
     "spaces_between_special_tokens",
     # chat only
-    "parallel_tool_calls",
     "store",
     "metadata",
     "service_tier",
@@ -242,15 +259,12 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
 
 
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class AssistantMessage(msgspec.Struct):
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str | None
+    content: str | None  # null, not absent, when the answer is all tool calls (OpenAI's shape)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -270,46 +284,6 @@ class ChatCompletion(msgspec.Struct):
     object: str = "chat.completion"
 
 
-class Delta(msgspec.Struct, omit_defaults=True):
-    # Omitted rather than null when absent: the first chunk carries the role only.
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(msgspec.Struct):
-    index: int
-    delta: Delta
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: Any = None
-
-
-class ChatCompletionChunk(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    object: str = "chat.completion.chunk"
-
-
-class CompletionChoice(msgspec.Struct):
-    index: int
-    text: str
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    logprobs: Any = None
-
-
-class Completion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    object: str = "text_completion"
-
-
 class ModelCard(msgspec.Struct):
     id: str
     created: int
@@ -321,30 +295,6 @@ class ModelCard(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: str = "list"
-
-
-class TopLogprobOut(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatLogprobEntry(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprobOut]
-
-
-class ChatLogprobs(msgspec.Struct):
-    content: list[ChatLogprobEntry]
-
-
-class CompletionLogprobs(msgspec.Struct):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
 
 
 class TokenizeResponse(msgspec.Struct):

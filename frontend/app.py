@@ -9,6 +9,8 @@ import re
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -22,9 +24,12 @@ from frontend.api_models import (
     ModelList,
     TokenizeRequest,
 )
+from frontend.auth import AuthMiddleware
 from frontend.errors import APIError, error_response
+from frontend.limits import Admission, AdmissionMiddleware, BodyLimitMiddleware
 from frontend.metrics import metrics_registry, render
 from frontend.serving import ServingContext
+from shared.config import FrontendConfig
 
 log = logging.getLogger("sluice.frontend")
 _json = msgspec.json.Encoder()
@@ -72,12 +77,14 @@ def _guarded(handler):
     return endpoint
 
 
-def build_app(ctx: ServingContext) -> Starlette:
+def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     registry = metrics_registry(ctx.client)
+    admission = Admission(config.max_queued_requests)
 
     async def health(request: Request) -> Response:
-        status = 200 if ctx.client.engine_alive else 503
-        return Response(status_code=status)
+        # 503 while draining too, so balancers stop sending before the frontend goes.
+        ready = ctx.client.engine_alive and not admission.draining
+        return Response(status_code=200 if ready else 503)
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": VERSION})
@@ -130,9 +137,29 @@ def build_app(ctx: ServingContext) -> Starlette:
         Route("/detokenize", _guarded(detokenize), methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+        middleware=_middleware(config, admission),
     )
+    app.state.admission = admission  # the drain on SIGTERM (frontend.server) flips it
+    return app
+
+
+def _middleware(config: FrontendConfig, admission: Admission) -> list[Middleware]:
+    """Outermost first: CORS answers preflights and decorates even 401s (browsers must see
+    them); unauthenticated requests are refused before their bodies are read or queued."""
+    stack = []
+    if config.allowed_origins:
+        stack.append(Middleware(
+            CORSMiddleware, allow_origins=config.allowed_origins,
+            allow_methods=config.allowed_methods, allow_headers=config.allowed_headers,
+            allow_credentials=config.allow_credentials,
+        ))
+    if config.api_keys:
+        stack.append(Middleware(AuthMiddleware, keys=config.api_keys))
+    stack.append(Middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes))
+    stack.append(Middleware(AdmissionMiddleware, admission=admission))
+    return stack
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

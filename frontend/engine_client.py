@@ -2,9 +2,9 @@
 
 Requests and aborts go out on a DEALER connected to the engine's ROUTER; pings ride the same
 socket and the engine's stats come back on it, which doubles as the heartbeat. Outputs arrive
-on this frontend's own PULL socket (`reply_to`), read by a receiver thread that also runs the
-postproc step (detokenization) when no fleet does it, so the event loop only gets finished
-text frames, one hop per batch.
+on this frontend's own PULL socket (`reply_to`), read by a receiver thread: text frames from
+postproc workers, or token batches that it post-processes itself (when there is no fleet, or
+every worker died), so the event loop only gets finished frames, one hop per batch.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from frontend.tracking import RequestTracker
 from postproc.processor import OutputProcessor
 from shared.codec import encode, frontend_inbound_decoder
 from shared.protocol import (
@@ -67,6 +68,7 @@ class EngineClient:
         self._stopping = threading.Event()
         self._tasks: list[asyncio.Task] = []
         self._sends: set[asyncio.Future] = set()
+        self.tracker = RequestTracker(self)  # request metrics and timeouts
         self._stats_arrived = asyncio.Event()
 
     # ---------------------------------------------------------------- lifecycle
@@ -140,12 +142,14 @@ class EngineClient:
         stream = RequestStream(queue)
         self._streams[request.request_id] = stream
         self.processor.register(request.request_id, prompt_ids, request.output)
+        self.tracker.submitted(request)
         await self._dealer.send(encode(request))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request early; safe to call for finished or unknown ids."""
         stream = self._streams.pop(request_id, None)
         self.processor.discard(request_id)
+        self.tracker.ended(request_id, "abort")
         if stream is not None and not stream.finished:
             await self._dealer.send(encode(AbortRequest([request_id])))
 
@@ -155,6 +159,7 @@ class EngineClient:
 
     def release(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self.tracker.ended(request_id, None)
 
     # ---------------------------------------------------------------- outputs
 
@@ -172,7 +177,7 @@ class EngineClient:
             message = decoder.decode(sock.recv(copy=False).buffer)
             stopped: list[str] = []
             if isinstance(message, OutputBatch):
-                processed = self.processor.process(message)
+                processed = self.processor.process(message.outputs)
                 frames, stopped = processed.frames, processed.stopped_early
             elif isinstance(message, FrameBatch):
                 frames = message.frames
@@ -196,16 +201,39 @@ class EngineClient:
             if frame.finish_reason is not None:
                 stream.finished = True
                 del self._streams[frame.request_id]
+                # A postproc worker did the work; drop the spec kept in case it died.
+                self.processor.discard(frame.request_id)
+            self.tracker.delivered(frame)
             stream.queue.put_nowait(frame)
 
     def _fail_all(self, message: str) -> None:
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
             self.processor.discard(request_id)
-            stream.queue.put_nowait(
-                TextFrame(
-                    request_id=request_id, seq=stream.next_seq, text="", token_ids=b"",
-                    num_prompt_tokens=0, num_output_tokens=0, finish_reason="error",
-                    error=message, error_status=503,
-                )
+            frame = TextFrame(
+                request_id=request_id, seq=stream.next_seq, text="", token_ids=b"",
+                num_prompt_tokens=0, num_output_tokens=0, finish_reason="error",
+                error=message, error_status=503,
             )
+            self.tracker.delivered(frame)
+            stream.queue.put_nowait(frame)
+
+    # ---------------------------------------------------------------- limits
+
+    def active_request_ids(self) -> list[str]:
+        return list(self._streams)
+
+    async def fail_request(self, request_id: str, message: str, status: int) -> None:
+        """End one running request with an error frame (its response says why) and abort it
+        in the engine: used by --request-timeout and at the end of a drain."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return  # finished meanwhile
+        frame = TextFrame(
+            request_id=request_id, seq=stream.next_seq, text="", token_ids=b"",
+            num_prompt_tokens=0, num_output_tokens=0, finish_reason="error",
+            error=message, error_status=status,
+        )
+        self.tracker.delivered(frame)
+        stream.queue.put_nowait(frame)
+        await self.abort(request_id)

@@ -16,6 +16,7 @@ _TYPES = {
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 

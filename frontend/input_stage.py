@@ -20,6 +20,7 @@ from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
 from frontend.errors import APIError, bad_request
 from frontend.rendering import RenderedPrompt, RenderError, RenderParams, check_render_params
+from frontend.structured import forced_call_prefix
 from frontend.tokenization import RenderTimeout
 
 Request = ChatCompletionRequest | CompletionRequest
@@ -28,6 +29,7 @@ Request = ChatCompletionRequest | CompletionRequest
 class PromptInput(msgspec.Struct):
     tokens: PromptTokens
     rendered: RenderedPrompt | None = None  # None when the client sent token ids
+    source_text: str | None = None  # a completions prompt as the client wrote it (echo)
 
 
 async def chat_prompt_ids(ctx, request: ChatCompletionRequest) -> list[int]:
@@ -55,6 +57,7 @@ async def chat_input(ctx, request: ChatCompletionRequest) -> PromptInput:
 
 async def _render(ctx, request: ChatCompletionRequest) -> RenderedPrompt:
     settings = ctx.tokenization.settings.templates
+    structured = ctx.tokenization.settings.structured
     if request.chat_template is not None and not settings.trust_request_chat_template:
         raise bad_request(
             "this server does not accept a chat_template in requests (the operator can allow "
@@ -67,6 +70,8 @@ async def _render(ctx, request: ChatCompletionRequest) -> RenderedPrompt:
         continue_final_message=request.continue_final_message,
         tools=request.tools,
         template_kwargs=request.chat_template_kwargs or {},
+        # A named tool_choice: the output starts inside the call (SPEC C-3).
+        injected_prefix=forced_call_prefix(request, structured),
     )
     try:
         check_render_params(params, request.messages)
@@ -83,29 +88,49 @@ async def _render(ctx, request: ChatCompletionRequest) -> RenderedPrompt:
 # ---------------------------------------------------------------- completions
 
 
+# Prompts in one completions request: each runs as its own engine request(s), so a batch is
+# bounded like the number of candidates.
+MAX_BATCHED_PROMPTS = 128
+
+
 async def completion_input(ctx, request: CompletionRequest) -> PromptInput:
+    """The one prompt of a request that has one; a batch is a 400 here."""
+    inputs = await completion_inputs(ctx, request)
+    if len(inputs) != 1:
+        raise bad_request("send one prompt here", "prompt")
+    return inputs[0]
+
+
+async def completion_inputs(ctx, request: CompletionRequest) -> list[PromptInput]:
+    """One PromptInput per prompt: a string, token ids, or a list of either (a batch, whose
+    choices come back in prompt order, n per prompt)."""
     params = _tokenize_params(ctx, request, add_special_tokens=request.add_special_tokens)
     prompt = request.prompt if request.prompt_token_ids is None else request.prompt_token_ids
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, str) and request.prompt_token_ids is None:
-        return await _completion_text(ctx, request, prompt, params)
+        return [await _completion_text(ctx, request, prompt, params)]
     if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
-        return await _passthrough(ctx, request, prompt, params, "completions")
-    if len(prompt) != 1:
-        raise bad_request("batched prompts are not supported yet; send one prompt", "prompt")
-    single = prompt[0]
-    if isinstance(single, str):
-        return await _completion_text(ctx, request, single, params)
-    if isinstance(single, list):
-        return await _passthrough(ctx, request, single, params, "completions")
-    raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")
+        return [await _passthrough(ctx, request, prompt, params, "completions")]
+    if len(prompt) > MAX_BATCHED_PROMPTS:
+        raise bad_request(f"at most {MAX_BATCHED_PROMPTS} prompts per request", "prompt")
+    inputs = []
+    for single in prompt:
+        if isinstance(single, str):
+            inputs.append(await _completion_text(ctx, request, single, params))
+        elif isinstance(single, list):
+            inputs.append(await _passthrough(ctx, request, single, params, "completions"))
+        else:
+            raise bad_request(
+                "prompt must be a string, token ids, or a list of strings or of token-id "
+                "lists", "prompt")
+    return inputs
 
 
 async def _completion_text(ctx, request, text: str, params: TokenizeParams) -> PromptInput:
     tokens = await _tokenize(ctx, text, params, "prompt")
     _record(request, "completions", tokens, rendered=False)
-    return PromptInput(tokens)
+    return PromptInput(tokens, source_text=text)
 
 
 # ---------------------------------------------------------------- shared steps

@@ -20,6 +20,7 @@ from frontend.api_models import (
     CompletionRequest,
 )
 from frontend.errors import bad_request
+from frontend.structured import StructuredSettings, build_constraint, check_structured
 from shared.protocol import OutputParams, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -39,8 +40,15 @@ class Plan(msgspec.Struct, frozen=True):
     candidates: int  # best_of; equals n unless the best n of more are wanted
 
 
-def check_request(request: Request) -> None:
-    """Combination checks that need no prompt (SPEC P-6), then unsupported fields."""
+_NO_STRUCTURED_SETTINGS = StructuredSettings()
+
+
+def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTURED_SETTINGS
+                  ) -> None:
+    """Combination checks that need no prompt (SPEC P-6), then unsupported fields.
+
+    `structured`: the server's tool-call and reasoning parsers; without them, tools (other
+    than with tool_choice "none") are refused."""
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if request.n < 1:
@@ -56,9 +64,8 @@ def check_request(request: Request) -> None:
     for field, default in unsupported:
         value = getattr(request, field, default)
         if value != default and value not in NEUTRAL_VALUES.get(field, ()):
-            if field == "tools" and request.tool_choice == "none":
-                continue  # the template sees the tools; the model is told not to call them
             raise bad_request(f"'{field}' is not supported by this server yet", field)
+    check_structured(request, structured)
 
 
 def _check_chat(request: ChatCompletionRequest) -> None:
@@ -102,6 +109,7 @@ def plan_request(
     prompt_len: int,
     max_model_len: int,
     vocab_size: int,
+    structured: StructuredSettings = _NO_STRUCTURED_SETTINGS,
 ) -> Plan:
     max_tokens = _max_tokens(request, endpoint, prompt_len, max_model_len)
     logprobs, prompt_logprobs = _logprobs(request)
@@ -126,6 +134,7 @@ def plan_request(
         logit_bias=logit_bias_pairs(request.logit_bias, vocab_size),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        constraint=build_constraint(request, structured),
     )
     _check_ranges(params)
     output = OutputParams(

@@ -2,23 +2,43 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 
 import uvicorn
 
 from frontend.app import build_app
 from frontend.engine_client import EngineClient
+from frontend.limits import Admission, drain
+from frontend.metrics import process_exiting
 from frontend.rendering import TemplateSettings, load_chat_template
-from frontend.serving import ServingContext
+from frontend.serving import OutputSettings, ServingContext
+from frontend.structured import StructuredSettings
 from frontend.tokenization import InputSettings, Tokenization
-from postproc.processor import OutputProcessor
+from postproc.processor import OutputProcessor, parser_delimiters_are_special
 from shared.config import FrontendConfig
 from shared.tokenizer import TokenizerFacts, load_tokenizer, tokenizer_facts
 
 log = logging.getLogger("sluice.frontend")
 
 
-def _input_settings(config: FrontendConfig, facts: TokenizerFacts) -> InputSettings:
+def _structured_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts
+                         ) -> StructuredSettings:
+    import llguidance.hf
+
+    # Built once (about a second): validation then also knows the model's special tokens.
+    llg = llguidance.hf.from_tokenizer(
+        tokenizer, n_vocab=facts.max_token_id + 1, eos_token=facts.eos_token_ids
+    )
+    return StructuredSettings(
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+        tokenizer=llg,
+    )
+
+
+def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) -> InputSettings:
     templates = TemplateSettings(
         chat_template=load_chat_template(config.chat_template),
         trust_request_chat_template=config.trust_request_chat_template,
@@ -29,6 +49,7 @@ def _input_settings(config: FrontendConfig, facts: TokenizerFacts) -> InputSetti
         threads=config.tokenizer_threads,
         render_timeout_s=config.render_timeout_s,
         templates=templates,
+        structured=_structured_settings(config, tokenizer, facts),
     )
 
 
@@ -44,22 +65,74 @@ def run_frontend(config: FrontendConfig) -> None:
         heartbeat_interval_s=config.heartbeat_interval_s,
         engine_timeout_s=config.engine_timeout_s,
     )
+    client.tracker.request_timeout_s = config.request_timeout_s
     ctx = ServingContext(
         client=client,
-        tokenization=Tokenization(tokenizer, _input_settings(config, facts)),
+        tokenization=Tokenization(tokenizer, _input_settings(config, tokenizer, facts)),
         model_name=config.served_model_name,
         vocab_size=facts.max_token_id + 1,
+        output=OutputSettings(
+            reasoning_parser=config.reasoning_parser,
+            tool_call_parser=config.tool_call_parser,
+            reasoning_field=config.reasoning_field,
+            keep_special_tokens=parser_delimiters_are_special(
+                tokenizer, config.reasoning_parser, config.tool_call_parser),
+        ),
     )
-    app = build_app(ctx)
+    app = build_app(ctx, config)
     log.info("frontend on http://%s:%d (engine %s)", config.host, config.port,
              config.engine_address)
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=config.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=5,
+    server = DrainingServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            loop="uvloop",
+            http="httptools",
+            log_level=config.log_level,
+            access_log=False,
+            # Our drain has already finished or failed every request by the time uvicorn
+            # shuts down; this only bounds a second signal's wait.
+            timeout_graceful_shutdown=5,
+        ),
+        app.state.admission, client, config.shutdown_timeout_s,
     )
+    try:
+        server.run()
+    finally:
+        process_exiting()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains (new requests 503, in-flight ones finish
+    for up to shutdown_timeout_s) before the usual shutdown; a second one exits at once."""
+
+    def __init__(self, config: uvicorn.Config, admission: Admission, client: EngineClient,
+                 shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.admission = admission
+        self.client = client
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._drain: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.admission.draining or not hasattr(self, "_loop") or not self.started:
+            return super().handle_exit(sig, frame)
+        log.info("%s: draining", signal.Signals(sig).name)
+        self.admission.draining = True
+        # A signal handler must not touch the loop directly.
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(
+            drain(self.admission, self.client, self.shutdown_timeout_s))
+        self._drain.add_done_callback(self._drained)
+
+    def _drained(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("drain failed", exc_info=task.exception())
+        self.should_exit = True

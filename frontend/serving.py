@@ -23,35 +23,58 @@ from starlette.responses import Response, StreamingResponse
 from frontend.api_models import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    Completion,
-    CompletionChoice,
     CompletionRequest,
-    Delta,
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
-    Usage,
 )
 from frontend.budgets import BudgetError, TokenizeParams
 from frontend.engine_client import EngineClient, EngineUnavailable
 from frontend.errors import APIError, bad_request, error_body
+from frontend.input_stage import PromptInput, chat_input, completion_inputs
 from frontend.input_stage import _render as render_messages
-from frontend.input_stage import chat_prompt_ids, completion_prompt_ids
-from frontend.output_format import (
-    chat_logprobs,
-    completion_logprobs,
-)
 from frontend.sampling import Plan, check_request, plan_request
 from frontend.tokenization import Tokenization
-from shared.protocol import EngineRequest, LogprobEntry, TextFrame, pack_ids
+from postproc.chunks import sse_event
+from postproc.openai_shapes import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+    Usage,
+    chat_logprobs,
+    completion_logprobs,
+    reasoning_delta,
+)
+from postproc.reasoning import get_reasoning_parser
+from postproc.tool_parsers import ToolDelta, collect
+from shared.protocol import (
+    ChunkFormat,
+    EngineRequest,
+    LogprobEntry,
+    OutputParams,
+    TextFrame,
+    ToolCallDelta,
+    pack_ids,
+)
 
 _json = msgspec.json.Encoder()
 _DISCONNECTED = object()  # queue sentinel: the client went away
+
+
+class OutputSettings(msgspec.Struct, frozen=True):
+    """The server's output parsers (flags); applied to chat requests."""
+
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_field: str = "reasoning_content"
+    # The parsers' delimiters are special tokens of this tokenizer, so requests they parse
+    # keep special tokens in their text (SPEC O-6); the parsers take the delimiters out.
+    keep_special_tokens: bool = False
 
 
 class ServingContext(msgspec.Struct):
@@ -59,24 +82,35 @@ class ServingContext(msgspec.Struct):
     tokenization: Tokenization
     model_name: str
     vocab_size: int
+    output: OutputSettings = OutputSettings()
 
 
 class Job(msgspec.Struct):
-    """One HTTP request's engine work: one engine request per candidate."""
+    """One HTTP request's engine work: `plan.candidates` engine requests per prompt.
+
+    Candidate c belongs to prompt c // plan.candidates; when every candidate is returned
+    (best_of == n), c is also its choice index.
+    """
 
     request_id: str
     created: int
-    prompt_ids: list[int]
+    prompts: list[PromptInput]
     plan: Plan
     candidates: list[EngineRequest]
-    index_of: dict[str, int]
+    index_of: dict[str, int]  # engine request id -> candidate number
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.tokens.ids) for p in self.prompts)
 
 
 class Candidate(msgspec.Struct):
     """Everything one candidate produced, for non-streaming answers and best_of ranking."""
 
-    texts: list[str] = []
-    logprobs: list[LogprobEntry] = []
+    texts: list[str] = msgspec.field(default_factory=list)
+    reasoning: list[str] = msgspec.field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = msgspec.field(default_factory=list)
+    logprobs: list[LogprobEntry] = msgspec.field(default_factory=list)
     prompt_logprobs: list[LogprobEntry] | None = None
     last: TextFrame | None = None
 
@@ -108,32 +142,77 @@ def max_model_len(ctx: ServingContext) -> int:
 def build_job(
     ctx: ServingContext,
     request: ChatCompletionRequest | CompletionRequest,
-    prompt_ids: list[int],
+    prompts: list[PromptInput],
     endpoint: str,
     prefix: str,
 ) -> Job:
-    plan = plan_request(
-        request, endpoint=endpoint, prompt_len=len(prompt_ids),
-        max_model_len=max_model_len(ctx), vocab_size=ctx.vocab_size,
-    )
     request_id = f"{prefix}-{request.request_id or uuid.uuid4().hex}"
-    packed = pack_ids(prompt_ids)
     now = time.time()
-    candidates = []
-    for i in range(plan.candidates):
-        params = plan.params
-        if params.seed is not None and i > 0:
-            # Each candidate draws its own sample; seed + i keeps the set reproducible. The
-            # engine's generators take seeds below 2**64, so wrap rather than overflow.
-            params = msgspec.structs.replace(params, seed=(params.seed + i) % 2**64)
-        candidates.append(EngineRequest(
-            request_id=request_id if plan.candidates == 1 else f"{request_id}-{i}",
-            prompt_token_ids=packed, params=params, reply_to=ctx.client.result_address,
-            arrival_time=now, output=plan.output,
-            cache_salt=request.cache_salt, priority=request.priority,  # SPEC P-12
-        ))
-    index_of = {c.request_id: i for i, c in enumerate(candidates)}
-    return Job(request_id, int(now), prompt_ids, plan, candidates, index_of)
+    plans = [
+        plan_request(request, endpoint=endpoint, prompt_len=len(p.tokens.ids),
+                     max_model_len=max_model_len(ctx), vocab_size=ctx.vocab_size)
+        for p in prompts
+    ]
+    job = Job(request_id, int(now), prompts, plans[0], [], {})
+    for p, (prompt, plan) in enumerate(zip(prompts, plans, strict=True)):
+        packed = pack_ids(prompt.tokens.ids)
+        for i in range(plan.candidates):
+            number = p * plan.candidates + i
+            params = plan.params
+            if params.seed is not None and number > 0:
+                # Each candidate draws its own sample; seed + i keeps the set reproducible.
+                # The engine's generators take seeds below 2**64, so wrap, not overflow.
+                params = msgspec.structs.replace(params, seed=(params.seed + number) % 2**64)
+            many = len(prompts) * plan.candidates > 1
+            job.candidates.append(EngineRequest(
+                request_id=f"{request_id}-{number}" if many else request_id,
+                prompt_token_ids=packed, params=params,
+                reply_to=ctx.client.result_address, arrival_time=now,
+                output=_output_params(ctx, request, job, plan, prompt, number),
+                cache_salt=request.cache_salt, priority=request.priority,  # SPEC P-12
+            ))
+    job.index_of = {c.request_id: i for i, c in enumerate(job.candidates)}
+    return job
+
+
+def _output_params(ctx, request, job: Job, plan: Plan, prompt: PromptInput,
+                   number: int) -> OutputParams:
+    """The plan's output params plus what only the serving layer knows: parsers, and for a
+    stream the chunk format, so whoever post-processes it writes the bytes."""
+    changes: dict = {}
+    settings = ctx.output
+    chat = isinstance(request, ChatCompletionRequest)
+    if chat and settings.reasoning_parser:
+        template_text = prompt.rendered.template_text if prompt.rendered else ""
+        parser = get_reasoning_parser(settings.reasoning_parser)
+        changes.update(reasoning_parser=settings.reasoning_parser,
+                       starts_in_reasoning=parser.initial_thinking(template_text))
+    if chat and settings.tool_call_parser and request.tools and request.tool_choice != "none":
+        changes.update(tool_parser=settings.tool_call_parser,
+                       tools=msgspec.json.encode(request.tools),
+                       tool_prefill=prompt.rendered.injected_prefix if prompt.rendered else "")
+    if changes and settings.keep_special_tokens:
+        changes["skip_special_tokens"] = False
+    if request.stream:
+        changes["chunk"] = ChunkFormat(
+            kind="chat" if chat else "completion", response_id=job.request_id,
+            created=job.created, model=ctx.model_name, index=number,
+            logprobs=(plan.params.logprobs is not None if chat
+                      else request.logprobs is not None),
+            continuous_usage=bool(request.stream_options
+                                  and request.stream_options.continuous_usage_stats),
+            echo=(prompt.source_text or "") if not chat and request.echo else "",
+            reasoning_field=settings.reasoning_field,
+        )
+    return msgspec.structs.replace(plan.output, **changes)
+
+
+async def _add_echo_texts(ctx: ServingContext, prompts: list[PromptInput]) -> None:
+    """Token-id prompts echo as what they decode to; text prompts as the client wrote them."""
+    for prompt in prompts:
+        if prompt.source_text is None:
+            prompt.source_text = await ctx.tokenization.decode(prompt.tokens.ids,
+                                                               skip_special_tokens=False)
 
 
 async def _submit(ctx: ServingContext, job: Job) -> asyncio.Queue:
@@ -147,7 +226,8 @@ async def _submit(ctx: ServingContext, job: Job) -> asyncio.Queue:
     queue: asyncio.Queue = asyncio.Queue()
     try:
         for candidate in job.candidates:
-            await ctx.client.submit(candidate, job.prompt_ids, queue)
+            prompt = job.prompts[job.index_of[candidate.request_id] // job.plan.candidates]
+            await ctx.client.submit(candidate, prompt.tokens.ids, queue)
     except EngineUnavailable as exc:
         for candidate in job.candidates:
             await ctx.client.abort(candidate.request_id)
@@ -166,8 +246,8 @@ async def _watch_disconnect(http: Request, queue: asyncio.Queue) -> None:
 async def _frames(
     ctx: ServingContext, http: Request, job: Job, queue: asyncio.Queue
 ) -> AsyncIterator[tuple[int, TextFrame]]:
-    """(candidate index, frame) until every candidate finishes; aborts the rest if the client
-    leaves first."""
+    """(candidate number, frame) until every candidate finishes; aborts the rest if the
+    client leaves first."""
     watcher = asyncio.create_task(_watch_disconnect(http, queue))
     unfinished = set(job.index_of)
     try:
@@ -187,12 +267,15 @@ async def _frames(
 
 
 async def _collect(frames) -> list[Candidate] | None:
-    """Gathers a whole job; None when the client left first."""
+    """Gathers a whole job, candidates in order; None when the client left first."""
     results: dict[int, Candidate] = {}
     async with aclosing(frames):
-        async for index, frame in frames:
-            c = results.setdefault(index, Candidate([], []))
+        async for number, frame in frames:
+            c = results.setdefault(number, Candidate())
             c.texts.append(frame.text)
+            if frame.reasoning:
+                c.reasoning.append(frame.reasoning)
+            c.tool_calls.extend(frame.tool_calls)
             c.logprobs.extend(frame.logprobs or ())
             if frame.prompt_logprobs is not None:
                 c.prompt_logprobs = frame.prompt_logprobs
@@ -205,15 +288,21 @@ async def _collect(frames) -> list[Candidate] | None:
     return [results[i] for i in sorted(results)]
 
 
-def _best(job: Job, candidates: list[Candidate]) -> list[Candidate]:
-    """The n answers to return: all of them, or the best n by cumulative logprob (P-10)."""
-    if job.plan.candidates == job.plan.n:
-        return candidates
-    return sorted(candidates, key=lambda c: c.score, reverse=True)[: job.plan.n]
+def _chosen(job: Job, candidates: list[Candidate]) -> list[tuple[int, Candidate]]:
+    """(prompt number, candidate) of the answers to return, in choice order: per prompt, all
+    its candidates, or the best n by cumulative logprob (P-10)."""
+    per_prompt = job.plan.candidates
+    chosen = []
+    for p in range(len(job.prompts)):
+        group = candidates[p * per_prompt:(p + 1) * per_prompt]
+        if per_prompt != job.plan.n:
+            group = sorted(group, key=lambda c: c.score, reverse=True)[: job.plan.n]
+        chosen.extend((p, c) for c in group)
+    return chosen
 
 
-def _usage(candidates: list[Candidate]) -> Usage:
-    prompt = candidates[0].last.num_prompt_tokens
+def _usage(job: Job, candidates: list[Candidate]) -> Usage:
+    prompt = job.num_prompt_tokens
     completion = sum(c.last.num_output_tokens for c in candidates)
     return Usage(prompt, completion, prompt + completion)
 
@@ -223,22 +312,47 @@ def _frame_error(frame: TextFrame) -> APIError:
 
 
 def _error_event(frame: TextFrame) -> bytes:
-    return _event(error_body(frame.error_status or 500, frame.error or "the request failed"))
+    return sse_event(error_body(frame.error_status or 500, frame.error or "the request failed"))
 
 
 class StreamUsage(msgspec.Struct):
-    """Running token counts of a streamed job, per candidate."""
+    """Running token counts of a streamed job."""
 
-    prompt_tokens: int = 0
-    completion_tokens: dict[int, int] = {}
+    prompt_tokens: int
+    completion_tokens: dict[int, int] = msgspec.field(default_factory=dict)
 
-    def update(self, index: int, frame: TextFrame) -> None:
-        self.prompt_tokens = frame.num_prompt_tokens
-        self.completion_tokens[index] = frame.num_output_tokens
+    def update(self, number: int, frame: TextFrame) -> None:
+        self.completion_tokens[number] = frame.num_output_tokens
 
     def total(self) -> Usage:
         completion = sum(self.completion_tokens.values())
         return Usage(self.prompt_tokens, completion, self.prompt_tokens + completion)
+
+
+async def _stream(job: Job, frames, opening: list[bytes], include_usage: bool, usage_chunk):
+    """SSE bytes of a streamed job: the opening chunks, each frame's ready-made chunk (written
+    by postproc), an error event if a candidate fails, the usage chunk, `[DONE]` (O-1)."""
+    for chunk in opening:
+        yield chunk
+    usage = StreamUsage(job.num_prompt_tokens)
+    async with aclosing(frames):
+        async for number, frame in frames:
+            if frame.finish_reason == "error":
+                yield _error_event(frame)
+                break
+            usage.update(number, frame)
+            if frame.chunk:
+                yield frame.chunk
+    if include_usage:
+        yield usage_chunk(usage.total())
+    yield b"data: [DONE]\n\n"
+
+
+def _stream_options(request) -> tuple[bool, bool]:
+    options = request.stream_options
+    if options is None:
+        return False, False
+    return bool(options.include_usage), bool(options.continuous_usage_stats)
 
 
 # ---------------------------------------------------------------- chat
@@ -249,59 +363,53 @@ async def chat_completion(
 ) -> Response:
     check_model(ctx, request.model)
     check_request(request)
-    prompt_ids = await chat_prompt_ids(ctx, request)
-    job = build_job(ctx, request, prompt_ids, "chat", "chatcmpl")
+    prompt = await chat_input(ctx, request)
+    job = build_job(ctx, request, [prompt], "chat", "chatcmpl")
     frames = _frames(ctx, http, job, await _submit(ctx, job))
     if request.stream:
         return _sse(_chat_stream(ctx, request, job, frames))
     candidates = await _collect(frames)
     if candidates is None:
         return Response(status_code=499)  # the client left; nobody reads this
+    want_logprobs = job.plan.params.logprobs is not None
     choices = [
         ChatChoice(
             index=i,
-            message=AssistantMessage("assistant", c.text),
+            message=_message(ctx, c),
             finish_reason=c.last.finish_reason,
             stop_reason=c.last.stop_reason,
-            logprobs=chat_logprobs(c.logprobs) if job.plan.params.logprobs is not None else None,
+            logprobs=chat_logprobs(c.logprobs) if want_logprobs else None,
         )
-        for i, c in enumerate(_best(job, candidates))
+        for i, (_, c) in enumerate(_chosen(job, candidates))
     ]
     body = ChatCompletion(job.request_id, job.created, ctx.model_name, choices,
-                          _usage(candidates))
+                          _usage(job, candidates))
     return Response(_json.encode(body), media_type="application/json")
 
 
-async def _chat_stream(ctx, request: ChatCompletionRequest, job: Job, frames):
-    options = request.stream_options
-    include_usage = options is not None and options.include_usage
-    continuous = options is not None and options.continuous_usage_stats
-    want_logprobs = job.plan.params.logprobs is not None
-    usage = StreamUsage()
+def _message(ctx: ServingContext, c: Candidate) -> AssistantMessage:
+    calls = collect([ToolDelta("", c.tool_calls)]).calls if c.tool_calls else []
+    text = c.text
+    return AssistantMessage(
+        role="assistant",
+        content=(text or None) if calls else text,
+        tool_calls=calls or None,
+        **reasoning_delta(ctx.output.reasoning_field, "".join(c.reasoning)),
+    )
 
-    def chunk(choices, with_usage=None) -> bytes:
-        return _event(ChatCompletionChunk(job.request_id, job.created, ctx.model_name, choices,
-                                          with_usage))
 
-    opening = Usage(len(job.prompt_ids), 0, len(job.prompt_ids)) if continuous else None
-    for i in range(job.plan.n):
-        yield chunk([ChatChunkChoice(i, Delta(role="assistant"))], opening)
-    async with aclosing(frames):
-        async for index, frame in frames:
-            if frame.finish_reason == "error":
-                yield _error_event(frame)
-                break
-            usage.update(index, frame)
-            if frame.finish_reason is None and not frame.text:
-                continue
-            logprobs = chat_logprobs(frame.logprobs or []) if want_logprobs else None
-            delta = Delta(content=frame.text) if frame.text else Delta()
-            choice = ChatChunkChoice(index, delta, frame.finish_reason, frame.stop_reason,
-                                     logprobs)
-            yield chunk([choice], usage.total() if continuous else None)
-    if include_usage:
-        yield chunk([], usage.total())
-    yield b"data: [DONE]\n\n"
+def _chat_stream(ctx, request: ChatCompletionRequest, job: Job, frames):
+    include_usage, continuous = _stream_options(request)
+
+    def chunk(choices, usage=None) -> bytes:
+        return sse_event(ChatCompletionChunk(job.request_id, job.created, ctx.model_name,
+                                             choices, usage))
+
+    prompt_tokens = job.num_prompt_tokens
+    opening_usage = Usage(prompt_tokens, 0, prompt_tokens) if continuous else None
+    opening = [chunk([ChatChunkChoice(i, Delta(role="assistant"))], opening_usage)
+               for i in range(job.plan.n)]
+    return _stream(job, frames, opening, include_usage, lambda usage: chunk([], usage))
 
 
 # ---------------------------------------------------------------- completions
@@ -310,80 +418,36 @@ async def _chat_stream(ctx, request: ChatCompletionRequest, job: Job, frames):
 async def completion(ctx: ServingContext, http: Request, request: CompletionRequest) -> Response:
     check_model(ctx, request.model)
     check_request(request)
-    prompt_ids = await completion_prompt_ids(ctx, request)
-    job = build_job(ctx, request, prompt_ids, "completions", "cmpl")
-    echo_text = await _echo_text(ctx, request, prompt_ids)
+    prompts = await completion_inputs(ctx, request)
+    if request.echo:
+        await _add_echo_texts(ctx, prompts)
+    job = build_job(ctx, request, prompts, "completions", "cmpl")
     frames = _frames(ctx, http, job, await _submit(ctx, job))
     if request.stream:
-        return _sse(_completion_stream(ctx, request, job, frames, echo_text))
+        include_usage, _ = _stream_options(request)
+
+        def usage_chunk(usage: Usage) -> bytes:
+            return sse_event(Completion(job.request_id, job.created, ctx.model_name, [], usage))
+
+        return _sse(_stream(job, frames, [], include_usage, usage_chunk))
     candidates = await _collect(frames)
     if candidates is None:
         return Response(status_code=499)
     choices = []
-    for i, c in enumerate(_best(job, candidates)):
+    for i, (p, c) in enumerate(_chosen(job, candidates)):
+        echo = (prompts[p].source_text or "") if request.echo else ""
         logprobs = None
         if job.plan.params.logprobs is not None and request.logprobs is not None:
             entries = (c.prompt_logprobs or []) + c.logprobs
             logprobs = completion_logprobs(entries, start_offset=0)
-        choices.append(CompletionChoice(i, echo_text + c.text, c.last.finish_reason,
+        choices.append(CompletionChoice(i, echo + c.text, c.last.finish_reason,
                                         c.last.stop_reason, logprobs))
     body = Completion(job.request_id, job.created, ctx.model_name, choices,
-                      _usage(candidates))
+                      _usage(job, candidates))
     return Response(_json.encode(body), media_type="application/json")
 
 
-async def _echo_text(ctx: ServingContext, request: CompletionRequest, prompt_ids) -> str:
-    if not request.echo:
-        return ""
-    if isinstance(request.prompt, str):
-        return request.prompt
-    return await ctx.tokenization.decode(prompt_ids, skip_special_tokens=False)
-
-
-async def _completion_stream(ctx, request: CompletionRequest, job: Job, frames, echo_text):
-    options = request.stream_options
-    include_usage = options is not None and options.include_usage
-    continuous = options is not None and options.continuous_usage_stats
-    want_logprobs = request.logprobs is not None
-    usage = StreamUsage()
-    offsets = [0] * job.plan.n
-    echoed = [False] * job.plan.n
-
-    def chunk(choices, with_usage=None) -> bytes:
-        return _event(Completion(job.request_id, job.created, ctx.model_name, choices,
-                                 with_usage))
-
-    async with aclosing(frames):
-        async for index, frame in frames:
-            if frame.finish_reason == "error":
-                yield _error_event(frame)
-                break
-            usage.update(index, frame)
-            entries = list(frame.logprobs or ())
-            text = frame.text
-            if request.echo and not echoed[index]:
-                echoed[index] = True
-                text = echo_text + text
-                entries = list(frame.prompt_logprobs or ()) + entries
-            if frame.finish_reason is None and not text:
-                continue
-            logprobs = None
-            if want_logprobs:
-                logprobs = completion_logprobs(entries, start_offset=offsets[index])
-            offsets[index] += len(text)
-            choice = CompletionChoice(index, text, frame.finish_reason, frame.stop_reason,
-                                      logprobs)
-            yield chunk([choice], usage.total() if continuous else None)
-    if include_usage:
-        yield chunk([], usage.total())
-    yield b"data: [DONE]\n\n"
-
-
 # ---------------------------------------------------------------- SSE
-
-
-def _event(body: msgspec.Struct) -> bytes:
-    return b"data: " + _json.encode(body) + b"\n\n"
 
 
 def _sse(events) -> StreamingResponse:

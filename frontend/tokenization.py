@@ -37,6 +37,7 @@ from frontend.budgets import (
     shift_offsets,
 )
 from frontend.rendering import RenderedPrompt, RenderParams, TemplateSettings, render
+from frontend.structured import StructuredSettings
 
 log = logging.getLogger("sluice.frontend")
 
@@ -47,6 +48,9 @@ class InputSettings(msgspec.Struct, frozen=True, kw_only=True):
     threads: int = 4
     render_timeout_s: float = 30.0
     templates: TemplateSettings = TemplateSettings()
+    # Tool-call and reasoning parsers (and llguidance's tokenizer) for structured output; the
+    # renderer injects a named tool_choice's begin marker (SPEC C-3).
+    structured: StructuredSettings = StructuredSettings()
 
 
 class RenderTimeout(Exception):

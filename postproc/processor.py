@@ -1,7 +1,13 @@
 """Turns the engine's token batches into text frames, one request state per request.
 
-The same code runs in a postproc worker (the fleet) or in a frontend's receiver thread when
-no fleet is configured; either way it is off the engine and off the HTTP event loop.
+Per frame: detokenize, match stop strings, split reasoning from content, parse tool calls,
+and, for streamed requests, write the OpenAI chunk bytes. The same code runs in a postproc
+worker (the fleet) or in a frontend's receiver thread when no fleet is configured; either way
+it is off the engine and off the HTTP event loop (SPEC S-4).
+
+A request's frames are a pure function of its EngineRequest and its outputs, in order: frame
+k comes from the k-th output. So a dead worker's requests replay on another worker, which
+produces the same frames, and the frontend drops the ones it already has.
 """
 
 from __future__ import annotations
@@ -11,10 +17,21 @@ from collections.abc import Sequence
 
 import msgspec
 
+from postproc.chunks import ChunkWriter, Piece
 from postproc.detokenizer import IncrementalDetokenizer
 from postproc.logprobs import TokenTexts, logprob_entries
+from postproc.reasoning import ReasoningParser, get_reasoning_parser
 from postproc.stop_strings import StopMatcher
-from shared.protocol import OutputBatch, OutputParams, RequestOutput, TextFrame, unpack_ids
+from postproc.tool_parsers import ToolDelta, ToolParser, get_tool_parser
+from shared.protocol import OutputParams, RequestOutput, TextFrame, unpack_ids
+
+
+class Registration(msgspec.Struct):
+    """A request known but not yet seen producing output: its state is built on first use,
+    so a frontend whose requests a postproc worker handles pays nothing per request."""
+
+    prompt_ids: Sequence[int]
+    params: OutputParams
 
 
 class RequestState(msgspec.Struct):
@@ -22,6 +39,9 @@ class RequestState(msgspec.Struct):
     params: OutputParams
     detokenizer: IncrementalDetokenizer
     stops: StopMatcher | None
+    reasoning: ReasoningParser | None
+    tools: ToolParser | None
+    writer: ChunkWriter | None
     next_seq: int = 0
 
 
@@ -37,31 +57,33 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._texts = TokenTexts(tokenizer)
-        self._states: dict[str, RequestState] = {}
+        self._states: dict[str, RequestState | Registration] = {}
         self._lock = threading.Lock()
 
     def register(
         self, request_id: str, prompt_token_ids: Sequence[int], params: OutputParams
     ) -> None:
-        detokenizer = IncrementalDetokenizer(
-            self._tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens
-        )
-        stops = StopMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         with self._lock:
-            self._states[request_id] = RequestState(prompt_token_ids, params, detokenizer, stops)
+            self._states[request_id] = Registration(prompt_token_ids, params)
 
     def discard(self, request_id: str) -> None:
         with self._lock:
             self._states.pop(request_id, None)
 
-    def process(self, batch: OutputBatch) -> Processed:
+    def clear(self) -> None:
+        with self._lock:
+            self._states.clear()
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def process(self, outputs: Sequence[RequestOutput]) -> Processed:
         result = Processed([], [])
-        for output in batch.outputs:
-            with self._lock:
-                state = self._states.get(output.request_id)
+        for output in outputs:
+            state = self._state(output.request_id)
             if state is None:
                 continue  # the frontend gave up on it, or a stop string already ended it
-            frame = self._frame(state, output)
+            frame = self._frame(state, output, output.request_id)
             if frame.finish_reason is not None:
                 self.discard(output.request_id)
                 if output.finish_reason is None:
@@ -69,8 +91,77 @@ class OutputProcessor:
             result.frames.append(frame)
         return result
 
-    def _frame(self, state: RequestState, output: RequestOutput) -> TextFrame:
+    def _state(self, request_id: str) -> RequestState | None:
+        with self._lock:
+            state = self._states.get(request_id)
+            if isinstance(state, Registration):
+                state = self._build(request_id, state)
+                self._states[request_id] = state
+        return state
+
+    def _build(self, request_id: str, spec: Registration) -> RequestState:
+        params = spec.params
+        reasoning = None
+        if params.reasoning_parser:
+            reasoning = get_reasoning_parser(params.reasoning_parser).starting(
+                params.starts_in_reasoning)
+        tools = None
+        if params.tool_parser:
+            declared = msgspec.json.decode(params.tools) if params.tools else None
+            tools = get_tool_parser(params.tool_parser)(
+                declared, call_id_seed=request_id, prefill=params.tool_prefill)
+        return RequestState(
+            prompt_ids=spec.prompt_ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(
+                self._tokenizer, spec.prompt_ids, skip_special_tokens=params.skip_special_tokens
+            ),
+            stops=(StopMatcher(params.stop, params.include_stop_str_in_output)
+                   if params.stop else None),
+            reasoning=reasoning,
+            tools=tools,
+            writer=ChunkWriter(params.chunk) if params.chunk is not None else None,
+        )
+
+    def _frame(self, state: RequestState, output: RequestOutput, request_id: str) -> TextFrame:
         ids = unpack_ids(output.new_token_ids)
+        text, finish_reason, stop_reason = self._text(state, output, ids)
+        finished = finish_reason is not None and finish_reason != "error"
+        reasoning, content, calls = self._parse(state, text, finished)
+        if finish_reason == "stop" and state.tools is not None and state.tools.num_calls:
+            finish_reason = "tool_calls"  # as OpenAI says when the answer called tools
+        logprobs = self._entries(ids, output.logprobs)
+        prompt_logprobs = self._entries(state.prompt_ids, output.prompt_logprobs)
+        chunk = b""
+        if state.writer is not None and finish_reason != "error":
+            chunk = state.writer.write(Piece(
+                content, reasoning, calls, logprobs or [], prompt_logprobs, finish_reason,
+                stop_reason, output.num_prompt_tokens, output.num_output_tokens,
+            ))
+        frame = TextFrame(
+            request_id=request_id,
+            seq=state.next_seq,
+            text=content,
+            token_ids=output.new_token_ids,
+            num_prompt_tokens=output.num_prompt_tokens,
+            num_output_tokens=output.num_output_tokens,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            error=output.error,
+            error_status=output.error_status,
+            first_token_time=output.first_token_time,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            cumulative_logprob=output.cumulative_logprob,
+            reasoning=reasoning,
+            tool_calls=calls,
+            chunk=chunk,
+        )
+        state.next_seq += 1
+        return frame
+
+    def _text(self, state: RequestState, output: RequestOutput, ids):
+        """Detokenized new text after stop strings, and the finish it leads to."""
         finished = output.finish_reason is not None
         text_ids = ids
         if (output.finish_reason == "stop" and len(ids)
@@ -88,26 +179,43 @@ class OutputProcessor:
                 finish_reason, stop_reason = "stop", matched
             elif finished:
                 text += state.stops.flush()
-        frame = TextFrame(
-            request_id=output.request_id,
-            seq=state.next_seq,
-            text=text,
-            token_ids=output.new_token_ids,
-            num_prompt_tokens=output.num_prompt_tokens,
-            num_output_tokens=output.num_output_tokens,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            error=output.error,
-            error_status=output.error_status,
-            first_token_time=output.first_token_time,
-            logprobs=self._entries(ids, output.logprobs),
-            prompt_logprobs=self._entries(state.prompt_ids, output.prompt_logprobs),
-            cumulative_logprob=output.cumulative_logprob,
-        )
-        state.next_seq += 1
-        return frame
+        return text, finish_reason, stop_reason
+
+    @staticmethod
+    def _parse(state: RequestState, text: str, finished: bool):
+        """(reasoning, content, tool-call deltas) of the new text; flushes at the end."""
+        reasoning, content = "", text
+        if state.reasoning is not None:
+            d = state.reasoning.feed(text)
+            reasoning, content = d.reasoning, d.content
+            if finished:
+                d = state.reasoning.finish()
+                reasoning, content = reasoning + d.reasoning, content + d.content
+        if state.tools is None:
+            return reasoning, content, []
+        parts: list[ToolDelta] = [state.tools.feed(content)]
+        if finished:
+            parts.append(state.tools.finish())
+        return (reasoning, "".join(p.content for p in parts),
+                [c for p in parts for c in p.calls])
 
     def _entries(self, ids, raw):
         if raw is None:
             return None
         return logprob_entries(ids, raw, self._texts)
+
+
+def parser_delimiters_are_special(
+    tokenizer, reasoning_parser: str | None, tool_parser: str | None
+) -> bool:
+    """Whether a configured parser's delimiters (`<think>`, `[TOOL_CALLS]`, ...) are special
+    tokens of this tokenizer, which skip_special_tokens would take out before the parser saw
+    them (SPEC O-6)."""
+    delimiters: set[str] = set()
+    if reasoning_parser:
+        cls = get_reasoning_parser(reasoning_parser)
+        delimiters |= {cls.start_tag, cls.end_tag}
+    if tool_parser:
+        delimiters |= set(get_tool_parser(tool_parser).delimiters)
+    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return bool(delimiters & special)

@@ -1,4 +1,4 @@
-"""`sluice` command line: serve (all on one machine), engine, frontend, bench.
+"""`sluice` command line: serve (all on one machine), engine, frontend, postproc, bench.
 
 Each process kind imports its own package only when its subcommand runs, so `shared` stays
 the bottom of the dependency graph at import time.
@@ -7,6 +7,7 @@ the bottom of the dependency graph at import time.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -15,9 +16,11 @@ import sys
 import time
 
 from shared.config import EngineConfig, FrontendConfig
+from shared.prometheus_dir import prepare_prometheus_dir
 from shared.transport import free_tcp_port, new_ipc_address
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5555"
+DEFAULT_POSTPROC_ADDRESS = "tcp://127.0.0.1:5556"
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,6 +90,36 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
                    help="turn the model's tool-call syntax into tool_calls (default: off; "
                         "tools are then only accepted with tool_choice none)")
+    _add_limit_arguments(p)
+
+
+def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frontend limits and security")
+    g.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY, or x-api-key: KEY) on "
+                        "every route but /health, /metrics and /version; repeat for several "
+                        "keys; SLUICE_API_KEY adds comma-separated keys (default: none)")
+    g.add_argument("--allowed-origins", nargs="+", action="extend", default=[],
+                   metavar="ORIGIN",
+                   help="CORS: origins browsers may call from, or '*' (default: none, so no "
+                        "CORS headers); a JSON list as vLLM takes it works too")
+    g.add_argument("--allowed-methods", nargs="+", action="extend", default=None,
+                   metavar="METHOD", help="CORS: allowed methods (default: *)")
+    g.add_argument("--allowed-headers", nargs="+", action="extend", default=None,
+                   metavar="HEADER", help="CORS: allowed request headers (default: *)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: let browsers send cookies and authorization headers")
+    g.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
+                   help="larger request bodies get a 413 (default: 32 MiB)")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests this frontend has accepted that have not started generating; "
+                        "beyond it new ones get a 503 with Retry-After (default: no cap)")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival to its last token; then it "
+                        "ends with a 504 error and is aborted in the engine (default: none)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may still run while new ones "
+                        "get a 503; then the rest end with an error (default: 30)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,16 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="engine + frontend on this machine (over ipc)")
+    serve = sub.add_parser(
+        "serve", help="engine + frontend (+ postproc workers) on this machine (over ipc)")
     _add_model_arguments(serve)
     _add_engine_arguments(serve)
     _add_frontend_arguments(serve)
+    serve.add_argument("--postproc-workers", type=int, default=0,
+                       help="postproc worker processes to start (default: 0, the frontend "
+                            "post-processes on its receiver thread)")
 
     engine = sub.add_parser("engine", help="run the engine alone")
     _add_model_arguments(engine)
     _add_engine_arguments(engine)
     engine.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
                         help=f"where to bind for frontends (default: {DEFAULT_ENGINE_ADDRESS})")
+    engine.add_argument("--postproc-address", default=None,
+                        help="where to bind for postproc workers, e.g. "
+                             f"{DEFAULT_POSTPROC_ADDRESS} (default: no fleet; frontends "
+                             "post-process their own requests)")
 
     frontend = sub.add_parser("frontend", help="run one HTTP frontend against an engine")
     _add_model_arguments(frontend)
@@ -115,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
                           help="where this frontend receives outputs; must be reachable from "
                                "the engine (default: ipc next to an ipc engine, otherwise "
                                "tcp://127.0.0.1 on a free port)")
+
+    postproc = sub.add_parser(
+        "postproc", help="run one postproc worker (detokenize, parse, format) for an engine")
+    _add_model_arguments(postproc)
+    postproc.add_argument("--engine-postproc-address", default=DEFAULT_POSTPROC_ADDRESS,
+                          help="the engine's --postproc-address "
+                               f"(default: {DEFAULT_POSTPROC_ADDRESS})")
 
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server")
     from shared.bench import add_bench_arguments
@@ -130,7 +178,7 @@ def _model_names(args) -> tuple[str, str]:
     return path, args.served_model_name or served_model_name(path)
 
 
-def engine_config(args, address: str) -> EngineConfig:
+def engine_config(args, address: str, postproc_address: str | None = None) -> EngineConfig:
     path, name = _model_names(args)
     return EngineConfig(
         model=path, served_model_name=name, request_address=address, dtype=args.dtype,
@@ -139,7 +187,7 @@ def engine_config(args, address: str) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, threads=args.threads,
-        scheduling_policy=args.scheduling_policy,
+        scheduling_policy=args.scheduling_policy, postproc_address=postproc_address,
     )
 
 
@@ -154,8 +202,54 @@ def frontend_config(args, engine_address: str, result_address: str | None) -> Fr
         render_timeout_s=args.render_timeout, chat_template=args.chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-        reasoning_field=args.reasoning_field,
+        reasoning_field=args.reasoning_field, **_limit_config(args),
     )
+
+
+def _listed(values: list[str] | None, default: list[str]) -> list[str]:
+    """Flag values, where one may also be a JSON list (vLLM's `--allowed-origins '["*"]'`)."""
+    if not values:
+        return default
+    out: list[str] = []
+    for value in values:
+        out.extend(json.loads(value) if value.startswith("[") else [value])
+    return out
+
+
+def _api_keys(args) -> list[str]:
+    from_env = [k.strip() for k in os.environ.get("SLUICE_API_KEY", "").split(",")]
+    return list(dict.fromkeys(k for k in [*args.api_keys, *from_env] if k))
+
+
+def _limit_config(args) -> dict:
+    return dict(
+        api_keys=_api_keys(args), allowed_origins=_listed(args.allowed_origins, []),
+        allowed_methods=_listed(args.allowed_methods, ["*"]),
+        allowed_headers=_listed(args.allowed_headers, ["*"]),
+        allow_credentials=args.allow_credentials,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
+def _limit_argv(args) -> list[str]:
+    """The limit flags for the frontend `serve` starts; API keys go by environment instead,
+    so they do not show up twice in the process list."""
+    argv = ["--max-request-body-bytes", str(args.max_request_body_bytes),
+            "--shutdown-timeout", str(args.shutdown_timeout)]
+    for flag, values in (("--allowed-origins", args.allowed_origins),
+                         ("--allowed-methods", args.allowed_methods),
+                         ("--allowed-headers", args.allowed_headers)):
+        if values:
+            argv += [flag, *values]
+    for flag, value in (("--max-queued-requests", args.max_queued_requests),
+                        ("--request-timeout", args.request_timeout)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.allow_credentials:
+        argv.append("--allow-credentials")
+    return argv
 
 
 def _setup_logging(level: str) -> None:
@@ -201,15 +295,25 @@ def _serve(args) -> int:
                         ("--tool-call-parser", args.tool_call_parser)):
         if value is not None:
             frontend_argv += [flag, value]
-    frontend_argv += ["--reasoning-field", args.reasoning_field]
-    children = [
-        subprocess.Popen([sys.executable, "-m", "shared.cli", *argv])
-        for argv in (engine_argv, frontend_argv)
-    ]
-    return _supervise(children)
+    frontend_argv += ["--reasoning-field", args.reasoning_field, *_limit_argv(args)]
+    keys = _api_keys(args)
+    if keys:
+        os.environ["SLUICE_API_KEY"] = ",".join(keys)
+    # Every frontend `serve` starts shares one metrics directory (SPEC L-3).
+    prepare_prometheus_dir()
+    argvs = [engine_argv, frontend_argv]
+    if args.postproc_workers > 0:
+        postproc_address = new_ipc_address("postproc")
+        engine_argv += ["--postproc-address", postproc_address]
+        argvs += [["postproc", *common, "--engine-postproc-address", postproc_address]
+                  ] * args.postproc_workers
+    children = [subprocess.Popen([sys.executable, "-m", "shared.cli", *argv]) for argv in argvs]
+    # The frontend (children[1]) drains first, while the engine still runs its requests.
+    return _supervise(children, drain_first=children[1:2], grace_s=args.shutdown_timeout + 5)
 
 
-def _supervise(children: list[subprocess.Popen]) -> int:
+def _supervise(children: list[subprocess.Popen],
+               drain_first: list[subprocess.Popen] | None = None, grace_s: float = 10) -> int:
     stopping = False
 
     def stop(signum, frame):
@@ -225,15 +329,21 @@ def _supervise(children: list[subprocess.Popen]) -> int:
             code = exited[0].returncode or 1
             break
         time.sleep(0.2)
+    drain_first = drain_first or []
+    _stop(drain_first, grace_s)
+    _stop([c for c in children if c not in drain_first], 10)
+    return code
+
+
+def _stop(children: list[subprocess.Popen], timeout_s: float) -> None:
     for child in children:
         if child.poll() is None:
             child.terminate()
     for child in children:
         try:
-            child.wait(timeout=10)
+            child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             child.kill()
-    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,9 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "engine":
         from engine.server import run_engine
 
-        run_engine(engine_config(args, args.engine_address))
+        run_engine(engine_config(args, args.engine_address, args.postproc_address))
+        return 0
+    if args.command == "postproc":
+        from postproc.worker import run_postproc
+
+        run_postproc(_model_names(args)[0], args.engine_postproc_address)
         return 0
     if args.command == "frontend":
+        prepare_prometheus_dir()  # before frontend.* imports prometheus_client
         from frontend.server import run_frontend
 
         run_frontend(frontend_config(args, args.engine_address, args.result_address))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.protocol import EngineInbound, FrontendInbound
+from shared.protocol import EngineFromWorker, EngineInbound, FrontendInbound, WorkerInbound
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -29,3 +29,11 @@ def engine_inbound_decoder() -> Decoder:
 
 def frontend_inbound_decoder() -> Decoder:
     return Decoder(FrontendInbound)
+
+
+def worker_inbound_decoder() -> Decoder:
+    return Decoder(WorkerInbound)
+
+
+def engine_from_worker_decoder() -> Decoder:
+    return Decoder(EngineFromWorker)

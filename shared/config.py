@@ -23,6 +23,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     scheduling_policy: str = "fcfs"
     threads: int | None = None
     engine_id: str = "engine-0"
+    # Where postproc workers connect (the engine binds a ROUTER); None = no fleet.
+    postproc_address: str | None = None
 
 
 class FrontendConfig(msgspec.Struct, kw_only=True):
@@ -44,3 +46,13 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     reasoning_field: str = "reasoning_content"  # vLLM now says "reasoning"
+    # Limits and security (frontend.auth, frontend.limits); see docs/operations.md.
+    api_keys: list[str] = []  # empty: no authentication
+    allowed_origins: list[str] = []  # CORS; empty: no CORS headers at all
+    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    max_request_body_bytes: int = 32 * 2**20
+    max_queued_requests: int | None = None  # admitted requests not yet generating; None: no cap
+    request_timeout_s: float | None = None  # from arrival to the last token; None: no limit
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may still run

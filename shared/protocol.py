@@ -23,6 +23,17 @@ def unpack_ids(buf: TokenIds) -> np.ndarray:
     return np.frombuffer(buf, dtype="<i4")
 
 
+class Constraint(msgspec.Struct, frozen=True):
+    """A grammar the output must follow (SPEC P-8, C-1 to C-3).
+
+    The frontend translates the request (response_format, structured_outputs, guided_*, forced
+    tool calls) into one llguidance grammar and validates it, so the engine only compiles it.
+    """
+
+    kind: str  # what asked for it: json_object | json_schema | regex | choice | grammar | tools
+    grammar: str  # llguidance's grammar format (a JSON document or a Lark grammar)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the engine needs to pick and stop tokens; the frontend pins every default."""
 
@@ -47,6 +58,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: int | None = None
     # Same for prompt tokens (completions `echo` with logprobs).
     prompt_logprobs: int | None = None
+    # The output must follow this grammar: a mask on the logits before sampling.
+    constraint: Constraint | None = None
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):
@@ -62,6 +75,21 @@ class TokenLogprobs(msgspec.Struct, frozen=True):
     top_logprobs: bytes = b""
 
 
+class ChunkFormat(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How to write a streamed candidate's OpenAI chunks, so whoever post-processes it (a
+    postproc worker, or the frontend's receiver thread) hands the HTTP layer finished bytes."""
+
+    kind: str  # "chat" | "completion"
+    response_id: str
+    created: int
+    model: str
+    index: int  # the choice index this candidate streams as
+    logprobs: bool = False  # put logprobs in the chunks
+    continuous_usage: bool = False  # usage in every chunk (stream_options)
+    echo: str = ""  # completions: the prompt text, before the first chunk's text
+    reasoning_field: str = "reasoning_content"
+
+
 class OutputParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How a request's tokens become text: what the postproc step needs, not the engine."""
 
@@ -69,6 +97,17 @@ class OutputParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop: list[str] = []  # stop strings, matched on detokenized text
     include_stop_str_in_output: bool = False
     logprobs: bool = False  # attach token strings to the logprobs the engine sends
+    # Output parsers by registered name (SPEC O-5, O-6); None = off for this request.
+    reasoning_parser: str | None = None
+    # Whether the output starts inside a thinking block, as the frontend read it from the
+    # rendered prompt (a template may pre-fill `<think>` or a closed block).
+    starts_in_reasoning: bool = False
+    tool_parser: str | None = None
+    tools: bytes = b""  # the request's `tools` as JSON (parsers read parameter types)
+    # Text the server put after the rendered prompt that the output continues (a forced
+    # call's opening, SPEC C-3): parsed as output, never returned as content.
+    tool_prefill: str = ""
+    chunk: ChunkFormat | None = None  # set for streamed requests only
 
 
 # ---------------------------------------------------------------- frontend -> engine
@@ -92,6 +131,8 @@ class EngineRequest(msgspec.Struct, tag="request", frozen=True):
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
+    """From a frontend (the client left) or a postproc worker (a stop string matched)."""
+
     request_ids: list[str]
 
 
@@ -124,6 +165,11 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     num_computed_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    step_time_total_s: float = 0.0  # summed wall time of the num_steps model steps
+    # The postproc fleet, as the engine sees it.
+    num_postproc_workers: int = 0  # live workers now
+    postproc_assigned: int = 0  # requests assigned to a worker since start
+    postproc_replayed: int = 0  # of those, moved to another worker (or the frontend) on a death
 
 
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -153,7 +199,52 @@ class OutputBatch(msgspec.Struct, tag="outputs", frozen=True):
     step_time: float
 
 
+# ---------------------------------------------------------------- engine <-> postproc
+
+
+class WorkerHeartbeat(msgspec.Struct, tag="worker_heartbeat", frozen=True):
+    """A postproc worker's registration and heartbeat, on its DEALER to the engine."""
+
+    worker_id: str
+    sent_at: float
+
+
+class WorkerDone(msgspec.Struct, tag="worker_done", frozen=True):
+    """Requests whose last frame a worker has sent: the engine may forget their outputs.
+    Until then it keeps them, to replay on another worker should this one die."""
+
+    request_ids: list[str]
+
+
+class WorkBatch(msgspec.Struct, tag="work", frozen=True):
+    """What the engine sends one postproc worker after a step.
+
+    `assignments` are requests this worker takes on from now (new ones, or a dead worker's
+    being replayed: then `outputs` holds all their outputs so far, in order). `reset` tells a
+    worker the engine had given it up for dead: it drops every request it still holds.
+    """
+
+    assignments: list[EngineRequest]
+    outputs: list[RequestOutput]
+    step_time: float
+    reset: bool = False
+
+
 # ---------------------------------------------------------------- postproc -> frontend
+
+
+class FunctionCallDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """One entry of a chat chunk's `delta.tool_calls`; encodes to OpenAI's shape."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -178,7 +269,7 @@ class TextFrame(msgspec.Struct, frozen=True, omit_defaults=True):
 
     request_id: str
     seq: int
-    text: str
+    text: str  # content (after the reasoning and tool parsers took their parts)
     token_ids: TokenIds
     num_prompt_tokens: int
     num_output_tokens: int
@@ -190,6 +281,10 @@ class TextFrame(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: list[LogprobEntry] | None = None
     prompt_logprobs: list[LogprobEntry] | None = None
     cumulative_logprob: float | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = []
+    # Streamed requests: this frame as ready-to-write SSE bytes (empty: nothing to send).
+    chunk: bytes = b""
 
 
 class FrameBatch(msgspec.Struct, tag="frames", frozen=True):
@@ -198,3 +293,5 @@ class FrameBatch(msgspec.Struct, tag="frames", frozen=True):
 
 EngineInbound = EngineRequest | AbortRequest | Ping
 FrontendInbound = OutputBatch | FrameBatch | EngineStats
+WorkerInbound = WorkBatch
+EngineFromWorker = WorkerHeartbeat | WorkerDone | AbortRequest

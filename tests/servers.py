@@ -86,6 +86,14 @@ def metrics(base_url: str) -> dict[str, float]:
     return values
 
 
+def start_frontend(tmp_dir: str, engine_address: str, name: str, *extra: str) -> tuple[Proc, str]:
+    """One `sluice frontend` on a free port; wait_healthy it yourself (with the engine)."""
+    port = free_tcp_port()
+    proc = Proc(["frontend", "--engine-address", engine_address, "--port", str(port), *extra],
+                os.path.join(tmp_dir, f"{name}.log"))
+    return proc, f"http://127.0.0.1:{port}"
+
+
 class Cluster:
     """One engine and two frontends as separate processes over tcp, as an orchestrator runs them."""
 

@@ -4,6 +4,10 @@ A backend owns the KV cache tensors (their layout is its business) and, once per
 the scheduled chunks into whatever metadata its kernels want. Models call `attend` once per
 layer with the step's new q/k/v; the backend stores k/v in the cache and attends over each
 sequence's whole context.
+
+Contract: all of a step's new k/v are stored before any of its attention reads the cache. The
+scheduler relies on it to let a sequence read prefix pages another sequence of the same step
+is filling (prompt sharing for n > 1).
 """
 
 from __future__ import annotations

@@ -4,11 +4,17 @@ Cache layout: per layer, one K and one V tensor of shape [num_pages * page_size,
 head_dim], addressed by slot = page * page_size + offset. Decodes (one new token each) are
 attended in one padded batch; each prefill chunk is attended on its own, because padding a
 long chunk to the batch would multiply the work.
+
+A context is read by whole pages (`index_select` of page rows), not token by token: one
+contiguous copy per page instead of an indexed copy per token, several times faster on CPU.
+The step's metadata is built with numpy over the batch, once per step, since it is Python
+work every layer waits for.
 """
 
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -18,15 +24,15 @@ from engine.scheduler import ScheduledChunk
 class PrefillSlice(msgspec.Struct):
     rows: slice  # this chunk's rows in the flattened batch
     start: int  # tokens already in the cache before this chunk
-    context_slots: torch.Tensor | None  # slots of the whole context; None when start == 0
+    context_pages: torch.Tensor | None  # pages of the whole context; None when start == 0
     causal_mask: torch.Tensor | None  # [n, start + n] bool; None when start == 0
 
 
 class TorchAttentionMetadata(msgspec.Struct):
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_rows: torch.Tensor | None  # [B] rows of single-token chunks
-    decode_slots: torch.Tensor | None  # [B, L] context slots, padded with slot 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] True where a key is real
+    decode_pages: torch.Tensor | None  # [B * P] page table of the decodes, padded with page 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, P * page_size] True where a key is real
     prefills: list[PrefillSlice]
 
 
@@ -48,36 +54,39 @@ class TorchAttentionBackend:
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # The same memory seen as one row per page, for gathering whole pages.
+        self._k_pages = [c.view(num_pages, -1) for c in self.k_cache]
+        self._v_pages = [c.view(num_pages, -1) for c in self.v_cache]
 
     # ---------------------------------------------------------------- metadata
 
-    def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
-        positions = torch.arange(start, end)
-        table = torch.tensor(pages, dtype=torch.long)
-        return table[positions // self.page_size] * self.page_size + positions % self.page_size
-
     def prepare(self, chunks: list[ScheduledChunk]) -> TorchAttentionMetadata:
-        slot_parts, prefills = [], []
-        decode_rows, decode_contexts = [], []
+        size = self.page_size
+        slots = np.empty(sum(c.num_tokens for c in chunks), dtype=np.int64)
+        prefills = []
+        decode_rows, decode_pages, decode_lens = [], [], []
         row = 0
         for chunk in chunks:
-            end = chunk.start + chunk.num_tokens
-            slot_parts.append(self._slots(chunk.seq.pages, chunk.start, end))
-            if chunk.num_tokens == 1 and chunk.start > 0:
+            pages, start, n = chunk.seq.pages, chunk.start, chunk.num_tokens
+            if n == 1 and start > 0:
+                slots[row] = pages[start // size] * size + start % size
                 decode_rows.append(row)
-                decode_contexts.append(self._slots(chunk.seq.pages, 0, end))
+                decode_pages.append(pages)
+                decode_lens.append(start + 1)
             else:
+                pos = np.arange(start, start + n)
+                slots[row : row + n] = np.asarray(pages)[pos // size] * size + pos % size
                 prefills.append(self._prefill_slice(chunk, row))
-            row += chunk.num_tokens
+            row += n
         meta = TorchAttentionMetadata(
-            slot_mapping=torch.cat(slot_parts).to(self.device),
+            slot_mapping=torch.from_numpy(slots).to(self.device),
             decode_rows=None,
-            decode_slots=None,
+            decode_pages=None,
             decode_mask=None,
             prefills=prefills,
         )
         if decode_rows:
-            self._add_decode_batch(meta, decode_rows, decode_contexts)
+            self._add_decode_batch(meta, decode_rows, decode_pages, decode_lens)
         return meta
 
     def _prefill_slice(self, chunk: ScheduledChunk, row: int) -> PrefillSlice:
@@ -87,25 +96,28 @@ class TorchAttentionBackend:
         end = chunk.start + chunk.num_tokens
         query_pos = torch.arange(chunk.start, end).unsqueeze(1)
         key_pos = torch.arange(end).unsqueeze(0)
+        used = chunk.seq.pages[: -(-end // self.page_size)]
         return PrefillSlice(
             rows,
             chunk.start,
-            self._slots(chunk.seq.pages, 0, end).to(self.device),
+            torch.tensor(used, dtype=torch.long).to(self.device),
             (key_pos <= query_pos).to(self.device),
         )
 
     def _add_decode_batch(
-        self, meta: TorchAttentionMetadata, rows: list[int], contexts: list[torch.Tensor]
+        self, meta: TorchAttentionMetadata, rows: list[int], pages: list[list[int]],
+        lengths: list[int],
     ) -> None:
-        lengths = torch.tensor([len(c) for c in contexts])
-        width = int(lengths.max())
-        slots = torch.zeros((len(contexts), width), dtype=torch.long)
-        for i, ctx in enumerate(contexts):
-            slots[i, : len(ctx)] = ctx
-        mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
-        meta.decode_rows = torch.tensor(rows, device=self.device)
-        meta.decode_slots = slots.to(self.device)
-        meta.decode_mask = mask[:, None, None, :].to(self.device)
+        size = self.page_size
+        lens = np.asarray(lengths)
+        counts = -(-lens // size)
+        table = np.zeros((len(rows), int(counts.max())), dtype=np.int64)
+        for i, (owned, count) in enumerate(zip(pages, counts.tolist(), strict=True)):
+            table[i, :count] = owned[:count]
+        mask = np.arange(table.shape[1] * size)[None, :] < lens[:, None]
+        meta.decode_rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device)
+        meta.decode_pages = torch.from_numpy(table.reshape(-1)).to(self.device)
+        meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
 
     # ---------------------------------------------------------------- compute
 
@@ -120,31 +132,46 @@ class TorchAttentionBackend:
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_pages, v_pages = self._k_pages[layer], self._v_pages[layer]
+        if not meta.prefills:  # a pure decode step: no scatter into a fresh output
+            return self._attend_decodes(q, meta, k_pages, v_pages, k.shape[1:])
         out = torch.empty_like(q)
         for p in meta.prefills:
-            out[p.rows] = self._attend_prefill(q[p.rows], k[p.rows], v[p.rows], p, k_cache, v_cache)
+            out[p.rows] = self._attend_prefill(q[p.rows], k[p.rows], v[p.rows], p, k_pages,
+                                               v_pages)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._attend_decodes(q, meta, k_cache, v_cache)
+            out[meta.decode_rows] = self._attend_decodes(
+                q[meta.decode_rows], meta, k_pages, v_pages, k.shape[1:]
+            )
         return out
 
     @staticmethod
-    def _attend_prefill(q, k, v, p: PrefillSlice, k_cache, v_cache) -> torch.Tensor:
+    def _gather(pages_view: torch.Tensor, pages: torch.Tensor, head_shape) -> torch.Tensor:
+        """Whole pages of one layer's cache -> [len(pages) * page_size, kv_heads, head_dim]."""
+        return pages_view.index_select(0, pages).view(-1, *head_shape)
+
+    def _attend_prefill(self, q, k, v, p: PrefillSlice, k_pages, v_pages) -> torch.Tensor:
         # [n, H, D] -> [1, H, n, D]
         qh = q.transpose(0, 1).unsqueeze(0)
-        if p.context_slots is None:
+        if p.context_pages is None:
             kh = k.transpose(0, 1).unsqueeze(0)
             vh = v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
         else:
-            kh = k_cache[p.context_slots].transpose(0, 1).unsqueeze(0)
-            vh = v_cache[p.context_slots].transpose(0, 1).unsqueeze(0)
+            end = p.causal_mask.shape[1]
+            kh = self._gather(k_pages, p.context_pages, k.shape[1:])[:end]
+            vh = self._gather(v_pages, p.context_pages, v.shape[1:])[:end]
+            kh, vh = kh.transpose(0, 1).unsqueeze(0), vh.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.causal_mask, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
 
-    @staticmethod
-    def _attend_decodes(q, meta: TorchAttentionMetadata, k_cache, v_cache) -> torch.Tensor:
-        qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+    def _attend_decodes(self, q, meta: TorchAttentionMetadata, k_pages, v_pages, head_shape):
+        """q: [B, H, D], the decode rows only -> [B, H, D]."""
+        batch = q.shape[0]
+        kd = self._gather(k_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
+        vd = self._gather(v_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
+            enable_gqa=True,
+        )
         return o.squeeze(2)

@@ -35,10 +35,17 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype).to(device)
         self.sin = emb.sin().to(dtype).to(device)
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each token's position, [T, 1, head_dim]: looked up once per step
+        and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        return self.rotate(x, *self.tables(positions))
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -103,9 +110,15 @@ class LlamaModel:
         self.norm = w("model.norm.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.layers = [self._layer(w, i) for i in range(config.num_layers)]
+        for weight in self._linear_weights():
+            self.ops.prepack(weight)
         self.rope = RotaryEmbedding(config, max_positions, dtype, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+
+    def _linear_weights(self) -> list[torch.Tensor]:
+        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        return [getattr(layer, n) for layer in self.layers for n in names] + [self.lm_head]
 
     def _layer(self, w, i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
@@ -134,15 +147,17 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states of every fed token, before the final norm: [T, hidden]."""
         h = F.embedding(input_ids, self.embed)
+        rope_tables = self.ops.rope_tables(self.rope, positions)
         for index, layer in enumerate(self.layers):
-            h = h + self._attention(index, layer, h, positions, backend, meta)
+            h = h + self._attention(index, layer, h, (positions, rope_tables), backend, meta)
             h = h + self._mlp(layer, h)
         return h
 
-    def _attention(self, index, layer: DecoderLayer, h, positions, backend, meta) -> torch.Tensor:
+    def _attention(self, index, layer: DecoderLayer, h, rope_at, backend, meta) -> torch.Tensor:
+        """rope_at: the step's positions and their rotary tables (see TorchOps.rope)."""
         c = self.config
         x = self.ops.rms_norm(h, layer.input_norm, c.rms_norm_eps)
-        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+        qkv = self.ops.linear(x, layer.qkv_weight, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
@@ -150,15 +165,16 @@ class LlamaModel:
         if layer.q_norm is not None:
             q = self.ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
             k = self.ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q, k = self.ops.rope(self.rope, q, k, positions)
+        q, k = self.ops.rope(self.rope, q, k, *rope_at)
         o = backend.attend(index, q, k, v.contiguous(), meta)
-        return F.linear(o.reshape(-1, self.q_size), layer.o_weight)
+        return self.ops.linear(o.reshape(-1, self.q_size), layer.o_weight)
 
     def _mlp(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         x = self.ops.rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps)
-        return F.linear(self.ops.silu_and_mul(F.linear(x, layer.gate_up_weight)), layer.down_weight)
+        gate_up = self.ops.linear(x, layer.gate_up_weight)
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), layer.down_weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of `forward`'s output."""
         h = self.ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).to(torch.float32)
+        return self.ops.linear(h, self.lm_head).to(torch.float32)

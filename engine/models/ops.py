@@ -19,21 +19,73 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Variance in float32 whatever the dtype, as transformers does.
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    # Normalised in float32 whatever the dtype, then rounded to the model's dtype and scaled
+    # by the weight there, as transformers does. F.rms_norm without a weight does the float32
+    # part in one op instead of five, with the same result.
+    x32 = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps)
     return weight * x32.to(x.dtype)
+
+
+# Rows up to which a prepacked weight is used. Decode-sized batches gain most (the per-call
+# reorder of the weight is a large share of a small matmul); big prefill chunks keep the
+# plain path, where the reorder is amortised.
+PACKED_MAX_ROWS = 128
+_PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """bf16 weights on a CPU whose oneDNN multiplies bf16 natively."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 class TorchOps:
     name = "torch"
 
+    def __init__(self) -> None:
+        self._packed: dict[int, torch.Tensor] = {}  # id(weight) -> oneDNN-blocked copy
+
+    def prepack(self, weight: torch.Tensor) -> None:
+        """Reorder a linear weight into oneDNN's blocked layout once, where that pays (CPU
+        bf16): F.linear would redo the reorder on every call. Elsewhere a no-op."""
+        if id(weight) in self._packed or not can_prepack(weight):
+            return
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+        except RuntimeError:  # an oneDNN build without this reorder: stay on F.linear
+            return
+        self._packed[id(weight)] = packed
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """F.linear, through the prepacked weight when there is one (same result)."""
+        packed = self._packed.get(id(weight))
+        if packed is None or x.dim() != 2 or x.shape[0] > PACKED_MAX_ROWS:
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
-    def rope(self, rope, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] -> both rotated."""
-        return rope.apply(q, positions), rope.apply(k, positions)
+    def rope_tables(self, rope, positions: torch.Tensor):
+        """Per-step rotary inputs, computed once and passed to every layer's `rope`."""
+        return rope.tables(positions)
+
+    def rope(self, rope, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             tables=None):
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] -> both rotated. `tables`
+        from rope_tables, or None to look them up here."""
+        cos, sin = tables if tables is not None else rope.tables(positions)
+        # One rotation over q and k side by side: half the small ops, the same numbers.
+        both = rope.rotate(torch.cat((q, k), dim=1), cos, sin)
+        return both[:, : q.shape[1]], both[:, q.shape[1] :]
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, 2 * intermediate] (gate then up) -> silu(gate) * up."""
@@ -61,6 +113,7 @@ class FlashInferOps(TorchOps):
     def __init__(self) -> None:
         import flashinfer
 
+        super().__init__()
         self._fi = flashinfer
         self._cos_sin: dict[int, torch.Tensor] = {}
 
@@ -89,9 +142,10 @@ class FlashInferOps(TorchOps):
             self._cos_sin[id(rope)] = cache
         return cache
 
-    def rope(self, rope, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+    def rope(self, rope, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             tables=None):
         if not self._fits(q):
-            return super().rope(rope, q, k, positions)
+            return super().rope(rope, q, k, positions, tables)
         tokens, head_dim = q.shape[0], q.shape[-1]
         # [T, H, D] views of the fused qkv output fold into [T, H * D] without a copy.
         q_out, k_out = self._fi.apply_rope_with_cos_sin_cache(

@@ -55,8 +55,21 @@ class ReasoningParser:
     thinks_by_default: ClassVar[bool] = False
 
     def __init__(self, prompt_text: str = "") -> None:
-        state = prompt_think_state(prompt_text, self.start_tag, self.end_tag)
-        self._start(self.thinks_by_default if state is None else state == OPEN)
+        self._start(self.initial_thinking(prompt_text))
+
+    @classmethod
+    def initial_thinking(cls, prompt_text: str) -> bool:
+        """Whether output after this rendered prompt starts inside a thinking block."""
+        state = prompt_think_state(prompt_text, cls.start_tag, cls.end_tag)
+        return cls.thinks_by_default if state is None else state == OPEN
+
+    @classmethod
+    def starting(cls, thinking: bool) -> ReasoningParser:
+        """A parser in the state `initial_thinking` gave: the frontend reads the prompt, the
+        postproc step gets only the answer, not the whole prompt text."""
+        parser = object.__new__(cls)
+        parser._start(thinking)
+        return parser
 
     def _start(self, thinking: bool) -> None:
         self._initial = thinking

@@ -35,6 +35,9 @@ from typing import Any, ClassVar
 
 import msgspec
 
+# The deltas travel from postproc workers to frontends, so the wire protocol defines them.
+from shared.protocol import FunctionCallDelta, ToolCallDelta
+
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -47,20 +50,6 @@ class ToolCall(msgspec.Struct, kw_only=True):
     id: str
     type: str = "function"
     function: FunctionCall
-
-
-class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallDelta(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """One entry of a chat chunk's `delta.tool_calls`; encodes to OpenAI's shape."""
-
-    index: int
-    id: str | None = None
-    type: str | None = None
-    function: FunctionCallDelta
 
 
 class ToolDelta(msgspec.Struct):
@@ -149,6 +138,22 @@ class ToolParser:
     delimiters: ClassVar[tuple[str, ...]] = ()
     id_length: ClassVar[int] = 24
     id_prefix: ClassVar[str] = "call_"
+    # Grammar side (SPEC C-1 to C-3), used by the frontend to force calls with llguidance.
+    # `begin_marker`: the text that opens a call; a named tool_choice injects it after the
+    # prompt. `begin_lark`: the same as a Lark expression (a string literal, or `<|...|>` for
+    # a special token). `next_call_lark`: what comes between one call and the next.
+    # Empty `begin_lark`: this format has no grammar (forced calls are refused).
+    begin_marker: ClassVar[str] = ""
+    begin_lark: ClassVar[str] = ""
+    next_call_lark: ClassVar[str] = ""
+
+    @classmethod
+    def call_grammar(cls, functions: dict[str, Any], *, strict: bool) -> str | None:
+        """Lark rules defining `call`: what follows `begin_marker` in one call of one of
+        `functions` (name -> JSON schema of its arguments), up to the end of the call.
+        `strict`: every keyword of the schemas must be enforced (else unsupported ones are
+        skipped). None when this format has no grammar."""
+        return None
 
     def __init__(
         self,
@@ -298,6 +303,27 @@ class ToolParser:
         out = ToolDelta("".join(self._content), self._deltas)
         self._content, self._deltas = [], []
         return out
+
+
+# JSON layout inside forced calls: the spacing models write, and no free whitespace, which a
+# small model could otherwise repeat until it runs out of tokens.
+_CALL_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def call_json_schema(functions: dict[str, Any], arguments_key: str, *, strict: bool) -> dict:
+    """JSON schema of `{"name": <one of functions>, arguments_key: <its arguments>}`, for
+    llguidance (`%json` in Lark); keys in that order."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, arguments_key: schema},
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        }
+        for name, schema in functions.items()
+    ]
+    body = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**body, "x-guidance": {**_CALL_JSON_LAYOUT, "lenient": not strict}}
 
 
 def collect(deltas: list[ToolDelta]) -> ParsedTools:

@@ -17,6 +17,7 @@ import json
 from postproc.tool_parsers.base import (
     ToolParser,
     call_from_object,
+    call_json_schema,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
 
@@ -28,6 +29,14 @@ _START, _CONTENT, _CALLS, _SEP = range(4)
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     delimiters = (_TAG,)
+    begin_marker = _TAG
+    begin_lark = _TAG  # a special token in Llama 3 vocabularies
+    next_call_lark = '"; "'
+
+    @classmethod
+    def call_grammar(cls, functions: dict, *, strict: bool) -> str | None:
+        schema = json.dumps(call_json_schema(functions, "parameters", strict=strict))
+        return f"call: %json {schema}\n"
 
     def _reset(self) -> None:
         self._mode = _START

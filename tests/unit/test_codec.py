@@ -5,12 +5,21 @@ import numpy as np
 import pytest
 
 from shared import protocol
-from shared.codec import encode, engine_inbound_decoder, frontend_inbound_decoder
+from shared.codec import (
+    encode,
+    engine_from_worker_decoder,
+    engine_inbound_decoder,
+    frontend_inbound_decoder,
+    worker_inbound_decoder,
+)
 from shared.protocol import (
     AbortRequest,
+    ChunkFormat,
+    Constraint,
     EngineRequest,
     EngineStats,
     FrameBatch,
+    FunctionCallDelta,
     LogprobEntry,
     OutputBatch,
     OutputParams,
@@ -19,7 +28,11 @@ from shared.protocol import (
     SamplingParams,
     TextFrame,
     TokenLogprobs,
+    ToolCallDelta,
     TopLogprob,
+    WorkBatch,
+    WorkerDone,
+    WorkerHeartbeat,
     pack_ids,
     unpack_ids,
 )
@@ -44,6 +57,7 @@ def _full_params() -> SamplingParams:
         logit_bias=[(5, -100.0), (9, 2.5)],
         logprobs=3,
         prompt_logprobs=0,
+        constraint=Constraint(kind="json_schema", grammar='{"grammars": []}'),
     )
 
 
@@ -67,6 +81,16 @@ ENGINE_INBOUND = {
             stop=["\n\n", "END"],
             include_stop_str_in_output=True,
             logprobs=True,
+            reasoning_parser="qwen3",
+            starts_in_reasoning=True,
+            tool_parser="hermes",
+            tools=b'[{"type": "function", "function": {"name": "f"}}]',
+            tool_prefill='<tool_call>\n{"name": "f", "arguments": ',
+            chunk=ChunkFormat(
+                kind="completion", response_id="cmpl-1", created=17, model="m", index=2,
+                logprobs=True, continuous_usage=True, echo="Once upon",
+                reasoning_field="reasoning",
+            ),
         ),
         cache_salt="tenant-ünïcode-salt",
         priority=-7,
@@ -135,6 +159,13 @@ FRONTEND_INBOUND = {
                 ],
                 prompt_logprobs=[LogprobEntry(7, "<s>", -4.0, [TopLogprob(3, "x", -0.1)])],
                 cumulative_logprob=-1.5,
+                reasoning="hmm ✓",
+                tool_calls=[
+                    ToolCallDelta(index=0, id="call_1", type="function",
+                                  function=FunctionCallDelta(name="f", arguments="")),
+                    ToolCallDelta(index=0, function=FunctionCallDelta(arguments='{"a": 1}')),
+                ],
+                chunk=b'data: {"id": "x"}\n\n',
             ),
             TextFrame(
                 request_id="req-1",
@@ -177,7 +208,28 @@ FRONTEND_INBOUND = {
         num_computed_tokens=123456,
         prefix_cache_queries=640,
         prefix_cache_hits=320,
+        step_time_total_s=12.5,
+        num_postproc_workers=3,
+        postproc_assigned=50,
+        postproc_replayed=7,
     ),
+}
+
+
+WORKER_INBOUND = {
+    "work": WorkBatch(
+        assignments=[ENGINE_INBOUND["request"]],
+        outputs=FRONTEND_INBOUND["outputs"].outputs,
+        step_time=0.25,
+        reset=True,
+    ),
+    "work-empty": WorkBatch(assignments=[], outputs=[], step_time=0.0),
+}
+
+ENGINE_FROM_WORKER = {
+    "worker_heartbeat": WorkerHeartbeat(worker_id="postproc-1", sent_at=2.5),
+    "abort": AbortRequest(request_ids=["stopped-by-string"]),
+    "worker_done": WorkerDone(request_ids=["a", "b"]),
 }
 
 
@@ -201,7 +253,8 @@ def _nested_types(value) -> set[type]:
     return set()
 
 
-ALL_MESSAGES = (*ENGINE_INBOUND.values(), *FRONTEND_INBOUND.values())
+ALL_MESSAGES = (*ENGINE_INBOUND.values(), *FRONTEND_INBOUND.values(),
+                *WORKER_INBOUND.values(), *ENGINE_FROM_WORKER.values())
 
 
 def test_cases_cover_every_tagged_message():
@@ -250,6 +303,19 @@ def test_frontend_inbound_round_trip(name):
     decoded = frontend_inbound_decoder().decode(encode(message))
     assert type(decoded) is type(message)
     assert decoded == message
+
+
+@pytest.mark.parametrize("name", sorted(WORKER_INBOUND))
+def test_worker_inbound_round_trip(name):
+    message = WORKER_INBOUND[name]
+    assert worker_inbound_decoder().decode(encode(message)) == message
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_FROM_WORKER))
+def test_engine_from_worker_round_trip(name):
+    message = ENGINE_FROM_WORKER[name]
+    decoded = engine_from_worker_decoder().decode(encode(message))
+    assert type(decoded) is type(message) and decoded == message
 
 
 def test_decode_accepts_memoryview():

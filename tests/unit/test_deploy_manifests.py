@@ -1,7 +1,7 @@
 """The deployment files stay valid and in step with the CLI.
 
-- Every Kubernetes manifest under deploy/k8s, rendered per kustomization (base, each overlay,
-  postproc), validates against the Kubernetes JSON schemas (kubernetes-validate, strict, with
+- Every Kubernetes manifest under deploy/k8s, rendered per kustomization (base, each overlay),
+  validates against the Kubernetes JSON schemas (kubernetes-validate, strict, with
   its bundled schemas: no network). The overlays are rendered here in Python (resources,
   strategic-merge patches, images: the only features the kustomizations may use); where a
   kustomize or kubectl binary exists, the Python rendering must equal the real one.
@@ -9,8 +9,9 @@
   parse with `shared.cli.build_parser()`: a valid `sluice` subcommand and only flags it
   accepts. So renaming or dropping a flag breaks this test, not a deployment.
 - The wiring the tiers rely on: frontends advertise a result address of their own that the
-  engine can reach (pod IP in Kubernetes, service name in compose), engine addresses point at
-  the engine's Service and port, probes hit the right paths and ports.
+  engine and postproc workers can reach (pod IP in Kubernetes, service name in compose),
+  frontends' and workers' engine addresses point at the engine's Service and a port it binds,
+  probes hit the right paths and ports.
 - The Dockerfiles parse (BuildKit's parser, via the `dockerfile` package), their RUN lines
   are valid shell, and their pins match pyproject.toml and the Makefile.
 """
@@ -238,7 +239,7 @@ def overlay_resources(directory: Path) -> dict:
 
 def test_there_is_something_to_check():
     assert {d.name for d in OVERLAYS} >= {"cpu", "gpu"}
-    assert (K8S / "base") in KUSTOMIZATIONS and (K8S / "postproc") in KUSTOMIZATIONS
+    assert (K8S / "base") in KUSTOMIZATIONS
     assert len(DOCKERFILES) == 2 and COMPOSE.is_file()
 
 
@@ -306,19 +307,13 @@ def sluice_containers(resources: dict):
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=rel)
 def test_container_args_are_accepted_by_the_cli(directory):
-    available = subcommands()
+    assert set(TIERS) <= subcommands()
     checked = 0
     for where, _, container in sluice_containers(by_key(render(directory))):
-        argv = container_argv(container, f"{rel(directory)}: {where}")
-        if argv[0] not in available:
-            # Planned tiers (postproc) may be written ahead of their command, but no overlay
-            # may deploy them until the command exists.
-            assert directory == K8S / argv[0], f"{where}: `sluice {argv[0]}` does not exist yet"
-            continue
-        parse_cli(argv, f"{rel(directory)}: {where}")
+        parse_cli(container_argv(container, f"{rel(directory)}: {where}"),
+                  f"{rel(directory)}: {where}")
         checked += 1
-    if directory != K8S / "postproc" or "postproc" in available:
-        assert checked
+    assert checked
 
 
 def service_for(resources: dict, host: str) -> dict:
@@ -342,20 +337,28 @@ def test_tiers_are_wired_together(directory):
     for where, resource, container in sluice_containers(resources):
         args = parse_cli(container_argv(container, where), where)
         tiers.setdefault(args.command, []).append((where, resource, container, args))
-    assert set(tiers) >= {"engine", "frontend"}
+    assert set(tiers) == set(TIERS)
 
-    # The engine binds on all interfaces, behind a Service on the same port.
+    # The engine binds on all interfaces, behind a Service on the same port: requests on one,
+    # postproc workers on another.
     [(where, engine, engine_container, engine_args)] = tiers["engine"]
-    host, engine_port = tcp(engine_args.engine_address)
-    assert host in ("0.0.0.0", "*"), f"{where}: bind the engine on all interfaces"
     assert engine["kind"] == "StatefulSet" and engine["spec"]["replicas"] == 1
     engine_service = service_for(resources, engine["spec"]["serviceName"])
     assert engine_service["spec"]["selector"].items() <= (
         engine["spec"]["template"]["metadata"]["labels"].items())
-    ports = [p for p in engine_service["spec"]["ports"] if p["port"] == engine_port]
-    assert len(ports) == 1, f"the engine Service does not expose port {engine_port}"
-    [service_port] = ports
-    assert named_port(engine_container, service_port["targetPort"]) == engine_port
+    assert engine_args.postproc_address, f"{where}: the engine binds no socket for workers"
+    bound = {}
+    for flag, address in (("--engine-address", engine_args.engine_address),
+                          ("--postproc-address", engine_args.postproc_address)):
+        host, port = tcp(address)
+        assert host in ("0.0.0.0", "*"), f"{where}: bind {flag} on all interfaces"
+        ports = [p for p in engine_service["spec"]["ports"] if p["port"] == port]
+        assert len(ports) == 1, f"the engine Service does not expose {flag}'s port {port}"
+        [service_port] = ports
+        assert named_port(engine_container, service_port["targetPort"]) == port, flag
+        bound[flag] = port
+    assert len(set(bound.values())) == 2, f"{where}: one port each for {sorted(bound)}"
+    engine_port = bound["--engine-address"]
 
     for where, frontend, container, args in tiers["frontend"]:
         assert frontend["kind"] == "Deployment"
@@ -390,7 +393,27 @@ def test_tiers_are_wired_together(directory):
         pdb = resources[("policy/v1", "PodDisruptionBudget", name)]
         assert pdb["spec"]["selector"]["matchLabels"] == frontend["spec"]["selector"]["matchLabels"]
 
-    for where, _, container, _ in tiers["engine"] + tiers["frontend"]:
+    for where, worker, container, args in tiers["postproc"]:
+        assert worker["kind"] == "Deployment"
+        # Workers connect to the engine's worker socket by its Service name; they push to
+        # frontends' result addresses (in each request), so they bind nothing themselves.
+        assert tcp(args.engine_postproc_address) == (
+            engine["spec"]["serviceName"], bound["--postproc-address"]), where
+        assert not container.get("ports"), f"{where}: workers listen on nothing"
+        assert "sluice-postproc" not in {k[2] for k in resources if k[1] == "Service"}
+        # Autoscaled on CPU and protected from voluntary disruptions, like the frontends.
+        name = worker["metadata"]["name"]
+        hpa = resources[("autoscaling/v2", "HorizontalPodAutoscaler", name)]
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1", "kind": "Deployment", "name": name}, where
+        assert [m["resource"]["name"] for m in hpa["spec"]["metrics"]] == ["cpu"], where
+        assert container["resources"]["requests"]["cpu"], f"{where}: the HPA needs a CPU request"
+        pdb = resources[("policy/v1", "PodDisruptionBudget", name)]
+        assert pdb["spec"]["selector"]["matchLabels"] == worker["spec"]["selector"]["matchLabels"]
+        assert worker["spec"]["selector"]["matchLabels"].items() <= (
+            worker["spec"]["template"]["metadata"]["labels"].items())
+
+    for where, _, container, _ in [t for tier in TIERS for t in tiers[tier]]:
         assert container["resources"]["requests"] and container["resources"]["limits"], where
 
 
@@ -445,9 +468,9 @@ def test_compose_services_use_valid_commands_and_flags(files):
         assert (DEPLOY / build["context"] / build["dockerfile"]).is_file(), where
         command = service["command"]
         assert isinstance(command, list), f"{where}: write the command as a list"
-        if command[0] not in available:
-            assert service.get("profiles"), f"{where}: `sluice {command[0]}` does not exist yet"
-            continue
+        assert command[0] in available, f"{where}: `sluice {command[0]}` does not exist"
+        # Every tier runs by default: none is hidden behind a profile.
+        assert not service.get("profiles"), where
         parsed[name] = parse_cli(command, where)
         # ZeroMQ ports stay on the internal network; only HTTP is published.
         for mapping in service.get("ports", []):
@@ -455,11 +478,22 @@ def test_compose_services_use_valid_commands_and_flags(files):
 
     engines = {n: a for n, a in parsed.items() if a.command == "engine"}
     frontends = {n: a for n, a in parsed.items() if a.command == "frontend"}
-    assert len(engines) == 1 and len(frontends) >= 2
+    workers = {n: a for n, a in parsed.items() if a.command == "postproc"}
+    assert len(engines) == 1 and len(frontends) >= 2 and len(workers) >= 1
     [(engine_name, engine_args)] = engines.items()
     host, engine_port = tcp(engine_args.engine_address)
     assert host in ("0.0.0.0", "*")
+    assert engine_args.postproc_address, "the engine binds no socket for postproc workers"
+    host, worker_port = tcp(engine_args.postproc_address)
+    assert host in ("0.0.0.0", "*") and worker_port != engine_port
+    # Both ZeroMQ ports are open to the other containers (and only to them: see above).
+    assert {str(engine_port), str(worker_port)} <= set(map(str, services[engine_name]["expose"]))
     assert "5555" in str(services[engine_name]["healthcheck"]["test"])
+    for name, args in workers.items():
+        # Workers reach the engine by its service name; they bind nothing, so replicas are fine.
+        assert tcp(args.engine_postproc_address) == (engine_name, worker_port), name
+        assert not services[name].get("ports") and not services[name].get("expose"), name
+        assert engine_name in services[name]["depends_on"], name
     for name, args in frontends.items():
         service = services[name]
         assert tcp(args.engine_address) == (engine_name, engine_port), name

@@ -7,7 +7,9 @@ import msgspec
 import pytest
 
 from frontend.api_models import ChatCompletionRequest, CompletionRequest, StreamOptions
+from frontend.budgets import PromptTokens
 from frontend.errors import APIError
+from frontend.input_stage import PromptInput
 from frontend.sampling import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     check_request,
@@ -84,16 +86,15 @@ def test_ignored_and_neutral_fields_pass(fields):
 @pytest.mark.parametrize("field, value", [
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("web_search_options", {}), ("moderation", {"model": "omni-moderation-latest"}),
-    ("response_format", {"type": "json_object"}), ("echo", True), ("documents", []),
-    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("guided_regex", "a+"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("echo", True), ("documents", []),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"),
 ])
 def test_unsupported_chat_fields_are_named(field, value):
     error = rejected(chat, **{field: value})
     assert error.param == field and "not supported" in error.message
 
 
-@pytest.mark.parametrize("field, value", [("suffix", "end"), ("guided_json", {})])
+@pytest.mark.parametrize("field, value", [("suffix", "end")])
 def test_unsupported_completion_fields_are_named(field, value):
     error = rejected(completion, **{field: value})
     assert error.param == field and "not supported" in error.message
@@ -212,18 +213,22 @@ def _ctx() -> ServingContext:
     return ServingContext(client=client, tokenization=None, model_name="m", vocab_size=VOCAB)
 
 
+def _prompt(ids: list[int]) -> PromptInput:
+    return PromptInput(PromptTokens(ids=ids))
+
+
 def test_cache_salt_and_priority_reach_every_engine_request():
-    job = build_job(_ctx(), completion(n=2, cache_salt="tenant-a", priority=-3), [1, 2, 3],
-                    "completions", "cmpl")
+    job = build_job(_ctx(), completion(n=2, cache_salt="tenant-a", priority=-3),
+                    [_prompt([1, 2, 3])], "completions", "cmpl")
     assert len(job.candidates) == 2
     for request in job.candidates:
         assert (request.cache_salt, request.priority) == ("tenant-a", -3)
-    plain = build_job(_ctx(), completion(), [1], "completions", "cmpl").candidates[0]
+    plain = build_job(_ctx(), completion(), [_prompt([1])], "completions", "cmpl").candidates[0]
     assert (plain.cache_salt, plain.priority) == (None, 0)
 
 
 def test_candidate_seeds_differ_and_stay_in_range():
-    job = build_job(_ctx(), completion(n=3, seed=-1), [1], "completions", "cmpl")
+    job = build_job(_ctx(), completion(n=3, seed=-1), [_prompt([1])], "completions", "cmpl")
     seeds = [c.params.seed for c in job.candidates]
     assert seeds == [2**64 - 1, 0, 1]  # -1 wraps; seed + i wraps instead of overflowing
     assert [c.request_id for c in job.candidates] == [

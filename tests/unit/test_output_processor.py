@@ -4,7 +4,7 @@ strings held back and cut, and the engine's stop token kept out of the text unle
 import pytest
 
 from postproc.processor import OutputProcessor
-from shared.protocol import OutputBatch, OutputParams, RequestOutput, pack_ids
+from shared.protocol import OutputParams, RequestOutput, pack_ids
 from shared.tokenizer import load_tokenizer
 
 PROMPT = "The capital of France is"
@@ -29,7 +29,7 @@ def run(tokenizer, ids, params: OutputParams, finish=("length", None)):
             num_output_tokens=i + 1, finish_reason=finish[0] if last else None,
             stop_reason=finish[1] if last else None,
         )
-        processed = processor.process(OutputBatch([output], 0.0))
+        processed = processor.process([output])
         frames.extend(processed.frames)
         if processed.frames and processed.frames[-1].finish_reason is not None:
             break

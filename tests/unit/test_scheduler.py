@@ -14,11 +14,16 @@ from shared.protocol import SamplingParams
 _ids = itertools.count()
 
 
-def make_seq(prompt_len: int, max_tokens: int, name: str | None = None) -> Sequence:
-    request_id = name or f"r{next(_ids)}"
+def make_seq(
+    prompt_len: int, max_tokens: int, name: str | None = None, shared: bool = False
+) -> Sequence:
+    """A sequence with its own prompt, or with `shared`, one that starts 1, 2, 3, ... like
+    every other shared one, so the prefix cache can share their pages."""
+    number = next(_ids)
+    first = 1 if shared else 10_000 * (number + 1)
     return Sequence(
-        request_id=request_id,
-        token_ids=list(range(1, prompt_len + 1)),
+        request_id=name or f"r{number}",
+        token_ids=list(range(first, first + prompt_len)),
         num_prompt_tokens=prompt_len,
         params=SamplingParams(max_tokens=max_tokens),
         reply_to="tcp://nowhere",
@@ -71,6 +76,7 @@ class Sim:
         for chunk in step.chunks:
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
+            self.sched.computed(seq)
             if chunk.samples:
                 seq.token_ids.append(1000 + seq.num_output_tokens)
                 if seq.num_output_tokens >= seq.max_output_tokens:
@@ -105,11 +111,22 @@ class Sim:
             assert len(seq.pages) >= needed
         for seq in out.preempted:
             assert seq.request_id not in seen
-        # No page owned twice, and owned + free == total.
-        owned = [p for s in self.sched.running for p in s.pages]
-        owned += [p for s in self.sched.waiting for p in s.pages]
-        assert len(owned) == len(set(owned))
-        assert len(owned) + self.alloc.num_free == self.alloc.num_pages
+        # Pages may be shared through the prefix cache: each page's owners match its
+        # reference count, a shared page is a full page with the same tokens at the same
+        # place in every owner, and distinct owned + free == total.
+        owners: dict[int, list[tuple[Sequence, int]]] = {}
+        for s in self.sched.running + self.sched.waiting:
+            assert len(s.pages) == len(set(s.pages)), "a sequence owns a page twice"
+            for index, page in enumerate(s.pages):
+                owners.setdefault(page, []).append((s, index))
+        size = self.alloc.page_size
+        for page, holders in owners.items():
+            assert self.alloc.refcount(page) == len(holders)
+            if len(holders) > 1:
+                pieces = {tuple(s.token_ids[i * size : (i + 1) * size]) for s, i in holders}
+                assert len({i for _, i in holders}) == 1 and len(pieces) == 1
+                assert all(len(piece) == size for piece in pieces)
+        assert len(owners) + self.alloc.num_free == self.alloc.num_pages
 
 
 def test_single_short_prompt_prefill_then_decode():
@@ -347,13 +364,18 @@ def test_finish_mid_decode_lets_a_waiting_one_in():
     assert [x.seq for x in out.chunks] == [b]
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("budget", [1, 3, 16, 128])
 @pytest.mark.parametrize("num_pages", [8, 64])
-def test_random_workload_drains_and_frees_everything(budget, num_pages):
+def test_random_workload_drains_and_frees_everything(budget, num_pages, shared):
     rng = random.Random(budget * 1000 + num_pages)
     sim = Sim(num_pages=num_pages, page_size=4, budget=budget, max_num_seqs=5)
-    # Every sequence fits the cache on its own (8 pages * 4 = 32 tokens).
-    seqs = [make_seq(rng.randint(1, 20), max_tokens=rng.randint(1, 12)) for _ in range(12)]
+    # Every sequence fits the cache on its own (8 pages * 4 = 32 tokens). With `shared`,
+    # prompts share prefixes, so pages are shared too (Sim checks their bookkeeping).
+    seqs = [
+        make_seq(rng.randint(1, 20), max_tokens=rng.randint(1, 12), shared=shared)
+        for _ in range(12)
+    ]
     pending = list(seqs)
     steps = 0
     while pending or sim.sched.has_work:
@@ -368,3 +390,5 @@ def test_random_workload_drains_and_frees_everything(budget, num_pages):
     assert all(s.num_output_tokens == s.max_output_tokens for s in seqs)
     assert sim.alloc.num_free == num_pages
     assert not sim.sched.running and not sim.sched.waiting
+    if shared:
+        assert sim.alloc.prefix_hits > 0

@@ -1,0 +1,314 @@
+"""Structured outputs and forced tool calls: a request -> one llguidance grammar (SPEC P-6,
+P-8, C-1 to C-3).
+
+A request's own constraint comes from at most one of: `response_format` (json_object,
+json_schema), vLLM's `structured_outputs` (json, regex, choice, grammar, json_object) or the
+older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. Chat tools add
+theirs: `tool_choice: "required"` forces at least one call of a declared tool, a named
+`tool_choice` forces that function (its begin marker is injected after the prompt, and the
+grammar covers the rest of the call), and strict tools under `"auto"` constrain a call's
+arguments once the model opens one (only when the request has no constraint of its own).
+Tool grammars are spelled by the configured tool-call parser (`--tool-call-parser`).
+
+Every grammar is validated here with llguidance (`LLMatcher.validate_grammar`), so a bad
+schema, regex or grammar is a 400 quoting llguidance's message before the engine sees it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from llguidance import LLMatcher, grammar_from
+
+from frontend.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.errors import bad_request
+from postproc.reasoning import get_reasoning_parser
+from postproc.tool_parsers import ToolParser, get_tool_parser
+from postproc.tool_parsers.base import tools_by_name
+from shared.protocol import Constraint
+
+Request = ChatCompletionRequest | CompletionRequest
+
+# JSON layout for schemas: the spacing models write and no free whitespace, which a small
+# model could otherwise repeat until it runs out of tokens. A schema's own x-guidance wins.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ANY_OBJECT = {"type": "object"}
+
+
+class StructuredSettings(msgspec.Struct, frozen=True):
+    """Server-wide choices, fixed at start-up."""
+
+    tool_call_parser: str | None = None  # --tool-call-parser: how forced calls are spelled
+    reasoning_parser: str | None = None  # --reasoning-parser: its thinking stays free (C-1)
+    # llguidance's LLTokenizer for the model: validation then also checks special tokens and
+    # token-level limits. None: grammar-only validation (the engine checks the rest).
+    tokenizer: Any = None
+
+
+class _Source(msgspec.Struct):
+    """One place in the request that asks for a constraint."""
+
+    param: str
+    kind: str
+    build: Callable[[], str]  # -> llguidance grammar; ValueError for malformed input
+
+
+# ---------------------------------------------------------------- checks (no prompt needed)
+
+
+def check_structured(request: Request, settings: StructuredSettings) -> None:
+    """P-6 combinations and what the server must be configured for."""
+    own = _sources(request)
+    if len(own) > 1:
+        names = ", ".join(s.param for s in own)
+        raise bad_request(
+            f"only one structured output constraint may be given; got {names}", own[1].param
+        )
+    if isinstance(request, ChatCompletionRequest):
+        _check_tools(request, settings, has_own=bool(own))
+
+
+def _check_tools(request: ChatCompletionRequest, settings: StructuredSettings,
+                 *, has_own: bool) -> None:
+    choice = request.tool_choice
+    if choice == "none" or not request.tools:
+        return  # tool_choice without tools is refused with the other P-6 checks
+    named = _named_function(choice)
+    if choice not in (None, "auto", "required") and named is None:
+        raise bad_request(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}', "tool_choice")
+    if settings.tool_call_parser is None:
+        raise bad_request(
+            "tools need a tool-call parser, and this server has none: start it with "
+            "--tool-call-parser (e.g. hermes), or send tool_choice \"none\"", "tools")
+    if named is not None and named not in tools_by_name(request.tools):
+        raise bad_request(f"tool_choice names {named!r}, which is not among the tools",
+                          "tool_choice")
+    forced = named is not None or choice == "required"
+    if forced and has_own:
+        raise bad_request(
+            "a forced tool call (tool_choice required or a named function) cannot be combined "
+            "with response_format or structured outputs", "tool_choice")
+    parser = get_tool_parser(settings.tool_call_parser)
+    if forced and not parser.begin_lark:
+        raise bad_request(
+            f"the {parser.name} tool-call parser has no grammar to force a call with; "
+            'use tool_choice "auto" or "none"', "tool_choice")
+
+
+def _named_function(choice: Any) -> str | None:
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+# ---------------------------------------------------------------- the constraint
+
+
+def build_constraint(request: Request, settings: StructuredSettings) -> Constraint | None:
+    """The request's grammar (own constraint, else forced or strict tools), validated."""
+    own = _sources(request)
+    source = own[0] if own else _tool_source(request, settings)
+    if source is None:
+        return None
+    try:
+        grammar = source.build()
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"invalid {source.param}: {exc}", source.param) from exc
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, settings.tokenizer)
+    if is_error:
+        raise bad_request(f"invalid {source.param}: {messages[0]}", source.param)
+    return Constraint(source.kind, grammar)
+
+
+def forced_call_prefix(request: ChatCompletionRequest, settings: StructuredSettings) -> str:
+    """What a named tool_choice injects after the rendered prompt: the parser's begin marker
+    (C-3); the grammar then constrains the rest of the call."""
+    if _named_function(request.tool_choice) is None or not request.tools:
+        return ""
+    if settings.tool_call_parser is None:
+        return ""
+    return get_tool_parser(settings.tool_call_parser).begin_marker
+
+
+# ---------------------------------------------------------------- the request's own sources
+
+
+def _sources(request: Request) -> list[_Source]:
+    found: list[_Source] = []
+    response_format = getattr(request, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        found.append(_response_format_source(response_format))
+    so = request.structured_outputs
+    if so is not None:
+        ws = so.whitespace_pattern
+        if so.disable_additional_properties:
+            raise bad_request("structured_outputs.disable_additional_properties is not "
+                              "supported; set additionalProperties in the schema",
+                              "structured_outputs")
+        found += _kinds("structured_outputs.", so.json, so.regex, so.choice, so.grammar, ws)
+        if so.json_object:
+            found.append(_Source("structured_outputs.json_object", "json_object",
+                                 lambda: _json_grammar(_ANY_OBJECT, strict=True, ws=ws)))
+        if so.structural_tag is not None:
+            raise bad_request("structured_outputs.structural_tag is not supported",
+                              "structured_outputs")
+    found += _kinds("guided_", request.guided_json, request.guided_regex, request.guided_choice,
+                    request.guided_grammar, None)
+    return found
+
+
+def _kinds(prefix: str, schema, regex, choice, grammar, ws) -> list[_Source]:
+    out = []
+    if schema is not None:
+        out.append(_Source(prefix + "json", "json_schema",
+                           lambda: _json_grammar(_schema(schema), strict=False, ws=ws)))
+    if regex is not None:
+        out.append(_Source(prefix + "regex", "regex", lambda: grammar_from("regex", regex)))
+    if choice is not None:
+        out.append(_Source(prefix + "choice", "choice", lambda: _choice_grammar(choice)))
+    if grammar is not None:
+        out.append(_Source(prefix + "grammar", "grammar", lambda: grammar_from("grammar", grammar)))
+    return out
+
+
+def _response_format_source(fmt) -> _Source:
+    if fmt.type == "json_object":
+        return _Source("response_format", "json_object",
+                       lambda: _json_grammar(_ANY_OBJECT, strict=True))
+    spec = fmt.json_schema
+    if spec is None:
+        raise bad_request("response_format json_schema needs a json_schema object",
+                          "response_format")
+    schema = _ANY_OBJECT if spec.schema is None else spec.schema
+    # strict: every keyword must be enforced (one llguidance cannot is a 400); otherwise the
+    # schema guides as far as llguidance supports it.
+    return _Source("response_format.json_schema", "json_schema",
+                   lambda: _json_grammar(_schema(schema), strict=bool(spec.strict)))
+
+
+def _schema(value: Any) -> dict | bool:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"the schema is not valid JSON ({exc})") from exc
+    if not isinstance(value, dict | bool):
+        raise ValueError("a JSON schema must be an object")
+    return value
+
+
+def _json_grammar(schema: dict | bool, *, strict: bool, ws: str | None = None) -> str:
+    layout = dict(_JSON_LAYOUT, lenient=not strict)
+    if ws is not None:
+        layout.update(whitespace_flexible=True, whitespace_pattern=ws)
+    return LLMatcher.grammar_from_json_schema(schema, defaults=layout)
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    if not choices:
+        raise ValueError("the list of choices is empty")
+    return grammar_from("lark", "start: " + " | ".join(_lark_string(c) for c in choices))
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+# ---------------------------------------------------------------- tools (C-1 to C-3)
+
+
+def _tool_source(request: Request, settings: StructuredSettings) -> _Source | None:
+    if not isinstance(request, ChatCompletionRequest) or not request.tools:
+        return None
+    choice = request.tool_choice
+    if choice == "none" or settings.tool_call_parser is None:
+        return None
+    parser = get_tool_parser(settings.tool_call_parser)
+    if not parser.begin_lark:
+        return None  # forced calls were refused by the checks; auto stays free
+    functions = tools_by_name(request.tools)
+    named = _named_function(choice)
+    if named is not None:
+        chosen = {named: functions[named]}
+        return _Source("tool_choice", "tools", lambda: _named_grammar(parser, chosen))
+    if choice == "required":
+        once = request.parallel_tool_calls is False
+        return _Source("tool_choice", "tools", lambda: _required_grammar(
+            parser, functions, once=once, think_end=_think_end(settings)))
+    if any(f.get("strict") is True for f in functions.values()):
+        return _Source("tools", "tools", lambda: _strict_grammar(parser, functions))
+    return None
+
+
+def _arguments_schema(function: dict, *, strict_only: bool) -> dict:
+    parameters = function.get("parameters")
+    if strict_only and function.get("strict") is not True:
+        return _ANY_OBJECT  # C-2: only strict tools' arguments are held to their schema
+    return parameters if isinstance(parameters, dict) else _ANY_OBJECT
+
+
+def _all_strict(functions: dict[str, dict]) -> bool:
+    return all(f.get("strict") is True for f in functions.values())
+
+
+def _named_grammar(parser: type[ToolParser], functions: dict[str, dict]) -> str:
+    """The prompt already ends with the begin marker: the output is the rest of one call."""
+    schemas = {n: _arguments_schema(f, strict_only=False) for n, f in functions.items()}
+    rules = parser.call_grammar(schemas, strict=_all_strict(functions))
+    return grammar_from("lark", "start: call\n" + rules)
+
+
+def _required_grammar(parser: type[ToolParser], functions: dict[str, dict], *, once: bool,
+                      think_end: str | None) -> str:
+    """At least one call (exactly one when parallel_tool_calls is false), right away or
+    after a thinking section that stays free."""
+    schemas = {n: _arguments_schema(f, strict_only=False) for n, f in functions.items()}
+    rules = parser.call_grammar(schemas, strict=_all_strict(functions))
+    more = "" if once else f" ({parser.next_call_lark} call)*"
+    start = f"start: {parser.begin_lark} call{more}\n"
+    if think_end is not None and parser.begin_lark == _lark_string(parser.begin_marker):
+        # Thinking ends at its end tag; an output that opens with the call is not thinking.
+        marker = _regex_literal(parser.begin_marker)
+        start = (f"start: (think /\\s*/)? {parser.begin_lark} call{more}\n"
+                 f"think[lazy]: THINK\n"
+                 f"THINK: /(?s:.*){_regex_literal(think_end)}/ & ~/{marker}(?s:.*)/\n")
+    elif think_end is not None:
+        start = (f"start: (think /\\s*/)? {parser.begin_lark} call{more}\n"
+                 f"think[lazy]: /(?s:.*){_regex_literal(think_end)}/\n")
+    return grammar_from("lark", start + rules)
+
+
+def _strict_grammar(parser: type[ToolParser], functions: dict[str, dict]) -> str:
+    """Free text, but once the model opens a call it must be one of the tools, and a strict
+    tool's arguments follow its schema (a triggered grammar, C-2)."""
+    schemas = {n: _arguments_schema(f, strict_only=True) for n, f in functions.items()}
+    rules = parser.call_grammar(schemas, strict=True)
+    if parser.begin_lark == _lark_string(parser.begin_marker):  # a text marker
+        marker = _regex_literal(parser.begin_marker)
+        start = (f"start: (opening call)* TAIL\n"
+                 f"opening[lazy]: /(?s:.*){marker}/\n"
+                 f"TAIL: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/\n")
+    else:  # a special token: free text can never contain it
+        start = f"start: (TEXT {parser.begin_lark} call)* TEXT\nTEXT: /(?s:.*)/\n"
+    return grammar_from("lark", start + rules)
+
+
+def _think_end(settings: StructuredSettings) -> str | None:
+    if settings.reasoning_parser is None:
+        return None
+    return get_reasoning_parser(settings.reasoning_parser).end_tag
+
+
+def _regex_literal(text: str) -> str:
+    """`text` inside a Lark /regex/: regex metacharacters and the slash escaped."""
+    out = []
+    for ch in text:
+        out.append("\\" + ch if ch in r"\.^$|?*+()[]{}/-" else ch)
+    return "".join(out)

@@ -1,0 +1,134 @@
+"""The OpenAI response shapes that chunks are made of, and the two logprobs shapes (SPEC O-4).
+
+They live in postproc because whoever post-processes a request (a postproc worker, or the
+frontend's receiver thread without a fleet) writes the streamed chunks; the frontend builds
+its non-streaming bodies from the same pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from shared.protocol import LogprobEntry, ToolCallDelta
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    # Omitted rather than null when absent: the first chunk carries the role only. Thinking
+    # goes in whichever of the two reasoning fields the server is configured to write.
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: Any = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: Any = None
+
+
+class Completion(msgspec.Struct):
+    """A completions response, and (with one choice) a streamed completions chunk."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class TopLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprobEntry]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            ChatLogprobEntry(
+                token=e.token,
+                logprob=e.logprob,
+                bytes=list(e.token.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprobOut(t.token, t.logprob, list(t.token.encode("utf-8")))
+                    for t in e.top
+                ],
+            )
+            for e in entries
+        ]
+    )
+
+
+def completion_logprobs(entries: list[LogprobEntry], start_offset: int) -> CompletionLogprobs:
+    """text_offset counts characters from the start of the choice's text."""
+    offsets, position = [], start_offset
+    for e in entries:
+        offsets.append(position)
+        position += len(e.token)
+    return CompletionLogprobs(
+        tokens=[e.token for e in entries],
+        token_logprobs=[_finite(e.logprob) for e in entries],
+        top_logprobs=[
+            {t.token: t.logprob for t in e.top} if math.isfinite(e.logprob) else None
+            for e in entries
+        ],
+        text_offset=offsets,
+    )
+
+
+def reasoning_delta(field: str, text: str) -> dict[str, str]:
+    """Keyword arguments that put thinking in the configured field of a Delta or message."""
+    return {field: text} if text else {}

@@ -1,0 +1,183 @@
+"""Faults an orchestrator causes (SPEC L-1, L-2, issue 9): a killed engine, a drained frontend,
+a client that leaves. One engine and two frontends as separate processes over tcp."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from shared.transport import free_tcp_port
+from tests.servers import Proc, metrics, start_frontend, wait_healthy
+
+pytestmark = pytest.mark.slow  # starts its own engine (twice) and frontends
+
+LONG = {"prompt": "Count slowly to one thousand:", "max_tokens": 400, "temperature": 0,
+        "ignore_eos": True}
+
+
+class Faults:
+    def __init__(self, tmp_dir: str) -> None:
+        self.tmp_dir = tmp_dir
+        self.address = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.engines: list[Proc] = []
+        self.frontends: list[Proc] = []
+        self.urls: list[str] = []
+        self.start_engine()
+        for i in range(2):
+            # A long drain window: a loaded test machine streams slowly.
+            proc, url = start_frontend(tmp_dir, self.address, f"frontend{i}",
+                                       "--shutdown-timeout", "120")
+            self.frontends.append(proc)
+            self.urls.append(url)
+        for url in self.urls:
+            wait_healthy(url, [self.engines[-1], *self.frontends])
+
+    def start_engine(self) -> None:
+        n = len(self.engines)
+        self.engines.append(Proc(["engine", "--engine-address", self.address],
+                                 os.path.join(self.tmp_dir, f"engine{n}.log")))
+
+    def stop(self) -> None:
+        for p in [*self.frontends, *self.engines]:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    f = Faults(str(tmp_path_factory.mktemp("faults")))
+    yield f
+    f.stop()
+
+
+def _stream(url: str, out: dict, key) -> None:
+    """A streamed completion; out[key] = the data lines, as they come."""
+    events = out.setdefault(key, [])
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+    except httpx.HTTPError as exc:
+        events.append(f"transport error: {exc!r}")
+
+
+def _plain(url: str, out: dict, key) -> None:
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=LONG, timeout=120)
+        out[key] = (r.status_code, r.json())
+    except httpx.HTTPError as exc:
+        out[key] = (0, repr(exc))
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _error_shape(body: dict, status: int) -> None:
+    assert set(body) == {"error"}, body
+    assert body["error"]["code"] == status and body["error"]["message"], body
+
+
+def test_engine_killed_under_load_fails_requests_then_recovers(faults):
+    out: dict = {}
+    threads = []
+    for url in faults.urls:
+        for i in range(2):
+            threads.append(threading.Thread(target=_stream, args=(url, out, (url, "s", i))))
+        threads.append(threading.Thread(target=_plain, args=(url, out, (url, "p"))))
+    for t in threads:
+        t.start()
+    # Every request is generating: the streams have tokens, the engine runs all six.
+    _wait(lambda: all(len(out.get((u, "s", i), [])) >= 2 for u in faults.urls for i in range(2))
+          and metrics(faults.urls[0])["sluice:num_requests_running"] == 6, 120, "the load")
+
+    faults.engines[-1].popen.kill()  # SIGKILL: no goodbye on any socket
+    killed = time.monotonic()
+    for t in threads:
+        t.join(timeout=60)
+    # Heartbeats go silent for 5 s, then each frontend fails its requests at once.
+    assert time.monotonic() - killed < 20
+    for url in faults.urls:
+        for i in range(2):
+            events = out[(url, "s", i)]
+            assert events[-1] == "[DONE]", events[-3:]
+            _error_shape(json.loads(events[-2]), 503)
+        status, body = out[(url, "p")]
+        assert status == 503
+        _error_shape(body, 503)
+        assert httpx.get(f"{url}/health").status_code == 503
+        r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503
+        _error_shape(r.json(), 503)
+        assert metrics(url)["sluice:engine_up"] == 0.0
+
+    # A new engine on the same address: the frontends, never restarted, pick it up.
+    faults.start_engine()
+    for url in faults.urls:
+        wait_healthy(url, [faults.engines[-1], *faults.frontends])
+        r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 3}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+    assert all(p.popen.poll() is None for p in faults.frontends)
+
+
+def test_sigterm_drains_a_running_stream(faults):
+    proc, url = faults.frontends[1], faults.urls[1]
+    out: dict = {}
+    body = {**LONG, "max_tokens": 24, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as r:
+            out["status"] = r.status_code
+            out["events"] = events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    _wait(lambda: len(out.get("events", [])) >= 2, 120, "the first tokens")
+    proc.popen.send_signal(signal.SIGTERM)
+    # Draining: probes and new requests get 503 while the stream goes on.
+    _wait(lambda: httpx.get(f"{url}/health").status_code == 503, 10, "health 503")
+    r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and "Retry-After" in r.headers
+    _error_shape(r.json(), 503)
+    t.join(timeout=180)
+    events = out["events"]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 24
+    assert all("error" not in json.loads(e) for e in events[:-1])
+    assert proc.popen.wait(timeout=30) == 0  # then it exits, cleanly
+
+
+def test_disconnect_of_a_plain_request_frees_its_pages(faults):
+    url = faults.urls[0]
+    before = metrics(url)
+    payload = json.dumps(LONG).encode()
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        _wait(lambda: metrics(url)["sluice:num_requests_running"] == 1, 60, "the request")
+    # The socket is closed; the frontend notices and aborts the request in the engine.
+    _wait(lambda: metrics(url)["sluice:requests_aborted_total"]
+          == before["sluice:requests_aborted_total"] + 1, 30, "the abort")
+    now = metrics(url)
+    assert now["sluice:num_requests_running"] == 0
+    assert now["sluice:kv_cache_free_pages"] == now["sluice:kv_cache_total_pages"]

@@ -1,0 +1,54 @@
+"""The limit flags reach FrontendConfig, `serve` forwards them, and the CLI sets the metrics
+directory before prometheus_client can be imported (SPEC L-3)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from shared import cli
+
+
+def _limits(argv: list[str], monkeypatch, env_keys: str | None = None) -> dict:
+    if env_keys is None:
+        monkeypatch.delenv("SLUICE_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("SLUICE_API_KEY", env_keys)
+    return cli._limit_config(cli.build_parser().parse_args(["frontend", *argv]))
+
+
+def test_defaults(monkeypatch):
+    limits = _limits([], monkeypatch)
+    assert limits["api_keys"] == [] and limits["allowed_origins"] == []
+    assert limits["allowed_methods"] == ["*"] and limits["allowed_headers"] == ["*"]
+    assert limits["max_request_body_bytes"] == 32 * 2**20
+    assert limits["max_queued_requests"] is None and limits["request_timeout_s"] is None
+    assert limits["shutdown_timeout_s"] == 30.0
+
+
+def test_keys_from_flags_and_environment(monkeypatch):
+    limits = _limits(["--api-key", "a", "--api-key", "b"], monkeypatch, env_keys="b, c,")
+    assert limits["api_keys"] == ["a", "b", "c"]
+
+
+def test_origins_as_words_or_a_json_list(monkeypatch):
+    limits = _limits(["--allowed-origins", "https://a.example", "https://b.example",
+                      "--allowed-origins", '["https://c.example"]'], monkeypatch)
+    assert limits["allowed_origins"] == ["https://a.example", "https://b.example",
+                                         "https://c.example"]
+
+
+def test_serve_forwards_every_limit(monkeypatch):
+    argv = ["--allowed-origins", "*", "--allowed-methods", "GET", "POST",
+            "--allow-credentials", "--max-request-body-bytes", "100",
+            "--max-queued-requests", "7", "--request-timeout", "9.5",
+            "--shutdown-timeout", "3"]
+    serve = cli.build_parser().parse_args(["serve", *argv])
+    forwarded = _limits(cli._limit_argv(serve), monkeypatch)
+    assert forwarded == _limits(argv, monkeypatch)
+
+
+def test_cli_imports_no_prometheus_before_the_directory_is_set():
+    code = ("import sys, shared.cli as c; c.build_parser(); "
+            "assert 'prometheus_client' not in sys.modules, 'imported too early'")
+    subprocess.run([sys.executable, "-c", code], check=True)
