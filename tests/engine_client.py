@@ -50,3 +50,22 @@ class RawEngineClient:
         self.dealer.close(linger=0)
         self.pull.close(linger=0)
         self.ctx.term()
+
+
+def engine_stats(engine_address: str, timeout_s: float = 10.0):
+    """The engine's EngineStats, asked for with a Ping as a frontend's heartbeat does."""
+    from shared.protocol import EngineStats, Ping
+
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.DEALER)
+    try:
+        sock.connect(engine_address)
+        sock.send(encode(Ping(sender_id="test", sent_at=time.time())))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError("the engine did not answer a ping")
+        stats = frontend_inbound_decoder().decode(sock.recv())
+        assert isinstance(stats, EngineStats)
+        return stats
+    finally:
+        sock.close(linger=0)
+        ctx.term()

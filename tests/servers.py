@@ -122,3 +122,44 @@ class Cluster:
     def stop(self) -> None:
         for p in [*self.frontends, self.engine]:
             p.stop()
+
+
+class Fleet:
+    """`sluice engine` with a postproc port, two frontends (the first with output parsers,
+    as given) and `workers` postproc workers, all separate processes over tcp."""
+
+    def __init__(self, tmp_dir: str, workers: int, frontend0_extra: tuple[str, ...] = (),
+                 *engine_extra: str) -> None:
+        self.tmp_dir = tmp_dir
+        self.engine_address = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.postproc_address = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.engine = Proc(
+            ["engine", "--engine-address", self.engine_address,
+             "--postproc-address", self.postproc_address, *engine_extra],
+            os.path.join(tmp_dir, "engine.log"),
+        )
+        self.workers: list[Proc] = []
+        self.frontends: list[Proc] = []
+        self.base_urls: list[str] = []
+        try:
+            for i in range(workers):
+                self.add_worker(f"postproc{i}")
+            for i, extra in enumerate((frontend0_extra, ())):
+                proc, url = start_frontend(tmp_dir, self.engine_address, f"frontend{i}", *extra)
+                self.frontends.append(proc)
+                self.base_urls.append(url)
+            for url in self.base_urls:
+                wait_healthy(url, [self.engine, *self.frontends, *self.workers])
+        except Exception:
+            self.stop()
+            raise
+
+    def add_worker(self, name: str) -> Proc:
+        proc = Proc(["postproc", "--engine-postproc-address", self.postproc_address],
+                    os.path.join(self.tmp_dir, f"{name}.log"))
+        self.workers.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for p in [*self.frontends, *self.workers, self.engine]:
+            p.stop()
