@@ -9,6 +9,7 @@ token count from the final usage chunk (falling back to counting text chunks).
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -309,6 +310,9 @@ class BenchResult(msgspec.Struct):
     itl_p50_ms: float | None
     itl_p99_ms: float | None
     error_samples: list[str] = []
+    # With --cpu-pid: CPU time those processes spent during the timed run, per output token.
+    process_cpu_s: float | None = None
+    cpu_ms_per_token: float | None = None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -373,6 +377,9 @@ def format_report(result: BenchResult, base_url: str) -> str:
         ("TTFT p50 / p99", f"{_fmt(result.ttft_p50_ms, 'ms')} / {_fmt(result.ttft_p99_ms, 'ms')}"),
         ("ITL p50 / p99", f"{_fmt(result.itl_p50_ms, 'ms')} / {_fmt(result.itl_p99_ms, 'ms')}"),
     ]
+    if result.process_cpu_s is not None:
+        rows.append(("server CPU", f"{result.process_cpu_s:.2f} s, "
+                                   f"{_fmt(result.cpu_ms_per_token, 'ms')} per output token"))
     rows += [("error", sample) for sample in result.error_samples]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
@@ -393,6 +400,7 @@ class BenchConfig(msgspec.Struct):
     fresh_connections: bool
     warmup: int
     prompts: list[str]
+    cpu_pids: list[int] = []
 
 
 def _positive_int(text: str) -> int:
@@ -435,6 +443,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="new HTTP connection per request (llama-server drops kept-alive ones under load)",
     )
     parser.add_argument("--warmup", type=_non_negative_int, default=1, help="untimed requests")
+    parser.add_argument(
+        "--cpu-pid", type=int, action="append", default=[], metavar="PID",
+        help="a server process on this machine whose CPU time (user + system) to measure over "
+             "the timed run, reported per output token; repeat to sum several (Linux)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -461,6 +474,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         fresh_connections=args.fresh_connections,
         warmup=args.warmup,
         prompts=_load_prompts(args),
+        cpu_pids=args.cpu_pid,
     )
 
 
@@ -517,10 +531,31 @@ async def bench(config: BenchConfig) -> BenchResult:
             for failure in _error_samples(warm):
                 print(f"warmup request failed: {failure}", file=sys.stderr)
         bodies = build_bodies(config, model, config.num_requests)
+        cpu_before = processes_cpu_s(config.cpu_pids)
         start = time.perf_counter()
         stats = await run_requests(client, url, bodies, config.concurrency)
         duration = time.perf_counter() - start
-    return summarize(stats, model, config.concurrency, duration)
+        cpu = processes_cpu_s(config.cpu_pids) - cpu_before if config.cpu_pids else None
+    result = summarize(stats, model, config.concurrency, duration)
+    if cpu is not None:
+        per_token = cpu * 1000 / result.output_tokens if result.output_tokens else None
+        result = msgspec.structs.replace(result, process_cpu_s=cpu, cpu_ms_per_token=per_token)
+    return result
+
+
+def processes_cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds the processes have used so far (from /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                # The command name may hold spaces; the fields after its ')' are fixed.
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError as exc:
+            raise SystemExit(f"cannot read the CPU time of process {pid}: {exc}") from exc
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
 
 
 def run_bench(args: argparse.Namespace) -> BenchResult:

@@ -310,3 +310,39 @@ def test_connection_refused_is_counted_not_raised():
 def test_model_discovery_failure_exits_with_message():
     with pytest.raises(SystemExit, match="cannot list models"):
         run_bench(bench_args("--base-url", dead_base_url()))
+
+
+def test_cpu_of_a_server_process_is_reported_per_token(fake_server, capsys):
+    import os
+
+    _, url = fake_server()
+    args = bench_args("--base-url", url, "--concurrency", "2", "--num-requests", "4",
+                      "--cpu-pid", str(os.getpid()))
+    result = run_bench(args)
+    # The fake server runs in this process, so its CPU time is this process's.
+    assert result.process_cpu_s is not None and result.process_cpu_s >= 0
+    assert result.cpu_ms_per_token == pytest.approx(
+        result.process_cpu_s * 1000 / result.output_tokens)
+    assert "per output token" in capsys.readouterr().out
+
+
+def test_processes_cpu_counts_a_busy_process():
+    import subprocess
+    import sys
+
+    from shared.bench import processes_cpu_s
+
+    busy = subprocess.Popen([sys.executable, "-c",
+                             "import time\nt=time.process_time()\n"
+                             "while time.process_time()-t<0.5: pass\ninput()"],
+                            stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while processes_cpu_s([busy.pid]) < 0.45:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        busy.kill()
+        busy.wait()
+    with pytest.raises(SystemExit):
+        processes_cpu_s([busy.pid])
