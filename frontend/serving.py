@@ -182,7 +182,9 @@ def _output_params(ctx, request, job: Job, plan: Plan, prompt: PromptInput,
     changes: dict = {}
     settings = ctx.output
     chat = isinstance(request, ChatCompletionRequest)
-    if chat and settings.reasoning_parser:
+    forced_call = bool(prompt.rendered and prompt.rendered.injected_prefix)
+    # After a forced call's opening the output is inside the call, not thinking.
+    if chat and settings.reasoning_parser and not forced_call:
         template_text = prompt.rendered.template_text if prompt.rendered else ""
         parser = get_reasoning_parser(settings.reasoning_parser)
         changes.update(reasoning_parser=settings.reasoning_parser,
