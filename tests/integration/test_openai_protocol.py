@@ -766,3 +766,31 @@ def test_usage_arithmetic(http, client):
                                        temperature=0)
     assert legacy.usage.completion_tokens == 4
     assert legacy.usage.total_tokens == legacy.usage.prompt_tokens + 4
+
+
+# ---------------------------------------------------------------- batched prompts
+
+
+def test_batched_completion_prompts(http):
+    """A list of prompts (strings or token-id lists) runs each; choices come back in prompt
+    order, n per prompt, each equal to the prompt sent alone; usage adds up."""
+    prompts = ["Once upon a time", FRANCE]
+    alone = parallel(lambda p: complete(http, prompt=p, temperature=0, max_tokens=5),
+                     *[(p,) for p in prompts])
+    texts = [r["choices"][0]["text"] for r in alone]
+    batch = complete(http, prompt=prompts, n=2, temperature=0, max_tokens=5)
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in batch["choices"]] == [texts[0], texts[0], texts[1], texts[1]]
+    assert batch["usage"]["prompt_tokens"] == sum(r["usage"]["prompt_tokens"] for r in alone)
+    assert batch["usage"]["completion_tokens"] == 4 * 5
+    ids = [ok(http.post("/tokenize", json={"prompt": p}))["tokens"] for p in prompts]
+    by_ids = complete(http, prompt=ids, temperature=0, max_tokens=5, echo=True)
+    assert [c["text"] for c in by_ids["choices"]] == [
+        f"{http.post('/detokenize', json={'tokens': i}).json()['prompt']}{t}"
+        for i, t in zip(ids, texts, strict=True)]
+    events = stream(http, "/v1/completions", {"prompt": prompts, "temperature": 0,
+                                              "max_tokens": 5, "echo": True})
+    assert [streamed_text(events, i) for i in (0, 1)] == [
+        p + t for p, t in zip(prompts, texts, strict=True)]
+    assert_error(http.post("/v1/completions", json={"prompt": ["a", 5], "max_tokens": 1}),
+                 400, "prompt")
