@@ -26,6 +26,7 @@ from engine.attention.selector import (
 )
 from engine.core import EngineCore
 from engine.device import resolve_dtype
+from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, load_model_config
@@ -146,7 +147,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
         )
         model.capture()
     allocator = PageAllocator(num_pages, config.page_size)
-    facts = tokenizer_facts(load_tokenizer(config.model), config.model)
+    tokenizer = load_tokenizer(config.model)
+    facts = tokenizer_facts(tokenizer, config.model)
     return EngineCore(
         ModelRunner(model, backend, model_config.vocab_size),
         allocator,
@@ -157,6 +159,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
         vocab_size=model_config.vocab_size,
         engine_id=config.engine_id,
         model_name=config.served_model_name,
+        grammar=GrammarBackend(tokenizer, model_config.vocab_size, facts.eos_token_ids),
     )
 
 

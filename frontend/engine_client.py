@@ -75,22 +75,32 @@ class EngineClient:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._dealer = make_socket(self._ctx, zmq.DEALER)
-        self._dealer.connect(self.engine_address)
+        self._connect()
         bound = threading.Event()
         self._receiver = threading.Thread(
             target=self._receive_outputs, args=(bound,), name="frontend-recv", daemon=True
         )
         self._receiver.start()
         bound.wait()
-        self._tasks = [
-            asyncio.create_task(self._ping_loop()),
-            asyncio.create_task(self._stats_loop()),
-        ]
+        self._stats_task = asyncio.create_task(self._stats_loop())
+        self._tasks = [asyncio.create_task(self._ping_loop())]
+
+    def _connect(self) -> None:
+        self._dealer = make_socket(self._ctx, zmq.DEALER)
+        self._dealer.connect(self.engine_address)
+
+    def _reconnect(self) -> None:
+        """A fresh connection after the engine was lost: what the old one still queued
+        (requests whose streams already failed) must not reach a restarted engine, which
+        would generate them for nobody."""
+        self._stats_task.cancel()
+        self._dealer.close(linger=0)
+        self._connect()
+        self._stats_task = asyncio.create_task(self._stats_loop())
 
     async def stop(self) -> None:
         self._stopping.set()
-        for task in self._tasks:
+        for task in [*self._tasks, self._stats_task]:
             task.cancel()
         self._receiver.join(timeout=2)
         self._dealer.close(linger=0)
@@ -112,6 +122,7 @@ class EngineClient:
             if was_alive and not alive:
                 log.error("engine stopped answering; failing %d requests", len(self._streams))
                 self._fail_all("the engine stopped responding")
+                self._reconnect()
             was_alive = alive
 
     async def _stats_loop(self) -> None:

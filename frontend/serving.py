@@ -150,7 +150,8 @@ def build_job(
     now = time.time()
     plans = [
         plan_request(request, endpoint=endpoint, prompt_len=len(p.tokens.ids),
-                     max_model_len=max_model_len(ctx), vocab_size=ctx.vocab_size)
+                     max_model_len=max_model_len(ctx), vocab_size=ctx.vocab_size,
+                     structured=ctx.tokenization.settings.structured)
         for p in prompts
     ]
     job = Job(request_id, int(now), prompts, plans[0], [], {})
@@ -360,14 +361,27 @@ def _stream_options(request) -> tuple[bool, bool]:
 # ---------------------------------------------------------------- chat
 
 
+async def start_chat(
+    ctx: ServingContext, http: Request, request: ChatCompletionRequest, prefix: str = "chatcmpl"
+) -> tuple[Job, AsyncIterator[tuple[int, TextFrame]]]:
+    """Checks, renders, tokenizes and submits a chat request; returns its job and its frames
+    ((candidate number, TextFrame) until every candidate finishes, the engine requests aborted
+    if the client leaves). The other protocols (`frontend.responses_api`,
+    `frontend.anthropic_api`) translate their requests into chat requests with `stream`
+    off, so no chat-chunk bytes are written, and shape the frames themselves.
+
+    Close the frames (`aclosing`) when done with them: that aborts unfinished candidates."""
+    check_model(ctx, request.model)
+    check_request(request, ctx.tokenization.settings.structured)
+    prompt = await chat_input(ctx, request)
+    job = build_job(ctx, request, [prompt], "chat", prefix)
+    return job, _frames(ctx, http, job, await _submit(ctx, job))
+
+
 async def chat_completion(
     ctx: ServingContext, http: Request, request: ChatCompletionRequest
 ) -> Response:
-    check_model(ctx, request.model)
-    check_request(request)
-    prompt = await chat_input(ctx, request)
-    job = build_job(ctx, request, [prompt], "chat", "chatcmpl")
-    frames = _frames(ctx, http, job, await _submit(ctx, job))
+    job, frames = await start_chat(ctx, http, request)
     if request.stream:
         return _sse(_chat_stream(ctx, request, job, frames))
     candidates = await _collect(frames)
@@ -419,7 +433,7 @@ def _chat_stream(ctx, request: ChatCompletionRequest, job: Job, frames):
 
 async def completion(ctx: ServingContext, http: Request, request: CompletionRequest) -> Response:
     check_model(ctx, request.model)
-    check_request(request)
+    check_request(request, ctx.tokenization.settings.structured)
     prompts = await completion_inputs(ctx, request)
     if request.echo:
         await _add_echo_texts(ctx, prompts)

@@ -7,6 +7,9 @@ import numpy as np
 from shared.protocol import LogprobEntry, TokenLogprobs, TopLogprob
 
 
+FORBIDDEN_LOGPROB = -9999.0
+
+
 class TokenTexts:
     """id -> the token's own text, decoded once per id and remembered."""
 
@@ -28,7 +31,10 @@ def logprob_entries(
     chosen = np.frombuffer(raw.token_logprobs, dtype="<f4")
     count = len(chosen)
     top_ids = np.frombuffer(raw.top_ids, dtype="<i4").reshape(count, -1)
-    top_lps = np.frombuffer(raw.top_logprobs, dtype="<f4").reshape(count, -1)
+    # A token a grammar forbids has logprob -inf, which JSON cannot carry (it would become
+    # null); report it as -9999.0, as vLLM does.
+    top_lps = np.maximum(np.frombuffer(raw.top_logprobs, dtype="<f4").reshape(count, -1),
+                         FORBIDDEN_LOGPROB)
     entries = []
     for i in range(count):
         token_id = int(token_ids[i])

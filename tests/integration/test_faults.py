@@ -106,6 +106,10 @@ def test_engine_killed_under_load_fails_requests_then_recovers(faults):
 
     faults.engines[-1].popen.kill()  # SIGKILL: no goodbye on any socket
     killed = time.monotonic()
+    # Sent before the frontends notice: queued on connections to nowhere, then failed.
+    for url in faults.urls:
+        threads.append(threading.Thread(target=_plain, args=(url, out, (url, "late"))))
+        threads[-1].start()
     for t in threads:
         t.join(timeout=60)
     # Heartbeats go silent for 5 s, then each frontend fails its requests at once.
@@ -115,9 +119,10 @@ def test_engine_killed_under_load_fails_requests_then_recovers(faults):
             events = out[(url, "s", i)]
             assert events[-1] == "[DONE]", events[-3:]
             _error_shape(json.loads(events[-2]), 503)
-        status, body = out[(url, "p")]
-        assert status == 503
-        _error_shape(body, 503)
+        for key in ((url, "p"), (url, "late")):
+            status, body = out[key]
+            assert status == 503
+            _error_shape(body, 503)
         assert httpx.get(f"{url}/health").status_code == 503
         r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
         assert r.status_code == 503
@@ -128,6 +133,12 @@ def test_engine_killed_under_load_fails_requests_then_recovers(faults):
     faults.start_engine()
     for url in faults.urls:
         wait_healthy(url, [faults.engines[-1], *faults.frontends])
+    # The failed requests stayed dead: none reached the new engine from an old queue.
+    time.sleep(1)
+    for url in faults.urls:
+        m = metrics(url)
+        assert m["sluice:num_requests_running"] + m["sluice:num_requests_waiting"] == 0
+    for url in faults.urls:
         r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 3}, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
