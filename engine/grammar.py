@@ -160,4 +160,10 @@ class GrammarBackend:
         words = masks.bitmask.to(device, non_blocking=True)
         allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
         rows = torch.tensor(masks.rows, device=device)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        masked = logits[rows].masked_fill(~allowed, float("-inf"))
+        dead = torch.isneginf(masked).all(dim=1)
+        if dead.any():
+            # min_tokens banned everything the grammar still allows (a finished answer whose
+            # only way on is EOS): the grammar wins, so the request ends instead of failing.
+            masked[dead] = torch.where(allowed[dead], 0.0, float("-inf"))
+        logits[rows] = masked

@@ -164,6 +164,17 @@ def test_constrained_outputs_follow_the_grammar(weights, backend, tokenizer):
     assert not core.sequences and not core._compiling
 
 
+def test_a_finished_grammar_ends_the_answer_despite_min_tokens(weights, backend, tokenizer):
+    """min_tokens bans EOS, the finished grammar allows only EOS: the grammar wins, the
+    request ends normally instead of sampling from nothing."""
+    core = build_core(weights, backend)
+    core.add(request("c", [1, 2, 3], choice("yes", "no"), min_tokens=20, temperature=1.0,
+                     seed=1))
+    done, tokens = run(core)
+    assert done["c"].finish_reason == "stop" and done["c"].error is None
+    assert text(tokenizer, tokens["c"]) in ("yes", "no")
+
+
 def test_logprobs_put_no_mass_on_disallowed_tokens(weights, backend, tokenizer):
     core = build_core(weights, backend)
     core.add(request("c", [1, 2, 3], choice("yes", "no"), logprobs=5))
