@@ -124,7 +124,7 @@ def test_reasoning_from_a_prefilled_think_block(fleet):
 
 
 def test_a_killed_worker_loses_nothing(fleet):
-    bodies = [_body(p, 120, ignore_eos=True) for p in PROMPTS]
+    bodies = [_body(p, 64, ignore_eos=True) for p in PROMPTS]
     with ThreadPoolExecutor(len(bodies)) as pool:
         undisturbed = [("".join(s.content)) for s in
                        pool.map(lambda b: stream_chat(fleet.base_urls[0], b), bodies)]
