@@ -21,6 +21,7 @@ from shared.protocol import EngineRequest, TextFrame
 class Timing(msgspec.Struct):
     arrived: float  # time.monotonic() when the HTTP request arrived (or was submitted)
     ticket: Ticket | None
+    arrived_wall: float = 0.0  # the same moment by time.time(), the engine's clock
     first_token: float | None = None
     last_token: float = 0.0
     tokens: int = 0
@@ -38,6 +39,7 @@ class RequestTracker:
         ticket = current_ticket.get()
         now = time.monotonic()
         timing = Timing(ticket.arrived if ticket is not None else now, ticket)
+        timing.arrived_wall = time.time() - (now - timing.arrived)
         if self.request_timeout_s is not None:
             delay = max(0.0, timing.arrived + self.request_timeout_s - now)
             timing.deadline = asyncio.get_running_loop().call_later(
@@ -51,7 +53,7 @@ class RequestTracker:
         now = time.monotonic()
         new = frame.num_output_tokens - timing.tokens
         if new > 0:
-            self._tokens(timing, new, now)
+            self._tokens(timing, new, now, frame.first_token_time)
             timing.tokens = frame.num_output_tokens
         if frame.finish_reason is not None:
             self._finished(frame, timing, now)
@@ -65,11 +67,12 @@ class RequestTracker:
         if reason is not None:
             m.REQUEST_SUCCESS.labels(reason).inc()
 
-    def _tokens(self, timing: Timing, new: int, now: float) -> None:
+    def _tokens(self, timing: Timing, new: int, now: float,
+                engine_stamp: float | None) -> None:
         m.GENERATION_TOKENS_TOTAL.inc(new)
         if timing.first_token is None:
             timing.first_token = now
-            m.TIME_TO_FIRST_TOKEN.observe(now - timing.arrived)
+            m.TIME_TO_FIRST_TOKEN.observe(_ttft(timing, now, engine_stamp))
             if timing.ticket is not None:
                 timing.ticket.started()
         else:
@@ -102,3 +105,13 @@ class RequestTracker:
         task = asyncio.ensure_future(self.client.fail_request(request_id, message, 504))
         self._expiring.add(task)  # keep a reference until it is done
         task.add_done_callback(self._expiring.discard)
+
+
+def _ttft(timing: Timing, now: float, engine_stamp: float | None) -> float:
+    """Time to first token as the engine stamped it, before any post-processing (SPEC
+    O-8: a postproc worker's hop is not the model's latency). Without a stamp, or with clocks
+    that disagree (engine on another machine), the frame's arrival here bounds it."""
+    arrival_bound = now - timing.arrived
+    if engine_stamp is None:
+        return arrival_bound
+    return min(max(engine_stamp - timing.arrived_wall, 0.0), arrival_bound)

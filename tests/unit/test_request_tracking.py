@@ -68,3 +68,32 @@ def test_the_timeout_fails_the_request_and_a_finish_cancels_it():
         assert client.failed == [("r", 504)]  # finished in time: no second failure
 
     asyncio.run(run())
+
+
+def _sum(histogram) -> float:
+    return next(s.value for s in histogram.collect()[0].samples if s.name.endswith("_sum"))
+
+
+def test_time_to_first_token_is_the_engines_stamp_not_the_frames_arrival():
+    """SPEC O-8: a postproc worker's hop between the engine and here is not in the TTFT."""
+    import time
+
+    async def run():
+        current_ticket.set(None)
+        tracker = RequestTracker(FakeClient())
+        tracker.submitted(_request())
+        stamped = time.time() + 0.05  # the engine's first token, 50 ms in
+        await asyncio.sleep(0.3)  # ...reaching the frontend much later
+        before = _sum(m.TIME_TO_FIRST_TOKEN)
+        tracker.delivered(_frame(1, first_token_time=stamped))
+        ttft = _sum(m.TIME_TO_FIRST_TOKEN) - before
+        assert 0.04 < ttft < 0.2
+        # A stamp from a clock ahead of ours is bounded by the arrival here.
+        tracker.submitted(EngineRequest("q", b"", SamplingParams(max_tokens=3), "ipc://x", 0.0))
+        before = _sum(m.TIME_TO_FIRST_TOKEN)
+        tracker.delivered(TextFrame(request_id="q", seq=0, text="x", token_ids=b"",
+                                    num_prompt_tokens=5, num_output_tokens=1,
+                                    first_token_time=time.time() + 3600))
+        assert _sum(m.TIME_TO_FIRST_TOKEN) - before < 0.2
+
+    asyncio.run(run())
