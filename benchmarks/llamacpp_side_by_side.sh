@@ -13,10 +13,14 @@
 #   OUT_DIR        JSON results per server and level (default: a fresh temporary folder)
 #   SLUICE_ARGS    extra `sluice serve` flags, e.g. "--dtype float32"
 #   LLAMA_CTX      llama-server's total context, split over its 64 slots (default: 24576)
+#   LLAMA_ARGS     extra llama-server flags (default: --no-repack; see below)
 #
 # Both servers get a fresh connection per request (`--fresh-connections`): llama-server drops
 # kept-alive connections under load, and the two should see the same client behaviour.
 # Run it on an otherwise idle machine; both servers are meant to have all the cores.
+# --no-repack: on our sandboxed Xeons a GGML_NATIVE build's AMX kernels for Q4_1 die with
+# SIGILL (tilezero) on the first matmul; without repacking ggml uses its AVX-512 kernels.
+# Set LLAMA_ARGS="" to try the AMX path on a machine where it works.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -46,9 +50,10 @@ trap stop_server EXIT
 start_server() {  # $1 = llama | sluice
   case $1 in
     llama)
+      # shellcheck disable=SC2086  # LLAMA_ARGS is a list of flags
       [[ -x $llama_server ]] || { echo "no llama-server at $llama_server" >&2; exit 1; }
       "$llama_server" -m "$gguf" --host 127.0.0.1 --port "$port" -np 64 -cb -t 2 \
-        -c "${LLAMA_CTX:-24576}" >"$out_dir/llama-server.log" 2>&1 &
+        -c "${LLAMA_CTX:-24576}" ${LLAMA_ARGS---no-repack} >"$out_dir/llama-server.log" 2>&1 &
       ;;
     sluice)
       # shellcheck disable=SC2086  # SLUICE_ARGS is a list of flags

@@ -6,7 +6,6 @@ import numpy as np
 
 from shared.protocol import LogprobEntry, TokenLogprobs, TopLogprob
 
-
 FORBIDDEN_LOGPROB = -9999.0
 
 
