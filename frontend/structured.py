@@ -230,7 +230,7 @@ def _tool_source(request: Request, settings: StructuredSettings) -> _Source | No
     choice = request.tool_choice
     if choice == "none" or settings.tool_call_parser is None:
         return None
-    parser = get_tool_parser(settings.tool_call_parser)
+    parser = get_tool_parser(settings.tool_call_parser).for_vocabulary(settings.tokenizer)
     if not parser.begin_lark:
         return None  # forced calls were refused by the checks; auto stays free
     functions = tools_by_name(request.tools)
@@ -262,7 +262,7 @@ def _named_grammar(parser: type[ToolParser], functions: dict[str, dict]) -> str:
     """The prompt already ends with the begin marker: the output is the rest of one call."""
     schemas = {n: _arguments_schema(f, strict_only=False) for n, f in functions.items()}
     rules = parser.call_grammar(schemas, strict=_all_strict(functions))
-    return grammar_from("lark", "start: call\n" + rules)
+    return grammar_from("lark", f"start: call{_end(parser)}\n" + rules)
 
 
 def _required_grammar(parser: type[ToolParser], functions: dict[str, dict], *, once: bool,
@@ -271,7 +271,7 @@ def _required_grammar(parser: type[ToolParser], functions: dict[str, dict], *, o
     after a thinking section that stays free."""
     schemas = {n: _arguments_schema(f, strict_only=False) for n, f in functions.items()}
     rules = parser.call_grammar(schemas, strict=_all_strict(functions))
-    more = "" if once else f" ({parser.next_call_lark} call)*"
+    more = ("" if once else f" ({parser.next_call_lark} call)*") + _end(parser)
     start = f"start: {parser.begin_lark} call{more}\n"
     if think_end is not None and parser.begin_lark == _lark_string(parser.begin_marker):
         # Thinking ends at its end tag; an output that opens with the call is not thinking.
@@ -290,7 +290,15 @@ def _strict_grammar(parser: type[ToolParser], functions: dict[str, dict]) -> str
     tool's arguments follow its schema (a triggered grammar, C-2)."""
     schemas = {n: _arguments_schema(f, strict_only=True) for n, f in functions.items()}
     rules = parser.call_grammar(schemas, strict=True)
-    if parser.begin_lark == _lark_string(parser.begin_marker):  # a text marker
+    if parser.calls_at_start:  # calls open the output or not at all (pythonic)
+        marker = _regex_literal(parser.begin_marker)
+        # Nor may the text spell a delimiter that would open calls later (<|python_start|>).
+        delims = "|".join(_regex_literal(d) for d in parser.delimiters) or "[^\\s\\S]"
+        start = (f"start: /\\s*/ {parser.begin_lark} call ({parser.next_call_lark} call)*"
+                 f"{_end(parser)} TEXT | FREE\n"
+                 f"TEXT: /(?s:.*)/ & ~/(?s:.*)({delims})(?s:.*)/\n"
+                 f"FREE: TEXT & ~/\\s*{marker}(?s:.*)/\n")
+    elif parser.begin_lark == _lark_string(parser.begin_marker):  # a text marker
         marker = _regex_literal(parser.begin_marker)
         start = (f"start: (opening call)* TAIL\n"
                  f"opening[lazy]: /(?s:.*){marker}/\n"
@@ -298,6 +306,11 @@ def _strict_grammar(parser: type[ToolParser], functions: dict[str, dict]) -> str
     else:  # a special token: free text can never contain it
         start = f"start: (TEXT {parser.begin_lark} call)* TEXT\nTEXT: /(?s:.*)/\n"
     return grammar_from("lark", start + rules)
+
+
+def _end(parser: type[ToolParser]) -> str:
+    """What closes the run of calls, as a Lark suffix ("" for formats without)."""
+    return f" {parser.end_lark}" if parser.end_lark else ""
 
 
 def _think_end(settings: StructuredSettings) -> str | None:

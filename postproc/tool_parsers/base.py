@@ -146,6 +146,22 @@ class ToolParser:
     begin_marker: ClassVar[str] = ""
     begin_lark: ClassVar[str] = ""
     next_call_lark: ClassVar[str] = ""
+    # `end_lark`: what closes a run of calls after the last one (pythonic's `]`); empty when
+    # each call closes itself. `calls_at_start`: calls count only at the start of the output
+    # (after whitespace), so a strict grammar lets the output open with calls or be text that
+    # does not begin with `begin_marker`, instead of triggering on the marker anywhere.
+    end_lark: ClassVar[str] = ""
+    calls_at_start: ClassVar[bool] = False
+
+    @classmethod
+    def for_vocabulary(cls, tokenizer: Any) -> type[ToolParser]:
+        """This class, or a subclass whose grammar side names the model's special tokens.
+
+        `tokenizer`: llguidance's LLTokenizer for the model, or None. A format whose markers
+        are special tokens that llguidance's Lark cannot name (`[TOOL_CALLS]`: only `<|...|>`
+        style names work, anything else needs the token id, `<[9]>`) spells them by id here.
+        """
+        return cls
 
     @classmethod
     def call_grammar(cls, functions: dict[str, Any], *, strict: bool) -> str | None:
@@ -324,6 +340,26 @@ def call_json_schema(functions: dict[str, Any], arguments_key: str, *, strict: b
     ]
     body = options[0] if len(options) == 1 else {"anyOf": options}
     return {**body, "x-guidance": {**_CALL_JSON_LAYOUT, "lenient": not strict}}
+
+
+def json_layout(schema: Any, *, strict: bool) -> dict:
+    """A JSON schema for `%json` in a call grammar, with the layout forced calls use."""
+    base = schema if isinstance(schema, dict) else {} if schema is True else {"not": {}}
+    return {**base, "x-guidance": {**_CALL_JSON_LAYOUT, "lenient": not strict}}
+
+
+def special_token_lark(tokenizer: Any, text: str) -> str | None:
+    """`<[id]>` when `text` is one special token of `tokenizer` (an llguidance LLTokenizer),
+    else None (no tokenizer, or the text is ordinary there)."""
+    if tokenizer is None:
+        return None
+    try:
+        ids = tokenizer.tokenize_str(text, parse_special=True)
+    except (TypeError, ValueError):
+        return None
+    if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
+        return f"<[{ids[0]}]>"
+    return None
 
 
 def collect(deltas: list[ToolDelta]) -> ParsedTools:

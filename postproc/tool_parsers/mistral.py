@@ -11,18 +11,29 @@ special tokens in the detokenized text (skip_special_tokens=False).
 Call ids are 9 letters and digits (no `call_` prefix): Mistral chat templates reject any
 other shape when the conversation comes back with the tool results. An id the model wrote
 with `[CALL_ID]` is used as is.
+
+Forced calls (SPEC C-1 to C-3) are generated in the v11+ spelling, `[TOOL_CALLS]name[ARGS]{...}`
+(what current Mistral templates render and what mistral-common's own grammars produce, with no
+`[CALL_ID]`), or, for models of the older templates, `[TOOL_CALLS][{"name": ..., "arguments":
+{...}}]` with one call per array; the model picks. `[TOOL_CALLS]` and `[ARGS]` are named by
+token id when they are special tokens of the model (`for_vocabulary`), else spelled as text.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
+from typing import Any, ClassVar
 
 from postproc.tool_parsers.base import (
     ToolParser,
     arguments_json,
     call_from_object,
+    call_json_schema,
+    json_layout,
     partial_suffix_len,
+    special_token_lark,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
 
@@ -30,6 +41,7 @@ _BOT = "[TOOL_CALLS]"
 _ARGS = "[ARGS]"
 _CALL_ID = "[CALL_ID]"
 _NAME = re.compile(r"[\w.\-]*")
+_GRAMMAR_NAME = re.compile(r"[\w.\-]+")  # names the header reads back whole
 
 _TEXT, _AFTER_BOT, _ARRAY, _NAMED = range(4)
 
@@ -39,6 +51,33 @@ class MistralToolParser(ToolParser):
     delimiters = (_BOT, _ARGS, _CALL_ID)
     id_prefix = ""
     id_length = 9
+    begin_marker = _BOT
+    begin_lark = json.dumps(_BOT)
+    next_call_lark = json.dumps(_BOT)
+    args_lark: ClassVar[str] = json.dumps(_ARGS)
+
+    @classmethod
+    def for_vocabulary(cls, tokenizer: Any) -> type[ToolParser]:
+        bot = special_token_lark(tokenizer, _BOT)
+        args = special_token_lark(tokenizer, _ARGS)
+        if bot is None and args is None:
+            return cls
+        return _spelled(cls, bot or cls.begin_lark, args or cls.args_lark)
+
+    @classmethod
+    def call_grammar(cls, functions: dict, *, strict: bool) -> str | None:
+        named = []
+        for i, (name, schema) in enumerate(functions.items()):
+            if not _GRAMMAR_NAME.fullmatch(name):
+                raise ValueError(f"the mistral format cannot spell the function name {name!r}")
+            arguments = json.dumps(json_layout(schema, strict=strict), ensure_ascii=False)
+            named.append(f"mistral_call_{i}: {json.dumps(name)} {cls.args_lark} "
+                         f"%json {arguments}")
+        array = json.dumps(call_json_schema(functions, "arguments", strict=strict),
+                           ensure_ascii=False)
+        alternatives = " | ".join(f"mistral_call_{i}" for i in range(len(named)))
+        return (f"call: {alternatives} | mistral_array\n" + "\n".join(named)
+                + f'\nmistral_array: " "? "[" %json {array} "]"\n')
 
     def _reset(self) -> None:
         self._mode = _TEXT
@@ -105,6 +144,15 @@ class MistralToolParser(ToolParser):
         self._buf = buf[end:]
         self._mode = _TEXT
         return True
+
+
+@lru_cache(maxsize=16)
+def _spelled(cls: type[MistralToolParser], bot: str, args: str) -> type[MistralToolParser]:
+    """`cls` with its markers spelled `bot` and `args` in grammars (token ids)."""
+    return type(cls.__name__, (cls,), {
+        "__module__": cls.__module__, "begin_lark": bot, "next_call_lark": bot,
+        "args_lark": args,
+    })
 
 
 _WAIT = object()

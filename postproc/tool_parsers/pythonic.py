@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword as _keyword
 import re
 from typing import Any
 
@@ -31,6 +32,16 @@ _START, _CONTENT, _LIST, _AFTER = range(4)
 class PythonicToolParser(ToolParser):
     name = "pythonic"
     delimiters = (_PY_START, _PY_END)
+    # Forced calls: `[` opens the list, calls are separated by ", " and `]` closes it.
+    begin_marker = "["
+    begin_lark = '"["'
+    next_call_lark = '", "'
+    end_lark = '"]"'
+    calls_at_start = True
+
+    @classmethod
+    def call_grammar(cls, functions: dict, *, strict: bool) -> str | None:
+        return _call_grammar(functions, strict=strict)
 
     def _reset(self) -> None:
         self._mode = _START
@@ -174,3 +185,206 @@ def _literal(node: ast.expr) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return -value if isinstance(node.op, ast.USub) else value
     raise ValueError("not a literal")
+
+
+# ---------------------------------------------------------------- the grammar side (C-1..C-3)
+
+# Python literal spellings of JSON values. Strings: single or double quotes, no raw control
+# characters, the escapes \\ \" \' \n \r \t and \uXXXX outside the surrogates (a lone one
+# cannot be sent on). Numbers: exponents of at most two digits and at most 100 integer digits,
+# so no literal overflows to inf.
+_STR_BODY = (r"""[^{q}\\\x00-\x1f\x7f]|\\[\\"'nrt]|"""
+             r"\\u([0-9a-cA-CefEF][0-9a-fA-F]{{3}}|[dD][0-7][0-9a-fA-F]{{2}})")
+_PY_TERMINALS = (
+    "PY_STR: /\"(" + _STR_BODY.format(q='"') + ")*\"|'(" + _STR_BODY.format(q="'") + ")*'/\n"
+    "PY_INT: /-?(0|[1-9][0-9]*)/\n"
+    "PY_NUM: /-?(0|[1-9][0-9]{0,99})(\\.[0-9]+)?([eE][+-]?[0-9]{1,2})?/\n"
+    "PY_KW: /[A-Za-z_][A-Za-z0-9_]*/ & ~/(" + "|".join(_keyword.kwlist + ["__debug__"]) + ")/\n"
+    'py_any: PY_STR | PY_NUM | "True" | "False" | "None" | py_list | py_dict\n'
+    'py_list: "[" (py_any (", " py_any)*)? "]"\n'
+    'py_dict: "{" (PY_STR ": " py_any (", " PY_STR ": " py_any)*)? "}"\n'
+)
+# Keywords that only describe (no constraint) and those each type can honour.
+_ANNOTATIONS = {"description", "title", "examples", "default", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$schema", "$id", "$defs", "definitions",
+                "additionalProperties", "strict"}
+_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_HANDLED = {"type", "enum", "const", "anyOf", "oneOf", "$ref", "properties", "required",
+            "items", "minItems", "maxItems", *_NUMERIC}
+_BOOL_NAMES = {True: "True", False: "False", None: "None"}
+
+
+def py_literal(value: Any) -> str:
+    """A JSON value as a Python literal the parser reads back to the same value."""
+    if isinstance(value, bool) or value is None:
+        return _BOOL_NAMES[value]
+    if isinstance(value, int | float | str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(py_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)}: {py_literal(v)}"
+                               for k, v in value.items()) + "}"
+    raise ValueError(f"{value!r} is not a JSON value")
+
+
+class _PyGrammar:
+    """Lark rules for Python literals that follow JSON schemas (see `call_grammar`)."""
+
+    def __init__(self, root: dict, *, strict: bool, prefix: str):
+        self.root, self.strict, self.prefix = root, strict, prefix
+        self.rules: list[str] = []
+        self.refs: dict[str, str] = {}
+
+    def rule(self, body: str) -> str:
+        name = f"{self.prefix}_{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def unsupported(self, what: str) -> None:
+        if self.strict:
+            raise ValueError(f"the pythonic format cannot enforce {what}")
+
+    def value(self, schema: Any) -> str:
+        """A Lark expression for one value that `schema` allows."""
+        if schema is True or schema == {}:
+            return "py_any"
+        if not isinstance(schema, dict):
+            raise ValueError("a schema that allows nothing cannot be called")
+        for key in schema.keys() - _ANNOTATIONS - _HANDLED:
+            self.unsupported(f"{key!r}")
+        if "$ref" in schema:
+            return self.ref(schema["$ref"])
+        if "const" in schema:
+            return json.dumps(py_literal(schema["const"]), ensure_ascii=False)
+        if "enum" in schema:
+            if not schema["enum"]:
+                raise ValueError("an empty enum allows nothing")
+            return "(" + " | ".join(json.dumps(py_literal(v), ensure_ascii=False)
+                                    for v in schema["enum"]) + ")"
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                rest = {k: v for k, v in schema.items() if k != key}
+                subs = [self.value({**rest, **sub} if isinstance(sub, dict) else sub)
+                        for sub in schema[key]]
+                return "(" + " | ".join(subs) + ")"
+        kinds = schema.get("type")
+        if kinds is None:
+            kinds = ("object" if "properties" in schema else "array" if "items" in schema
+                     else None)
+        if kinds is None:
+            return "py_any"
+        kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+        return "(" + " | ".join(self.typed(kind, schema) for kind in kinds) + ")"
+
+    def typed(self, kind: str, schema: dict) -> str:
+        if kind == "string":
+            return "PY_STR"
+        if kind in ("integer", "number"):
+            bounds = {k: schema[k] for k in _NUMERIC if k in schema}
+            if bounds:  # llguidance's JSON numbers are Python literals too
+                return "%json " + json.dumps({"type": kind, **bounds})
+            return "PY_INT" if kind == "integer" else "PY_NUM"
+        if kind == "boolean":
+            return '("True" | "False")'
+        if kind == "null":
+            return '"None"'
+        if kind == "array":
+            item = self.value(schema.get("items", True))
+            low, high = schema.get("minItems", 0), schema.get("maxItems")
+            if low == 0 and high is None:
+                return self.rule(f'"[" ({item} (", " {item})*)? "]"')
+            more = f'(", " {item}){{{max(low - 1, 0)},{"" if high is None else high - 1}}}'
+            body = f'"[" {item} {more} "]"'
+            if high == 0:
+                body = '"[" "]"'
+            elif low == 0:
+                body = f'"[" ({item} {more})? "]"'
+            return self.rule(body)
+        if kind == "object":
+            properties = schema.get("properties")
+            if not isinstance(properties, dict):
+                properties = {}
+            self.closed(schema, properties)
+            if not properties:
+                return "py_dict" if schema.get("additionalProperties") is not False \
+                    else '("{" "}")'
+            items = [(json.dumps(json.dumps(k, ensure_ascii=False), ensure_ascii=False)
+                      + ' ": " ' + self.value(v), k in schema.get("required", ()))
+                     for k, v in properties.items()]
+            return self.rule('"{" ' + self.sequence(items) + ' "}"')
+        raise ValueError(f"unknown JSON type {kind!r}")
+
+    def ref(self, ref: Any) -> str:
+        if ref not in self.refs:
+            parts = ref.split("/") if isinstance(ref, str) else []
+            target: Any = self.root
+            if len(parts) != 3 or parts[0] != "#":
+                raise ValueError(f"the pythonic format cannot follow $ref {ref!r}")
+            for part in parts[1:]:
+                target = target.get(part) if isinstance(target, dict) else None
+            if target is None:
+                raise ValueError(f"$ref {ref!r} points nowhere")
+            name = f"{self.prefix}_ref{len(self.refs)}"
+            self.refs[ref] = name  # before the body: recursive schemas refer to themselves
+            self.rules.append(f"{name}: {self.value(target)}")
+        return self.refs[ref]
+
+    def closed(self, schema: dict, properties: dict) -> None:
+        """Checks what an object's declared properties cannot express."""
+        missing = [k for k in schema.get("required") or () if k not in properties]
+        if missing:
+            raise ValueError(f"the pythonic format cannot write the required {missing[0]!r}, "
+                             "which has no schema")
+        if isinstance(schema.get("additionalProperties"), dict):
+            self.unsupported("a schema for additionalProperties")
+
+    def sequence(self, items: list[tuple[str, bool]]) -> str:
+        """`items` (expression, required) in order, comma-separated, the optional ones
+        optional: rules `first_i` (nothing written yet) and `after_i` (something written)."""
+        first, after = '""', '""'
+        for expr, required in reversed(items):
+            new_after = self.rule(f'", " {expr} {after}' + ("" if required else f" | {after}"))
+            first = self.rule(f"{expr} {after}" + ("" if required else f" | {first}"))
+            after = new_after
+        return first
+
+    def arguments(self, schema: dict) -> str:
+        """Keyword arguments for a function whose arguments follow `schema`."""
+        properties = schema.get("properties")
+        if not isinstance(properties, dict):
+            properties = {}
+        self.closed(schema, properties)
+        if not properties and schema.get("additionalProperties") is not False:
+            # Free keywords. (A repeated one is a Python syntax error: no grammar rules it out.)
+            return '(PY_KW "=" py_any (", " PY_KW "=" py_any)*)?'
+        required = schema.get("required") or ()
+        items = []
+        for name, sub in properties.items():
+            spellable = name.isidentifier() and not _keyword.iskeyword(name) \
+                and name != "__debug__"
+            if not spellable:
+                if name in required:
+                    raise ValueError(f"the pythonic format cannot spell the keyword {name!r}")
+                self.unsupported(f"the keyword {name!r}")
+                continue
+            items.append((f'"{name}=" {self.value(sub)}', name in required))
+        return self.sequence(items) if items else '""'
+
+
+def _call_grammar(functions: dict[str, Any], *, strict: bool) -> str:
+    """`call` for pythonic: `name(keyword=literal, ...)` for one of `functions`."""
+    rules, names = [], []
+    for i, (name, schema) in enumerate(functions.items()):
+        if not all(p.isidentifier() and not _keyword.iskeyword(p) for p in name.split(".")):
+            raise ValueError(f"the pythonic format cannot spell the function name {name!r}")
+        root = schema if isinstance(schema, dict) else {}
+        for key in root.keys() - _ANNOTATIONS - {"type", "properties", "required"}:
+            if strict:
+                raise ValueError(f"the pythonic format cannot enforce {key!r} on arguments")
+        g = _PyGrammar(root, strict=strict, prefix=f"py{i}")
+        arguments = g.arguments(root)
+        names.append(f"py{i}")
+        rules.append(f'py{i}: {json.dumps(name + "(", ensure_ascii=False)} {arguments} ")"')
+        rules += g.rules
+    return "call: " + " | ".join(names) + "\n" + "\n".join(rules) + "\n" + _PY_TERMINALS

@@ -24,6 +24,7 @@ import ast
 import json
 from typing import Any
 
+from postproc.tool_parsers.base import json_layout
 from postproc.tool_parsers.tagged import TaggedBlockParser
 
 _FUNCTION = "<function="
@@ -42,6 +43,13 @@ class Qwen3CoderToolParser(TaggedBlockParser):
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
     delimiters = (open_tag, close_tag)
+    begin_marker = open_tag
+    begin_lark = '"<tool_call>"'
+    next_call_lark = '"\\n<tool_call>"'
+
+    @classmethod
+    def call_grammar(cls, functions: dict, *, strict: bool) -> str | None:
+        return _call_grammar(functions, strict=strict)
 
     def _block_calls(self, body: str, terminated: bool) -> list[tuple[str, str]] | None:
         if not terminated and _FUNCTION_END not in body:
@@ -179,3 +187,171 @@ def _container(text: str) -> Any:
         return decoded
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return None
+
+
+# ---------------------------------------------------------------- the grammar side (C-1..C-3)
+
+_TAGS = ("<tool_call>", "</tool_call>", _FUNCTION, _FUNCTION_END, _PARAMETER, _PARAMETER_END)
+_ANNOTATIONS = {"description", "title", "examples", "default", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$schema", "$id", "$defs", "definitions",
+                "additionalProperties", "strict"}
+_STRING_KEYWORDS = {"type", "enum", "const", "anyOf", "oneOf"}
+_WS = r"[\s\x1c-\x1f]*"  # what str.strip() removes
+# Texts a raw value must not be, when the parameter may also be of that type: the parser
+# would convert them (a string "42" of a string-or-integer parameter reads back as 42).
+_LOOKS_LIKE = {
+    "integer": r"[+-]?[\d_]+",
+    "number": r"-?\d+(\.\d+)?([eE][+-]?\d+)?|NaN|-?Infinity",
+    "boolean": r"(?i:true|false)",
+    "null": "null",
+    "object": r"[\[{](?s:.*)",
+    "array": r"[\[{](?s:.*)",
+}
+
+
+# The same, as written in a union with a string (JSON spellings).
+_SCALARS = {
+    "integer": r"-?(0|[1-9][0-9]*)",
+    "number": r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?",
+    "boolean": "true|false",
+    "null": "null",
+}
+
+
+def _regex_text(text: str) -> str:
+    return "".join("\\" + ch if ch in r"\.^$|?*+()[]{}/-" else ch for ch in text)
+
+
+def _lark_text(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+class _CoderGrammar:
+    def __init__(self, root: dict, *, strict: bool):
+        self.strict = strict
+        self.defs = {k: root[k] for k in ("$defs", "definitions") if k in root}
+        self.terminals: dict[str, str] = {}  # regex body -> terminal name
+
+    def unsupported(self, what: str) -> None:
+        if self.strict:
+            raise ValueError(f"the qwen3_coder format cannot enforce {what}")
+
+    def raw(self, exclude: tuple[str, ...] = (), scalars: tuple[str, ...] = ()) -> str:
+        """A terminal: raw text that holds no tag, then `\\n</parameter>`; not one of the
+        `exclude`d shapes (after stripping); or one of the `scalars` regexes."""
+        close = _regex_text("\n" + _PARAMETER_END)
+        tags = "|".join(_regex_text(t) for t in _TAGS)
+        body = f"/(?s:.*){close}/ & ~/(?s:.*)({tags})(?s:.*){close}/"
+        if exclude:
+            body += f" & ~/{_WS}({'|'.join(exclude)}){_WS}{close}/"
+        if scalars:
+            body = f"({body}) | /({'|'.join(scalars)}){close}/"
+        if body not in self.terminals:
+            self.terminals[body] = f"QC_RAW{len(self.terminals)}"
+        return self.terminals[body]
+
+    def json_value(self, schema: dict) -> str:
+        layout = json_layout({**self.defs, **schema}, strict=self.strict)
+        return f"%json {json.dumps(layout, ensure_ascii=False)}"
+
+    def literals(self, values: list[Any], schema: Any) -> list[str]:
+        """Literal alternatives (text and close tag) for the `values` that read back as
+        themselves (strings as they are, other values as JSON)."""
+        out = []
+        for value in values:
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            if any(t in text for t in _TAGS):
+                continue
+            decoded = convert_value(text, schema)
+            if decoded == value and type(decoded) is type(value):
+                out.append(_lark_text(text + "\n" + _PARAMETER_END))
+        return out
+
+    def value(self, schema: Any) -> str:
+        """A Lark expression: one parameter's value, then `\\n</parameter>`."""
+        close = _lark_text("\n" + _PARAMETER_END)
+        types = schema_types(schema)
+        if not isinstance(schema, dict) or not types:
+            if isinstance(schema, dict):
+                if isinstance(schema.get("const"), str):
+                    return self.alternatives(self.literals([schema["const"]], schema))
+                for key in schema.keys() - _ANNOTATIONS:
+                    self.unsupported(f"{key!r} (without a type the value stays a string)")
+            return self.raw()
+        if "string" not in types:
+            typed = schema if "type" in schema else {**schema, "type": types}
+            return f"{self.json_value(typed)} {close}"
+        if isinstance(schema.get("enum"), list) or "const" in schema:
+            values = schema["enum"] if "enum" in schema else [schema["const"]]
+            return self.alternatives(self.literals(values, schema))
+        others = [t for t in types if t != "string"]
+        for key in schema.keys() - _ANNOTATIONS - _STRING_KEYWORDS:
+            self.unsupported(f"{key!r} on a string" if not others else
+                             f"{key!r} on a parameter that may be a string")
+        if not others:
+            return self.raw()
+        # A string or something else: the raw text must not read as the something else. The
+        # scalars are regexes inside the same terminal (a %json number beside a raw text
+        # would leave the lexer two ways to read "42"); containers are JSON, which the raw
+        # text cannot start like.
+        alternatives = []
+        containers = [t for t in others if t in ("object", "array")]
+        if containers:
+            alternatives.append(f"{self.json_value({**schema, 'type': containers})} {close}")
+        scalars = tuple(_SCALARS[t] for t in others if t in _SCALARS)
+        exclude = tuple(dict.fromkeys(_LOOKS_LIKE[t] for t in others if t in _LOOKS_LIKE))
+        alternatives.append(self.raw(exclude, scalars))
+        return self.alternatives(alternatives)
+
+    @staticmethod
+    def alternatives(options: list[str]) -> str:
+        if not options:
+            raise ValueError("no value can be written for this parameter")
+        return options[0] if len(options) == 1 else "(" + " | ".join(options) + ")"
+
+    def parameters(self, schema: dict) -> str:
+        properties = schema.get("properties")
+        if not isinstance(properties, dict):
+            properties = {}
+        required = schema.get("required") or ()
+        missing = [k for k in required if k not in properties]
+        if missing:
+            raise ValueError(f"the qwen3_coder format cannot write the required {missing[0]!r}, "
+                             "which has no schema")
+        if isinstance(schema.get("additionalProperties"), dict):
+            self.unsupported("a schema for additionalProperties")
+        if not properties and schema.get("additionalProperties") is not False:
+            return f'("<parameter=" QC_NAME ">\\n" {self.raw()} "\\n")*'
+        parts = []
+        for name, sub in properties.items():
+            if not name or name != name.strip() or ">" in name or "\n" in name:
+                if name in required:
+                    raise ValueError(f"the qwen3_coder format cannot spell the parameter "
+                                     f"{name!r}")
+                self.unsupported(f"the parameter {name!r}")
+                continue
+            part = f'{_lark_text(f"{_PARAMETER}{name}>" + chr(10))} {self.value(sub)} "\\n"'
+            parts.append(part if name in required else f"({part})?")
+        return " ".join(parts) if parts else '""'
+
+
+def _call_grammar(functions: dict[str, Any], *, strict: bool) -> str:
+    """`call` for qwen3_coder: the rest of one `<tool_call>` block for one of `functions`."""
+    rules, names, terminals = [], [], {}
+    for i, (name, schema) in enumerate(functions.items()):
+        if not name or name != name.strip() or ">" in name or "\n" in name:
+            raise ValueError(f"the qwen3_coder format cannot spell the function name {name!r}")
+        root = schema if isinstance(schema, dict) else {}
+        for key in root.keys() - _ANNOTATIONS - {"type", "properties", "required"}:
+            if strict:
+                raise ValueError(f"the qwen3_coder format cannot enforce {key!r} on arguments")
+        g = _CoderGrammar(root, strict=strict)
+        g.terminals = terminals  # shared: the same regex is one terminal
+        head = _lark_text(f"\n{_FUNCTION}{name}>\n")
+        rules.append(f"qc{i}: {head} {g.parameters(root)} "
+                     f'"{_FUNCTION_END}\\n</tool_call>"')
+        names.append(f"qc{i}")
+    lines = [f"call: {' | '.join(names)}", *rules,
+             "QC_NAME: /[A-Za-z_][A-Za-z0-9_.\\-]*/",
+             *(f"{t}: {body}" for body, t in terminals.items())]
+    return "\n".join(lines) + "\n"

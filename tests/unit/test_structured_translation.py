@@ -186,7 +186,10 @@ def test_tool_conflicts_are_400s(hermes, fields, message):
     assert message in refused(chat(tools=[WEATHER], **fields), hermes).message
 
 
-def test_parsers_without_a_grammar_refuse_forced_calls():
+def test_parsers_without_a_grammar_refuse_forced_calls(monkeypatch):
+    # Every bundled parser has a grammar; one without (empty begin_lark) is refused.
+    from postproc.tool_parsers.pythonic import PythonicToolParser
+    monkeypatch.setattr(PythonicToolParser, "begin_lark", "")
     settings = StructuredSettings(tool_call_parser="pythonic")
     assert "pythonic" in refused(chat(tools=[WEATHER], tool_choice="required"),
                                  settings).message
