@@ -281,20 +281,30 @@ def test_null_means_default(http):
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
     ("/v1/chat/completions", {"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"echo": True}, "echo"),
-    ("/v1/chat/completions",
-     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
     ("/v1/completions", {"suffix": "!"}, "suffix"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
 ])
 def test_known_but_unsupported_fields_are_a_400_naming_them(http, path, extra, param):
-    """P-1, P-6, P-8: a known field we cannot honour, set to a non-default value, is a 400 that
-    says it is unsupported, never silently ignored."""
+    """P-1, P-6: a known field we cannot honour, set to a non-default value, is a 400 that
+    says it is unsupported, never silently ignored. (Structured outputs, P-8, are served:
+    tests/integration/test_structured_output.py.)"""
     base = {"messages": PARIS} if "chat" in path else {"prompt": "a"}
     error = assert_error(http.post(path, json={**base, **extra}), 400, param)
     assert "not supported" in error["message"]
+
+
+def test_tools_without_a_tool_call_parser_say_what_is_missing(http):
+    """C-3: tools the model may call need a parser to read the calls back; this server has
+    none, so the 400 names the flag (tool_choice "none" stays fine: the template sees them)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
+        body = {"messages": PARIS, "tools": tools, "tool_choice": choice, "max_tokens": 1}
+        error = assert_error(http.post("/v1/chat/completions", json=body), 400)
+        assert error["param"] in ("tools", "tool_choice") and "--tool-call-parser" in (
+            error["message"])
+    ok(http.post("/v1/chat/completions",
+                 json={"messages": PARIS, "tools": tools, "tool_choice": "none",
+                       "max_tokens": 1}))
 
 
 # ---------------------------------------------------------------- P-4 defaults, P-5 lengths
