@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from frontend import serving
+from frontend import anthropic_api, responses_api, serving
+from frontend.anthropic_models import CountTokensRequest, MessagesRequest
 from frontend.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +29,7 @@ from frontend.auth import AuthMiddleware
 from frontend.errors import APIError, error_response
 from frontend.limits import Admission, AdmissionMiddleware, BodyLimitMiddleware
 from frontend.metrics import metrics_registry, render
+from frontend.responses_models import InputTokensRequest, ResponsesRequest
 from frontend.serving import ServingContext
 from shared.config import FrontendConfig
 
@@ -69,10 +71,10 @@ def _guarded(handler):
         try:
             return await handler(request)
         except APIError as exc:
-            return error_response(exc)
+            return error_response(exc, request.url.path)
         except Exception:
             log.exception("unhandled error in %s", request.url.path)
-            return error_response(APIError(500, "internal server error"))
+            return error_response(APIError(500, "internal server error"), request.url.path)
 
     return endpoint
 
@@ -102,6 +104,39 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     async def completions(request: Request) -> Response:
         body = await _decode(request, CompletionRequest)
         return await serving.completion(ctx, request, body)
+
+    store = responses_api.ResponseStore(config.max_stored_responses)
+
+    def json_response(body) -> Response:
+        return Response(_json.encode(body), media_type="application/json")
+
+    async def responses_create(request: Request) -> Response:
+        body = await _decode(request, ResponsesRequest)
+        return await responses_api.create(ctx, request, body, store)
+
+    async def responses_input_tokens(request: Request) -> Response:
+        body = await _decode(request, InputTokensRequest)
+        return json_response(await responses_api.input_tokens(ctx, body, store))
+
+    async def responses_compact(request: Request) -> Response:
+        raise APIError(404, "/v1/responses/compact is not supported by this server.")
+
+    async def responses_get(request: Request) -> Response:
+        return json_response(responses_api.retrieve(store, request.path_params["response_id"]))
+
+    async def responses_delete(request: Request) -> Response:
+        return json_response(responses_api.delete(store, request.path_params["response_id"]))
+
+    async def messages(request: Request) -> Response:
+        body = await _decode(request, MessagesRequest)
+        return await anthropic_api.create(ctx, request, body)
+
+    async def messages_count_tokens(request: Request) -> Response:
+        body = await _decode(request, CountTokensRequest)
+        return json_response(await anthropic_api.count_tokens(ctx, body))
+
+    async def messages_batches(request: Request) -> Response:
+        raise anthropic_api.batches_unsupported()
 
     async def tokenize(request: Request) -> Response:
         body = await _decode(request, TokenizeRequest)
@@ -133,6 +168,26 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         Route("/v1/models", _guarded(models), methods=["GET"]),
         Route("/v1/chat/completions", _guarded(chat), methods=["POST"]),
         Route("/v1/completions", _guarded(completions), methods=["POST"]),
+        # Literal paths before parameterised ones (SPEC R-2): Starlette answers with the
+        # first route whose pattern and method match, and `{response_id}` matches any one
+        # path segment, so a parameterised route listed first would take a literal path it
+        # shares a method with (`/v1/responses/input_tokens` read as a response id, as would
+        # any literal added later beside `{response_id}` or `{batch_id}`).
+        Route("/v1/responses", _guarded(responses_create), methods=["POST"]),
+        Route("/v1/responses/input_tokens", _guarded(responses_input_tokens), methods=["POST"]),
+        Route("/v1/responses/compact", _guarded(responses_compact), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _guarded(responses_get), methods=["GET"]),
+        Route("/v1/responses/{response_id}", _guarded(responses_delete), methods=["DELETE"]),
+        Route("/v1/messages", _guarded(messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _guarded(messages_count_tokens), methods=["POST"]),
+        # Batches are not run here: every batch route is a clear 404 in Anthropic's shape.
+        Route("/v1/messages/batches", _guarded(messages_batches), methods=["GET", "POST"]),
+        Route("/v1/messages/batches/{batch_id}/results", _guarded(messages_batches),
+              methods=["GET"]),
+        Route("/v1/messages/batches/{batch_id}/cancel", _guarded(messages_batches),
+              methods=["POST"]),
+        Route("/v1/messages/batches/{batch_id}", _guarded(messages_batches),
+              methods=["GET", "DELETE"]),
         Route("/tokenize", _guarded(tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(detokenize), methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -164,6 +219,7 @@ def _middleware(config: FrontendConfig, admission: Admission) -> list[Middleware
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (unknown path 404, wrong method 405) in the one error shape."""
-    response = error_response(APIError(exc.status_code, exc.detail or "request failed"))
+    response = error_response(APIError(exc.status_code, exc.detail or "request failed"),
+                              request.url.path)
     response.headers.update(exc.headers or {})
     return response

@@ -1,10 +1,17 @@
-"""One error body shape for every route (OpenAI's) and the status codes clients rely on."""
+"""Error bodies and the status codes clients rely on (SPEC R-3).
+
+Every route answers in OpenAI's shape, except the Anthropic-compatible ones (`/v1/messages`
+and below), which answer in Anthropic's (`{"type": "error", "error": {"type", "message"}}`),
+so each API's own client can read them; the middleware (auth, limits) and Starlette's own
+404/405 pick the shape by path too (`error_response(..., path)`).
+"""
 
 from __future__ import annotations
 
 import msgspec
 from starlette.responses import Response
 
+from frontend.anthropic_models import ErrorBody, ErrorDetail
 from frontend.api_models import ErrorInfo, ErrorResponse
 
 _TYPES = {
@@ -18,6 +25,22 @@ _TYPES = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+# Anthropic's error types by status (their 529 "overloaded" is our 503).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class APIError(Exception):
@@ -36,6 +59,17 @@ def error_body(status: int, message: str, param: str | None = None) -> ErrorResp
     return ErrorResponse(ErrorInfo(message, _TYPES.get(status, "error"), param, status))
 
 
-def error_response(error: APIError) -> Response:
-    body = msgspec.json.encode(error_body(error.status, error.message, error.param))
+def anthropic_error_body(status: int, message: str) -> ErrorBody:
+    return ErrorBody(ErrorDetail(_ANTHROPIC_TYPES.get(status, "api_error"), message))
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def error_response(error: APIError, path: str = "") -> Response:
+    if is_anthropic_path(path):
+        body = msgspec.json.encode(anthropic_error_body(error.status, error.message))
+    else:
+        body = msgspec.json.encode(error_body(error.status, error.message, error.param))
     return Response(body, status_code=error.status, media_type="application/json")

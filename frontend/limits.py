@@ -30,7 +30,7 @@ RETRY_AFTER_S = 1
 
 async def reject(scope, receive, send, error: APIError, reason: str, headers=None) -> None:
     m.REJECTED.labels(reason).inc()
-    response = error_response(error)
+    response = error_response(error, scope.get("path", ""))
     response.headers.update(headers or {})
     await response(scope, receive, send)
 

@@ -37,6 +37,7 @@ from frontend.errors import APIError, bad_request, error_body
 from frontend.input_stage import PromptInput, chat_input, completion_inputs
 from frontend.input_stage import _render as render_messages
 from frontend.sampling import Plan, check_request, plan_request
+from frontend.structured import StructuredSettings
 from frontend.tokenization import Tokenization
 from postproc.chunks import sse_event
 from postproc.openai_shapes import (
@@ -125,6 +126,14 @@ class Candidate(msgspec.Struct):
         return self.last.cumulative_logprob
 
 
+def structured_settings(ctx: ServingContext) -> StructuredSettings:
+    """The server's tool-call / reasoning parsers and llguidance tokenizer, for the checks
+    and grammars of structured output (none without a tokenization stage, as in unit tests)."""
+    if ctx.tokenization is None:
+        return StructuredSettings()
+    return ctx.tokenization.settings.structured
+
+
 def check_model(ctx: ServingContext, model: str | None) -> None:
     if model is not None and model != ctx.model_name:
         raise APIError(404, f"The model '{model}' does not exist.", "model")
@@ -151,7 +160,7 @@ def build_job(
     plans = [
         plan_request(request, endpoint=endpoint, prompt_len=len(p.tokens.ids),
                      max_model_len=max_model_len(ctx), vocab_size=ctx.vocab_size,
-                     structured=ctx.tokenization.settings.structured)
+                     structured=structured_settings(ctx))
         for p in prompts
     ]
     job = Job(request_id, int(now), prompts, plans[0], [], {})
@@ -372,7 +381,7 @@ async def start_chat(
 
     Close the frames (`aclosing`) when done with them: that aborts unfinished candidates."""
     check_model(ctx, request.model)
-    check_request(request, ctx.tokenization.settings.structured)
+    check_request(request, structured_settings(ctx))
     prompt = await chat_input(ctx, request)
     job = build_job(ctx, request, [prompt], "chat", prefix)
     return job, _frames(ctx, http, job, await _submit(ctx, job))
@@ -433,7 +442,7 @@ def _chat_stream(ctx, request: ChatCompletionRequest, job: Job, frames):
 
 async def completion(ctx: ServingContext, http: Request, request: CompletionRequest) -> Response:
     check_model(ctx, request.model)
-    check_request(request, ctx.tokenization.settings.structured)
+    check_request(request, structured_settings(ctx))
     prompts = await completion_inputs(ctx, request)
     if request.echo:
         await _add_echo_texts(ctx, prompts)

@@ -90,6 +90,10 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
                    help="turn the model's tool-call syntax into tool_calls (default: off; "
                         "tools are then only accepted with tool_choice none)")
+    g.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="/v1/responses kept in this frontend's memory for GET and "
+                        "previous_response_id, least recently used dropped first; 0 stores "
+                        "none (default: 1000)")
     _add_limit_arguments(p)
 
 
@@ -202,7 +206,8 @@ def frontend_config(args, engine_address: str, result_address: str | None) -> Fr
         render_timeout_s=args.render_timeout, chat_template=args.chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-        reasoning_field=args.reasoning_field, **_limit_config(args),
+        reasoning_field=args.reasoning_field, max_stored_responses=args.max_stored_responses,
+        **_limit_config(args),
     )
 
 
@@ -295,7 +300,9 @@ def _serve(args) -> int:
                         ("--tool-call-parser", args.tool_call_parser)):
         if value is not None:
             frontend_argv += [flag, value]
-    frontend_argv += ["--reasoning-field", args.reasoning_field, *_limit_argv(args)]
+    frontend_argv += ["--reasoning-field", args.reasoning_field,
+                      "--max-stored-responses", str(args.max_stored_responses),
+                      *_limit_argv(args)]
     keys = _api_keys(args)
     if keys:
         os.environ["SLUICE_API_KEY"] = ",".join(keys)

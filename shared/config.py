@@ -46,6 +46,8 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     reasoning_field: str = "reasoning_content"  # vLLM now says "reasoning"
+    # /v1/responses with store: responses kept in this frontend's memory (LRU); 0: none.
+    max_stored_responses: int = 1000
     # Limits and security (frontend.auth, frontend.limits); see docs/operations.md.
     api_keys: list[str] = []  # empty: no authentication
     allowed_origins: list[str] = []  # CORS; empty: no CORS headers at all

@@ -29,3 +29,13 @@ def cluster(tmp_path_factory):
                 "--dtype", "float32")
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="session")
+def edge_url(tmp_path_factory):
+    """`sluice serve` with the hermes tool-call parser and the qwen3 reasoning parser, and
+    room for only 3 stored responses: the Responses and Anthropic Messages tests share it."""
+    s = Stack(str(tmp_path_factory.mktemp("edge")), "--tool-call-parser", "hermes",
+              "--reasoning-parser", "qwen3", "--max-stored-responses", "3")
+    yield s.base_url
+    s.stop()

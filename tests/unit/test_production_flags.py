@@ -52,3 +52,10 @@ def test_cli_imports_no_prometheus_before_the_directory_is_set():
     code = ("import sys, shared.cli as c; c.build_parser(); "
             "assert 'prometheus_client' not in sys.modules, 'imported too early'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_max_stored_responses_reaches_the_frontend_config(monkeypatch):
+    monkeypatch.delenv("SLUICE_API_KEY", raising=False)
+    parser = cli.build_parser()
+    args = parser.parse_args(["frontend", "--max-stored-responses", "7"])
+    assert cli.frontend_config(args, "tcp://127.0.0.1:1", None).max_stored_responses == 7

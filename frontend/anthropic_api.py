@@ -1,0 +1,344 @@
+"""Anthropic's Messages API (`/v1/messages`) as a translation layer over the chat pipeline.
+
+A Messages request becomes a `ChatCompletionRequest` (system prompt -> system message, content
+blocks -> chat messages with tool calls and tool results, tools and tool_choice, thinking ->
+the template's thinking switches, stop_sequences -> stop, output_config.format ->
+response_format) and runs through `serving.start_chat` with stream off: same renderer, engine,
+reasoning and tool-call parsers. The frames become content blocks
+(`frontend.protocol_edge.Blocks`): `thinking` (from the reasoning parser), `text` and
+`tool_use` (from the tool-call parser), as one JSON body or as Anthropic's event stream
+(message_start, content_block_start / content_block_delta / content_block_stop per block,
+message_delta, message_stop). Errors use Anthropic's shape (`frontend.errors`).
+
+As in Anthropic's API, a last message from the assistant is a prefill: the answer continues it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from contextlib import aclosing
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from frontend import serving
+from frontend.anthropic_models import (
+    UNSUPPORTED_WHEN_SET,
+    ContentBlock,
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    CountTokensRequest,
+    DeltaUsage,
+    InputJsonDelta,
+    MessageDelta,
+    MessageResponse,
+    MessagesRequest,
+    MessageStart,
+    MessageStop,
+    OutputBlock,
+    StopDelta,
+    TextBlock,
+    TextDelta,
+    ThinkingBlock,
+    ThinkingDelta,
+    TokenCount,
+    ToolUseBlock,
+    Usage,
+)
+from frontend.api_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    JsonSchemaFormat,
+    ResponseFormat,
+)
+from frontend.errors import APIError, anthropic_error_body, bad_request
+from frontend.input_stage import chat_input
+from frontend.protocol_edge import (
+    Block,
+    BlockEvent,
+    Blocks,
+    Outcome,
+    call_arguments,
+    frame_error,
+    gather,
+    sse,
+)
+from shared.protocol import TextFrame
+
+_json = msgspec.json.Encoder()
+
+
+# ---------------------------------------------------------------- request -> chat request
+
+
+def _block_text(block: ContentBlock, param: str) -> str:
+    if block.type != "text":
+        raise bad_request(f"content blocks of type {block.type!r} are not supported here "
+                          "(text only)", param)
+    return block.text or ""
+
+
+def _texts(content: str | list[ContentBlock] | None, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(_block_text(b, f"{param}[{i}]") for i, b in enumerate(content))
+
+
+def _user(blocks: list[ContentBlock], param: str) -> list[ChatMessage]:
+    """A user turn's blocks: its tool results (one tool message each), then its text."""
+    out: list[ChatMessage] = []
+    texts: list[str] = []
+    for i, block in enumerate(blocks):
+        where = f"{param}[{i}]"
+        if block.type == "tool_result":
+            if not block.tool_use_id:
+                raise bad_request("a tool_result block needs tool_use_id", where)
+            result = _texts(block.content, where + ".content")
+            if block.is_error:
+                result = f"Error: {result}"
+            out.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=result))
+        else:
+            texts.append(_block_text(block, where))
+    if texts:
+        out.append(ChatMessage(role="user", content="\n".join(texts)))
+    return out
+
+
+def _assistant(blocks: list[ContentBlock], param: str) -> ChatMessage:
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict] = []
+    for i, block in enumerate(blocks):
+        where = f"{param}[{i}]"
+        if block.type == "text":
+            texts.append(block.text or "")
+        elif block.type == "thinking":
+            thinking.append(block.thinking or "")
+        elif block.type == "redacted_thinking":
+            continue  # opaque to us
+        elif block.type == "tool_use":
+            if not block.id or not block.name:
+                raise bad_request("a tool_use block needs id and name", where)
+            calls.append({"id": block.id, "type": "function", "function": {
+                "name": block.name, "arguments": json.dumps(block.input or {})}})
+        else:
+            raise bad_request(f"content blocks of type {block.type!r} are not supported in "
+                              "assistant messages", where)
+    text = "".join(texts)
+    # "" rather than null beside tool calls: templates that concatenate content (SmolLM2's)
+    # fail on null, and the ones that render calls treat both alike.
+    return ChatMessage(role="assistant", content=text,
+                       tool_calls=calls or None, reasoning_content="\n".join(thinking) or None)
+
+
+def chat_messages(request: MessagesRequest | CountTokensRequest) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    if request.system is not None:
+        system = _texts(request.system, "system")
+        if system:
+            out.append(ChatMessage(role="system", content=system))
+    for i, message in enumerate(request.messages):
+        param = f"messages[{i}].content"
+        if message.role == "system":
+            out.append(ChatMessage(role="system", content=_texts(message.content, param)))
+        elif isinstance(message.content, str):
+            out.append(ChatMessage(role=message.role, content=message.content))
+        elif message.role == "user":
+            out.extend(_user(message.content, param))
+        else:
+            out.append(_assistant(message.content, param))
+    if not out or all(m.role == "system" for m in out):
+        raise bad_request("messages must not be empty", "messages")
+    return out
+
+
+def _tools(request: MessagesRequest | CountTokensRequest) -> list[dict] | None:
+    if not request.tools:
+        return None
+    tools = []
+    for i, tool in enumerate(request.tools):
+        if tool.type not in (None, "custom"):
+            raise bad_request(f"server tools ({tool.type!r}) are not supported; client tools "
+                              "only", f"tools[{i}]")
+        function = {"name": tool.name,
+                    "parameters": tool.input_schema or {"type": "object", "properties": {}}}
+        if tool.description is not None:
+            function["description"] = tool.description
+        if tool.strict is not None:
+            function["strict"] = tool.strict
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(request: MessagesRequest | CountTokensRequest):
+    choice = request.tool_choice
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise bad_request("tool_choice of type 'tool' needs a name", "tool_choice.name")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def _response_format(request: MessagesRequest | CountTokensRequest) -> ResponseFormat | None:
+    fmt = request.output_format
+    if request.output_config is not None and request.output_config.format is not None:
+        fmt = request.output_config.format
+    if fmt is None:
+        return None
+    return ResponseFormat(type="json_schema",
+                          json_schema=JsonSchemaFormat(name="output", schema=fmt.schema))
+
+
+def _template_kwargs(request: MessagesRequest | CountTokensRequest) -> dict | None:
+    """Thinking on or off, written as both switches templates use (SPEC O-5)."""
+    if request.thinking is None:
+        return None
+    on = request.thinking.type != "disabled"
+    return {"enable_thinking": on, "thinking": on}
+
+
+def check_unsupported(request: MessagesRequest | CountTokensRequest) -> None:
+    for field in UNSUPPORTED_WHEN_SET:
+        if getattr(request, field) is not None:
+            raise bad_request(f"'{field}' is not supported by this server", field)
+
+
+def to_chat(request: MessagesRequest | CountTokensRequest, request_id: str
+            ) -> ChatCompletionRequest:
+    check_unsupported(request)
+    messages = chat_messages(request)
+    # A last assistant message is a prefill: the answer continues it (Anthropic's rule).
+    prefill = messages[-1].role == "assistant" and not messages[-1].tool_calls
+    choice = request.tool_choice
+    sampling = {}
+    if isinstance(request, MessagesRequest):
+        if request.max_tokens < 1:
+            raise bad_request("max_tokens must be at least 1", "max_tokens")
+        sampling = dict(max_completion_tokens=request.max_tokens, stop=request.stop_sequences,
+                        temperature=request.temperature, top_p=request.top_p,
+                        top_k=request.top_k)
+    return ChatCompletionRequest(
+        messages=messages,
+        model=request.model,
+        tools=_tools(request),
+        tool_choice=_tool_choice(request),
+        parallel_tool_calls=(False if choice is not None and choice.disable_parallel_tool_use
+                             else None),
+        response_format=_response_format(request),
+        chat_template_kwargs=_template_kwargs(request),
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+        stream=False,  # the chat pipeline writes no chunk bytes; we shape the frames here
+        request_id=request_id,
+        **sampling,
+    )
+
+
+# ---------------------------------------------------------------- frames -> content blocks
+
+
+def _content(block: Block) -> OutputBlock:
+    if block.kind == "reasoning":
+        return ThinkingBlock(block.text)
+    if block.kind == "text":
+        return TextBlock(block.text)
+    return ToolUseBlock(block.call_id, block.name, call_arguments(block))
+
+
+def stop_reason(request: MessagesRequest, last: TextFrame) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) in Anthropic's words."""
+    if last.finish_reason == "tool_calls":
+        return "tool_use", None
+    if last.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(last.stop_reason, str) and last.stop_reason in (request.stop_sequences or ()):
+        return "stop_sequence", last.stop_reason
+    return "end_turn", None
+
+
+def _message(ctx, request: MessagesRequest, message_id: str, prompt_tokens: int,
+             outcome: Outcome) -> MessageResponse:
+    reason, sequence = stop_reason(request, outcome.last)
+    return MessageResponse(message_id, ctx.model_name, [_content(b) for b in outcome.blocks],
+                           reason, sequence,
+                           Usage(prompt_tokens, outcome.last.num_output_tokens))
+
+
+# ---------------------------------------------------------------- handlers
+
+
+async def create(ctx, http: Request, request: MessagesRequest) -> Response:
+    hex_id = uuid.uuid4().hex
+    chat = to_chat(request, hex_id)
+    job, frames = await serving.start_chat(ctx, http, chat, prefix="msg")
+    message_id = f"msg_{hex_id}"
+    if request.stream:
+        events = _stream(ctx, request, message_id, job.num_prompt_tokens, frames)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    outcome = await gather(frames)
+    if not outcome.finished:
+        return Response(status_code=499)  # the client left; nobody reads this
+    body = _message(ctx, request, message_id, job.num_prompt_tokens, outcome)
+    return Response(_json.encode(body), media_type="application/json")
+
+
+def _event(struct) -> bytes:
+    return sse(struct.__struct_config__.tag, _json.encode(struct))
+
+
+def _block_event(ev: BlockEvent) -> bytes:
+    block = ev.block
+    if ev.what == "open":
+        start = {"reasoning": lambda: ThinkingBlock(""), "text": lambda: TextBlock(""),
+                 "tool_call": lambda: ToolUseBlock(block.call_id, block.name, {})}
+        return _event(ContentBlockStart(block.index, start[block.kind]()))
+    if ev.what == "delta":
+        delta = {"reasoning": ThinkingDelta, "text": TextDelta,
+                 "tool_call": InputJsonDelta}[block.kind](ev.delta)
+        return _event(ContentBlockDelta(block.index, delta))
+    return _event(ContentBlockStop(block.index))
+
+
+async def _stream(ctx, request: MessagesRequest, message_id: str, prompt_tokens: int, frames):
+    start = MessageResponse(message_id, ctx.model_name, [], None, None, Usage(prompt_tokens, 0))
+    yield _event(MessageStart(start))
+    blocks = Blocks()
+    outcome = Outcome(blocks.blocks)
+    async with aclosing(frames):
+        async for _, frame in frames:
+            if frame.finish_reason == "error":
+                error = frame_error(frame)
+                yield sse("error", _json.encode(anthropic_error_body(error.status,
+                                                                     error.message)))
+                return
+            for ev in blocks.feed(frame):
+                yield _block_event(ev)
+            outcome.last = frame
+    if not outcome.finished:
+        return  # the client left
+    for ev in blocks.finish():
+        yield _block_event(ev)
+    reason, sequence = stop_reason(request, outcome.last)
+    yield _event(MessageDelta(StopDelta(reason, sequence),
+                              DeltaUsage(outcome.last.num_output_tokens)))
+    yield _event(MessageStop())
+
+
+async def count_tokens(ctx, request: CountTokensRequest) -> TokenCount:
+    chat = to_chat(request, uuid.uuid4().hex)
+    serving.check_model(ctx, chat.model)
+    serving.check_request(chat, serving.structured_settings(ctx))
+    prompt = await chat_input(ctx, chat)
+    return TokenCount(len(prompt.tokens.ids))
+
+
+def batches_unsupported() -> APIError:
+    """Message batches are not run here: a 404 (not retried by clients, unlike a 5xx)."""
+    return APIError(404, "Message batches are not supported by this server; send each "
+                         "request to /v1/messages.")

@@ -1,0 +1,139 @@
+"""What the Responses and Anthropic Messages front doors share: frames -> output blocks.
+
+Both APIs answer with an ordered list of blocks (OpenAI's output items, Anthropic's content
+blocks): thinking, text, tool calls. Both run a translated chat request through the chat
+pipeline (`serving.start_chat`, stream off, so no chat-chunk bytes are written) and turn its
+text frames into blocks here, one machine for streaming and non-streaming answers, so the two
+always agree: a new block opens when the kind of output changes (thinking -> text) or a tool
+call starts, and the open block closes when the next one opens or the output ends.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any, Literal
+
+import msgspec
+
+from frontend.errors import APIError
+from shared.protocol import TextFrame
+
+BlockKind = Literal["reasoning", "text", "tool_call"]
+
+
+class Block(msgspec.Struct):
+    kind: BlockKind
+    text: str = ""  # thinking, text, or a tool call's arguments (JSON text) so far
+    call_id: str = ""  # tool calls: the parser's call id
+    name: str = ""  # tool calls: the function's name
+    index: int = 0  # position among the answer's blocks
+
+
+class BlockEvent(msgspec.Struct):
+    what: Literal["open", "delta", "close"]
+    block: Block
+    delta: str = ""
+
+
+class Blocks:
+    """Feeds one candidate's frames; says which blocks open, grow and close."""
+
+    def __init__(self) -> None:
+        self.blocks: list[Block] = []
+        self._open: Block | None = None
+        self._calls: dict[int, Block] = {}  # the parser's call index -> its block
+
+    def feed(self, frame: TextFrame) -> list[BlockEvent]:
+        # Within one frame the parsers' order holds: thinking ends before content starts, and
+        # content a call follows comes before it.
+        events: list[BlockEvent] = []
+        if frame.reasoning:
+            self._grow("reasoning", frame.reasoning, events)
+        if frame.text:
+            self._grow("text", frame.text, events)
+        for delta in frame.tool_calls:
+            if delta.id is not None:
+                block = self._start(Block("tool_call", call_id=delta.id,
+                                          name=delta.function.name or ""), events)
+                self._calls[delta.index] = block
+            block = self._calls.get(delta.index)
+            if block is not None and delta.function.arguments:
+                block.text += delta.function.arguments
+                events.append(BlockEvent("delta", block, delta.function.arguments))
+        return events
+
+    def finish(self) -> list[BlockEvent]:
+        events: list[BlockEvent] = []
+        self._close(events)
+        return events
+
+    def _grow(self, kind: BlockKind, piece: str, events: list[BlockEvent]) -> None:
+        block = self._open
+        if block is None or block.kind != kind:
+            block = self._start(Block(kind), events)
+        block.text += piece
+        events.append(BlockEvent("delta", block, piece))
+
+    def _start(self, block: Block, events: list[BlockEvent]) -> Block:
+        self._close(events)
+        block.index = len(self.blocks)
+        self.blocks.append(block)
+        self._open = block
+        events.append(BlockEvent("open", block))
+        return block
+
+    def _close(self, events: list[BlockEvent]) -> None:
+        if self._open is not None:
+            events.append(BlockEvent("close", self._open))
+            self._open = None
+
+
+class Outcome(msgspec.Struct):
+    """A finished (or abandoned) candidate: its blocks and its last frame."""
+
+    blocks: list[Block]
+    last: TextFrame | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finish_reason is not None
+
+
+def frame_error(frame: TextFrame) -> APIError:
+    return APIError(frame.error_status or 500, frame.error or "the request failed")
+
+
+async def gather(frames: AsyncIterator[tuple[int, TextFrame]]) -> Outcome:
+    """A whole (single-candidate) answer; an error frame raises its APIError. The outcome is
+    unfinished when the client left first."""
+    blocks = Blocks()
+    outcome = Outcome(blocks.blocks)
+    async with aclosing(frames):
+        async for _, frame in frames:
+            if frame.finish_reason == "error":
+                raise frame_error(frame)
+            blocks.feed(frame)
+            outcome.last = frame
+    blocks.finish()
+    return outcome
+
+
+def call_arguments(block: Block) -> dict[str, Any]:
+    """A tool call's arguments as an object (parsers always write a JSON object)."""
+    try:
+        value = json.loads(block.text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def sse(event_type: str, data: bytes) -> bytes:
+    """One SSE event with its name, as both APIs send them."""
+    return b"event: " + event_type.encode() + b"\ndata: " + data + b"\n\n"
