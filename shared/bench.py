@@ -378,8 +378,9 @@ def format_report(result: BenchResult, base_url: str) -> str:
         ("ITL p50 / p99", f"{_fmt(result.itl_p50_ms, 'ms')} / {_fmt(result.itl_p99_ms, 'ms')}"),
     ]
     if result.process_cpu_s is not None:
-        rows.append(("server CPU", f"{result.process_cpu_s:.2f} s, "
-                                   f"{_fmt(result.cpu_ms_per_token, 'ms')} per output token"))
+        per_token = ("-" if result.cpu_ms_per_token is None
+                     else f"{result.cpu_ms_per_token:.3f} ms")
+        rows.append(("server CPU", f"{result.process_cpu_s:.2f} s, {per_token} per output token"))
     rows += [("error", sample) for sample in result.error_samples]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
