@@ -144,7 +144,10 @@ def _tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for m in messages:
-        entry: dict[str, Any] = {"role": m.role, "content": message_text(m)}
+        # OpenAI's tool loop sends an assistant's calls back with content null; templates
+        # that use the content as text (SmolLM2's) fail on it, and "" means the same.
+        text = message_text(m)
+        entry: dict[str, Any] = {"role": m.role, "content": "" if text is None else text}
         if m.name is not None:
             entry["name"] = m.name
         if m.tool_calls is not None:

@@ -144,3 +144,18 @@ def test_load_chat_template(tmp_path):
     assert load_chat_template(None) is None
     with pytest.raises(FileNotFoundError):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_a_tool_round_trip_renders_with_the_default_template(tokenizer):
+    """The OpenAI tool loop sends the assistant's call back with content null; templates
+    that concatenate content (SmolLM2's does) must still render it."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": json.dumps({"city": "Paris"})}}
+    messages = [
+        ChatMessage(role="user", content="Weather in Paris?"),
+        ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        ChatMessage(role="tool", content='{"temp": 21}', tool_call_id="c1"),
+    ]
+    out = render(tokenizer, messages, RenderParams(), NO_SETTINGS)
+    assert "Weather in Paris?" in out.text and '{"temp": 21}' in out.text
+    assert template_messages(messages)[1]["content"] == ""
