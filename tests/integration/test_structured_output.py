@@ -288,3 +288,31 @@ def test_tool_conflicts_are_400s(url):
     r = chat(url, "hi", tools=[WEATHER], tool_choice="required",
              response_format={"type": "json_object"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+@pytest.mark.slow
+def test_a_tool_round_trip_with_the_official_client(url):
+    """The OpenAI tool loop end to end: a forced call comes back as tool_calls, the client
+    sends it back (assistant content null) with the tool's result, and the model answers in
+    plain content with tool_choice none."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    first = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80, temperature=0)
+    [call] = first.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and first.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF["get_weather"])
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=False, include={"role", "content",
+                                                                        "tool_calls"}),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    assert messages[1]["content"] is None  # as the client sends it back
+    final = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER], tool_choice="none",
+        max_tokens=20, temperature=0)
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
