@@ -63,6 +63,7 @@ from frontend.protocol_edge import (
     Outcome,
     call_arguments,
     frame_error,
+    function_tool,
     gather,
     sse,
 )
@@ -163,13 +164,7 @@ def _tools(request: MessagesRequest | CountTokensRequest) -> list[dict] | None:
         if tool.type not in (None, "custom"):
             raise bad_request(f"server tools ({tool.type!r}) are not supported; client tools "
                               "only", f"tools[{i}]")
-        function = {"name": tool.name,
-                    "parameters": tool.input_schema or {"type": "object", "properties": {}}}
-        if tool.description is not None:
-            function["description"] = tool.description
-        if tool.strict is not None:
-            function["strict"] = tool.strict
-        tools.append({"type": "function", "function": function})
+        tools.append(function_tool(tool.name, tool.input_schema, tool.description, tool.strict))
     return tools
 
 

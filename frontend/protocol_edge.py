@@ -130,6 +130,18 @@ def call_arguments(block: Block) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def function_tool(name: str, parameters: dict | None, description: str | None,
+                  strict: bool | None) -> dict[str, Any]:
+    """One OpenAI chat `tools[]` entry from another API's description of a client tool."""
+    function: dict[str, Any] = {
+        "name": name, "parameters": parameters or {"type": "object", "properties": {}}}
+    if description is not None:
+        function["description"] = description
+    if strict is not None:
+        function["strict"] = strict
+    return {"type": "function", "function": function}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 

@@ -34,7 +34,16 @@ from frontend.api_models import (
 )
 from frontend.errors import APIError, bad_request
 from frontend.input_stage import chat_input
-from frontend.protocol_edge import Block, BlockEvent, Blocks, Outcome, frame_error, gather, sse
+from frontend.protocol_edge import (
+    Block,
+    BlockEvent,
+    Blocks,
+    Outcome,
+    frame_error,
+    function_tool,
+    gather,
+    sse,
+)
 from frontend.responses_models import (
     NEUTRAL_VALUES,
     UNSUPPORTED_WHEN_SET,
@@ -206,13 +215,7 @@ def chat_tools(request: ResponsesRequest | InputTokensRequest) -> list[dict] | N
                               "tools only)", f"tools[{i}]")
         if not tool.name:
             raise bad_request("a function tool needs a name", f"tools[{i}].name")
-        function = {"name": tool.name,
-                    "parameters": tool.parameters or {"type": "object", "properties": {}}}
-        if tool.description is not None:
-            function["description"] = tool.description
-        if tool.strict is not None:
-            function["strict"] = tool.strict
-        tools.append({"type": "function", "function": function})
+        tools.append(function_tool(tool.name, tool.parameters, tool.description, tool.strict))
     return tools
 
 
