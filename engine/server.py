@@ -128,10 +128,10 @@ def build_engine(config: EngineConfig) -> EngineCore:
     started = time.monotonic()
     weights = load_weights(config.model, model_config, torch.float32)
     model = LlamaModel(model_config, weights, max_model_len, dtype, device,
-                       ops=make_ops(choice.name))
+                       ops=make_ops(choice.name, device))
     del weights
-    log.info("loaded %s (%s) in %.1fs", config.served_model_name, dtype,
-             time.monotonic() - started)
+    log.info("loaded %s (%s, %s ops) in %.1fs", config.served_model_name, dtype,
+             model.ops.name, time.monotonic() - started)
     if on_gpu:
         num_pages = gpu_kv_pages(config, model_config, dtype, device)
         _check_cache_holds(num_pages, config, max_model_len)

@@ -82,7 +82,9 @@ def create_attention_backend(
             model.head_dim, dtype, device,
         )
     from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.cpu_kernels import kernels
 
     return TorchAttentionBackend(
-        model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim, dtype, device
+        model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim, dtype, device,
+        kernels=kernels() if device.type == "cpu" else None,
     )

@@ -9,6 +9,9 @@ A context is read by whole pages (`index_select` of page rows), not token by tok
 contiguous copy per page instead of an indexed copy per token, several times faster on CPU.
 The step's metadata is built with numpy over the batch, once per step, since it is Python
 work every layer waits for.
+
+Given the engine's compiled CPU kernels (`engine.cpu_kernels`), the decode batch skips the
+gather altogether: `decode_attention` reads each sequence's pages where they lie.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ class PrefillSlice(msgspec.Struct):
 class TorchAttentionMetadata(msgspec.Struct):
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_rows: torch.Tensor | None  # [B] rows of single-token chunks
-    decode_pages: torch.Tensor | None  # [B * P] page table of the decodes, padded with page 0
+    # The decodes' page table, padded with page 0, as [B * P] (the gather) or [B, P] (the
+    # kernel), and which keys are real: a mask (the gather) or the context lengths (kernel).
+    decode_pages: torch.Tensor | None
     decode_mask: torch.Tensor | None  # [B, 1, 1, P * page_size] True where a key is real
+    decode_lens: torch.Tensor | None  # [B]
     prefills: list[PrefillSlice]
 
 
@@ -48,9 +54,12 @@ class TorchAttentionBackend:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        kernels=None,
     ) -> None:
+        """kernels: the compiled CPU kernels module, or None for plain torch."""
         self.page_size = page_size
         self.device = device
+        self.kernels = kernels
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -83,6 +92,7 @@ class TorchAttentionBackend:
             decode_rows=None,
             decode_pages=None,
             decode_mask=None,
+            decode_lens=None,
             prefills=prefills,
         )
         if decode_rows:
@@ -114,8 +124,12 @@ class TorchAttentionBackend:
         table = np.zeros((len(rows), int(counts.max())), dtype=np.int64)
         for i, (owned, count) in enumerate(zip(pages, counts.tolist(), strict=True)):
             table[i, :count] = owned[:count]
-        mask = np.arange(table.shape[1] * size)[None, :] < lens[:, None]
         meta.decode_rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device)
+        if self.kernels is not None:
+            meta.decode_pages = torch.from_numpy(table)
+            meta.decode_lens = torch.from_numpy(lens.astype(np.int64))
+            return
+        mask = np.arange(table.shape[1] * size)[None, :] < lens[:, None]
         meta.decode_pages = torch.from_numpy(table.reshape(-1)).to(self.device)
         meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
 
@@ -167,6 +181,13 @@ class TorchAttentionBackend:
 
     def _attend_decodes(self, q, meta: TorchAttentionMetadata, k_pages, v_pages, head_shape):
         """q: [B, H, D], the decode rows only -> [B, H, D]."""
+        if self.kernels is not None:
+            k_cache = k_pages.view(-1, *head_shape)
+            v_cache = v_pages.view(-1, *head_shape)
+            return self.kernels.decode_attention(
+                q, k_cache, v_cache, meta.decode_pages, meta.decode_lens, self.page_size,
+                q.shape[-1] ** -0.5,
+            )
         batch = q.shape[0]
         kd = self._gather(k_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
         vd = self._gather(v_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)

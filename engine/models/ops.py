@@ -93,6 +93,43 @@ class TorchOps:
         return F.silu(gate) * up
 
 
+class CpuKernelOps(TorchOps):
+    """TorchOps with the engine's compiled CPU kernels (`engine.cpu_kernels`) for RMSNorm,
+    RoPE and SiLU-and-mul: one call each instead of three to eight torch ops, the same
+    roundings (tests/unit/test_cpu_kernels.py). Falls back to TorchOps for tensors the
+    kernels do not take (another device, float16)."""
+
+    name = "torch+cpu-kernels"
+
+    def __init__(self, kernels) -> None:
+        super().__init__()
+        self._k = kernels
+
+    @staticmethod
+    def _fits(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self._fits(x) or x.stride(-1) != 1 or x.dim() not in (2, 3):
+            return rms_norm(x, weight, eps)
+        return self._k.rms_norm(x, weight.contiguous(), eps)
+
+    def rope_tables(self, rope, positions: torch.Tensor):
+        return None  # the kernel reads the full tables at each token's position itself
+
+    def rope(self, rope, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             tables=None):
+        if not self._fits(q) or rope.cos.dtype != q.dtype:
+            return super().rope(rope, q, k, positions, tables)
+        both = self._k.rope(q, k, rope.cos, rope.sin, positions.contiguous())
+        return both[:, : q.shape[1]], both[:, q.shape[1] :]
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._fits(x) or x.dim() != 2:
+            return super().silu_and_mul(x)
+        return self._k.silu_and_mul(x.contiguous())
+
+
 @functools.cache
 def flashinfer_import_error() -> str | None:
     """None when `import flashinfer` works here, else why it does not (asked once)."""
@@ -161,9 +198,18 @@ class FlashInferOps(TorchOps):
         return self._fi.silu_and_mul(x.contiguous())
 
 
-def make_ops(name: str) -> TorchOps:
-    """The ops that go with an attention backend: flashinfer's with flashinfer."""
-    return FlashInferOps() if name == "flashinfer" else TorchOps()
+def make_ops(name: str, device: torch.device) -> TorchOps:
+    """The ops that go with an attention backend: flashinfer's with flashinfer, the compiled
+    CPU kernels on a CPU where they build, plain torch otherwise."""
+    if name == "flashinfer":
+        return FlashInferOps()
+    if device.type == "cpu":
+        from engine.cpu_kernels import kernels
+
+        compiled = kernels()
+        if compiled is not None:
+            return CpuKernelOps(compiled)
+    return TorchOps()
 
 
 def top_k_top_p_sample(

@@ -230,7 +230,7 @@ class Path:
 
         device = torch.device("cuda")
         self.model = LlamaModel(model_config, weights, 2048, dtype, device,
-                                ops=make_ops(backend_name))
+                                ops=make_ops(backend_name, device))
         self.backend = create_attention_backend(backend_name, model_config, num_pages,
                                                 page_size, dtype, device)
         if graphs:

@@ -11,10 +11,12 @@ import transformers
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core import EngineCore
+from engine.cpu_kernels import kernels
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.models.config import load_model_config
 from engine.models.llama import LlamaModel
+from engine.models.ops import CpuKernelOps
 from engine.models.weights import load_weights
 from engine.scheduler import Scheduler
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
@@ -184,11 +186,15 @@ def test_loaded_config_matches(reference):
 # --- our engine -------------------------------------------------------------------------------
 
 
-def _build_core(path: str, budget: int) -> tuple[EngineCore, dict[str, list[torch.Tensor]]]:
-    """EngineCore around our model loaded from `path`; records every sampled row's logits."""
+def _build_core(
+    path: str, budget: int, compiled=None
+) -> tuple[EngineCore, dict[str, list[torch.Tensor]]]:
+    """EngineCore around our model loaded from `path`; records every sampled row's logits.
+    compiled: the CPU kernels module to run with, or None for plain torch ops."""
     config = load_model_config(path)
     weights = load_weights(path, config, torch.float32)
-    model = LlamaModel(config, weights, MAX_MODEL_LEN, torch.float32, CPU)
+    ops = CpuKernelOps(compiled) if compiled is not None else None
+    model = LlamaModel(config, weights, MAX_MODEL_LEN, torch.float32, CPU, ops=ops)
     backend = TorchAttentionBackend(
         config.num_layers,
         NUM_PAGES,
@@ -197,6 +203,7 @@ def _build_core(path: str, budget: int) -> tuple[EngineCore, dict[str, list[torc
         config.head_dim,
         torch.float32,
         CPU,
+        kernels=compiled,
     )
     runner = ModelRunner(model, backend, config.vocab_size)
     allocator = PageAllocator(NUM_PAGES, PAGE_SIZE)
@@ -255,10 +262,10 @@ def _drain(core: EngineCore, tokens: dict[str, list[int]]) -> None:
         assert steps < 1000
 
 
-def _run(path: str, prompts, mode: str):
+def _run(path: str, prompts, mode: str, compiled=None):
     """Greedy tokens and sampled-row logits per prompt index, run as `mode` says."""
     budget = 256 if mode == "single-chunk" else BUDGET
-    core, recorded = _build_core(path, budget)
+    core, recorded = _build_core(path, budget, compiled)
     tokens: dict[str, list[int]] = defaultdict(list)
     ids = [f"r{i}" for i in range(len(prompts))]
     if mode == "alone":
@@ -290,10 +297,16 @@ def _run(path: str, prompts, mode: str):
 MODES = ["alone", "together", "single-chunk", "prefix-cached"]
 
 
+@pytest.mark.parametrize("ops", ["torch", "cpu-kernels"])
 @pytest.mark.parametrize("mode", MODES)
-def test_matches_transformers(reference, mode):
+def test_matches_transformers(reference, mode, ops):
     _, ref = reference
-    tokens, logits, num_steps = _run(ref.path, ref.prompts, mode)
+    compiled = None
+    if ops == "cpu-kernels":
+        compiled = kernels()
+        if compiled is None:
+            pytest.skip("the CPU kernels do not build here (tests/unit/test_cpu_kernels.py)")
+    tokens, logits, num_steps = _run(ref.path, ref.prompts, mode, compiled)
     if mode == "single-chunk":
         # Every prompt prefilled whole, all in the first step.
         assert num_steps == STEPS

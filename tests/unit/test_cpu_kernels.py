@@ -1,0 +1,164 @@
+"""The compiled CPU kernels (engine/csrc/cpu_kernels.cpp) against the torch code they
+replace: RMSNorm and RoPE give the same bits, SiLU-and-mul the same bfloat16 values (its exp
+is a polynomial, so float32 may differ in the last bits), and the paged decode attention
+the float64 answer over the same context, read through a shuffled page table."""
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.cpu_kernels import kernels
+from engine.models.llama import RotaryEmbedding
+from engine.models.ops import CpuKernelOps, TorchOps, make_ops, rms_norm
+from engine.scheduler import ScheduledChunk
+from tests.unit.test_engine_core import CONFIG
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    module = kernels()
+    if module is None:
+        # Where a compiler exists (this project's machines and CI) they must build.
+        assert shutil.which("c++") is None, "a C++ compiler is here but the kernels failed"
+        pytest.skip("no C++ compiler: the engine runs plain torch ops")
+    return module
+
+
+def test_the_engine_uses_them_on_cpu(compiled):
+    assert isinstance(make_ops("torch", torch.device("cpu")), CpuKernelOps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (5, 576), (64, 576), (7, 4, 32)])
+def test_rms_norm_gives_the_same_bits(compiled, dtype, shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (3 * torch.randn(*shape, generator=gen)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    expected = rms_norm(x, weight, 1e-5)
+    if dtype == torch.bfloat16:
+        assert torch.equal(compiled.rms_norm(x, weight, 1e-5), expected)
+    else:  # the sum of squares runs in another order: float32 rounding apart
+        torch.testing.assert_close(compiled.rms_norm(x, weight, 1e-5), expected,
+                                   rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_of_per_head_views(compiled):
+    """Qwen3's q/k norm: heads of a fused qkv row, a view whose rows are not contiguous."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 3 * 4 * 32, generator=gen).to(torch.bfloat16)
+    q = qkv[:, : 4 * 32].view(6, 4, 32)
+    weight = (1 + 0.1 * torch.randn(32, generator=gen)).to(torch.bfloat16)
+    assert torch.equal(compiled.rms_norm(q, weight, 1e-6), rms_norm(q, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_gives_the_same_bits(compiled, dtype):
+    rope = RotaryEmbedding(CONFIG, 256, dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = CONFIG.num_heads, CONFIG.num_kv_heads, CONFIG.head_dim
+    qkv = torch.randn(9, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * dim].view(9, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(9, kv_heads, dim)
+    positions = torch.tensor([0, 1, 2, 40, 41, 200, 3, 255, 17])
+    q_out, k_out = CpuKernelOps(compiled).rope(rope, q, k, positions)
+    assert torch.equal(q_out, rope.apply(q, positions))
+    assert torch.equal(k_out, rope.apply(k, positions))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("width", [1536, 40])  # 40: the scalar tail after 16-wide blocks
+def test_silu_and_mul(compiled, rows, width):
+    gen = torch.Generator().manual_seed(rows)
+    x = (4 * torch.randn(rows, 2 * width, generator=gen))
+    expected = TorchOps().silu_and_mul(x)
+    torch.testing.assert_close(compiled.silu_and_mul(x), expected, rtol=4e-7, atol=1e-7)
+    x16 = x.to(torch.bfloat16)
+    got, want = compiled.silu_and_mul(x16), TorchOps().silu_and_mul(x16)
+    # The exp polynomial lands on the other side of a bfloat16 rounding at most rarely.
+    differ = got != want
+    assert differ.float().mean() < 1e-3
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=0)
+
+
+def _paged_case(dtype, lengths, heads, kv_heads, dim, page_size, seed):
+    """Random caches, each sequence's pages scattered through them: q, caches, table."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page_size) for n in lengths) + 5
+    slots = num_pages * page_size
+    k_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    width = max(-(-n // page_size) for n in lengths)
+    table = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        count = -(-n // page_size)
+        table[b, :count] = torch.tensor([order.pop() for _ in range(count)])
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, table
+
+
+def _float64_attention(q, k_cache, v_cache, table, lengths, page_size):
+    out = []
+    for b, n in enumerate(lengths):
+        slots = torch.cat([torch.arange(p * page_size, (p + 1) * page_size)
+                           for p in table[b].tolist()])[:n]
+        k, v = k_cache[slots].double(), v_cache[slots].double()  # [n, KVH, D]
+        o = F.scaled_dot_product_attention(
+            q[b].double().unsqueeze(1), k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True
+        )
+        out.append(o.squeeze(1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",
+    [(9, 3, 64), (4, 4, 128), (8, 2, 24)],  # SmolLM2; no grouping; a dim with no 16-wide path
+)
+def test_decode_attention_reads_pages_in_place(compiled, dtype, heads, kv_heads, dim):
+    lengths = [1, 15, 16, 17, 100, 333]
+    page_size = 16
+    q, k_cache, v_cache, table = _paged_case(dtype, lengths, heads, kv_heads, dim, page_size, 7)
+    lens = torch.tensor(lengths)
+    got = compiled.decode_attention(q, k_cache, v_cache, table, lens, page_size, dim**-0.5)
+    want = _float64_attention(q, k_cache, v_cache, table, lengths, page_size)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bfloat16: the output's own rounding
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_decode_attention_refuses_a_length_past_its_pages(compiled):
+    q, k_cache, v_cache, table = _paged_case(torch.float32, [20], 4, 2, 16, 16, 1)
+    with pytest.raises(RuntimeError, match="does not fit its page table"):
+        compiled.decode_attention(q, k_cache, v_cache, table, torch.tensor([33]), 16, 0.25)
+
+
+def test_torch_backend_decodes_alike_with_and_without_them(compiled):
+    """The backend's decode step through the kernel against its gather + SDPA path, on the
+    same cache contents and chunks."""
+    page_size, kv_heads, heads, dim = 4, 2, 4, 16
+    free_pages = list(range(31, 0, -1))  # handed out high to low: no page is where its index is
+    chunks = []
+    for context in (3, 9, 14):
+        pages = [free_pages.pop(0) for _ in range(-(-(context + 1) // page_size))]
+        chunks.append(ScheduledChunk(SimpleNamespace(pages=pages), start=context, num_tokens=1))
+    plain = TorchAttentionBackend(1, 32, page_size, kv_heads, dim, torch.float32,
+                                  torch.device("cpu"))
+    fast = TorchAttentionBackend(1, 32, page_size, kv_heads, dim, torch.float32,
+                                 torch.device("cpu"), kernels=compiled)
+    gen = torch.Generator().manual_seed(5)
+    for backend in (plain, fast):
+        backend.k_cache[0].copy_(torch.randn(plain.k_cache[0].shape, generator=gen))
+        backend.v_cache[0].copy_(torch.randn(plain.v_cache[0].shape, generator=gen))
+        gen.manual_seed(5)
+    q = torch.randn(3, heads, dim, generator=gen)
+    k = torch.randn(3, kv_heads, dim, generator=gen)
+    v = torch.randn(3, kv_heads, dim, generator=gen)
+    outs = [b.attend(0, q, k, v, b.prepare(chunks)) for b in (plain, fast)]
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(plain.k_cache[0], fast.k_cache[0])
