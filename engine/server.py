@@ -32,7 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, load_model_config
 from engine.models.llama import LlamaModel
 from engine.models.ops import make_ops
-from engine.models.weights import load_weights
+from engine.models.weights import load_quantized_weights, load_weights
 from engine.output_router import FleetCounts, OutputRouter
 from engine.scheduler import Scheduler
 from shared.codec import encode, engine_inbound_decoder
@@ -127,8 +127,10 @@ def build_engine(config: EngineConfig) -> EngineCore:
         _check_cache_holds(num_pages, config, max_model_len)
     started = time.monotonic()
     weights = load_weights(config.model, model_config, torch.float32)
-    model = LlamaModel(model_config, weights, max_model_len, dtype, device,
-                       ops=make_ops(choice.name, device))
+    ops = make_ops(choice.name, device)
+    quantized = load_quantized_weights(config.model, model_config) if device.type == "cpu" else {}
+    model = LlamaModel(model_config, weights, max_model_len, dtype, device, ops=ops,
+                       quantized=quantized)
     del weights
     log.info("loaded %s (%s, %s ops) in %.1fs", config.served_model_name, dtype,
              model.ops.name, time.monotonic() - started)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend
 from engine.models.config import ModelConfig
 from engine.models.ops import TorchOps
+from engine.models.weights import QuantizedWeight
 
 
 class RotaryEmbedding:
@@ -96,7 +97,10 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         ops: TorchOps | None = None,
+        quantized: dict[str, QuantizedWeight] | None = None,
     ) -> None:
+        """quantized: the checkpoint's block-quantized linear weights by HF name (see
+        `load_quantized_weights`), which the ops may multiply in place of `weights`' copies."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -112,6 +116,8 @@ class LlamaModel:
         self.layers = [self._layer(w, i) for i in range(config.num_layers)]
         for weight in self._linear_weights():
             self.ops.prepack(weight)
+        if quantized:
+            self._attach_quantized(quantized)
         self.rope = RotaryEmbedding(config, max_positions, dtype, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -119,6 +125,28 @@ class LlamaModel:
     def _linear_weights(self) -> list[torch.Tensor]:
         names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
         return [getattr(layer, n) for layer in self.layers for n in names] + [self.lm_head]
+
+    def _attach_quantized(self, quantized: dict[str, QuantizedWeight]) -> None:
+        """Hand the ops the block-quantized rows behind each fused weight, where every part
+        of it has them in one format."""
+        parts = {
+            "qkv_weight": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            "o_weight": ["self_attn.o_proj"],
+            "gate_up_weight": ["mlp.gate_proj", "mlp.up_proj"],
+            "down_weight": ["mlp.down_proj"],
+        }
+        for i, layer in enumerate(self.layers):
+            for attr, names in parts.items():
+                found = [quantized.get(f"model.layers.{i}.{n}.weight") for n in names]
+                self._attach(getattr(layer, attr), found)
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        self._attach(self.lm_head, [quantized.get(head)])
+
+    def _attach(self, weight: torch.Tensor, found: list[QuantizedWeight | None]) -> None:
+        if any(q is None for q in found) or len({q.kind for q in found}) != 1:
+            return
+        blocks = torch.cat([q.blocks for q in found])
+        self.ops.attach_quantized(weight, QuantizedWeight(found[0].kind, blocks))
 
     def _layer(self, w, i: int) -> DecoderLayer:
         p = f"model.layers.{i}."

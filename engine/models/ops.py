@@ -71,6 +71,10 @@ class TorchOps:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
+    def attach_quantized(self, weight: torch.Tensor, quantized) -> None:
+        """Offer the checkpoint's block-quantized rows behind `weight`; plain torch has no
+        use for them."""
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
@@ -93,6 +97,12 @@ class TorchOps:
         return F.silu(gate) * up
 
 
+# Rows up to which a block-quantized weight is multiplied in place. Past it, the blocks'
+# unpacking stops paying against oneDNN's bf16 matmul (AMX) over the dense copy
+# (benchmarks in docs/benchmarks.md).
+QUANTIZED_MAX_ROWS = 4
+
+
 class CpuKernelOps(TorchOps):
     """TorchOps with the engine's compiled CPU kernels (`engine.cpu_kernels`) for RMSNorm,
     RoPE and SiLU-and-mul: one call each instead of three to eight torch ops, the same
@@ -104,6 +114,28 @@ class CpuKernelOps(TorchOps):
     def __init__(self, kernels) -> None:
         super().__init__()
         self._k = kernels
+        self._quantized: dict[int, object] = {}  # id(weight) -> QuantizedWeight
+
+    def attach_quantized(self, weight: torch.Tensor, quantized) -> None:
+        """Multiply small batches by the checkpoint's blocks (4.5 or 8.5 bits a weight, not
+        16): a decode step is bound by reading the weights. In bfloat16 the kernel rounds
+        each weight to exactly the bfloat16 value `weight` holds, so results differ from
+        the dense path only in summation order; float32 weights are exact either way."""
+        if weight.device.type != "cpu":
+            return
+        if weight.dtype == torch.bfloat16 and not self._k.bf16_quantized:
+            return  # no AVX512-BF16: stay on the dense oneDNN path
+        if weight.dtype in (torch.float32, torch.bfloat16):
+            self._quantized[id(weight)] = quantized
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        quantized = self._quantized.get(id(weight))
+        if quantized is None or x.dim() != 2 or x.shape[0] > QUANTIZED_MAX_ROWS:
+            return super().linear(x, weight, bias)
+        out = self._k.quantized_linear(x.contiguous(), quantized.blocks, quantized.kind)
+        return out if bias is None else out + bias
 
     @staticmethod
     def _fits(x: torch.Tensor) -> bool:

@@ -114,6 +114,34 @@ def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
     return weights
 
 
+# GGUF block formats the CPU kernels multiply in place (engine/csrc/cpu_kernels.cpp),
+# by the kernel's number for them.
+BLOCK_KINDS = {"Q4_1": 0, "Q8_0": 1}
+
+
+class QuantizedWeight(msgspec.Struct, frozen=True):
+    """A linear weight as the checkpoint stores it: rows of 32-weight blocks."""
+
+    kind: int  # BLOCK_KINDS value
+    blocks: torch.Tensor  # uint8 [out, in / 32 * block bytes]
+
+
+def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, QuantizedWeight]:
+    """The 2-D tensors of a GGUF file stored in a block format the CPU kernels take, by HF
+    name, rows in HF order (q/k un-permuted as `load_weights` does). Empty for anything else."""
+    if not model_path.endswith(".gguf"):
+        return {}
+    found = {}
+    for tensor in gguf_reader(model_path).tensors:
+        kind = BLOCK_KINDS.get(tensor.tensor_type.name)
+        name = _hf_name(tensor.name)
+        if kind is None or name is None or len(tensor.shape) != 2:
+            continue
+        rows = _undo_rope_permute(np.asarray(tensor.data), tensor.name, config)
+        found[name] = QuantizedWeight(kind, torch.from_numpy(np.ascontiguousarray(rows).copy()))
+    return found
+
+
 def _hf_name(gguf_name: str) -> str | None:
     """Map `blk.3.attn_q.weight` to `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
     stem, _, suffix = gguf_name.rpartition(".")

@@ -1,20 +1,30 @@
 """The compiled CPU kernels (engine/csrc/cpu_kernels.cpp) against the torch code they
 replace: RMSNorm and RoPE give the same bits, SiLU-and-mul the same bfloat16 values (its exp
-is a polynomial, so float32 may differ in the last bits), and the paged decode attention
-the float64 answer over the same context, read through a shuffled page table."""
+is a polynomial, so float32 may differ in the last bits), the paged decode attention the
+float64 answer over the same context, read through a shuffled page table, and the
+block-quantized linear the product with the weights the dense model holds."""
 
 import shutil
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.cpu_kernels import kernels
-from engine.models.llama import RotaryEmbedding
-from engine.models.ops import CpuKernelOps, TorchOps, make_ops, rms_norm
+from engine.models.config import load_model_config
+from engine.models.llama import LlamaModel, RotaryEmbedding
+from engine.models.ops import QUANTIZED_MAX_ROWS, CpuKernelOps, TorchOps, make_ops, rms_norm
+from engine.models.weights import (
+    BLOCK_KINDS,
+    QuantizedWeight,
+    load_quantized_weights,
+    load_weights,
+)
 from engine.scheduler import ScheduledChunk
+from shared.model_source import default_model_path
 from tests.unit.test_engine_core import CONFIG
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -162,3 +172,95 @@ def test_torch_backend_decodes_alike_with_and_without_them(compiled):
     outs = [b.attend(0, q, k, v, b.prepare(chunks)) for b in (plain, fast)]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     assert torch.equal(plain.k_cache[0], fast.k_cache[0])
+
+
+# ------------------------------------------------------- GGUF block-quantized linear
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The default model's config, dense float32 weights and its GGUF blocks."""
+    path = default_model_path()
+    config = load_model_config(path)
+    return config, load_weights(path, config, torch.float32), load_quantized_weights(path, config)
+
+
+def _dequantize(q: QuantizedWeight, in_features: int) -> torch.Tensor:
+    """The GGUF formulas in numpy float32, independent of the kernel."""
+    rows = q.blocks.numpy()
+    if q.kind == BLOCK_KINDS["Q4_1"]:
+        blk = rows.reshape(rows.shape[0], -1, 20)
+        d = blk[..., 0:2].copy().view(np.float16).astype(np.float32)
+        m = blk[..., 2:4].copy().view(np.float16).astype(np.float32)
+        nibbles = np.concatenate([blk[..., 4:] & 0xF, blk[..., 4:] >> 4], axis=-1)
+        w = nibbles.astype(np.float32) * d + m
+    else:
+        blk = rows.reshape(rows.shape[0], -1, 34)
+        d = blk[..., 0:2].copy().view(np.float16).astype(np.float32)
+        w = blk[..., 2:].copy().view(np.int8).astype(np.float32) * d
+    return torch.from_numpy(w.reshape(rows.shape[0], in_features))
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight",
+                                  "model.layers.3.self_attn.k_proj.weight",
+                                  "model.layers.7.mlp.down_proj.weight",
+                                  "model.embed_tokens.weight"])
+def test_blocks_load_in_the_dense_weights_row_order(smollm2, name):
+    """q/k rows un-permuted like the dense load, Q4_1 and Q8_0 alike."""
+    _, dense, quantized = smollm2
+    weight = dense[name]
+    assert torch.equal(_dequantize(quantized[name], weight.shape[1]), weight)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight",
+                                  "model.layers.0.mlp.down_proj.weight",
+                                  "model.embed_tokens.weight"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 17])
+def test_quantized_linear_float32_uses_the_exact_weights(compiled, smollm2, name, rows):
+    _, dense, quantized = smollm2
+    weight, q = dense[name], quantized[name]
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+    want = x.double() @ weight.double().T
+    got = compiled.quantized_linear(x, q.blocks, q.kind)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight",
+                                  "model.layers.0.mlp.down_proj.weight",
+                                  "model.embed_tokens.weight"])
+@pytest.mark.parametrize("rows", [1, 4, 21])
+def test_quantized_linear_bfloat16_uses_the_dense_bfloat16_weights(compiled, smollm2, name,
+                                                                    rows):
+    """Each weight rounded to the bfloat16 the dense model holds: the result is oneDNN's
+    matmul over the dense bfloat16 weights, bit for bit but for a rare last-bit rounding
+    of a sum taken in another order. The exact (unrounded) weights would give other bits
+    in a third or more of the outputs."""
+    if not compiled.bf16_quantized:
+        pytest.skip("no AVX512-BF16 here: bfloat16 models use the dense path")
+    _, dense, quantized = smollm2
+    weight, q = dense[name].to(torch.bfloat16), quantized[name]
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+    x = x.to(torch.bfloat16)
+    got = compiled.quantized_linear(x, q.blocks, q.kind)
+    want = F.linear(x, weight)
+    assert (got == want).float().mean() > 0.999
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=8e-3)  # one bfloat16 step apart
+    exact = (x.double() @ dense[name].double().T).to(torch.bfloat16)
+    assert (got == exact).float().mean() < 0.9
+
+
+def test_the_model_multiplies_decode_batches_by_the_blocks(compiled, smollm2):
+    config, dense, quantized = smollm2
+    ops = CpuKernelOps(compiled)
+    model = LlamaModel(config, dense, 256, torch.float32, torch.device("cpu"), ops=ops,
+                       quantized=quantized)
+    assert len(ops._quantized) == 4 * config.num_layers + 1  # every linear and the LM head
+    layer = model.layers[0]
+    x = torch.randn(QUANTIZED_MAX_ROWS, config.hidden_size, generator=torch.Generator())
+    blocks = ops._quantized[id(layer.gate_up_weight)]
+    assert torch.equal(ops.linear(x, layer.gate_up_weight),
+                       compiled.quantized_linear(x, blocks.blocks, blocks.kind))
+    torch.testing.assert_close(ops.linear(x, layer.gate_up_weight),
+                               F.linear(x, layer.gate_up_weight), atol=1e-4, rtol=1e-5)
+    big = torch.randn(QUANTIZED_MAX_ROWS + 1, config.hidden_size)
+    assert torch.equal(ops.linear(big, layer.gate_up_weight), F.linear(big, layer.gate_up_weight))
