@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -463,17 +464,24 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 
 // ------------------------------------------------------------- GGUF block-quantized linear
 
-// y = x @ W^T with W kept in the GGUF checkpoint's own blocks of 32 weights, so a decode
-// step streams 4.5 (Q4_1) or 8.5 (Q8_0) bits per weight from memory instead of 16:
+// y = x @ W^T with W kept in the GGUF checkpoint's blocks of 32 weights, so a decode step
+// streams 6 (Q4_1) or 9 (Q8_0) bits per weight from memory instead of 16. The checkpoint's
 //   Q4_1, 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; w[j] = d * lo(q[j]) + m and
 //                   w[j + 16] = d * hi(q[j]) + m
 //   Q8_0, 34 bytes: fp16 d, 32 int8;                     w[j] = d * q[j]
-// Every weight is exact in float32, as the checkpoint defines it; sums are float32 in a fixed
-// order per output, whatever the batch, so a row's result does not depend on its neighbours.
+// are repacked once at load (`pack_blocks`) into what the kernel reads fastest:
+//   Q4_1, 24 bytes: float32 d, float32 m, 16 bytes of nibbles in lane order: weight j is
+//                   nibble j / 8 of 16-bit word j % 8, so one broadcast and one variable
+//                   shift put every weight's nibble in the low bits of its 16-bit lane
+//   Q8_0, 36 bytes: float32 d, 32 int8
+// Every weight is exact in float32 (d * q is exact and one rounding adds m, as the GGUF
+// reference computes it). Sums are float32 in a fixed order per output whatever the batch,
+// so a row's result does not depend on its neighbours.
 constexpr int64_t kBlock = 32;
 enum Kind : int64_t { kQ4_1 = 0, kQ8_0 = 1 };
 
-inline int64_t block_bytes(int64_t kind) { return kind == kQ4_1 ? 20 : 34; }
+inline int64_t gguf_block_bytes(int64_t kind) { return kind == kQ4_1 ? 20 : 34; }
+inline int64_t packed_block_bytes(int64_t kind) { return kind == kQ4_1 ? 24 : 36; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -481,27 +489,64 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// The scalar definition: output n of rows [0, rows) of x (float32 [rows, K]).
+inline float float_at(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The index (0..15) of weight j of a packed Q4_1 block.
+inline int q4_1_index(const uint8_t* nibbles, int j) {
+  uint16_t word;
+  std::memcpy(&word, nibbles + 2 * (j % 8), sizeof word);
+  return (word >> (4 * (j / 8))) & 0xF;
+}
+
+torch::Tensor pack_blocks(const torch::Tensor& gguf, int64_t kind) {
+  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "kind must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(gguf.scalar_type() == torch::kUInt8 && gguf.is_contiguous() && gguf.dim() == 2 &&
+                  gguf.size(1) % gguf_block_bytes(kind) == 0,
+              "blocks must be contiguous uint8 [out, in / 32 * block bytes]");
+  const int64_t rows = gguf.size(0), nb = gguf.size(1) / gguf_block_bytes(kind);
+  auto packed = torch::empty({rows, nb * packed_block_bytes(kind)}, gguf.options());
+  const uint8_t* src = gguf.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < rows * nb; ++i) {
+    const uint8_t* in = src + i * gguf_block_bytes(kind);
+    uint8_t* out = dst + i * packed_block_bytes(kind);
+    const float d = half_at(in);
+    std::memcpy(out, &d, 4);
+    if (kind == kQ8_0) {
+      std::memcpy(out + 4, in + 2, 32);
+      continue;
+    }
+    const float m = half_at(in + 2);
+    std::memcpy(out + 4, &m, 4);
+    uint16_t words[8] = {0};
+    for (int j = 0; j < 32; ++j) {
+      const int q = j < 16 ? (in[4 + j] & 0xF) : (in[4 + j - 16] >> 4);
+      words[j % 8] |= static_cast<uint16_t>(q << (4 * (j / 8)));
+    }
+    std::memcpy(out + 8, words, 16);
+  }
+  return packed;
+}
+
+// The scalar definition: one packed weight row against rows of x (float32 [rows, K]).
 void quantized_dot_scalar(const float* x, int64_t rows, int64_t k, const uint8_t* wrow,
                           int64_t kind, float* result) {
-  const int64_t nb = k / kBlock, bytes = block_bytes(kind);
+  const int64_t nb = k / kBlock, bytes = packed_block_bytes(kind);
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * k;
     float total = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = wrow + b * bytes;
-      const float d = half_at(blk);
+      const float d = float_at(blk);
       float part = 0.f;
-      if (kind == kQ4_1) {
-        const float m = half_at(blk + 2);
-        for (int64_t j = 0; j < 16; ++j) {
-          part += xr[b * kBlock + j] * (d * (blk[4 + j] & 0xF) + m);
-          part += xr[b * kBlock + j + 16] * (d * (blk[4 + j] >> 4) + m);
-        }
-      } else {
-        for (int64_t j = 0; j < kBlock; ++j) {
-          part += xr[b * kBlock + j] * (d * static_cast<int8_t>(blk[2 + j]));
-        }
+      for (int j = 0; j < kBlock; ++j) {
+        const float w = kind == kQ4_1 ? d * q4_1_index(blk + 8, j) + float_at(blk + 4)
+                                      : d * static_cast<int8_t>(blk[4 + j]);
+        part += xr[b * kBlock + j] * w;
       }
       total += part;
     }
@@ -510,206 +555,189 @@ void quantized_dot_scalar(const float* x, int64_t rows, int64_t k, const uint8_t
 }
 
 #ifdef __AVX512F__
-inline float half_at_f16c(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return _cvtsh_ss(bits);
+// Shift per 16-bit lane that brings weight j's nibble to the low bits (lane order above).
+inline __m512i q4_1_lane_shifts() {
+  return _mm512_set_epi16(12, 12, 12, 12, 12, 12, 12, 12, 8, 8, 8, 8, 8, 8, 8, 8,
+                          4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 
-// ROWS rows of x against one weight row: each block is unpacked once and used by every row,
-// with the rows' accumulators in registers. Q4_1's min term is sum_b m_b * sum(x over
-// block b), from xsum [rows, nb].
+// The block's 32 nibbles, each in the low 4 bits of its 16-bit lane (higher bits: junk).
+inline __m512i q4_1_nibbles(const uint8_t* blk) {
+  const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8)));
+  return _mm512_srlv_epi16(words, q4_1_lane_shifts());
+}
+
+// float32 path: exact weights, ROWS rows of x against one weight row, the block unpacked
+// once for all rows and their accumulators in registers.
 template <int64_t KIND, int ROWS>
-void quantized_dot_avx512(const float* x, const float* xsum, int64_t k, const uint8_t* wrow,
-                          float* result) {
-  const int64_t nb = k / kBlock, bytes = KIND == kQ4_1 ? 20 : 34;
-  __m512 acc[ROWS];
-  float mins[ROWS];
-  for (int r = 0; r < ROWS; ++r) {
-    acc[r] = _mm512_setzero_ps();
-    mins[r] = 0.f;
-  }
+void quantized_dot_f32(const float* x, int64_t k, const uint8_t* wrow, float* result) {
+  const int64_t nb = k / kBlock, bytes = KIND == kQ4_1 ? 24 : 36;
+  __m512 acc[ROWS], acc_hi[ROWS];  // two dependency chains: the low and high 16 weights
+  for (int r = 0; r < ROWS; ++r) acc[r] = acc_hi[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * bytes;
-    const __m512 d = _mm512_set1_ps(half_at_f16c(blk));
+    const __m512 d = _mm512_set1_ps(float_at(blk));
     __m512 lo, hi;
     if constexpr (KIND == kQ4_1) {
-      __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
-      lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xF)));
-      hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-      const float m = half_at_f16c(blk + 2);
-      for (int r = 0; r < ROWS; ++r) mins[r] += m * xsum[r * nb + b];
+      const __m512 m = _mm512_set1_ps(float_at(blk + 4));
+      const __m512i q = _mm512_and_si512(q4_1_nibbles(blk), _mm512_set1_epi16(0xF));
+      // d * q exact, then one rounding for + m: the reference's d * q + m.
+      lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q))), m);
+      hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1))), m);
     } else {
-      lo = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))));
-      hi = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18))));
+      lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)))));
+      hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 20)))));
     }
     for (int r = 0; r < ROWS; ++r) {
       const float* xr = x + r * k + b * kBlock;
-      __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xr));
-      t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), t);
-      acc[r] = _mm512_fmadd_ps(d, t, acc[r]);
+      acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
+      acc_hi[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc_hi[r]);
     }
   }
-  for (int r = 0; r < ROWS; ++r) result[r] = _mm512_reduce_add_ps(acc[r]) + mins[r];
-}
-
-template <int64_t KIND>
-void quantized_dot_rows(const float* x, const float* xsum, int64_t rows, int64_t k,
-                        const uint8_t* wrow, float* result) {
-  switch (rows) {
-    case 1: return quantized_dot_avx512<KIND, 1>(x, xsum, k, wrow, result);
-    case 2: return quantized_dot_avx512<KIND, 2>(x, xsum, k, wrow, result);
-    case 3: return quantized_dot_avx512<KIND, 3>(x, xsum, k, wrow, result);
-    case 4: return quantized_dot_avx512<KIND, 4>(x, xsum, k, wrow, result);
-    case 5: return quantized_dot_avx512<KIND, 5>(x, xsum, k, wrow, result);
-    case 6: return quantized_dot_avx512<KIND, 6>(x, xsum, k, wrow, result);
-    case 7: return quantized_dot_avx512<KIND, 7>(x, xsum, k, wrow, result);
-    default: return quantized_dot_avx512<KIND, 8>(x, xsum, k, wrow, result);
-  }
+  for (int r = 0; r < ROWS; ++r) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc_hi[r]));
 }
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // The bfloat16 path multiplies by exactly the bfloat16 weights the dense model holds,
-// round(w) with w as above, so it agrees with the oneDNN matmul on those weights up to
-// summation order; vdpbf16ps then takes 32 products (exact, bf16 x bf16) per instruction.
-// A Q4_1 block has only 16 distinct weights: round(d * i + m) for i = 0..15 is a table that
-// vpermw indexes with the nibbles.
+// round(w) with w as above, so it agrees with oneDNN's matmul over those weights up to
+// summation order; vdpbf16ps takes 32 exact bf16 x bf16 products per instruction. A Q4_1
+// block has 16 distinct weights: round(d * i + m), i = 0..15, is a table that vpermw
+// indexes with the nibbles (it reads 5 index bits, so the table is there twice).
 constexpr bool kHasBf16Quantized = true;
 
 inline __m512i q4_1_weights_bf16(const uint8_t* blk) {
   const __m512 steps = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 w = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(half_at_f16c(blk)), steps),
-                                 _mm512_set1_ps(half_at_f16c(blk + 2)));
-  const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(w));
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-  const __m128i low = _mm_and_si128(q, _mm_set1_epi8(0x0F));
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
-  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_set_m128i(high, low)), table);
+  const __m512 w = _mm512_fmadd_ps(_mm512_set1_ps(float_at(blk)), steps,
+                                   _mm512_set1_ps(float_at(blk + 4)));
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(w, w);
+  return _mm512_permutexvar_epi16(q4_1_nibbles(blk), table);
 }
 
 inline __m512i q8_0_weights_bf16(const uint8_t* blk) {
-  const __m512 d = _mm512_set1_ps(half_at_f16c(blk));
+  const __m512 d = _mm512_set1_ps(float_at(blk));
   const __m512 lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)))));
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)))));
   const __m512 hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)))));
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 20)))));
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
 template <int64_t KIND, int ROWS>
 void quantized_dot_bf16(const uint16_t* x, int64_t k, const uint8_t* wrow, float* result) {
-  const int64_t nb = k / kBlock, bytes = KIND == kQ4_1 ? 20 : 34;
-  __m512 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  const int64_t nb = k / kBlock, bytes = KIND == kQ4_1 ? 24 : 36;
+  // Even and odd blocks go to separate accumulators: two dependency chains, not one.
+  __m512 even[ROWS], odd[ROWS];
+  for (int r = 0; r < ROWS; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  const auto weights = [&](int64_t b) {
     const uint8_t* blk = wrow + b * bytes;
-    const __m512i w = KIND == kQ4_1 ? q4_1_weights_bf16(blk) : q8_0_weights_bf16(blk);
+    return KIND == kQ4_1 ? q4_1_weights_bf16(blk) : q8_0_weights_bf16(blk);
+  };
+  const auto dot = [&](int64_t b, __m512i w, __m512* acc) {
     for (int r = 0; r < ROWS; ++r) {
       const __m512i xv = _mm512_loadu_si512(x + r * k + b * kBlock);
       acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)xv, (__m512bh)w);
     }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    dot(b, weights(b), even);
+    dot(b + 1, weights(b + 1), odd);
   }
-  for (int r = 0; r < ROWS; ++r) result[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
-// rows of x [rows, k] against one weight row, in register-sized groups of rows.
-template <int64_t KIND>
-void quantized_dot_bf16_rows(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* wrow,
-                             float* result) {
-  int64_t r = 0;
-  for (; r + 16 <= rows; r += 16) quantized_dot_bf16<KIND, 16>(x + r * k, k, wrow, result + r);
-  if (rows - r >= 8) { quantized_dot_bf16<KIND, 8>(x + r * k, k, wrow, result + r); r += 8; }
-  if (rows - r >= 4) { quantized_dot_bf16<KIND, 4>(x + r * k, k, wrow, result + r); r += 4; }
-  if (rows - r >= 2) { quantized_dot_bf16<KIND, 2>(x + r * k, k, wrow, result + r); r += 2; }
-  if (rows - r >= 1) quantized_dot_bf16<KIND, 1>(x + r * k, k, wrow, result + r);
-}
-
-void quantized_linear_bf16(const torch::Tensor& x, const torch::Tensor& blocks, int64_t kind,
-                           torch::Tensor& out) {
-  const int64_t rows = x.size(0), k = x.size(1), n_out = blocks.size(0);
-  const uint16_t* xp = ptr<uint16_t>(x);
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  const int64_t row_bytes = blocks.size(1);
-  uint16_t* op = ptr<uint16_t>(out);
-  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> result(rows);
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wrow = wp + n * row_bytes;
-      if (kind == kQ4_1) {
-        quantized_dot_bf16_rows<kQ4_1>(xp, rows, k, wrow, result.data());
-      } else {
-        quantized_dot_bf16_rows<kQ8_0>(xp, rows, k, wrow, result.data());
-      }
-      for (int64_t r = 0; r < rows; ++r) op[r * n_out + n] = float_to_bf16(result[r]);
-    }
-  });
+  if (b < nb) dot(b, weights(b), even);
+  for (int r = 0; r < ROWS; ++r) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 #else
 constexpr bool kHasBf16Quantized = false;
 #endif
 
-template <typename T>
-void quantized_linear_rows(const torch::Tensor& x, const torch::Tensor& blocks, int64_t kind,
-                           torch::Tensor& out) {
-  const int64_t rows = x.size(0), k = x.size(1), n_out = blocks.size(0);
-  const int64_t nb = k / kBlock;
-  // x in float32 once (exact from bfloat16), and Q4_1's per-block sums of it.
-  std::vector<float> xf(rows * k), xsum(rows * nb);
-  const T* xp = ptr<T>(x);
-  for (int64_t i = 0; i < rows * k; ++i) xf[i] = Elem<T>::load(xp[i]);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < nb; ++b) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) sum += xf[r * k + b * kBlock + j];
-      xsum[r * nb + b] = sum;
-    }
+// rows of x [rows, k] against one packed weight row, in register-sized groups of rows.
+template <typename X, typename Dot>
+void in_row_groups(const X* x, int64_t rows, int64_t k, float* result, Dot dot) {
+  // One pass over the weight row per 8 rows: every pass unpacks all its blocks again.
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) dot(std::integral_constant<int, 8>{}, x + r * k, result + r);
+  const X* rest = x + r * k;
+  float* out = result + r;
+  switch (rows - r) {
+    case 7: return dot(std::integral_constant<int, 7>{}, rest, out);
+    case 6: return dot(std::integral_constant<int, 6>{}, rest, out);
+    case 5: return dot(std::integral_constant<int, 5>{}, rest, out);
+    case 4: return dot(std::integral_constant<int, 4>{}, rest, out);
+    case 3: return dot(std::integral_constant<int, 3>{}, rest, out);
+    case 2: return dot(std::integral_constant<int, 2>{}, rest, out);
+    case 1: return dot(std::integral_constant<int, 1>{}, rest, out);
+    default: return;
   }
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  const int64_t row_bytes = blocks.size(1);
+}
+
+constexpr int64_t kPrefetchRows = 4;
+
+template <typename T, int64_t KIND>
+void quantized_linear_rows(const torch::Tensor& x, const torch::Tensor& packed,
+                           torch::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1), n_out = packed.size(0);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t row_bytes = packed.size(1);
   T* op = ptr<T>(out);
+  // float32 x for the float32 path (a copy only when x is bfloat16 and no bf16 kernel).
+  std::vector<float> xf;
+  constexpr bool bf16_dot = std::is_same_v<T, uint16_t> && kHasBf16Quantized;
+  if constexpr (!bf16_dot) {
+    xf.resize(rows * k);
+    const T* xp = ptr<T>(x);
+    for (int64_t i = 0; i < rows * k; ++i) xf[i] = Elem<T>::load(xp[i]);
+  }
   at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    float result[8];
+    std::vector<float> result(rows);
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* wrow = wp + n * row_bytes;
-      for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-        const int64_t count = std::min<int64_t>(8, rows - r0);
-        const float* xr = xf.data() + r0 * k;
-#ifdef __AVX512F__
-        if (kind == kQ4_1) {
-          quantized_dot_rows<kQ4_1>(xr, xsum.data() + r0 * nb, count, k, wrow, result);
-        } else {
-          quantized_dot_rows<kQ8_0>(xr, xsum.data() + r0 * nb, count, k, wrow, result);
-        }
-#else
-        quantized_dot_scalar(xr, count, k, wrow, kind, result);
-#endif
-        for (int64_t r = 0; r < count; ++r) op[(r0 + r) * n_out + n] = Elem<T>::store(result[r]);
+      // Ask for the weight rows a few ahead now, so memory streams while this one computes.
+      if (n + kPrefetchRows < end) {
+        const char* ahead = reinterpret_cast<const char*>(wrow + kPrefetchRows * row_bytes);
+        for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
       }
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (bf16_dot) {
+        in_row_groups(ptr<uint16_t>(x), rows, k, result.data(), [&](auto g, auto* xr, float* res) {
+          quantized_dot_bf16<KIND, decltype(g)::value>(xr, k, wrow, res);
+        });
+      } else
+#endif
+      {
+#ifdef __AVX512F__
+        in_row_groups(xf.data(), rows, k, result.data(), [&](auto g, auto* xr, float* res) {
+          quantized_dot_f32<KIND, decltype(g)::value>(xr, k, wrow, res);
+        });
+#else
+        quantized_dot_scalar(xf.data(), rows, k, wrow, KIND, result.data());
+#endif
+      }
+      for (int64_t r = 0; r < rows; ++r) op[r * n_out + n] = Elem<T>::store(result[r]);
     }
   });
 }
 
-torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t kind) {
+torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t kind) {
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] tensor");
   TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "kind must be 0 (Q4_1) or 1 (Q8_0)");
   TORCH_CHECK(x.size(1) % kBlock == 0, "in_features must be a multiple of 32");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
-                  blocks.dim() == 2 && blocks.size(1) == x.size(1) / kBlock * block_bytes(kind),
-              "blocks must be contiguous uint8 [out, in / 32 * block bytes]");
-  auto out = torch::empty({x.size(0), blocks.size(0)}, x.options());
-  if (x.scalar_type() == torch::kBFloat16) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    quantized_linear_bf16(x, blocks, kind, out);
-    return out;
-#else
-    TORCH_CHECK(false, "bfloat16 quantized_linear needs AVX512-BF16 (see bf16_quantized)");
-#endif
-  }
-  quantized_linear_rows<float>(x, blocks, kind, out);
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.dim() == 2 &&
+                  packed.size(1) == x.size(1) / kBlock * packed_block_bytes(kind),
+              "weights must be pack_blocks' contiguous uint8 [out, in / 32 * packed bytes]");
+  auto out = torch::empty({x.size(0), packed.size(0)}, x.options());
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    if (kind == kQ4_1) {
+      quantized_linear_rows<T, kQ4_1>(x, packed, out);
+    } else {
+      quantized_linear_rows<T, kQ8_0>(x, packed, out);
+    }
+  });
   return out;
 }
 
@@ -719,8 +747,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, weight applied after rounding");
   m.def("rope", &rope, "Half-split rotary embedding of q and k into one [T, H + KVH, D]");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2 * width] tensor");
-  m.def("quantized_linear", &quantized_linear,
-        "x @ W^T with W in GGUF Q4_1 (kind 0) or Q8_0 (kind 1) blocks, [out, in/32 * bytes]");
+  m.def("pack_blocks", &pack_blocks,
+        "GGUF Q4_1 (kind 0) or Q8_0 (kind 1) weight rows into quantized_linear's layout");
+  m.def("quantized_linear", &quantized_linear, "x @ W^T with W from pack_blocks");
   m.attr("bf16_quantized") = kHasBf16Quantized;
   m.def("decode_attention", &decode_attention,
         "One-token attention per sequence over its pages of the KV cache, read in place");

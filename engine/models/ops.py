@@ -126,7 +126,8 @@ class CpuKernelOps(TorchOps):
         if weight.dtype == torch.bfloat16 and not self._k.bf16_quantized:
             return  # no AVX512-BF16: stay on the dense oneDNN path
         if weight.dtype in (torch.float32, torch.bfloat16):
-            self._quantized[id(weight)] = quantized
+            packed = self._k.pack_blocks(quantized.blocks, quantized.kind)
+            self._quantized[id(weight)] = type(quantized)(quantized.kind, packed)
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

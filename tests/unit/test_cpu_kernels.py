@@ -221,7 +221,7 @@ def test_quantized_linear_float32_uses_the_exact_weights(compiled, smollm2, name
     weight, q = dense[name], quantized[name]
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
     want = x.double() @ weight.double().T
-    got = compiled.quantized_linear(x, q.blocks, q.kind)
+    got = compiled.quantized_linear(x, compiled.pack_blocks(q.blocks, q.kind), q.kind)
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
 
 
@@ -241,7 +241,7 @@ def test_quantized_linear_bfloat16_uses_the_dense_bfloat16_weights(compiled, smo
     weight, q = dense[name].to(torch.bfloat16), quantized[name]
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
     x = x.to(torch.bfloat16)
-    got = compiled.quantized_linear(x, q.blocks, q.kind)
+    got = compiled.quantized_linear(x, compiled.pack_blocks(q.blocks, q.kind), q.kind)
     want = F.linear(x, weight)
     assert (got == want).float().mean() > 0.999
     torch.testing.assert_close(got, want, atol=1e-5, rtol=8e-3)  # one bfloat16 step apart
