@@ -1,12 +1,16 @@
-"""The engine's own CPU kernels (engine/csrc/cpu_kernels.cpp): fused RMSNorm, RoPE,
-SiLU-and-mul and a paged decode attention that reads the KV cache in place.
+"""The engine's own CPU kernels (engine/csrc/cpu_kernels.cpp): fused RMSNorm, RoPE and
+SiLU-and-mul, a paged decode attention that reads the KV cache in place, and a linear over
+a GGUF checkpoint's own Q4_1/Q8_0 blocks.
 
-They are compiled once per virtual environment with the machine's C++ compiler (`make
-install` does it; otherwise the first engine that wants them does, under a file lock), into
-`<venv>/sluice-kernels`. Where they cannot be built or loaded (no compiler, a foreign
-platform) the engine runs the plain torch ops instead and says so in its log:
-`kernels()` answers None and callers keep their torch path. SLUICE_CPU_KERNELS=0 turns
-them off, to measure the difference or to rule them out.
+They are compiled for the CPU they run on, once (`make install` does it; otherwise the first
+engine that wants them does, under a file lock), with the system C++ compiler and the
+`ninja` package, into `<venv>/sluice-kernels` (or `~/.cache/sluice/kernels` where the venv
+is read-only, as in the container images). The module name carries a fingerprint of the
+CPU's features, so a venv shared by machines with other CPUs never loads code built for
+instructions they lack. Where the kernels cannot be built or loaded (no compiler) the engine
+runs the plain torch ops and says so in its log: `kernels()` answers None and callers keep
+their torch path. SLUICE_CPU_KERNELS=0 turns them off, to measure the difference or to rule
+them out.
 
     python -m engine.cpu_kernels     # build now (what `make install` runs)
 """
@@ -14,6 +18,7 @@ them off, to measure the difference or to rule them out.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -28,7 +33,20 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 
 def build_directory() -> Path:
-    return Path(sys.prefix) / "sluice-kernels"
+    in_venv = Path(sys.prefix) / "sluice-kernels"
+    if os.access(sys.prefix, os.W_OK) or in_venv.is_dir() and os.access(in_venv, os.W_OK):
+        return in_venv
+    return Path.home() / ".cache" / "sluice" / "kernels"
+
+
+def cpu_fingerprint() -> str:
+    """A short hash of the CPU model and feature flags (Linux), "generic" elsewhere."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "generic"
+    wanted = [line for line in lines if line.startswith(("flags", "model name"))][:2]
+    return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:10]
 
 
 def enabled() -> bool:
@@ -42,28 +60,32 @@ def kernels() -> ModuleType | None:
         log.info("CPU kernels off (SLUICE_CPU_KERNELS); using plain torch ops")
         return None
     try:
-        return _load(verbose=False)
+        return _load()
     except Exception as exc:  # a missing compiler, headers, or a failed build
         log.warning("CPU kernels unavailable, using plain torch ops: %s", exc)
         return None
 
 
-def _load(verbose: bool) -> ModuleType:
+def _load() -> ModuleType:
     from torch.utils.cpp_extension import load
 
+    # The `ninja` package installs its binary beside this interpreter, which a venv's
+    # python does not put on PATH by itself; torch looks for `ninja` on PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     return load(
-        name="sluice_cpu_kernels",
+        name=f"sluice_cpu_kernels_{cpu_fingerprint()}",
         sources=[str(SOURCE)],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
-        verbose=verbose,
     )
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    _load(verbose=False)
-    print(f"CPU kernels built in {build_directory()}")
+    module = _load()
+    print(f"CPU kernels built: {module.__file__}")

@@ -8,8 +8,12 @@ def stack(tmp_path_factory):
     """One full stack (engine + frontend) on the default model, shared by a test session.
 
     A small step budget makes multi-chunk prefill happen with moderately long prompts.
+    float32: many tests compare the answers of requests sent at once, which the engine may
+    batch differently; in bfloat16 the logits are 1/8 apart near 20, so another batch's
+    summation order can swap two near-tied tokens. (`edge_url` runs the bf16 default.)
     """
-    s = Stack(str(tmp_path_factory.mktemp("stack")), "--max-num-batched-tokens", "256")
+    s = Stack(str(tmp_path_factory.mktemp("stack")), "--max-num-batched-tokens", "256",
+              "--dtype", "float32")
     yield s
     s.stop()
 
