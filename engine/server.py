@@ -8,6 +8,7 @@ the inbox, steps the model and hands outputs over, so compute overlaps with (de)
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import signal
@@ -284,6 +285,10 @@ class EngineServer:
 
 def run_engine(config: EngineConfig) -> None:
     core = build_engine(config)
+    # Everything loaded so far (torch, transformers, the tokenizer: ~400k objects) lives as
+    # long as the process; frozen, the cyclic GC stops re-walking it in the middle of steps.
+    gc.collect()
+    gc.freeze()
     server = EngineServer(core, config.request_address, config.postproc_address)
 
     def stop(signum, frame):
