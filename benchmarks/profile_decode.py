@@ -51,14 +51,16 @@ class Timer:
         self.active = False
         self.clock = clock
         self._opaque_depth = 0
+        self._inside: set[str] = set()
 
     def wrap(self, name: str, fn):
         opaque = name in self.OPAQUE
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            if not self.active or self._opaque_depth:
-                return fn(*args, **kwargs)
+            if not self.active or self._opaque_depth or name in self._inside:
+                return fn(*args, **kwargs)  # nested in a phase of the same name: counted once
+            self._inside.add(name)
             self._opaque_depth += opaque
             start = self.clock()
             try:
@@ -66,6 +68,7 @@ class Timer:
             finally:
                 self.total[name] += self.clock() - start
                 self._opaque_depth -= opaque
+                self._inside.discard(name)
 
         return timed
 
@@ -82,6 +85,7 @@ def instrument(core, timer: Timer) -> None:
     runner._sample = timer.wrap("sampling", runner._sample)
     backend.attend = timer.wrap("attention", backend.attend)
     ops = model.ops
+    ops.add_rms_norm = timer.wrap("norms", ops.add_rms_norm)  # residual add + norm
     ops.rms_norm = timer.wrap("norms", ops.rms_norm)
     ops.rope = timer.wrap("rotary", ops.rope)
     ops.silu_and_mul = timer.wrap("silu*up", ops.silu_and_mul)

@@ -8,6 +8,9 @@
 // result reproduces torch's bfloat16 op); reductions may differ from torch's in the last
 // bit of float32 because they sum in another order.
 //
+// The last section is different in kind: a linear over a GGUF checkpoint's own quantized
+// blocks, for decode batches small enough that reading the weights is the step's cost.
+//
 // Compiled with -ffp-contract=off: a fused multiply-add would skip a rounding torch does.
 
 #include <torch/extension.h>
@@ -189,6 +192,58 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   auto out = torch::empty(x.sizes(), x.options());
   dispatch(x, [&](auto tag) { rms_norm_rows<decltype(tag)>(x3, weight, out, eps); });
   return out;
+}
+
+// The residual add and the next RMSNorm in one pass: summed = round(h + delta), as torch's
+// add rounds, then normed = rms_norm(summed). Returns (normed, summed).
+template <typename T>
+void add_rms_norm_rows(const torch::Tensor& h, const torch::Tensor& delta,
+                       const torch::Tensor& weight, torch::Tensor& normed, torch::Tensor& summed,
+                       double eps) {
+  const int64_t rows = h.size(0), dim = h.size(1);
+  const T* hp = ptr<T>(h);
+  const T* dp = ptr<T>(delta);
+  const T* wp = ptr<T>(weight);
+  T* np_ = ptr<T>(normed);
+  T* sp = ptr<T>(summed);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* a = hp + r * dim;
+      const T* b = dp + r * dim;
+      T* s = sp + r * dim;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < dim; ++d) {
+        const float v = Elem<T>::round(Elem<T>::load(a[d]) + Elem<T>::load(b[d]));
+        s[d] = Elem<T>::store(v);
+        sum += v * v;
+      }
+      const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
+      T* dst = np_ + r * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) {
+        float n = Elem<T>::round(Elem<T>::load(s[d]) * scale);
+        dst[d] = Elem<T>::store(Elem<T>::load(wp[d]) * n);
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const torch::Tensor& delta,
+                                        const torch::Tensor& weight, double eps) {
+  check_cpu_float(h, "h");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && delta.is_contiguous() &&
+                  delta.sizes() == h.sizes() && delta.scalar_type() == h.scalar_type(),
+              "h and delta must be contiguous [rows, dim] tensors of one dtype");
+  TORCH_CHECK(weight.scalar_type() == h.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == h.size(1),
+              "weight must be contiguous [dim] of h's dtype");
+  auto normed = torch::empty_like(h);
+  auto summed = torch::empty_like(h);
+  dispatch(h, [&](auto tag) {
+    add_rms_norm_rows<decltype(tag)>(h, delta, weight, normed, summed, eps);
+  });
+  return {normed, summed};
 }
 
 // ---------------------------------------------------------------------------------- RoPE
@@ -745,6 +800,7 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, weight applied after rounding");
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(h + delta), h + delta) in one pass");
   m.def("rope", &rope, "Half-split rotary embedding of q and k into one [T, H + KVH, D]");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2 * width] tensor");
   m.def("pack_blocks", &pack_blocks,

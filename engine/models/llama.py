@@ -176,15 +176,23 @@ class LlamaModel:
         """Hidden states of every fed token, before the final norm: [T, hidden]."""
         h = F.embedding(input_ids, self.embed)
         rope_tables = self.ops.rope_tables(self.rope, positions)
+        eps, last = self.config.rms_norm_eps, len(self.layers) - 1
+        # x: the normed input of the next block; each residual add is fused with the norm
+        # after it (one pass over the hidden states instead of two ops).
+        x = self.ops.rms_norm(h, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            h = h + self._attention(index, layer, h, (positions, rope_tables), backend, meta)
-            h = h + self._mlp(layer, h)
-        return h
+            attn = self._attention(index, layer, x, (positions, rope_tables), backend, meta)
+            x, h = self.ops.add_rms_norm(h, attn, layer.post_attention_norm, eps)
+            mlp = self._mlp(layer, x)
+            if index == last:
+                return h + mlp
+            x, h = self.ops.add_rms_norm(h, mlp, self.layers[index + 1].input_norm, eps)
+        return h  # no layers
 
-    def _attention(self, index, layer: DecoderLayer, h, rope_at, backend, meta) -> torch.Tensor:
-        """rope_at: the step's positions and their rotary tables (see TorchOps.rope)."""
+    def _attention(self, index, layer: DecoderLayer, x, rope_at, backend, meta) -> torch.Tensor:
+        """x: the normed hidden states. rope_at: the step's positions and their rotary
+        tables (see TorchOps.rope)."""
         c = self.config
-        x = self.ops.rms_norm(h, layer.input_norm, c.rms_norm_eps)
         qkv = self.ops.linear(x, layer.qkv_weight, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)
@@ -197,8 +205,8 @@ class LlamaModel:
         o = backend.attend(index, q, k, v.contiguous(), meta)
         return self.ops.linear(o.reshape(-1, self.q_size), layer.o_weight)
 
-    def _mlp(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
-        x = self.ops.rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps)
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """x: the normed hidden states."""
         gate_up = self.ops.linear(x, layer.gate_up_weight)
         return self.ops.linear(self.ops.silu_and_mul(gate_up), layer.down_weight)
 
