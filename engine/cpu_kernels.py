@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -66,7 +68,28 @@ def kernels() -> ModuleType | None:
         return None
 
 
+# No build takes this long: a lock file this old was left by a build that was killed, and
+# torch's loader would wait for it forever.
+STALE_LOCK_S = 900
+
+
 def _load() -> ModuleType:
+    import torch  # noqa: F401  (the module links libtorch: load it first)
+
+    name = f"sluice_cpu_kernels_{cpu_fingerprint()}"
+    directory = build_directory()
+    built = directory / f"{name}.so"
+    if built.is_file() and built.stat().st_mtime >= SOURCE.stat().st_mtime:
+        # Up to date: import it directly. torch's loader would take the build lock and run
+        # ninja in every engine process that starts.
+        spec = importlib.util.spec_from_file_location(name, built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return _build(name, directory)
+
+
+def _build(name: str, directory: Path) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     # The `ninja` package installs its binary beside this interpreter, which a venv's
@@ -74,10 +97,12 @@ def _load() -> ModuleType:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
     return load(
-        name=f"sluice_cpu_kernels_{cpu_fingerprint()}",
+        name=name,
         sources=[str(SOURCE)],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
@@ -87,5 +112,5 @@ def _load() -> ModuleType:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    module = _load()
+    module = _build(f"sluice_cpu_kernels_{cpu_fingerprint()}", build_directory())
     print(f"CPU kernels built: {module.__file__}")
