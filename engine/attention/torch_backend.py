@@ -56,10 +56,11 @@ class TorchAttentionBackend:
         device: torch.device,
         kernels=None,
     ) -> None:
-        """kernels: the compiled CPU kernels module, or None for plain torch."""
+        """kernels: the compiled CPU kernels module, or None for plain torch. They take
+        float32 and bfloat16 caches; float16 stays on the torch path."""
         self.page_size = page_size
         self.device = device
-        self.kernels = kernels
+        self.kernels = kernels if dtype in (torch.float32, torch.bfloat16) else None
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

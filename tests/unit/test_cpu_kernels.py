@@ -168,6 +168,14 @@ def test_decode_attention_refuses_a_length_past_its_pages(compiled):
         compiled.decode_attention(q, k_cache, v_cache, table, torch.tensor([33]), 16, 0.25)
 
 
+def test_a_float16_cache_stays_on_the_torch_path(compiled):
+    backend = TorchAttentionBackend(1, 8, 4, 2, 16, torch.float16, torch.device("cpu"),
+                                    kernels=compiled)
+    assert backend.kernels is None
+    assert CpuKernelOps(compiled).silu_and_mul(torch.ones(2, 8, dtype=torch.float16)).dtype \
+        == torch.float16
+
+
 def test_torch_backend_decodes_alike_with_and_without_them(compiled):
     """The backend's decode step through the kernel against its gather + SDPA path, on the
     same cache contents and chunks."""
