@@ -110,11 +110,11 @@ QUANTIZED_MAX_ROWS = 4
 
 
 class CpuKernelOps(TorchOps):
-    """TorchOps with the engine's compiled CPU kernels (`engine.cpu_kernels`) for RMSNorm
-    (alone and fused with the residual add), RoPE and SiLU-and-mul: one call each instead of
-    two to eight torch ops, the same
-    roundings (tests/unit/test_cpu_kernels.py). Falls back to TorchOps for tensors the
-    kernels do not take (another device, float16)."""
+    """TorchOps with the engine's compiled CPU kernels (`engine.cpu_kernels`): RMSNorm
+    (alone and fused with the residual add), RoPE and SiLU-and-mul in one call each instead
+    of two to eight torch ops, with the same roundings (tests/unit/test_cpu_kernels.py), and
+    small-batch linears over the checkpoint's quantized blocks. Falls back to TorchOps for
+    tensors the kernels do not take (another device, float16)."""
 
     name = "torch+cpu-kernels"
 
@@ -124,10 +124,11 @@ class CpuKernelOps(TorchOps):
         self._quantized: dict[int, object] = {}  # id(weight) -> QuantizedWeight
 
     def attach_quantized(self, weight: torch.Tensor, quantized) -> None:
-        """Multiply small batches by the checkpoint's blocks (4.5 or 8.5 bits a weight, not
-        16): a decode step is bound by reading the weights. In bfloat16 the kernel rounds
-        each weight to exactly the bfloat16 value `weight` holds, so results differ from
-        the dense path only in summation order; float32 weights are exact either way."""
+        """Multiply small batches by the checkpoint's blocks (6 or 9 bits a weight once
+        repacked, not 16): a decode step is bound by reading the weights. In bfloat16 the
+        kernel rounds each weight to exactly the bfloat16 value `weight` holds, so results
+        differ from the dense path only in summation order; float32 weights are exact
+        either way."""
         if weight.device.type != "cpu":
             return
         if weight.dtype == torch.bfloat16 and not self._k.bf16_quantized:
