@@ -11,11 +11,13 @@ wall time is the time spent):
                 mapping, context slots and masks
   forward       LlamaModel.forward, split into
                   matmuls       ops.linear (qkv, o, gate_up, down)
-                  attention     backend.attend: KV write, context gather, SDPA
-                  norms         rms_norm (input, post-attention, q/k)
+                  attention     backend.attend: KV write, then the decode kernel or the
+                                context gather + SDPA
+                  norms         rms_norm and add_rms_norm (the residual add fused with
+                                the next norm where the ops have it), q/k norms
                   rotary        rope
                   silu*up       silu_and_mul
-                  rest          embedding, residual adds, views, Python between them
+                  rest          embedding, the last residual add, views, Python between them
   logits        final norm + lm_head on the sampled rows
   sampling      ModelRunner._sample: logits processors, sampling-row tensors, argmax/draw
   output        EngineCore.step's remainder: per-sequence bookkeeping, stop checks, outputs
