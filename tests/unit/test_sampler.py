@@ -45,6 +45,17 @@ def test_greedy_is_argmax():
     assert out.tolist() == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_tokens_like_argmax():
+    """bf16 logits tie often (values 1/8 apart near 20); a tie must go to the lower id, as
+    argmax does, also over the model's vocabulary and with -inf (masked) entries."""
+    logits = torch.full((3, 49152), float("-inf"))
+    logits[0, [7, 300, 49000]] = 20.0
+    logits[1] = torch.randn(49152).round()  # many exact ties at the maximum
+    out = sample(logits.clone(), rows_for([P(temperature=0.0)] * 3, vocab=49152))
+    assert out.tolist() == logits.argmax(-1).tolist()
+    assert out[0] == 7 and out[2] == 0
+
+
 def test_greedy_rows_stay_argmax_in_a_mixed_batch():
     torch.manual_seed(0)
     logits = random_logits(8)
