@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from frontend import anthropic_api, responses_api, serving
+from frontend import anthropic_api, openapi, responses_api, serving
 from frontend.anthropic_models import CountTokensRequest, MessagesRequest
 from frontend.api_models import (
     ChatCompletionRequest,
@@ -191,6 +191,7 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         Route("/tokenize", _guarded(tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(detokenize), methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi.endpoint(ctx.model_name, VERSION), methods=["GET"]),
     ]
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
