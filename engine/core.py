@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -15,6 +16,7 @@ from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from shared.param_ranges import RangeProblem, check_priority, check_sampling_params
 from shared.protocol import (
     EngineRequest,
     EngineStats,
@@ -23,6 +25,18 @@ from shared.protocol import (
     pack_ids,
     unpack_ids,
 )
+
+log = logging.getLogger("sluice.engine")
+
+# Bounds on strings the engine keeps per request (hashing and logging cost, nothing more).
+MAX_REQUEST_ID_CHARS = 1024
+MAX_CACHE_SALT_CHARS = 4096
+MAX_ADDRESS_CHARS = 1024
+
+
+def _is_result_address(address: str) -> bool:
+    return (len(address) <= MAX_ADDRESS_CHARS
+            and address.startswith(("tcp://", "ipc://", "inproc://")))
 
 
 class EngineCore:
@@ -55,6 +69,7 @@ class EngineCore:
         self.max_seqs_in_step = 0
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_failed = 0  # requests whose own part of a step raised
         self.num_preemptions = 0
         self.num_computed_tokens = 0
         self.step_time_total_s = 0.0
@@ -68,6 +83,16 @@ class EngineCore:
     # ---------------------------------------------------------------- requests in
 
     def add(self, request: EngineRequest) -> None:
+        try:
+            self._admit(request)
+        except Exception as exc:  # nothing was added yet: only this request is lost
+            log.exception("could not admit request %s", request.request_id[:200])
+            self._reject(request, 0, f"the engine could not admit this request: {exc}", 500)
+
+    def _admit(self, request: EngineRequest) -> None:
+        if len(request.prompt_token_ids) % 4:
+            self._reject(request, 0, "prompt_token_ids must be a buffer of int32 values")
+            return
         prompt = unpack_ids(request.prompt_token_ids).tolist()
         problem = self._validate(request, prompt)
         if problem is not None:
@@ -105,8 +130,15 @@ class EngineCore:
         return sorted(banned)
 
     def _validate(self, request: EngineRequest, prompt: list[int]) -> str | None:
+        """Why this request cannot run, or None. The engine trusts no frontend (a custom
+        client can speak the wire protocol): whatever could break a step is refused here,
+        per request, before it reaches a tensor."""
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            return f"request ids may have at most {MAX_REQUEST_ID_CHARS} characters"
         if request.request_id in self.sequences:
             return f"request id {request.request_id!r} is already running"
+        if not _is_result_address(request.reply_to):
+            return "reply_to must be a tcp://, ipc:// or inproc:// address"
         if not prompt:
             return "the prompt is empty"
         if len(prompt) >= self.max_model_len:
@@ -116,22 +148,21 @@ class EngineCore:
             )
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             return f"prompt token ids must lie in [0, {self.vocab_size})"
+        if request.cache_salt is not None and len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+            return f"cache_salt may have at most {MAX_CACHE_SALT_CHARS} characters"
         params = request.params
-        if params.max_tokens < 1:
-            return "max_tokens must be at least 1"
         if params.constraint is not None and self.grammar is None:
             return "structured output is not available: this engine has no grammar backend"
-        # Frontends check these too; a bad value here would index past the logits or
-        # overflow a generator and take the whole engine down, so refuse it per request.
-        if params.seed is not None and not 0 <= params.seed < 2**64:
-            return "seed must lie in [0, 2**64)"
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("stop_token_ids", params.stop_token_ids)):
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                return f"{name} token ids must lie in [0, {self.vocab_size})"
+        try:
+            # Integers off msgpack may be anything up to 2**64-1 and floats inf or NaN.
+            check_sampling_params(params, self.vocab_size)
+            check_priority(request.priority)
+        except RangeProblem as problem:
+            return problem.message
         return None
 
-    def _reject(self, request: EngineRequest, num_prompt: int, message: str) -> None:
+    def _reject(self, request: EngineRequest, num_prompt: int, message: str,
+                status: int = 400) -> None:
         output = RequestOutput(
             request_id=request.request_id,
             new_token_ids=b"",
@@ -139,7 +170,7 @@ class EngineCore:
             num_output_tokens=0,
             finish_reason="error",
             error=message,
-            error_status=400,
+            error_status=status,
         )
         self._pending.append((request.reply_to, output))
 
@@ -178,26 +209,47 @@ class EngineCore:
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
             self.scheduler.computed(seq)
-            part = result.prompt_logprobs.get(seq.request_id)
-            if part is not None:
-                seq.prompt_logprob_parts[part.start] = part
-            if not chunk.samples:
-                continue
-            token = next(sampled)
-            seq.token_ids.append(token.token)
-            if token.logprob is not None:
-                seq.cumulative_logprob += token.logprob
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if seq.grammar is not None:
-                self._advance_grammar(seq, token.token)
-            if seq.finish_reason is None:
-                self._check_stop(seq, token.token)
-            outputs.append((seq.reply_to, self._output_for(seq, token.logprobs)))
-            if seq.finish_reason is not None:
-                self._retire(seq)
+            token = next(sampled) if chunk.samples else None
+            problem = result.failed.get(seq.request_id)
+            if problem is None:
+                try:
+                    self._take_step_result(seq, result, token, now, outputs)
+                    continue
+                except Exception as exc:  # its own bookkeeping (grammar, stops) broke
+                    log.exception("request %s failed after sampling", seq.request_id)
+                    problem = f"processing its token failed: {type(exc).__name__}: {exc}"
+            self._fail_in_step(seq, problem, outputs)
         self.step_time_total_s += time.perf_counter() - started
         return outputs
+
+    def _take_step_result(self, seq: Sequence, result, token, now: float, outputs) -> None:
+        part = result.prompt_logprobs.get(seq.request_id)
+        if part is not None:
+            seq.prompt_logprob_parts[part.start] = part
+        if token is None:
+            return  # a prefill chunk short of the prompt's end
+        seq.token_ids.append(token.token)
+        if token.logprob is not None:
+            seq.cumulative_logprob += token.logprob
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.grammar is not None:
+            self._advance_grammar(seq, token.token)
+        if seq.finish_reason is None:
+            self._check_stop(seq, token.token)
+        outputs.append((seq.reply_to, self._output_for(seq, token.logprobs)))
+        if seq.finish_reason is not None:
+            self._retire(seq)
+
+    def _fail_in_step(self, seq: Sequence, problem: str, outputs) -> None:
+        """Ends one request whose part of the step raised (our fault: 500); its pages go
+        back and the rest of the batch carries on."""
+        self.num_failed += 1
+        seq.finish_reason, seq.error_status = "error", 500
+        seq.error = f"the engine could not process this request: {problem}"
+        outputs.append((seq.reply_to, self._output_for(seq)))
+        if seq.request_id in self.sequences:
+            self._retire(seq)
 
     # ---------------------------------------------------------------- grammars
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import numpy as np
 import torch
@@ -13,6 +15,8 @@ from engine.models.llama import LlamaModel
 from engine.sampler import SamplingRows, sample, token_logprobs
 from engine.scheduler import ScheduledChunk
 from shared.protocol import TokenLogprobs
+
+log = logging.getLogger("sluice.engine")
 
 
 class SampledToken(msgspec.Struct):
@@ -32,8 +36,12 @@ class PromptLogprobs(msgspec.Struct):
 
 
 class StepResult(msgspec.Struct):
-    sampled: list[SampledToken]  # one per chunk whose `samples` is True, in order
+    # One per chunk whose `samples` is True, in order; None where that request failed.
+    sampled: list[SampledToken | None]
     prompt_logprobs: dict[str, PromptLogprobs]  # by request id
+    # Requests whose own part of the step (grammar mask, logits processors, sampling,
+    # logprobs) raised, with what failed; the rest of the batch was sampled normally.
+    failed: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -47,30 +55,77 @@ class ModelRunner:
         self.backend = backend
         self.vocab_size = vocab_size
         self.device = model.device
+        self.stage = ""  # what the sampling phase ran last (see _sample)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
+        """Runs the forward pass (an exception there propagates: the KV cache can no longer
+        be trusted) and then each request's own part of the step, where an exception fails
+        only the requests that cause it (`StepResult.failed`)."""
         input_ids, positions, sample_rows = self._flatten(chunks)
         meta = self.backend.prepare(chunks)
         hidden = self.model.forward(input_ids, positions, self.backend, meta)
         seqs = [c.seq for c in chunks if c.samples]
-        # On the CPU while the device still runs the forward pass.
-        masks = _grammar_masks(seqs)
-        result = StepResult([], self._prompt_logprobs(chunks, hidden))
+        masks, mask_error = None, None
+        try:
+            # On the CPU while the device still runs the forward pass.
+            masks = _grammar_masks(seqs)
+        except Exception as exc:  # some grammar broke: found row by row below
+            mask_error = exc
+        failed: dict[str, str] = {}
+        result = StepResult([], self._prompt_logprobs(chunks, hidden, failed), failed)
         if seqs:
-            logits = self.model.logits(hidden[sample_rows])
-            result.sampled = self._sample(seqs, logits, masks)
+            result.sampled = self._sample_isolated(seqs, hidden[sample_rows], masks,
+                                                   mask_error, failed)
         return result
+
+    def _sample_isolated(self, seqs, hidden: torch.Tensor, masks: GrammarMasks | None,
+                         mask_error: Exception | None, failed: dict[str, str]
+                         ) -> list[SampledToken | None]:
+        """The batch at once, as always; only if that raises, row by row, so the requests at
+        fault fail and the others get the tokens they would have got anyway (their seeded
+        generators rewound to where this step started)."""
+        states = {i: s.generator.get_state() for i, s in enumerate(seqs)
+                  if s.generator is not None}
+        if mask_error is None:
+            try:
+                return self._sample(seqs, self.model.logits(hidden), masks)
+            except Exception as exc:
+                _reraise_device_fault(exc)
+                log.warning("batched sampling failed (%s: %s); sampling row by row",
+                            type(exc).__name__, exc)
+        else:
+            _reraise_device_fault(mask_error)
+        for i, state in states.items():
+            seqs[i].generator.set_state(state)
+        logits = self.model.logits(hidden)  # afresh: the failed attempt changed them in place
+        sampled: list[SampledToken | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                self.stage = "the grammar mask"
+                one_mask = _grammar_masks([seq])
+                sampled.append(self._sample([seq], logits[i : i + 1], one_mask)[0])
+            except Exception as exc:
+                _reraise_device_fault(exc)
+                failed[seq.request_id] = f"{self.stage} failed: {type(exc).__name__}: {exc}"
+                log.warning("request %s failed in %s: %s", seq.request_id, self.stage, exc)
+                sampled.append(None)
+        return sampled
 
     def _sample(self, seqs, logits: torch.Tensor, masks: GrammarMasks | None = None
                 ) -> list[SampledToken]:
+        # `stage` names what ran last, for the error of a request that breaks it.
+        self.stage = "the logits processors"
         process_logits(logits, seqs)
         if masks is not None:
             # Last, so nothing re-enables a token the grammar forbids; logprobs see it (O-4).
+            self.stage = "the grammar mask"
             seqs[masks.rows[0]].grammar.backend.apply_masks(logits, masks)
+        self.stage = "sampling"
         params = [s.params for s in seqs]
         rows = SamplingRows.build(params, [s.generator for s in seqs], self.vocab_size)
         tokens = sample(logits, rows)
+        self.stage = "logprobs"
         sampled = [SampledToken(t) for t in tokens.tolist()]
         wanting = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanting:
@@ -86,7 +141,8 @@ class ModelRunner:
                 )
         return sampled
 
-    def _prompt_logprobs(self, chunks, hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+    def _prompt_logprobs(self, chunks, hidden: torch.Tensor, failed: dict[str, str]
+                         ) -> dict[str, PromptLogprobs]:
         out, row = {}, 0
         for chunk in chunks:
             seq, rows = chunk.seq, slice(row, row + chunk.num_tokens)
@@ -96,14 +152,20 @@ class ModelRunner:
             last = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1)
             if n is None or seq.num_output_tokens > 0 or last <= chunk.start:
                 continue
-            count = last - chunk.start
-            logits = self.model.logits(hidden[rows][:count])
-            targets = torch.tensor(seq.token_ids[chunk.start + 1 : last + 1], device=self.device)
-            chosen, top_ids, top_lps = (t.cpu().numpy() for t in token_logprobs(logits, targets, n))
-            out[seq.request_id] = PromptLogprobs(
-                chunk.start, chosen, top_ids.astype(np.int32), top_lps
-            )
+            try:
+                out[seq.request_id] = self._chunk_prompt_logprobs(chunk, hidden[rows], last, n)
+            except Exception as exc:  # this request's own work: it fails, the step goes on
+                _reraise_device_fault(exc)
+                failed[seq.request_id] = f"prompt logprobs failed: {type(exc).__name__}: {exc}"
         return out
+
+    def _chunk_prompt_logprobs(self, chunk: ScheduledChunk, hidden: torch.Tensor, last: int,
+                               n: int) -> PromptLogprobs:
+        seq = chunk.seq
+        logits = self.model.logits(hidden[: last - chunk.start])
+        targets = torch.tensor(seq.token_ids[chunk.start + 1 : last + 1], device=self.device)
+        chosen, top_ids, top_lps = (t.cpu().numpy() for t in token_logprobs(logits, targets, n))
+        return PromptLogprobs(chunk.start, chosen, top_ids.astype(np.int32), top_lps)
 
     def _flatten(self, chunks: list[ScheduledChunk]):
         ids: list[int] = []
@@ -117,6 +179,13 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), as_tensor(sample_rows)
+
+
+def _reraise_device_fault(exc: Exception) -> None:
+    """A device fault is no request's fault and poisons every later kernel: let it take the
+    engine down (to be restarted) instead of failing requests one by one."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA error" in str(exc):
+        raise exc
 
 
 def _grammar_masks(seqs) -> GrammarMasks | None:

@@ -106,13 +106,21 @@ class OutputRouter:
                 route.history.append(output)
                 to_workers[route.worker].outputs.append(output)
         for reply_to, batch in to_frontends.items():
-            self._frontends.send(reply_to, encode(OutputBatch(batch, step_time)))
+            self._send_to_frontend(reply_to, OutputBatch(batch, step_time))
         self._send_work(to_workers, step_time)
         # A worker's requests are forgotten when it reports their last frame sent
         # (`WorkerDone`): should it die before, they replay elsewhere.
         for route in finished:
             if route.worker is None:
                 self._forget(route)
+
+    def _send_to_frontend(self, reply_to: str, batch: OutputBatch) -> None:
+        try:
+            self._frontends.send(reply_to, encode(batch))
+        except zmq.ZMQError as exc:
+            # An address zmq cannot connect to (the engine validates them, but a bad one
+            # must cost its own outputs only, never this thread).
+            log.warning("dropping outputs for %r: %s", reply_to[:200], exc)
 
     def _assign(self, route: Route, to_workers: dict[bytes, Outgoing]) -> None:
         route.assigned = True
@@ -221,7 +229,7 @@ class OutputRouter:
             to_workers[heir.routing_id].assignments.append(route.request)
             to_workers[heir.routing_id].outputs.extend(route.history)
         for reply_to, batch in to_frontends.items():
-            self._frontends.send(reply_to, encode(OutputBatch(batch, 0.0)))
+            self._send_to_frontend(reply_to, OutputBatch(batch, 0.0))
         self._send_work(to_workers, 0.0)
 
     def close(self) -> None:

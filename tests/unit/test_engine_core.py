@@ -518,7 +518,9 @@ def test_min_tokens_gates_eos(weights, free_run, min_tokens):
 
 
 def test_min_tokens_does_not_delay_length(weights, free_run):
-    r = _one(weights, max_tokens=4, min_tokens=10)
+    # min_tokens above max_tokens is refused (shared.param_ranges, as vLLM); equal, the
+    # request still ends at max_tokens.
+    r = _one(weights, max_tokens=4, min_tokens=4)
     assert r.finish_reason == "length" and r.tokens == free_run[:4]
 
 
@@ -573,6 +575,17 @@ def test_seeded_sampling_reproducible_across_batches(weights):
         ([1, 2], {"logit_bias": [(VOCAB, 5.0)]}, 256),
         ([1, 2], {"logit_bias": [(-1, 5.0)]}, 256),
         ([1, 2], {"stop_token_ids": [VOCAB], "min_tokens": 2}, 256),
+        ([1, 2], {"top_k": 2**63}, 256),
+        ([1, 2], {"max_tokens": 2**64 - 1}, 256),
+        ([1, 2], {"temperature": float("inf")}, 256),
+        ([1, 2], {"temperature": float("nan")}, 256),
+        ([1, 2], {"temperature": -1.0}, 256),
+        ([1, 2], {"top_p": 1e-45, "temperature": 1.0}, 256),
+        ([1, 2], {"repetition_penalty": 1e-45}, 256),
+        ([1, 2], {"logit_bias": [(3, float("inf"))]}, 256),
+        ([1, 2], {"logprobs": 2**63}, 256),
+        ([1, 2], {"min_tokens": 2**63}, 256),
+        ([1, 2], {"max_tokens": 4, "min_tokens": 10}, 256),
     ],
     ids=[
         "empty",
@@ -587,6 +600,17 @@ def test_seeded_sampling_reproducible_across_batches(weights):
         "logit-bias-id-equals-vocab",
         "logit-bias-id-negative",
         "stop-token-id-equals-vocab",
+        "top-k-2**63",
+        "max-tokens-uint64",
+        "temperature-inf",
+        "temperature-nan",
+        "temperature-negative",
+        "top-p-denormal",
+        "repetition-penalty-denormal",
+        "logit-bias-inf",
+        "logprobs-huge",
+        "min-tokens-huge",
+        "min-tokens-above-max-tokens",
     ],
 )
 def test_invalid_request_rejected(weights, prompt, params, max_model_len):
@@ -602,6 +626,18 @@ def test_invalid_request_rejected(weights, prompt, params, max_model_len):
     assert results["good"].finish_reason == "length" and len(results["good"].tokens) == 3
     assert_all_free(core)
     assert core.stats().num_finished == 1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("priority", 2**63), ("request_id", "r" * 2000), ("cache_salt", "s" * 5000),
+    ("prompt_token_ids", b"\x01\x02\x03"),
+])
+def test_invalid_request_fields_rejected(weights, field, value):
+    core, _ = build_core(weights)
+    core.add(msgspec.structs.replace(request("bad", [1, 2]), **{field: value}))
+    outputs = core.step()
+    assert [(o.finish_reason, o.error_status) for _, o in outputs] == [("error", 400)]
+    assert not core.has_work
 
 
 def test_rejection_is_reported_without_running_anything(weights):
