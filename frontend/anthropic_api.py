@@ -65,11 +65,14 @@ from frontend.protocol_edge import (
     frame_error,
     function_tool,
     gather,
+    renamed,
     sse,
 )
 from shared.protocol import TextFrame
 
 _json = msgspec.json.Encoder()
+# Chat fields whose checks (after translation) name them as this API does.
+_FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
 # ---------------------------------------------------------------- request -> chat request
@@ -270,7 +273,10 @@ def _message(ctx, request: MessagesRequest, message_id: str, prompt_tokens: int,
 async def create(ctx, http: Request, request: MessagesRequest) -> Response:
     hex_id = uuid.uuid4().hex
     chat = to_chat(request, hex_id)
-    job, frames = await serving.start_chat(ctx, http, chat, prefix="msg")
+    try:
+        job, frames = await serving.start_chat(ctx, http, chat, prefix="msg")
+    except APIError as exc:
+        raise renamed(exc, _FIELD_NAMES) from exc
     message_id = f"msg_{hex_id}"
     if request.stream:
         events = _stream(ctx, request, message_id, job.num_prompt_tokens, frames)
@@ -328,7 +334,7 @@ async def _stream(ctx, request: MessagesRequest, message_id: str, prompt_tokens:
 async def count_tokens(ctx, request: CountTokensRequest) -> TokenCount:
     chat = to_chat(request, uuid.uuid4().hex)
     serving.check_model(ctx, chat.model)
-    serving.check_request(chat, serving.structured_settings(ctx))
+    serving.check_request(chat, serving.structured_settings(ctx), ctx.limits)
     prompt = await chat_input(ctx, chat)
     return TokenCount(len(prompt.tokens.ids))
 

@@ -27,6 +27,8 @@ from frontend.api_models import (
 )
 from frontend.auth import AuthMiddleware
 from frontend.errors import APIError, error_response
+from frontend.input_bounds import RequestLimits, json_depth_error
+from frontend.json_depth import TooDeep, check_depth
 from frontend.limits import Admission, AdmissionMiddleware, BodyLimitMiddleware
 from frontend.metrics import metrics_registry, render
 from frontend.responses_models import InputTokensRequest, ResponsesRequest
@@ -38,14 +40,20 @@ _json = msgspec.json.Encoder()
 VERSION = "0.1.0"
 
 
-async def _decode(request: Request, body_type):
+async def _decode(request: Request, body_type, max_json_depth: int):
     body = await request.body()
     try:
+        # Before msgspec, which recurses per level (and every walk after it): a flat scan.
+        check_depth(body, max_json_depth)
         return msgspec.json.decode(body, type=body_type)
+    except TooDeep as exc:
+        raise json_depth_error(exc) from exc
     except msgspec.ValidationError as exc:
         raise APIError(400, f"Invalid request: {exc}", _param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise APIError(400, f"The request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # the scan should have stopped it; never a 500
+        raise APIError(400, "The request body nests too deeply") from exc
 
 
 _FIELD_PROBLEM = re.compile(r"Object (?:contains unknown|missing required) field `([^`]*)`")
@@ -82,6 +90,11 @@ def _guarded(handler):
 def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     registry = metrics_registry(ctx.client)
     admission = Admission(config.max_queued_requests)
+    # The checks in serving read the bounds from ctx; the body scan here reads the depth.
+    ctx.limits = limits = RequestLimits.from_config(config)
+
+    async def _decode_body(request: Request, body_type):
+        return await _decode(request, body_type, limits.max_json_depth)
 
     async def health(request: Request) -> Response:
         # 503 while draining too, so balancers stop sending before the frontend goes.
@@ -98,11 +111,11 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         return Response(_json.encode(ModelList([card])), media_type="application/json")
 
     async def chat(request: Request) -> Response:
-        body = await _decode(request, ChatCompletionRequest)
+        body = await _decode_body(request, ChatCompletionRequest)
         return await serving.chat_completion(ctx, request, body)
 
     async def completions(request: Request) -> Response:
-        body = await _decode(request, CompletionRequest)
+        body = await _decode_body(request, CompletionRequest)
         return await serving.completion(ctx, request, body)
 
     store = responses_api.ResponseStore(config.max_stored_responses)
@@ -111,11 +124,11 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         return Response(_json.encode(body), media_type="application/json")
 
     async def responses_create(request: Request) -> Response:
-        body = await _decode(request, ResponsesRequest)
+        body = await _decode_body(request, ResponsesRequest)
         return await responses_api.create(ctx, request, body, store)
 
     async def responses_input_tokens(request: Request) -> Response:
-        body = await _decode(request, InputTokensRequest)
+        body = await _decode_body(request, InputTokensRequest)
         return json_response(await responses_api.input_tokens(ctx, body, store))
 
     async def responses_compact(request: Request) -> Response:
@@ -128,23 +141,23 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         return json_response(responses_api.delete(store, request.path_params["response_id"]))
 
     async def messages(request: Request) -> Response:
-        body = await _decode(request, MessagesRequest)
+        body = await _decode_body(request, MessagesRequest)
         return await anthropic_api.create(ctx, request, body)
 
     async def messages_count_tokens(request: Request) -> Response:
-        body = await _decode(request, CountTokensRequest)
+        body = await _decode_body(request, CountTokensRequest)
         return json_response(await anthropic_api.count_tokens(ctx, body))
 
     async def messages_batches(request: Request) -> Response:
         raise anthropic_api.batches_unsupported()
 
     async def tokenize(request: Request) -> Response:
-        body = await _decode(request, TokenizeRequest)
+        body = await _decode_body(request, TokenizeRequest)
         result = await serving.tokenize(ctx, body)
         return Response(_json.encode(result), media_type="application/json")
 
     async def detokenize(request: Request) -> Response:
-        body = await _decode(request, DetokenizeRequest)
+        body = await _decode_body(request, DetokenizeRequest)
         result = await serving.detokenize(ctx, body)
         return Response(_json.encode(result), media_type="application/json")
 

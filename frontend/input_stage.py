@@ -88,11 +88,6 @@ async def _render(ctx, request: ChatCompletionRequest) -> RenderedPrompt:
 # ---------------------------------------------------------------- completions
 
 
-# Prompts in one completions request: each runs as its own engine request(s), so a batch is
-# bounded like the number of candidates.
-MAX_BATCHED_PROMPTS = 128
-
-
 async def completion_input(ctx, request: CompletionRequest) -> PromptInput:
     """The one prompt of a request that has one; a batch is a 400 here."""
     inputs = await completion_inputs(ctx, request)
@@ -103,7 +98,8 @@ async def completion_input(ctx, request: CompletionRequest) -> PromptInput:
 
 async def completion_inputs(ctx, request: CompletionRequest) -> list[PromptInput]:
     """One PromptInput per prompt: a string, token ids, or a list of either (a batch, whose
-    choices come back in prompt order, n per prompt)."""
+    choices come back in prompt order, n per prompt; its size was bounded by check_bounds,
+    --max-prompts-per-request)."""
     params = _tokenize_params(ctx, request, add_special_tokens=request.add_special_tokens)
     prompt = request.prompt if request.prompt_token_ids is None else request.prompt_token_ids
     if prompt is None:
@@ -112,8 +108,6 @@ async def completion_inputs(ctx, request: CompletionRequest) -> list[PromptInput
         return [await _completion_text(ctx, request, prompt, params)]
     if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
         return [await _passthrough(ctx, request, prompt, params, "completions")]
-    if len(prompt) > MAX_BATCHED_PROMPTS:
-        raise bad_request(f"at most {MAX_BATCHED_PROMPTS} prompts per request", "prompt")
     inputs = []
     for single in prompt:
         if isinstance(single, str):

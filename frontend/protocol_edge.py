@@ -11,6 +11,7 @@ call starts, and the open block closes when the next one opens or the output end
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -140,6 +141,17 @@ def function_tool(name: str, parameters: dict | None, description: str | None,
     if strict is not None:
         function["strict"] = strict
     return {"type": "function", "function": function}
+
+
+def renamed(error: APIError, names: dict[str, str]) -> APIError:
+    """An error about a field of the translated chat request, in the client's own names
+    (e.g. `max_completion_tokens` -> `max_output_tokens`): the checks run after translation."""
+    chat_name = error.param
+    if chat_name not in names:
+        return error
+    name = names[chat_name]
+    message = re.sub(rf"\b{re.escape(chat_name)}\b", name, error.message, count=1)
+    return APIError(error.status, message, name)
 
 
 def new_id(prefix: str) -> str:

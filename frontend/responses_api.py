@@ -42,6 +42,7 @@ from frontend.protocol_edge import (
     frame_error,
     function_tool,
     gather,
+    renamed,
     sse,
 )
 from frontend.responses_models import (
@@ -78,6 +79,8 @@ from frontend.responses_models import (
 _json = msgspec.json.Encoder()
 DEFAULT_MAX_STORED = 1000
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Chat fields whose checks (after translation) name them as this API does.
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input"}
 
 
 # ---------------------------------------------------------------- the store
@@ -431,7 +434,10 @@ async def create(ctx, http: Request, request: ResponsesRequest, store: ResponseS
     messages = conversation(request, store)
     hex_id = uuid.uuid4().hex
     chat = to_chat(request, messages, request.request_id or hex_id)
-    job, frames = await serving.start_chat(ctx, http, chat, prefix="resp")
+    try:
+        job, frames = await serving.start_chat(ctx, http, chat, prefix="resp")
+    except APIError as exc:
+        raise renamed(exc, _FIELD_NAMES) from exc
     shaper = _Shaper(_skeleton(ctx, request, f"resp_{hex_id}"), hex_id, job.num_prompt_tokens)
 
     def remember(response: ResponseObject, blocks: list[Block]) -> None:
@@ -506,6 +512,9 @@ async def input_tokens(ctx, request: InputTokensRequest, store: ResponseStore) -
         tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
         text=request.text), messages, uuid.uuid4().hex)
     serving.check_model(ctx, chat.model)
-    serving.check_request(chat, serving.structured_settings(ctx))
+    try:
+        serving.check_request(chat, serving.structured_settings(ctx), ctx.limits)
+    except APIError as exc:
+        raise renamed(exc, _FIELD_NAMES) from exc
     prompt = await chat_input(ctx, chat)
     return InputTokens(len(prompt.tokens.ids))

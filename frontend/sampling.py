@@ -2,7 +2,9 @@
 
 Defaults are pinned here, not inherited from the engine: a missing temperature or top_p
 means 1.0, completions default to 16 new tokens, chat to whatever room the context leaves.
-Every field-combination check of P-6 lives here too, so each is a 400 before any work.
+Every field-combination check of P-6 lives here too, so each is a 400 before any work, after
+the bounds on every number, count and JSON string (`frontend.input_bounds`); the sampling
+parameters a plan holds are checked against `shared.param_ranges`, the engine's own table.
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ from frontend.api_models import (
     CompletionRequest,
 )
 from frontend.errors import bad_request
+from frontend.input_bounds import RequestLimits, check_bounds
 from frontend.structured import StructuredSettings, build_constraint, check_structured
+from shared.param_ranges import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGPROBS,
+    SEED_RANGE,
+    RangeProblem,
+    check_sampling_params,
+)
 from shared.protocol import OutputParams, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-MAX_LOGPROBS = 20  # the server limit on top alternatives per token, as OpenAI's
-_SEED_RANGE = 2**64
-_BIAS_LIMIT = 100.0
 
 Request = ChatCompletionRequest | CompletionRequest
 
@@ -41,18 +48,19 @@ class Plan(msgspec.Struct, frozen=True):
 
 
 _NO_STRUCTURED_SETTINGS = StructuredSettings()
+_DEFAULT_LIMITS = RequestLimits()
 
 
-def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTURED_SETTINGS
-                  ) -> None:
-    """Combination checks that need no prompt (SPEC P-6), then unsupported fields.
+def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTURED_SETTINGS,
+                  limits: RequestLimits = _DEFAULT_LIMITS) -> None:
+    """Bounds (numbers, counts, JSON depth), combination checks that need no prompt (SPEC
+    P-6), then unsupported fields.
 
     `structured`: the server's tool-call and reasoning parsers; without them, tools (other
-    than with tool_choice "none") are refused."""
+    than with tool_choice "none") are refused. `limits`: the server's maxima per request."""
+    check_bounds(request, limits)
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if request.n < 1:
-        raise bad_request("n must be at least 1", "n")
     if request.cache_salt is not None and not request.cache_salt:
         raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
     if isinstance(request, ChatCompletionRequest):
@@ -73,8 +81,6 @@ def _check_chat(request: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if request.logprobs is not None and not isinstance(request.logprobs, bool):
         raise bad_request("logprobs must be a boolean for chat completions", "logprobs")
-    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
     if request.tool_choice not in (None, "none") and not request.tools:
         raise bad_request("tool_choice requires tools", "tool_choice")
     named = isinstance(request.tool_choice, dict)
@@ -123,7 +129,8 @@ def plan_request(
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=0 if request.top_k in (None, -1) else request.top_k,
-        seed=None if request.seed is None else request.seed % _SEED_RANGE,
+        # Any int64 seed (check_bounds), wrapped into the engine generators' [0, 2**64).
+        seed=None if request.seed is None else request.seed % SEED_RANGE,
         stop_token_ids=_stop_token_ids(request.stop_token_ids, vocab_size),
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
@@ -136,7 +143,7 @@ def plan_request(
         prompt_logprobs=prompt_logprobs,
         constraint=build_constraint(request, structured),
     )
-    _check_ranges(params)
+    _check_ranges(params, vocab_size)
     output = OutputParams(
         skip_special_tokens=request.skip_special_tokens,
         stop=_stop_strings(request.stop),
@@ -160,8 +167,6 @@ def _max_tokens(request: Request, endpoint: str, prompt_len: int, max_model_len:
         asked, field = request.max_completion_tokens, "max_completion_tokens"
     if asked is None:
         return COMPLETIONS_DEFAULT_MAX_TOKENS if endpoint == "completions" else room
-    if asked < 1:
-        raise bad_request(f"{field} must be at least 1", field)
     if asked > room:
         raise bad_request(
             f"{field}={asked} is too large: the prompt has {prompt_len} tokens and this "
@@ -185,22 +190,20 @@ def _logprobs(request: Request) -> tuple[int | None, int | None]:
 def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> list[tuple[int, float]]:
     """OpenAI's {"token id": bias} -> (id, bias) pairs, checked against the real vocabulary.
 
-    Values are clamped to [-100, 100] as vLLM does.
+    Keys were checked to be written token ids (`input_bounds`); values are clamped to
+    [-100, 100] as vLLM does.
     """
     if not bias:
         return []
     pairs = []
     for key, value in bias.items():
-        # Plain decimal digits only: int() would also take " 5", "1_0" or non-ASCII digits.
-        if not (key.isascii() and key.lstrip("-").isdigit()):
-            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
         token_id = int(key)
         if not 0 <= token_id < vocab_size:
             raise bad_request(
                 f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
                 "logit_bias",
             )
-        pairs.append((token_id, max(-_BIAS_LIMIT, min(_BIAS_LIMIT, float(value)))))
+        pairs.append((token_id, max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))))
     return pairs
 
 
@@ -225,21 +228,9 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def _check_ranges(p: SamplingParams) -> None:
-    checks = (
-        (p.temperature >= 0, "temperature", "temperature must be non-negative"),
-        (0 < p.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
-        (p.top_k >= 0, "top_k", "top_k must be -1 (disabled) or at least 1"),
-        (0 <= p.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
-        (-2 <= p.presence_penalty <= 2, "presence_penalty",
-         "presence_penalty must be in [-2, 2]"),
-        (-2 <= p.frequency_penalty <= 2, "frequency_penalty",
-         "frequency_penalty must be in [-2, 2]"),
-        (0 < p.repetition_penalty <= 2, "repetition_penalty",
-         "repetition_penalty must be in (0, 2]"),
-        (p.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),
-        (p.min_tokens <= p.max_tokens, "min_tokens", "min_tokens must not exceed max_tokens"),
-    )
-    for ok, param, message in checks:
-        if not ok:
-            raise bad_request(message, param)
+def _check_ranges(p: SamplingParams, vocab_size: int) -> None:
+    """The engine's ranges (`shared.param_ranges`), as a 400 naming the field."""
+    try:
+        check_sampling_params(p, vocab_size)
+    except RangeProblem as exc:
+        raise bad_request(exc.message, exc.field) from exc

@@ -34,6 +34,7 @@ from frontend.api_models import (
 from frontend.budgets import BudgetError, TokenizeParams
 from frontend.engine_client import EngineClient, EngineUnavailable
 from frontend.errors import APIError, bad_request, error_body
+from frontend.input_bounds import RequestLimits, check_bounds
 from frontend.input_stage import PromptInput, chat_input, completion_inputs
 from frontend.input_stage import _render as render_messages
 from frontend.sampling import Plan, check_request, plan_request
@@ -84,6 +85,7 @@ class ServingContext(msgspec.Struct):
     model_name: str
     vocab_size: int
     output: OutputSettings = OutputSettings()
+    limits: RequestLimits = RequestLimits()  # the server's maxima per request (flags)
 
 
 class Job(msgspec.Struct):
@@ -381,7 +383,7 @@ async def start_chat(
 
     Close the frames (`aclosing`) when done with them: that aborts unfinished candidates."""
     check_model(ctx, request.model)
-    check_request(request, structured_settings(ctx))
+    check_request(request, structured_settings(ctx), ctx.limits)
     prompt = await chat_input(ctx, request)
     job = build_job(ctx, request, [prompt], "chat", prefix)
     return job, _frames(ctx, http, job, await _submit(ctx, job))
@@ -442,7 +444,7 @@ def _chat_stream(ctx, request: ChatCompletionRequest, job: Job, frames):
 
 async def completion(ctx: ServingContext, http: Request, request: CompletionRequest) -> Response:
     check_model(ctx, request.model)
-    check_request(request, structured_settings(ctx))
+    check_request(request, structured_settings(ctx), ctx.limits)
     prompts = await completion_inputs(ctx, request)
     if request.echo:
         await _add_echo_texts(ctx, prompts)
@@ -506,6 +508,7 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> TokenizeRes
             chat_template_kwargs=request.chat_template_kwargs,
             tools=request.tools,
         )
+        check_bounds(chat, ctx.limits)  # message and tool counts, tool-call arguments' depth
         # The template already holds BOS, so no special tokens by default (SPEC T-4).
         text, field, add_special = (await render_messages(ctx, chat)).text, "messages", False
     if request.add_special_tokens is not None:

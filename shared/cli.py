@@ -124,6 +124,27 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may still run while new ones "
                         "get a 503; then the rest end with an error (default: 30)")
+    _add_bound_arguments(p)
+
+
+# Bounds per request (frontend.input_bounds): flag -> (FrontendConfig field, default, help).
+_BOUNDS = {
+    "--max-json-depth": ("max_json_depth", 64, "levels any JSON in a request may nest: the "
+                         "body, and JSON strings such as schemas and tool-call arguments"),
+    "--max-n": ("max_n", 128, "largest n and best_of (engine requests per prompt)"),
+    "--max-prompts-per-request": ("max_prompts_per_request", 128,
+                                  "prompts in one /v1/completions batch"),
+    "--max-messages": ("max_messages", 2048, "messages in one chat request"),
+    "--max-tools": ("max_tools", 128, "tools in one request"),
+    "--max-stop-strings": ("max_stop_strings", 64, "stop strings in one request"),
+}
+
+
+def _add_bound_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frontend bounds per request (past one: a 400 naming the field)")
+    for flag, (dest, default, what) in _BOUNDS.items():
+        g.add_argument(flag, type=int, default=default, dest=dest,
+                       help=f"{what} (default: {default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +256,7 @@ def _limit_config(args) -> dict:
         max_request_body_bytes=args.max_request_body_bytes,
         max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
+        **{dest: getattr(args, dest) for dest, _, _ in _BOUNDS.values()},
     )
 
 
@@ -243,6 +265,8 @@ def _limit_argv(args) -> list[str]:
     so they do not show up twice in the process list."""
     argv = ["--max-request-body-bytes", str(args.max_request_body_bytes),
             "--shutdown-timeout", str(args.shutdown_timeout)]
+    for flag, (dest, _, _) in _BOUNDS.items():
+        argv += [flag, str(getattr(args, dest))]
     for flag, values in (("--allowed-origins", args.allowed_origins),
                          ("--allowed-methods", args.allowed_methods),
                          ("--allowed-headers", args.allowed_headers)):

@@ -58,3 +58,10 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     max_queued_requests: int | None = None  # admitted requests not yet generating; None: no cap
     request_timeout_s: float | None = None  # from arrival to the last token; None: no limit
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may still run
+    # Bounds per request (frontend.input_bounds, docs/operations.md): JSON nesting, fan-out.
+    max_json_depth: int = 64
+    max_n: int = 128  # n and best_of
+    max_prompts_per_request: int = 128
+    max_messages: int = 2048
+    max_tools: int = 128
+    max_stop_strings: int = 64
