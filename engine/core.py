@@ -265,10 +265,14 @@ class EngineCore:
                 self._fail(seq, f"invalid grammar: {problem}", 400)
 
     def _advance_grammar(self, seq: Sequence, token: int) -> None:
-        if not seq.grammar.advance(token):
-            # The mask allows only tokens the grammar accepts, so this is our fault.
-            seq.finish_reason, seq.error_status = "error", 500
-            seq.error = f"the grammar rejected sampled token {token}: {seq.grammar.error}"
+        if seq.grammar.failed or not seq.grammar.advance(token):
+            # The client's grammar broke one of llguidance's limits while computing this
+            # step's mask (llguidance then allows only EOS) or taking the token: a 400 for
+            # this request alone, and the token, not the grammar's, is not sent.
+            seq.token_ids.pop()
+            seq.finish_reason, seq.error_status = "error", 400
+            seq.error = (f"the grammar failed after {seq.num_output_tokens} output tokens: "
+                         f"{seq.grammar.error}")
         elif seq.grammar.is_stopped and token in self.eos_token_ids:
             # Stopped by EOS. A grammar that completes on another token is not finished here:
             # its mask then allows only EOS, so the answer ends with EOS like any other "stop"

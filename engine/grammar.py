@@ -6,6 +6,10 @@ The frontend sends each constrained request's grammar already translated and val
 - `GrammarBackend` holds llguidance's view of the tokenizer (built once) and compiles a
   request's grammar into an `LLMatcher` on a worker thread, so a slow grammar never stalls the
   step loop: the request waits in the scheduler (`Sequence.awaiting_grammar`) while others run.
+  It compiles under `shared.grammar_limits` (the frontend's table: a grammar past a bound is
+  refused before llguidance sees it), on deep-stack threads, and computes the first mask
+  there too, so a grammar that fails at compile or at its first mask is a 400 before any
+  token. A matcher that fails later (a limit hit mid-answer) fails only its request.
 - Each step, `fill_masks` computes one allowed-token bitmask per constrained row (in parallel,
   on llguidance's own threads, while the device runs the forward pass) and `apply_masks` sets
   every disallowed logit to -inf before sampling, so logprobs only give mass to tokens the
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import llguidance
 import llguidance.hf
@@ -28,6 +32,7 @@ import llguidance.torch
 import msgspec
 import torch
 
+from shared.grammar_limits import DeepStackThreads, compile_matcher
 from shared.protocol import Constraint
 
 _CACHE_SIZE = 64  # compiled grammars kept for reuse (n > 1 candidates, repeated schemas)
@@ -53,11 +58,20 @@ class RequestGrammar:
         """Once compiling is done: take the matcher; returns the grammar's error, if any."""
         if self.matcher is not None or not self._future.done():
             return None
-        matcher = self._future.result()
-        if matcher.is_error():
-            return matcher.get_error()
+        try:
+            matcher = self._future.result()
+        except BaseException as exc:  # noqa: BLE001 - llguidance's panics are BaseExceptions
+            return f"llguidance failed: {type(exc).__name__}: {exc}"
+        if isinstance(matcher, str):
+            return matcher
         self.matcher = matcher
         return None
+
+    @property
+    def failed(self) -> bool:
+        """The matcher broke (a limit hit while computing its mask): llguidance then allows
+        only EOS, and that token is not the grammar's."""
+        return self.matcher is not None and self.matcher.is_error()
 
     def advance(self, token: int) -> bool:
         """Feed the sampled token; False if the grammar rejects it (the mask should prevent it)."""
@@ -101,7 +115,7 @@ class GrammarBackend:
             tokenizer, n_vocab=n_vocab, eos_token=list(eos_token_ids)
         )
         self.vocab_size = vocab_size
-        self._compiler = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar")
+        self._compiler = DeepStackThreads(compile_threads, "grammar")
         self._executor = llguidance.LLExecutor(num_threads=mask_threads)
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_lock = threading.Lock()
@@ -114,15 +128,15 @@ class GrammarBackend:
         """Starts compiling on a worker thread; the result is ready when `poll` says so."""
         return RequestGrammar(self, self._compiler.submit(self._matcher, constraint.grammar))
 
-    def _matcher(self, grammar: str) -> llguidance.LLMatcher:
+    def _matcher(self, grammar: str) -> llguidance.LLMatcher | str:
+        """A matcher ready for its first mask, or why the grammar cannot run."""
         with self._cache_lock:
             cached = self._cache.get(grammar)
             if cached is not None:
                 self._cache.move_to_end(grammar)
                 return cached.deep_copy()
-        # Never raises for a bad grammar: the matcher is in an error state instead.
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if not matcher.is_error():
+        matcher = compile_matcher(self.tokenizer, grammar)
+        if not isinstance(matcher, str):
             with self._cache_lock:
                 self._cache[grammar] = matcher.deep_copy()
                 if len(self._cache) > _CACHE_SIZE:

@@ -23,7 +23,7 @@ from frontend.api_models import (
 )
 from frontend.errors import bad_request
 from frontend.input_bounds import RequestLimits, check_bounds
-from frontend.structured import StructuredSettings, build_constraint, check_structured
+from frontend.structured import StructuredSettings, check_structured
 from shared.param_ranges import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGPROBS,
@@ -31,7 +31,7 @@ from shared.param_ranges import (
     RangeProblem,
     check_sampling_params,
 )
-from shared.protocol import OutputParams, SamplingParams
+from shared.protocol import Constraint, OutputParams, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -115,8 +115,10 @@ def plan_request(
     prompt_len: int,
     max_model_len: int,
     vocab_size: int,
-    structured: StructuredSettings = _NO_STRUCTURED_SETTINGS,
+    constraint: Constraint | None = None,
 ) -> Plan:
+    """`constraint`: the request's, checked once (`frontend.structured.constraint_for`) and
+    shared by every prompt of it."""
     max_tokens = _max_tokens(request, endpoint, prompt_len, max_model_len)
     logprobs, prompt_logprobs = _logprobs(request)
     candidates = request.n
@@ -141,7 +143,7 @@ def plan_request(
         logit_bias=logit_bias_pairs(request.logit_bias, vocab_size),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        constraint=build_constraint(request, structured),
+        constraint=constraint,
     )
     _check_ranges(params, vocab_size)
     output = OutputParams(

@@ -10,6 +10,7 @@ import uvicorn
 
 from frontend.app import build_app
 from frontend.engine_client import EngineClient
+from frontend.grammar_check import GrammarChecker, TokenizerSpec
 from frontend.limits import Admission, drain
 from frontend.metrics import process_exiting
 from frontend.rendering import TemplateSettings, load_chat_template
@@ -31,10 +32,15 @@ def _structured_settings(config: FrontendConfig, tokenizer, facts: TokenizerFact
     llg = llguidance.hf.from_tokenizer(
         tokenizer, n_vocab=facts.max_token_id + 1, eos_token=facts.eos_token_ids
     )
+    # llguidance checks requests' grammars in a worker process: a crash costs one request.
+    checker = GrammarChecker(TokenizerSpec.from_hf(
+        tokenizer, facts.max_token_id + 1, facts.eos_token_ids))
+    checker.start()
     return StructuredSettings(
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
         tokenizer=llg,
+        checker=checker,
     )
 
 

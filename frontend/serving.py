@@ -38,7 +38,7 @@ from frontend.input_bounds import RequestLimits, check_bounds
 from frontend.input_stage import PromptInput, chat_input, completion_inputs
 from frontend.input_stage import _render as render_messages
 from frontend.sampling import Plan, check_request, plan_request
-from frontend.structured import StructuredSettings
+from frontend.structured import StructuredSettings, constraint_for
 from frontend.tokenization import Tokenization
 from postproc.chunks import sse_event
 from postproc.openai_shapes import (
@@ -56,6 +56,7 @@ from postproc.reasoning import get_reasoning_parser
 from postproc.tool_parsers import ToolDelta, collect
 from shared.protocol import (
     ChunkFormat,
+    Constraint,
     EngineRequest,
     LogprobEntry,
     OutputParams,
@@ -156,13 +157,16 @@ def build_job(
     prompts: list[PromptInput],
     endpoint: str,
     prefix: str,
+    constraint: Constraint | None = None,
 ) -> Job:
+    """`constraint`: the request's grammar, checked once (`constraint_for`) for all its
+    prompts and candidates."""
     request_id = f"{prefix}-{request.request_id or uuid.uuid4().hex}"
     now = time.time()
     plans = [
         plan_request(request, endpoint=endpoint, prompt_len=len(p.tokens.ids),
                      max_model_len=max_model_len(ctx), vocab_size=ctx.vocab_size,
-                     structured=structured_settings(ctx))
+                     constraint=constraint)
         for p in prompts
     ]
     job = Job(request_id, int(now), prompts, plans[0], [], {})
@@ -385,7 +389,8 @@ async def start_chat(
     check_model(ctx, request.model)
     check_request(request, structured_settings(ctx), ctx.limits)
     prompt = await chat_input(ctx, request)
-    job = build_job(ctx, request, [prompt], "chat", prefix)
+    constraint = await constraint_for(request, structured_settings(ctx))
+    job = build_job(ctx, request, [prompt], "chat", prefix, constraint)
     return job, _frames(ctx, http, job, await _submit(ctx, job))
 
 
@@ -448,7 +453,8 @@ async def completion(ctx: ServingContext, http: Request, request: CompletionRequ
     prompts = await completion_inputs(ctx, request)
     if request.echo:
         await _add_echo_texts(ctx, prompts)
-    job = build_job(ctx, request, prompts, "completions", "cmpl")
+    constraint = await constraint_for(request, structured_settings(ctx))
+    job = build_job(ctx, request, prompts, "completions", "cmpl", constraint)
     frames = _frames(ctx, http, job, await _submit(ctx, job))
     if request.stream:
         include_usage, _ = _stream_options(request)

@@ -10,12 +10,16 @@ grammar covers the rest of the call), and strict tools under `"auto"` constrain 
 arguments once the model opens one (only when the request has no constraint of its own).
 Tool grammars are spelled by the configured tool-call parser (`--tool-call-parser`).
 
-Every grammar is validated here with llguidance (`LLMatcher.validate_grammar`), so a bad
-schema, regex or grammar is a 400 quoting llguidance's message before the engine sees it.
+Every grammar is first held to the limits of `shared.grammar_limits` (a 400 naming the field
+past one), then checked by llguidance the way the engine will run it (compiled against the
+model's tokenizer, first mask computed) in `frontend.grammar_check`'s worker processes, once
+per request: a bad schema, regex or grammar is a 400 quoting llguidance's message before the
+engine sees it, and a grammar that crashes llguidance costs only its own request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +32,14 @@ from frontend.errors import bad_request
 from postproc.reasoning import get_reasoning_parser
 from postproc.tool_parsers import ToolParser, get_tool_parser
 from postproc.tool_parsers.base import tools_by_name
+from shared.grammar_limits import (
+    MAX_GRAMMAR_CHARS,
+    MAX_REGEX_CHARS,
+    DeepStackThreads,
+    grammar_problem,
+    schema_problem,
+    validation_problem,
+)
 from shared.protocol import Constraint
 
 Request = ChatCompletionRequest | CompletionRequest
@@ -46,6 +58,9 @@ class StructuredSettings(msgspec.Struct, frozen=True):
     # llguidance's LLTokenizer for the model: validation then also checks special tokens and
     # token-level limits. None: grammar-only validation (the engine checks the rest).
     tokenizer: Any = None
+    # frontend.grammar_check.GrammarChecker: validation in worker processes. None: on a
+    # thread of this process (unit tests).
+    checker: Any = None
 
 
 class _Source(msgspec.Struct):
@@ -111,20 +126,74 @@ def _named_function(choice: Any) -> str | None:
 # ---------------------------------------------------------------- the constraint
 
 
-def build_constraint(request: Request, settings: StructuredSettings) -> Constraint | None:
-    """The request's grammar (own constraint, else forced or strict tools), validated."""
+class Translated(msgspec.Struct, frozen=True):
+    """A request's grammar before llguidance has checked it; `param` names its field."""
+
+    param: str
+    kind: str
+    grammar: str
+
+
+def translate(request: Request, settings: StructuredSettings) -> Translated | None:
+    """The request's grammar (own constraint, else forced or strict tools), held to the
+    limits but not yet checked by llguidance."""
     own = _sources(request)
     source = own[0] if own else _tool_source(request, settings)
     if source is None:
         return None
     try:
         grammar = source.build()
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         raise bad_request(f"invalid {source.param}: {exc}", source.param) from exc
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, settings.tokenizer)
-    if is_error:
-        raise bad_request(f"invalid {source.param}: {messages[0]}", source.param)
-    return Constraint(source.kind, grammar)
+    problem = grammar_problem(grammar)
+    if problem is not None:
+        raise bad_request(f"{source.param} is too large: {problem}", source.param)
+    return Translated(source.param, source.kind, grammar)
+
+
+async def constraint_for(request: Request, settings: StructuredSettings) -> Constraint | None:
+    """The request's constraint, checked by llguidance off the event loop (once per
+    request: every prompt and candidate of it shares the result)."""
+    translated = translate(request, settings)
+    if translated is None:
+        return None
+    if settings.checker is None:
+        future = _local_threads().submit(validation_problem, settings.tokenizer,
+                                          translated.grammar)
+        problem = await asyncio.wrap_future(future)
+    else:
+        from frontend.grammar_check import GrammarCheckFailed
+
+        try:
+            problem = await settings.checker.problem(translated.grammar)
+        except GrammarCheckFailed as exc:
+            problem = str(exc)
+    return _checked(translated, problem)
+
+
+def build_constraint(request: Request, settings: StructuredSettings) -> Constraint | None:
+    """`constraint_for` for callers without an event loop (tests): checked in this process."""
+    translated = translate(request, settings)
+    if translated is None:
+        return None
+    future = _local_threads().submit(validation_problem, settings.tokenizer, translated.grammar)
+    return _checked(translated, future.result())
+
+
+def _checked(translated: Translated, problem: str | None) -> Constraint:
+    if problem is not None:
+        raise bad_request(f"invalid {translated.param}: {problem}", translated.param)
+    return Constraint(translated.kind, translated.grammar)
+
+
+_threads: DeepStackThreads | None = None
+
+
+def _local_threads() -> DeepStackThreads:
+    global _threads
+    if _threads is None:
+        _threads = DeepStackThreads(1, "grammar-check")
+    return _threads
 
 
 def forced_call_prefix(request: ChatCompletionRequest, settings: StructuredSettings) -> str:
@@ -170,12 +239,27 @@ def _kinds(prefix: str, schema, regex, choice, grammar, ws) -> list[_Source]:
         out.append(_Source(prefix + "json", "json_schema",
                            lambda: _json_grammar(_schema(schema), strict=False, ws=ws)))
     if regex is not None:
-        out.append(_Source(prefix + "regex", "regex", lambda: grammar_from("regex", regex)))
+        out.append(_Source(prefix + "regex", "regex", lambda: _regex_grammar(regex)))
     if choice is not None:
         out.append(_Source(prefix + "choice", "choice", lambda: _choice_grammar(choice)))
     if grammar is not None:
-        out.append(_Source(prefix + "grammar", "grammar", lambda: grammar_from("grammar", grammar)))
+        out.append(_Source(prefix + "grammar", "grammar", lambda: _grammar(grammar)))
     return out
+
+
+def _regex_grammar(regex: str) -> str:
+    if len(regex) > MAX_REGEX_CHARS:
+        raise ValueError(f"the regex has {len(regex)} characters; at most {MAX_REGEX_CHARS} "
+                         "are allowed")
+    return grammar_from("regex", regex)
+
+
+def _grammar(text: str) -> str:
+    # Before the GBNF-to-Lark conversion, which is Python and takes time in the text's size.
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"the grammar has {len(text)} characters; at most "
+                         f"{MAX_GRAMMAR_CHARS} are allowed")
+    return grammar_from("grammar", text)
 
 
 def _response_format_source(fmt) -> _Source:
@@ -195,12 +279,18 @@ def _response_format_source(fmt) -> _Source:
 
 def _schema(value: Any) -> dict | bool:
     if isinstance(value, str):
+        if len(value) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the schema has {len(value)} characters; at most "
+                             f"{MAX_GRAMMAR_CHARS} are allowed")
         try:
             value = json.loads(value)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ValueError(f"the schema is not valid JSON ({exc})") from exc
     if not isinstance(value, dict | bool):
         raise ValueError("a JSON schema must be an object")
+    problem = schema_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
     return value
 
 
@@ -234,6 +324,7 @@ def _tool_source(request: Request, settings: StructuredSettings) -> _Source | No
     if not parser.begin_lark:
         return None  # forced calls were refused by the checks; auto stays free
     functions = tools_by_name(request.tools)
+    _check_tool_schemas(functions)
     named = _named_function(choice)
     if named is not None:
         chosen = {named: functions[named]}
@@ -245,6 +336,14 @@ def _tool_source(request: Request, settings: StructuredSettings) -> _Source | No
     if any(f.get("strict") is True for f in functions.values()):
         return _Source("tools", "tools", lambda: _strict_grammar(parser, functions))
     return None
+
+
+def _check_tool_schemas(functions: dict[str, dict]) -> None:
+    for name, function in functions.items():
+        problem = schema_problem(function.get("parameters"))
+        if problem is not None:
+            raise bad_request(f"the parameters of tool {name!r} are too large: {problem}",
+                              "tools")
 
 
 def _arguments_schema(function: dict, *, strict_only: bool) -> dict:

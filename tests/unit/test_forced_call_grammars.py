@@ -22,7 +22,7 @@ from llguidance import LLMatcher, grammar_from
 from frontend.api_models import ChatCompletionRequest
 from frontend.errors import APIError
 from frontend.sampling import check_request, plan_request
-from frontend.structured import StructuredSettings, forced_call_prefix
+from frontend.structured import StructuredSettings, build_constraint, forced_call_prefix
 from postproc.tool_parsers import get_tool_parser
 from postproc.tool_parsers.base import collect
 from shared.model_source import default_model_path
@@ -89,7 +89,8 @@ def chat(**fields) -> ChatCompletionRequest:
 def constraint(request, structured):
     check_request(request, structured)
     plan = plan_request(request, endpoint="chat", prompt_len=4, max_model_len=64,
-                        vocab_size=49152, structured=structured)
+                        vocab_size=49152,
+                        constraint=build_constraint(request, structured))
     return plan.params.constraint
 
 

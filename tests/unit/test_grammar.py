@@ -128,7 +128,8 @@ def request(request_id, prompt, constraint=None, **params):
     params.setdefault("max_tokens", 24)
     return EngineRequest(
         request_id=request_id, prompt_token_ids=pack_ids(prompt),
-        params=SamplingParams(constraint=constraint, **params), reply_to="r", arrival_time=0.0,
+        params=SamplingParams(constraint=constraint, **params), reply_to="inproc://r",
+        arrival_time=0.0,
     )
 
 

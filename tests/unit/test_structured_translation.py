@@ -11,7 +11,7 @@ from llguidance import LLMatcher
 from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.errors import APIError
 from frontend.sampling import check_request, plan_request
-from frontend.structured import StructuredSettings, forced_call_prefix
+from frontend.structured import StructuredSettings, build_constraint, forced_call_prefix
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
 
@@ -43,7 +43,7 @@ NO_PARSERS = StructuredSettings()
 def constraint(request, settings=NO_PARSERS):
     check_request(request, settings)
     plan = plan_request(request, endpoint="chat", prompt_len=4, max_model_len=64,
-                        vocab_size=49152, structured=settings)
+                        vocab_size=49152, constraint=build_constraint(request, settings))
     return plan.params.constraint
 
 
@@ -82,7 +82,7 @@ def test_vllm_fields_and_their_older_names(llt):
     completion = msgspec.convert({"prompt": "x", "guided_regex": "[0-9]"}, CompletionRequest)
     check_request(completion)
     plan = plan_request(completion, endpoint="completions", prompt_len=2, max_model_len=64,
-                        vocab_size=49152)
+                        vocab_size=49152, constraint=build_constraint(completion, NO_PARSERS))
     assert plan.params.constraint.kind == "regex"
     c = constraint(chat(guided_choice=["red", "grün"]))
     assert accepts(llt, c.grammar, "grün") and not accepts(llt, c.grammar, "blue")
