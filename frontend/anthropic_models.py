@@ -10,11 +10,16 @@ decides what is supported. `docs/anthropic-api.md` lists it all.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from shared.param_ranges import INT32_MAX
+
 # ---------------------------------------------------------------- requests
+
+# An ignored count still has a range, so no field takes an integer of any size.
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 
 
 class ContentBlock(msgspec.Struct, kw_only=True):
@@ -56,7 +61,7 @@ class ToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class Thinking(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: Count | None = None  # thinking follows the template; ignored
     display: str | None = None
 
 

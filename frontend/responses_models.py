@@ -10,11 +10,16 @@ clients send earlier output items back as input with every field they got (`stat
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from shared.param_ranges import INT32_MAX
+
 # ---------------------------------------------------------------- requests
+
+# An ignored count still has a range, so no field takes an integer of any size.
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 
 
 class InputPart(msgspec.Struct, kw_only=True):
@@ -98,7 +103,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     prompt_cache_retention: str | None = None
     prompt_cache_options: Any = None
     service_tier: str | None = None
-    max_tool_calls: int | None = None  # counts built-in tool calls; we have none
+    max_tool_calls: Count | None = None  # counts built-in tool calls; we have none
     access_programs: Any = None
     image: Any = None
     # Refused when set (UNSUPPORTED_WHEN_SET): features this server does not run.
