@@ -3,7 +3,10 @@
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first (a decode
 costs one token, an unfinished prefill continues with the next chunk), then waiting ones are
 admitted in queue order while budget, pages and `max_num_seqs` allow. A prompt longer than
-the budget is prefilled in chunks over several steps, so long prompts never stall decodes.
+the budget is prefilled in chunks over several steps. While anything else wants to run, a
+long prefill (more than `long_prefill_token_threshold` tokens left) takes at most that many
+tokens a step, and only one long prefill runs at a time, so decodes and short prompts
+always get into the next step (issue 15); alone, it takes the whole budget.
 
 Queue order is arrival (`fcfs`) or (priority, arrival) (`priority`, lower first). When pages
 run out, the running sequence that comes last in that order is preempted: its pages are
@@ -52,6 +55,33 @@ class SchedulerOutput(msgspec.Struct):
         return sum(c.num_tokens for c in self.chunks)
 
 
+def default_long_prefill_threshold(max_num_batched_tokens: int) -> int:
+    """A quarter of the step budget (128 of the default 512), measured in docs/benchmarks.md:
+    short chats behind an 8,191-token prompt get their first token in about a second."""
+    return max(1, max_num_batched_tokens // 4)
+
+
+class _LongPrefills:
+    """One step's share for long prefills (more than `cap` tokens left). With a cap, one long
+    prefill gets `cap` tokens and the others wait (in queue order, vLLM's
+    max_long_partial_prefills=1), so decodes and short prompts keep the rest of the budget
+    however many long prompts arrive; without one, everything takes what the budget allows."""
+
+    def __init__(self, cap: int | None) -> None:
+        self.cap = cap
+        self.taken = False
+
+    def take(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to schedule now (0: not this step)."""
+        n = min(seq.num_uncomputed, budget)
+        if self.cap is None or seq.num_uncomputed <= self.cap:
+            return n
+        if self.taken:
+            return 0
+        self.taken = True
+        return min(n, self.cap)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -59,12 +89,17 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         policy: str = "fcfs",
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}")
         self.allocator = allocator
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # None: a quarter of the step budget; 0: no cap (a long prompt takes the budget).
+        if long_prefill_token_threshold is None:
+            long_prefill_token_threshold = default_long_prefill_threshold(max_num_batched_tokens)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = policy
         self.waiting: list[Sequence] = []  # kept sorted by _key
         self.running: list[Sequence] = []
@@ -88,11 +123,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
+        longs = _LongPrefills(self._long_cap())
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            n = longs.take(seq, budget)
+            if n == 0:
+                i += 1  # a long prefill waits for the one this step already has
+                continue
             if not self._reserve_pages(seq, n, preempted):
                 break  # seq itself was preempted; everything after it is gone too
             self._register_pages(seq, seq.num_computed + n)
@@ -110,7 +149,13 @@ class Scheduler:
                 continue
             if seq.num_computed == 0 and not seq.pages:
                 self._take_cached_prefix(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = longs.take(seq, budget)
+            if n == 0:
+                # A long prompt while another one prefills: short ones go first. Its cached
+                # prefix stays in the prefix cache, as when pages run out below.
+                self._free_pages(seq)
+                j += 1
+                continue
             if not self._try_grow(seq, n):
                 # A waiting sequence holds no pages, or it could starve the running ones;
                 # its cached pages stay in the prefix cache for the next attempt.
@@ -126,6 +171,19 @@ class Scheduler:
             budget -= n
 
         return SchedulerOutput(chunks, preempted)
+
+    def _long_cap(self) -> int | None:
+        """The most tokens a long prefill may take this step: the threshold while anything
+        else (a decode, a short prompt) wants to run, else no cap, since then nobody waits
+        behind it and smaller chunks would only slow it down."""
+        threshold = self.long_prefill_token_threshold
+        if threshold <= 0:
+            return None
+        others = (s for s in itertools.chain(self.running, self.waiting)
+                  if not s.awaiting_grammar)
+        if any(s.num_uncomputed <= threshold for s in others):
+            return threshold
+        return None
 
     def computed(self, seq: Sequence) -> None:
         """After a step: make sure every filled full page is in the prefix cache (they were

@@ -156,7 +156,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
         ModelRunner(model, backend, model_config.vocab_size),
         allocator,
         Scheduler(allocator, config.max_num_batched_tokens, config.max_num_seqs,
-                  config.scheduling_policy),
+                  config.scheduling_policy, config.long_prefill_token_threshold),
         eos_token_ids=facts.eos_token_ids,
         max_model_len=max_model_len,
         vocab_size=model_config.vocab_size,

@@ -65,12 +65,6 @@ def check_depth(data: bytes | str, limit: int) -> None:
         raise TooDeep(_path_past(data, limit), limit)
 
 
-def loads(text: str, limit: int):
-    """`json.loads` for JSON text we parse ourselves: TooDeep past `limit` levels."""
-    check_depth(text, limit)
-    return json.loads(text)
-
-
 def _path_past(data: bytes, limit: int) -> str:
     """The path to the first container opened past `limit` levels, its first segments; ""
     when the walk would take too long (an adversarial body: the 400 then names no field)."""

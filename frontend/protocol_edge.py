@@ -126,7 +126,7 @@ def call_arguments(block: Block) -> dict[str, Any]:
     """A tool call's arguments as an object (parsers always write a JSON object)."""
     try:
         value = json.loads(block.text or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):  # model output: not JSON, or nested past recursion
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -21,6 +21,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
     scheduling_policy: str = "fcfs"
+    # Per-step cap on a long prefill while others want to run; None: max_num_batched_tokens
+    # // 4, 0: no cap (engine.scheduler).
+    long_prefill_token_threshold: int | None = None
+    # A frontend silent this long has its requests aborted (engine.server).
+    frontend_timeout_s: float = 10.0
     threads: int | None = None
     engine_id: str = "engine-0"
     # Where postproc workers connect (the engine binds a ROUTER); None = no fleet.

@@ -18,7 +18,7 @@ from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.app import _decode
 from frontend.errors import APIError
 from frontend.input_bounds import RequestLimits
-from frontend.json_depth import TooDeep, check_depth, loads, max_depth
+from frontend.json_depth import TooDeep, check_depth, max_depth
 from frontend.protocol_edge import renamed
 from frontend.sampling import check_request, plan_request
 from shared.param_ranges import INT32_MAX, INT64_MAX, INT64_MIN
@@ -134,10 +134,11 @@ def test_a_1mb_body_scans_in_milliseconds():
     assert per_body < 0.25  # about 6 ms on the development machine; generous for busy CI
 
 
-def test_loads_refuses_deep_text_before_json_recurses():
-    assert loads(nested(3), 3) == [[[1]]]
-    with pytest.raises(TooDeep):
-        loads(nested(5000), 64)  # json.loads alone: RecursionError
+def test_a_json_string_is_checked_on_its_own():
+    check_depth(nested(3), 3)
+    with pytest.raises(TooDeep) as info:
+        check_depth(nested(5000), 64)  # json.loads alone: RecursionError
+    assert info.value.path == "[0][0][0][0][0][0]"
 
 
 def test_the_body_decoder_answers_400_for_deep_json():

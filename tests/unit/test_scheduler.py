@@ -53,9 +53,12 @@ class Step(NamedTuple):
 class Sim:
     """Plays the engine around a Scheduler and checks its invariants on every step."""
 
-    def __init__(self, num_pages: int, page_size: int, budget: int, max_num_seqs: int = 64):
+    def __init__(self, num_pages: int, page_size: int, budget: int, max_num_seqs: int = 64,
+                 long_prefill_token_threshold: int = 0):
+        # No long-prefill cap unless a test asks: most tests check the plain mechanics.
         self.alloc = PageAllocator(num_pages, page_size)
-        self.sched = Scheduler(self.alloc, budget, max_num_seqs)
+        self.sched = Scheduler(self.alloc, budget, max_num_seqs,
+                               long_prefill_token_threshold=long_prefill_token_threshold)
         self.budget = budget
         self.max_num_seqs = max_num_seqs
         self.finished: list[Sequence] = []
@@ -392,3 +395,84 @@ def test_random_workload_drains_and_frees_everything(budget, num_pages, shared):
     assert not sim.sched.running and not sim.sched.waiting
     if shared:
         assert sim.alloc.prefix_hits > 0
+
+
+# --- long prefills (issue 15: a long prompt must not stall the others) ----------------------
+
+
+def test_short_prompts_arriving_behind_a_long_one_run_in_the_next_step():
+    sim = Sim(num_pages=400, page_size=4, budget=64, long_prefill_token_threshold=16)
+    long = make_seq(1000, max_tokens=2)
+    sim.add(long)
+    out = sim.step()
+    assert [(x.seq, x.num_tokens) for x in out.chunks] == [(long, 64)]  # alone: all of it
+    shorts = [make_seq(5, max_tokens=3) for _ in range(4)]
+    sim.add(*shorts)
+    out = sim.step()
+    # The long prefill keeps going, at the threshold; every short prompt is prefilled.
+    assert [(x.seq, x.num_tokens) for x in out.chunks] == [(long, 16)] + [(s, 5) for s in shorts]
+    out = sim.step()
+    # Their decodes go on next to the long prefill, which takes no more than the threshold.
+    assert [(x.seq, x.num_tokens) for x in out.chunks] == [(long, 16)] + [(s, 1) for s in shorts]
+    sim.run()
+    assert all(s.status is SequenceStatus.FINISHED for s in [long, *shorts])
+    assert sim.alloc.num_free == sim.alloc.num_pages
+
+
+def test_a_long_prompt_behind_running_decodes_gets_the_threshold():
+    sim = Sim(num_pages=400, page_size=4, budget=64, long_prefill_token_threshold=16)
+    a = make_seq(4, max_tokens=20)
+    sim.add(a)
+    sim.step()
+    long = make_seq(500, max_tokens=1)
+    sim.add(long)
+    for _ in range(3):
+        out = sim.step()
+        assert [(x.seq, x.num_tokens) for x in out.chunks] == [(a, 1), (long, 16)]
+
+
+def test_one_long_prefill_at_a_time_while_short_work_waits():
+    sim = Sim(num_pages=800, page_size=4, budget=64, long_prefill_token_threshold=16)
+    long1, long2 = make_seq(300, max_tokens=1), make_seq(300, max_tokens=1)
+    short = make_seq(5, max_tokens=4)
+    sim.add(long1, long2, short)
+    out = sim.step()
+    # long2 waits its turn rather than eat the budget the short one needs.
+    assert [(x.seq, x.num_tokens) for x in out.chunks] == [(long1, 16), (short, 5)]
+    assert long2 in sim.sched.waiting and not long2.pages
+    sim.run()
+    # Once only long prompts are left, they take the whole budget again.
+    assert max(o.num_tokens for o in sim.history) == 64
+    assert all(s.status is SequenceStatus.FINISHED for s in [long1, long2, short])
+    assert sim.alloc.num_free == sim.alloc.num_pages
+
+
+def test_the_tail_of_a_long_prompt_is_short():
+    sim = Sim(num_pages=400, page_size=4, budget=64, long_prefill_token_threshold=16)
+    long = make_seq(80, max_tokens=1)
+    sim.add(long)
+    sim.step()  # 64 of 80 alone
+    d = make_seq(3, max_tokens=5)
+    sim.add(d)
+    out = sim.step()
+    assert [(x.seq, x.num_tokens, x.samples) for x in out.chunks] == [(long, 16, True),
+                                                                     (d, 3, True)]
+
+
+@pytest.mark.parametrize("threshold", [1, 3, 16])
+def test_random_workload_with_a_threshold_drains(threshold):
+    rng = random.Random(threshold)
+    sim = Sim(num_pages=60, page_size=4, budget=24, max_num_seqs=8,
+              long_prefill_token_threshold=threshold)
+    seqs = [make_seq(rng.randint(1, 90), max_tokens=rng.randint(1, 6)) for _ in range(30)]
+    for i in range(0, 30, 3):
+        sim.add(*seqs[i : i + 3])
+        sim.step()
+    sim.run(max_steps=5000)
+    assert all(s.status is SequenceStatus.FINISHED for s in seqs)
+    assert sim.alloc.num_free == sim.alloc.num_pages
+
+
+def test_default_threshold_is_a_quarter_of_the_budget():
+    sched = Scheduler(PageAllocator(8, 4), 512, 8)
+    assert sched.long_prefill_token_threshold == 128
