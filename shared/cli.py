@@ -62,6 +62,14 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "arrival")
     g.add_argument("--max-num-seqs", type=int, default=128,
                    help="most sequences in the running batch")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="while other requests want to run, a prompt with more tokens left "
+                        "than this is prefilled at most this many tokens a step, one such "
+                        "prompt at a time (default: a quarter of --max-num-batched-tokens; "
+                        "0: no cap)")
+    g.add_argument("--frontend-timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat after which the engine aborts a "
+                        "frontend's requests (default: 10)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -213,6 +221,8 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, threads=args.threads,
         scheduling_policy=args.scheduling_policy, postproc_address=postproc_address,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        frontend_timeout_s=args.frontend_timeout,
     )
 
 
@@ -304,9 +314,11 @@ def _serve(args) -> int:
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-num-seqs", str(args.max_num_seqs),
         "--scheduling-policy", args.scheduling_policy,
+        "--frontend-timeout", str(args.frontend_timeout),
     ]
     for flag, value in (("--num-kv-pages", args.num_kv_pages),
-                        ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
+                        ("--max-model-len", args.max_model_len), ("--threads", args.threads),
+                        ("--long-prefill-token-threshold", args.long_prefill_token_threshold)):
         if value is not None:
             engine_argv += [flag, str(value)]
     if args.enforce_eager:
