@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -22,6 +23,8 @@ import msgspec
 from shared.grammar_limits import DeepStackThreads, validation_problem
 
 log = logging.getLogger("sluice.frontend")
+
+STARTUP_TIMEOUT_S = 120.0  # a fresh worker imports llguidance and builds the tokenizer
 
 
 class TokenizerSpec(msgspec.Struct, frozen=True):
@@ -48,20 +51,23 @@ class GrammarCheckFailed(Exception):
 
 class GrammarChecker:
     def __init__(self, spec: TokenizerSpec | None, *, workers: int = 1,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, check: Callable[[str], str | None] | None = None
+                 ) -> None:
+        """`check`: what a worker runs on a grammar (a module-level function; tests pass
+        one that crashes or hangs)."""
         self.spec = spec
+        self._check = check or _check
         self.workers = workers
         self.timeout_s = timeout_s
         self.num_checks = 0  # grammars checked (tests count them)
         self._pool: ProcessPoolExecutor | None = None
+        self._started = None  # the current pool's first job: done once its workers are up
         self._slots: asyncio.Semaphore | None = None
 
     def start(self) -> None:
         """Starts the workers now (each builds the tokenizer, about a second), not on the
         first grammar."""
-        pool = self._current_pool()
-        for _ in range(self.workers):
-            pool.submit(_ready)
+        self._current_pool()
 
     async def problem(self, grammar: str) -> str | None:
         """llguidance's objection to `grammar`, or None; GrammarCheckFailed if the check
@@ -73,7 +79,9 @@ class GrammarChecker:
             for attempt in range(2):
                 pool = self._current_pool()
                 try:
-                    future = asyncio.wrap_future(pool.submit(_check, grammar))
+                    # A worker's start-up is not the grammar's time.
+                    await asyncio.wait_for(asyncio.wrap_future(self._started), STARTUP_TIMEOUT_S)
+                    future = asyncio.wrap_future(pool.submit(self._check, grammar))
                     return await asyncio.wait_for(future, self.timeout_s)
                 except TimeoutError:
                     self._replace(pool)
@@ -98,6 +106,7 @@ class GrammarChecker:
             context = multiprocessing.get_context("spawn")
             self._pool = ProcessPoolExecutor(self.workers, mp_context=context,
                                              initializer=_init_worker, initargs=(self.spec,))
+            self._started = self._pool.submit(_ready)
         return self._pool
 
     def _replace(self, pool: ProcessPoolExecutor) -> None:
