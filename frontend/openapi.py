@@ -20,6 +20,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend import anthropic_models, api_models, responses_models
 from frontend.anthropic_models import CountTokensRequest, ErrorBody, MessagesRequest
 from frontend.api_models import (
     ChatCompletionRequest,
@@ -35,6 +36,18 @@ from frontend.errors import is_anthropic_path
 from frontend.responses_models import InputTokensRequest, ResponsesRequest
 
 REF = "#/components/schemas/{name}"
+# Fields known but not run here: any value but these (the default, values meaning the same,
+# and null, which means the default) is a 400, so the document says so.
+_UNSUPPORTED: dict[type, tuple[tuple[str, Any], ...]] = {
+    ChatCompletionRequest: api_models.UNSUPPORTED_WHEN_SET
+    + api_models.CHAT_UNSUPPORTED_WHEN_SET,
+    CompletionRequest: api_models.UNSUPPORTED_WHEN_SET
+    + api_models.COMPLETION_UNSUPPORTED_WHEN_SET,
+    ResponsesRequest: responses_models.UNSUPPORTED_WHEN_SET,
+    MessagesRequest: tuple((name, None) for name in anthropic_models.UNSUPPORTED_WHEN_SET),
+    CountTokensRequest: tuple((name, None) for name in anthropic_models.UNSUPPORTED_WHEN_SET),
+}
+_NEUTRAL = {**api_models.NEUTRAL_VALUES, **responses_models.NEUTRAL_VALUES}
 
 
 class Operation(NamedTuple):
@@ -90,6 +103,7 @@ def document(model_name: str, version: str) -> dict[str, Any]:
     for op in OPERATIONS:
         if op.body is not None:
             _pin_model(components[op.body.__name__], model_name)
+            _pin_unsupported(components[op.body.__name__], _UNSUPPORTED.get(op.body, ()))
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method] = _operation(op, ref_of)
@@ -149,3 +163,13 @@ def _pin_model(component: dict[str, Any], model_name: str) -> None:
     for alternative in field.get("anyOf", [field]):
         if alternative.get("type") == "string":
             alternative["enum"] = [model_name]
+
+
+def _pin_unsupported(component: dict[str, Any], fields: tuple[tuple[str, Any], ...]) -> None:
+    properties = component.get("properties", {})
+    for name, default in fields:
+        if name in properties:
+            allowed = [default, *_NEUTRAL.get(name, ()), *([] if default is None else [None])]
+            properties[name] = {"enum": allowed, "default": default,
+                                "description": "Not supported by this server: any other "
+                                               "value is a 400."}

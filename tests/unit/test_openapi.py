@@ -62,6 +62,14 @@ def test_model_is_pinned_to_the_served_name():
                                                                  "enum": [MODEL]}
 
 
+def test_unsupported_fields_admit_only_what_the_server_takes():
+    schemas = openapi.document(MODEL, "0")["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["echo"]["enum"] == [False, None]
+    assert schemas["CompletionRequest"]["properties"]["suffix"]["enum"] == [None]
+    assert schemas["ResponsesRequest"]["properties"]["background"]["enum"] == [None, False]
+    assert schemas["MessagesRequest"]["properties"]["mcp_servers"]["enum"] == [None]
+
+
 def test_errors_are_declared_in_each_apis_shape():
     paths = openapi.document(MODEL, "0")["paths"]
     openai_error = paths["/v1/completions"]["post"]["responses"]["4XX"]
