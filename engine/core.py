@@ -82,14 +82,16 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests in
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: EngineRequest, peer: bytes | None = None) -> None:
+        """`peer`: the connection it came on, so a frontend that goes silent can have its
+        requests aborted (`abort_peer`)."""
         try:
-            self._admit(request)
+            self._admit(request, peer)
         except Exception as exc:  # nothing was added yet: only this request is lost
             log.exception("could not admit request %s", request.request_id[:200])
             self._reject(request, 0, f"the engine could not admit this request: {exc}", 500)
 
-    def _admit(self, request: EngineRequest) -> None:
+    def _admit(self, request: EngineRequest, peer: bytes | None) -> None:
         if len(request.prompt_token_ids) % 4:
             self._reject(request, 0, "prompt_token_ids must be a buffer of int32 values")
             return
@@ -114,6 +116,7 @@ class EngineCore:
             min_tokens_banned=self._min_tokens_banned(params),
             cache_salt=request.cache_salt,
             priority=request.priority,
+            peer=peer,
         )
         if params.constraint is not None:
             seq.grammar = self.grammar.compile(params.constraint)
@@ -184,6 +187,16 @@ class EngineCore:
             seq.finish_reason = "abort"
             self.num_aborted += 1
             self._pending.append((seq.reply_to, self._output_for(seq)))
+
+    def abort_peer(self, peer: bytes) -> list[str]:
+        """Aborts every request that came on a connection gone silent (its frontend died or
+        froze: nobody reads the answers). Returns the result addresses no request uses now."""
+        gone = [s for s in self.sequences.values() if s.peer == peer]
+        if gone:
+            log.warning("a frontend stopped heartbeating; aborting its %d requests", len(gone))
+        self.abort([s.request_id for s in gone])
+        in_use = {s.reply_to for s in self.sequences.values()}
+        return sorted({s.reply_to for s in gone} - in_use)
 
     # ---------------------------------------------------------------- the step
 

@@ -232,6 +232,15 @@ class OutputRouter:
             self._send_to_frontend(reply_to, OutputBatch(batch, 0.0))
         self._send_work(to_workers, 0.0)
 
+    def close_frontends(self, addresses: list[str]) -> None:
+        """Closes the sockets to frontends that went silent, so outputs for them no longer
+        queue up in memory. A short linger lets the abort outputs just routed go out."""
+        for address in addresses:
+            # PushPool has no per-address close; its dict is the one place sockets live.
+            sock = self._frontends._sockets.pop(address, None)
+            if sock is not None:
+                sock.close(linger=1000)
+
     def close(self) -> None:
         self._frontends.close()
         if self._socket is not None:

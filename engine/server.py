@@ -1,7 +1,8 @@
 """The engine process: loads the model, then runs the busy loop with socket I/O on threads.
 
 Threads: one receives requests, aborts and pings (and answers pings itself, so heartbeats
-flow even during a long step); one encodes and routes outputs to postproc workers or
+flow even during a long step; a frontend connection that stops sending for
+--frontend-timeout has its requests aborted); one encodes and routes outputs to postproc workers or
 frontends (`engine.output_router`). The main thread only drains
 the inbox, steps the model and hands outputs over, so compute overlaps with (de)serialization.
 """
@@ -169,9 +170,63 @@ def build_engine(config: EngineConfig) -> EngineCore:
 # ---------------------------------------------------------------- the process
 
 
+class Submitted(msgspec.Struct):
+    """A request with the ROUTER identity of the connection it came on."""
+
+    request: EngineRequest
+    peer: bytes
+
+
+class PeerGone(msgspec.Struct):
+    """A frontend connection that stopped heartbeating: its requests are for nobody."""
+
+    peer: bytes
+
+
+class CloseResultSockets(msgspec.Struct):
+    """For the send thread: stop pushing to these frontends (after their last outputs)."""
+
+    addresses: list[str]
+
+
+class PeerWatch:
+    """Which connections heartbeat, and which went silent (the receive thread's).
+
+    Only a connection that has sent a Ping is watched: one that never pings (a bare test
+    client) cannot be told from a dead one. Any message counts as a sign of life. If this
+    thread itself did not run for a while (the engine was stopped or starved), nobody is
+    blamed for the gap: every clock restarts."""
+
+    STALL_S = 1.0  # the receive thread ticks every 0.1 s; a longer gap is our own stall
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._last_heard: dict[bytes, float] = {}
+        self._last_tick = time.monotonic()
+
+    def heard(self, peer: bytes, is_ping: bool) -> None:
+        if is_ping or peer in self._last_heard:
+            self._last_heard[peer] = time.monotonic()
+
+    def silent(self) -> list[bytes]:
+        """Connections silent past the timeout, forgotten as they are returned."""
+        now = time.monotonic()
+        gap, self._last_tick = now - self._last_tick, now
+        if gap > self.STALL_S:
+            for peer in self._last_heard:
+                self._last_heard[peer] += gap
+        if self.timeout_s <= 0:
+            return []
+        gone = [p for p, t in self._last_heard.items() if now - t > self.timeout_s]
+        for peer in gone:
+            del self._last_heard[peer]
+        return gone
+
+
 class EngineServer:
     def __init__(
-        self, core: EngineCore, request_address: str, postproc_address: str | None = None
+        self, core: EngineCore, request_address: str, postproc_address: str | None = None,
+        frontend_timeout_s: float = 10.0,
     ) -> None:
         self.core = core
         self.request_address = request_address
@@ -182,6 +237,7 @@ class EngineServer:
         self.stopping = threading.Event()
         self.latest_stats = core.stats()
         self.fleet_counts = FleetCounts()
+        self.peers = PeerWatch(frontend_timeout_s)
 
     def run(self) -> None:
         bound = threading.Event()
@@ -206,28 +262,38 @@ class EngineServer:
     def _busy_loop(self) -> None:
         core = self.core
         while not self.stopping.is_set():
-            self._drain_inbox(block=not core.has_work)
+            abandoned = self._drain_inbox(block=not core.has_work)
             if core.has_work:
                 started = time.perf_counter()
                 outputs = core.step()
                 if outputs:
                     self.outbox.put((outputs, time.perf_counter() - started))
+            if abandoned:
+                # After the abort outputs above, so whoever still listens gets them.
+                self.outbox.put(CloseResultSockets(abandoned))
             self.latest_stats = core.stats()
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool) -> list[str]:
+        """Hands every message to the core; returns the result addresses that no request
+        uses any more because their frontend went silent."""
+        abandoned: list[str] = []
         try:
             message = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
         except queue.Empty:
-            return
+            return abandoned
         while True:
-            if isinstance(message, EngineRequest):
+            if isinstance(message, Submitted):
+                self.core.add(message.request, peer=message.peer)
+            elif isinstance(message, EngineRequest):
                 self.core.add(message)
             elif isinstance(message, AbortRequest):
                 self.core.abort(message.request_ids)
+            elif isinstance(message, PeerGone):
+                abandoned.extend(self.core.abort_peer(message.peer))
             try:
                 message = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                return abandoned
 
     def _receive_loop(self, bound: threading.Event) -> None:
         sock = make_socket(self.ctx, zmq.ROUTER)
@@ -237,6 +303,8 @@ class EngineServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         while not self.stopping.is_set():
+            for peer in self.peers.silent():
+                self.inbox.put(PeerGone(peer))
             if not poller.poll(100):
                 continue
             identity, payload = sock.recv_multipart(copy=False)
@@ -245,11 +313,13 @@ class EngineServer:
             except Exception as exc:  # a bad peer must not take the engine down
                 log.warning("dropping undecodable message: %s", exc)
                 continue
+            self.peers.heard(identity.bytes, isinstance(message, Ping))
             if isinstance(message, Ping):
                 sock.send_multipart([identity, encode(self._stats())])
                 continue
             if isinstance(message, EngineRequest):
                 self.outbox.put(message)  # the router learns of it before its first output
+                message = Submitted(message, identity.bytes)
             self.inbox.put(message)
         sock.close(linger=0)
 
@@ -275,6 +345,8 @@ class EngineServer:
                     break
                 if isinstance(item, EngineRequest):
                     router.add_request(item)
+                elif isinstance(item, CloseResultSockets):
+                    router.close_frontends(item.addresses)
                 elif item:
                     router.route(*item)
                 for abort in router.poll_workers():
@@ -289,7 +361,8 @@ def run_engine(config: EngineConfig) -> None:
     # long as the process; frozen, the cyclic GC stops re-walking it in the middle of steps.
     gc.collect()
     gc.freeze()
-    server = EngineServer(core, config.request_address, config.postproc_address)
+    server = EngineServer(core, config.request_address, config.postproc_address,
+                          config.frontend_timeout_s)
 
     def stop(signum, frame):
         server.stopping.set()

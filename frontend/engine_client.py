@@ -64,6 +64,9 @@ class EngineClient:
         self.stats: EngineStats | None = None
         self._last_heard = 0.0
         self._streams: dict[str, RequestStream] = {}
+        # Requests failed because the engine went silent: if it comes back (it was frozen,
+        # not dead) it must drop them, so their aborts go out once it answers again.
+        self._orphans: set[str] = set()
         self._ctx = zmq.asyncio.Context()
         self._stopping = threading.Event()
         self._tasks: list[asyncio.Task] = []
@@ -132,6 +135,11 @@ class EngineClient:
             if isinstance(message, EngineStats):
                 self.stats = message
                 self._last_heard = time.monotonic()
+                if self._orphans:
+                    orphans, self._orphans = sorted(self._orphans), set()
+                    log.info("the engine answers again; aborting the %d requests failed "
+                             "while it was silent", len(orphans))
+                    await self._dealer.send(encode(AbortRequest(orphans)))
                 self._stats_arrived.set()
                 self._stats_arrived = asyncio.Event()
 
@@ -219,6 +227,7 @@ class EngineClient:
 
     def _fail_all(self, message: str) -> None:
         streams, self._streams = self._streams, {}
+        self._orphans.update(streams)
         for request_id, stream in streams.items():
             self.processor.discard(request_id)
             frame = TextFrame(
