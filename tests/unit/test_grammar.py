@@ -224,6 +224,26 @@ def test_an_invalid_grammar_finishes_its_request_with_a_400(weights, backend):
     assert done["free"].finish_reason == "length"
 
 
+def test_a_grammar_that_breaks_mid_answer_fails_only_its_request_with_a_400(weights, backend):
+    """A matcher that hits one of llguidance's limits at a later mask (forced here) makes
+    llguidance allow only EOS: that EOS is not the grammar's, so it is not sent, and the
+    request ends with a 400 instead of the old 'rejected sampled token' 500."""
+    core = build_core(weights, backend)
+    core.add(request("breaks", [1, 2], regex("[a-z]{40}"), max_tokens=50))
+    core.add(request("free", [1, 2], max_tokens=8))
+    for _ in range(4):
+        core.step()
+    seq = core.sequences["breaks"]
+    sent = seq.num_output_tokens
+    assert sent > 0 and not seq.grammar.matcher.consume_token(EOS)  # now in error
+    done, tokens = run(core)
+    out = done["breaks"]
+    assert out.finish_reason == "error" and out.error_status == 400
+    assert "the grammar failed after" in out.error and len(tokens.get("breaks", [])) == 0
+    assert out.num_output_tokens == sent and EOS not in seq.token_ids[seq.num_prompt_tokens:]
+    assert done["free"].finish_reason == "length" and not core.sequences
+
+
 def test_without_a_backend_constrained_requests_are_refused(weights):
     core = build_core(weights, None)
     core.add(request("c", [1, 2], regex("a")))
