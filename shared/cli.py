@@ -69,7 +69,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "0: no cap)")
     g.add_argument("--frontend-timeout", type=float, default=10.0,
                    help="seconds without a heartbeat after which the engine aborts a "
-                        "frontend's requests (default: 10)")
+                        "frontend's requests (default: 10; 0: never)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
