@@ -14,6 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -46,7 +49,12 @@ class TokenizerSpec(msgspec.Struct, frozen=True):
 
 
 class GrammarCheckFailed(Exception):
-    """The check itself did not finish: the worker crashed or ran past the timeout."""
+    """The check itself did not finish: the worker crashed or ran past the timeout (the
+    grammar's doing: a 400)."""
+
+
+class GrammarCheckUnavailable(Exception):
+    """No worker could start (the server's fault, not the grammar's: a 503)."""
 
 
 class GrammarChecker:
@@ -77,10 +85,8 @@ class GrammarChecker:
         async with self._slots:  # queued checks wait here, so the timeout is the check's own
             self.num_checks += 1
             for attempt in range(2):
-                pool = self._current_pool()
+                pool = await self._started_pool()
                 try:
-                    # A worker's start-up is not the grammar's time.
-                    await asyncio.wait_for(asyncio.wrap_future(self._started), STARTUP_TIMEOUT_S)
                     future = asyncio.wrap_future(pool.submit(self._check, grammar))
                     return await asyncio.wait_for(future, self.timeout_s)
                 except TimeoutError:
@@ -94,6 +100,17 @@ class GrammarChecker:
                         continue  # another check broke that pool; this one gets a new one
                     raise GrammarCheckFailed("the grammar crashed the grammar checker") from None
         raise AssertionError("unreachable")
+
+    async def _started_pool(self) -> ProcessPoolExecutor:
+        """The pool once its workers are up: their start-up is not the grammar's time."""
+        pool = self._current_pool()
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self._started), STARTUP_TIMEOUT_S)
+        except (TimeoutError, BrokenProcessPool) as exc:
+            self._replace(pool)
+            raise GrammarCheckUnavailable(
+                "the grammar checker could not start; try again shortly") from exc
+        return pool
 
     def close(self) -> None:
         if self._pool is not None:
@@ -131,12 +148,20 @@ _threads: DeepStackThreads | None = None
 
 def _init_worker(spec: TokenizerSpec | None) -> None:
     global _tokenizer, _threads
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     if spec is not None:
         from llguidance import LLTokenizer
 
         _tokenizer = LLTokenizer(spec.tokenizer_json, n_vocab=spec.n_vocab,
                                  eos_token=spec.eos_token_ids)
     _threads = DeepStackThreads(1, "grammar-check")
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A frontend killed outright (SIGKILL) cannot stop its workers; they stop themselves."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _ready() -> None:

@@ -28,7 +28,7 @@ import msgspec
 from llguidance import LLMatcher, grammar_from
 
 from frontend.api_models import ChatCompletionRequest, CompletionRequest
-from frontend.errors import bad_request
+from frontend.errors import APIError, bad_request
 from postproc.reasoning import get_reasoning_parser
 from postproc.tool_parsers import ToolParser, get_tool_parser
 from postproc.tool_parsers.base import tools_by_name
@@ -162,12 +162,14 @@ async def constraint_for(request: Request, settings: StructuredSettings) -> Cons
                                           translated.grammar)
         problem = await asyncio.wrap_future(future)
     else:
-        from frontend.grammar_check import GrammarCheckFailed
+        from frontend.grammar_check import GrammarCheckFailed, GrammarCheckUnavailable
 
         try:
             problem = await settings.checker.problem(translated.grammar)
         except GrammarCheckFailed as exc:
             problem = str(exc)
+        except GrammarCheckUnavailable as exc:
+            raise APIError(503, str(exc)) from exc
     return _checked(translated, problem)
 
 
