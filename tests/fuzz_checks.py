@@ -123,9 +123,10 @@ def stack_problems(stack: Stack, pids: list[int], idle_within_s: float = 30) -> 
 
 
 # The issue's configuration; a short context bounds what any accepted request can cost (every
-# field is still fuzzed in full), and the timeout turns a request that runs away into a 504.
+# field is still fuzzed in full: a null max_tokens runs to the context's end), and the timeout
+# turns a request that runs away into a 504, well past what ~100 tokens take on a busy host.
 STACK_ARGS = ("--postproc-workers", "2", "--tool-call-parser", "hermes",
-              "--max-model-len", "256", "--request-timeout", "30")
+              "--max-model-len", "128", "--request-timeout", "60")
 
 # Boundary values (issue 15 item 3): where int32, int64, uint64 and float32 end, and past.
 BOUNDARY_INTS = (0, -1, 1, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, 2**63, -(2**63) - 1,

@@ -48,7 +48,7 @@ from schemathesis.generation.hypothesis.builder import (  # noqa: E402
 pytestmark = pytest.mark.slow
 
 EXAMPLES = int(os.environ.get("SLUICE_FUZZ_EXAMPLES", "25"))  # per operation and mode
-REQUEST_TIMEOUT_S = 60
+REQUEST_TIMEOUT_S = 120  # past the stack's own --request-timeout
 # The field that bounds the output of each generating route, and the default we give it.
 OUTPUT_LENGTH = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
                  "/v1/completions": ("max_tokens",), "/v1/responses": ("max_output_tokens",)}
