@@ -88,7 +88,7 @@ def test_api_keys(limited):
     assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
     assert httpx.get(f"{url}/v1/models", headers={"x-api-key": KEYS[1]}).status_code == 200
     _error_shape(httpx.post(f"{url}/tokenize", json={"prompt": "hi"}), 401)
-    for open_path in ("/health", "/metrics", "/version"):
+    for open_path in ("/health", "/metrics", "/version", "/openapi.json"):
         assert httpx.get(f"{url}{open_path}").status_code == 200
     # The official client sends the key as a bearer token.
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[1], max_retries=0)
