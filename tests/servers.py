@@ -41,6 +41,16 @@ class Proc:
         self._log.close()
 
 
+def wait_until(condition, timeout: float, what: str) -> None:
+    """Polls `condition` until it holds; fails the test naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def wait_healthy(base_url: str, procs: list[Proc], timeout: float = STARTUP_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from shared.transport import free_tcp_port
-from tests.servers import Proc, metrics, start_frontend, wait_healthy
+from tests.servers import Proc, metrics, start_frontend, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow  # starts its own engine (twice) and frontends
 
@@ -77,14 +77,6 @@ def _plain(url: str, out: dict, key) -> None:
         out[key] = (0, repr(exc))
 
 
-def _wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def _error_shape(body: dict, status: int) -> None:
     assert set(body) == {"error"}, body
@@ -101,8 +93,9 @@ def test_engine_killed_under_load_fails_requests_then_recovers(faults):
     for t in threads:
         t.start()
     # Every request is generating: the streams have tokens, the engine runs all six.
-    _wait(lambda: all(len(out.get((u, "s", i), [])) >= 2 for u in faults.urls for i in range(2))
-          and metrics(faults.urls[0])["sluice:num_requests_running"] == 6, 120, "the load")
+    wait_until(lambda: all(len(out.get((u, "s", i), [])) >= 2
+                           for u in faults.urls for i in range(2))
+               and metrics(faults.urls[0])["sluice:num_requests_running"] == 6, 120, "the load")
 
     faults.engines[-1].popen.kill()  # SIGKILL: no goodbye on any socket
     killed = time.monotonic()
@@ -161,10 +154,10 @@ def test_sigterm_drains_a_running_stream(faults):
 
     t = threading.Thread(target=stream)
     t.start()
-    _wait(lambda: len(out.get("events", [])) >= 2, 120, "the first tokens")
+    wait_until(lambda: len(out.get("events", [])) >= 2, 120, "the first tokens")
     proc.popen.send_signal(signal.SIGTERM)
     # Draining: probes and new requests get 503 while the stream goes on.
-    _wait(lambda: httpx.get(f"{url}/health").status_code == 503, 10, "health 503")
+    wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, 10, "health 503")
     r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and "Retry-After" in r.headers
     _error_shape(r.json(), 503)
@@ -185,9 +178,9 @@ def test_disconnect_of_a_plain_request_frees_its_pages(faults):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
-        _wait(lambda: metrics(url)["sluice:num_requests_running"] == 1, 60, "the request")
+        wait_until(lambda: metrics(url)["sluice:num_requests_running"] == 1, 60, "the request")
     # The socket is closed; the frontend notices and aborts the request in the engine.
-    _wait(lambda: metrics(url)["sluice:requests_aborted_total"]
+    wait_until(lambda: metrics(url)["sluice:requests_aborted_total"]
           == before["sluice:requests_aborted_total"] + 1, 30, "the abort")
     now = metrics(url)
     assert now["sluice:num_requests_running"] == 0

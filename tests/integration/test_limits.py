@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from shared.transport import free_tcp_port
-from tests.servers import Proc, metrics, start_frontend, wait_healthy
+from tests.servers import Proc, metrics, start_frontend, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow  # starts its own engine and frontends
 
@@ -68,14 +68,6 @@ def _error_shape(r: httpx.Response, status: int) -> dict:
     assert body["error"]["code"] == status
     return body["error"]
 
-
-def _wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_api_keys(limited):
@@ -157,12 +149,12 @@ def test_queue_cap_answers_503_with_retry_after(limited):
     runner = threading.Thread(target=long_stream)
     runner.start()
     try:
-        _wait(lambda: out.get("long_started"), 120, "the long stream")
+        wait_until(lambda: out.get("long_started"), 120, "the long stream")
         # The engine runs one sequence, so these two wait without a token: the queue is full.
         waiting = [threading.Thread(target=short, args=(i,)) for i in range(2)]
         for t in waiting:
             t.start()
-        _wait(lambda: metrics(url)["sluice:frontend_queued_requests"] == 2, 60, "two queued")
+        wait_until(lambda: metrics(url)["sluice:frontend_queued_requests"] == 2, 60, "two queued")
         r = httpx.post(f"{url}/v1/completions", json=SHORT, headers=AUTH, timeout=30)
         _error_shape(r, 503)
         assert r.headers["retry-after"] == "1"
@@ -191,7 +183,7 @@ def test_request_timeout_ends_and_aborts(limited):
     r = httpx.post(f"{url}/v1/completions", json=LONG, timeout=120)
     _error_shape(r, 504)
     # Both were aborted in the engine, which holds no pages for them any more.
-    _wait(lambda: metrics(url)["sluice:requests_aborted_total"]
+    wait_until(lambda: metrics(url)["sluice:requests_aborted_total"]
           == before["sluice:requests_aborted_total"] + 2, 30, "the aborts")
     now = metrics(url)
     assert now["sluice:kv_cache_free_pages"] == now["sluice:kv_cache_total_pages"]

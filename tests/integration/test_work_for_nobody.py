@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from shared.transport import free_tcp_port
 from tests.engine_client import engine_stats
-from tests.servers import Proc, start_frontend, wait_healthy
+from tests.servers import Proc, start_frontend, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow  # an engine and frontends of its own, and a few freezes
 
@@ -57,14 +56,6 @@ def _start_load(url: str, n: int) -> list[threading.Thread]:
     return threads
 
 
-def _wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def _idle(address: str) -> bool:
     s = engine_stats(address)
@@ -78,9 +69,9 @@ def test_engine_aborts_requests_of_a_frozen_frontend(engine):
     try:
         before = engine_stats(address).num_aborted
         _start_load(url, 3)
-        _wait(lambda: engine_stats(address).num_running == 3, 120, "the load")
+        wait_until(lambda: engine_stats(address).num_running == 3, 120, "the load")
         os.kill(frontend.popen.pid, signal.SIGSTOP)  # heartbeats stop, the socket stays open
-        _wait(lambda: _idle(address), 60, "the engine to drop the frozen frontend's work")
+        wait_until(lambda: _idle(address), 60, "the engine to drop the frozen frontend's work")
         assert engine_stats(address).num_aborted - before == 3
         assert proc.popen.poll() is None
     finally:
@@ -94,9 +85,9 @@ def test_engine_aborts_requests_of_a_killed_frontend(engine):
     try:
         before = engine_stats(address).num_aborted
         _start_load(url, 2)
-        _wait(lambda: engine_stats(address).num_running == 2, 120, "the load")
+        wait_until(lambda: engine_stats(address).num_running == 2, 120, "the load")
         os.killpg(frontend.popen.pid, signal.SIGKILL)
-        _wait(lambda: _idle(address), 60, "the engine to drop the dead frontend's work")
+        wait_until(lambda: _idle(address), 60, "the engine to drop the dead frontend's work")
         assert engine_stats(address).num_aborted - before == 2
     finally:
         frontend.stop()
@@ -108,14 +99,14 @@ def test_resumed_engine_drops_requests_its_frontend_gave_up_on(engine):
     try:
         before = engine_stats(address)
         threads = _start_load(url, 3)
-        _wait(lambda: engine_stats(address).num_running == 3, 120, "the load")
+        wait_until(lambda: engine_stats(address).num_running == 3, 120, "the load")
         os.kill(proc.popen.pid, signal.SIGSTOP)
         # Past the frontend's engine timeout (5 s): it fails the three with 503s.
         for t in threads:
             t.join(timeout=30)
         assert not any(t.is_alive() for t in threads)
         os.kill(proc.popen.pid, signal.SIGCONT)
-        _wait(lambda: _idle(address), 60, "the resumed engine to drop the requests")
+        wait_until(lambda: _idle(address), 60, "the resumed engine to drop the requests")
         after = engine_stats(address)
         assert after.num_aborted - before.num_aborted == 3
         assert after.num_finished == before.num_finished
