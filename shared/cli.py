@@ -30,6 +30,15 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="the name clients use in 'model' (default: derived from --model)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
+    p.add_argument("--config", metavar="YAML",
+                   help="flags from a YAML file, as vLLM's: `max_model_len: 2048`, `enforce_eager: "
+                        "true`; flags on the command line win (underscores and dashes in flag "
+                        "names are the same everywhere)")
+
+
+def _add_model_tag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM's `vllm serve MODEL`: the same as --model")
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +47,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights, activations and KV cache; auto = bfloat16 on CUDA and on CPUs "
                         "with native bf16 matmul (AMX, AVX512-BF16), else float32")
-    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    g.add_argument("--device", default="auto",
+                   help="torch device: auto (cuda when torch sees a GPU, else cpu), cpu, "
+                        "cuda or cuda:N (default: auto)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "flashinfer"],
                    help="auto = flashinfer on CUDA when installed and the dtype is 16-bit, "
@@ -163,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve", help="engine + frontend (+ postproc workers) on this machine (over ipc)")
+    _add_model_tag(serve)
     _add_model_arguments(serve)
     _add_engine_arguments(serve)
     _add_frontend_arguments(serve)
@@ -171,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "post-processes on its receiver thread)")
 
     engine = sub.add_parser("engine", help="run the engine alone")
+    _add_model_tag(engine)
     _add_model_arguments(engine)
     _add_engine_arguments(engine)
     engine.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
@@ -204,6 +217,93 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_device(name: str) -> str:
+    """`auto`: cuda when torch sees a GPU, else cpu; anything else as given."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """vLLM's spellings of a command line: `--max_model_len` as `--max-model-len`, and
+    `--config FILE` (a YAML mapping of flag names to values, as vLLM's) expanded in place,
+    before the flags given on the line, so those win."""
+    out: list[str] = []
+    for arg in argv:
+        if arg.startswith("--") and arg != "--":
+            name, eq, value = arg[2:].partition("=")
+            arg = "--" + name.replace("_", "-") + eq + value
+        out.append(arg)
+    for i, arg in enumerate(out):
+        if arg == "--config" or arg.startswith("--config="):
+            if arg == "--config":
+                if i + 1 >= len(out):
+                    raise SystemExit("sluice: --config needs a YAML file")
+                path, rest = out[i + 1], out[i + 2:]
+            else:
+                path, rest = arg.split("=", 1)[1], out[i + 1:]
+            head = out[:i]
+            # The config's flags go right after the subcommand, so the line's own win.
+            cut = 1 if head and not head[0].startswith("-") else 0
+            return normalize_argv([*head[:cut], *config_file_argv(path), *head[cut:], *rest])
+    return out
+
+
+def config_file_argv(path: str) -> list[str]:
+    """The flags a `--config` YAML file stands for: `key: value` is `--key value`, `key: true`
+    is `--key`, `key: false` is left out, a list gives `--key=item` for each item (the flags
+    that take several values all add them up)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise SystemExit(f"sluice: --config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise SystemExit(f"sluice: --config {path}: not YAML: {e}") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise SystemExit(f"sluice: --config {path}: must map flag names to values")
+    argv: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--config":
+            raise SystemExit(f"sluice: --config {path}: a config file cannot name another")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):  # one flag per item: a MODEL after it stays positional
+            for item in value:
+                argv.append(f"{flag}={item}")
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _apply_model_tag(parser: argparse.ArgumentParser, args) -> None:
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        parser.error(f"the model is given twice: {tag!r} and --model {args.model!r}")
+    args.model = tag
+
+
+def parse_args(argv: list[str]):
+    """Parse a command line the way `main` does: vLLM spellings, --config, positional MODEL."""
+    parser = build_parser()
+    args = parser.parse_args(normalize_argv(argv))
+    _apply_model_tag(parser, args)
+    return args
+
+
 def _model_names(args) -> tuple[str, str]:
     from shared.model_source import resolve_model_path, served_model_name
 
@@ -215,7 +315,8 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
     path, name = _model_names(args)
     return EngineConfig(
         model=path, served_model_name=name, request_address=address, dtype=args.dtype,
-        device=args.device, attention_backend=args.attention_backend, page_size=args.page_size,
+        device=resolve_device(args.device), attention_backend=args.attention_backend,
+        page_size=args.page_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_pages=args.num_kv_pages,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -391,7 +492,7 @@ def _stop(children: list[subprocess.Popen], timeout_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command == "bench":
         from shared.bench import run_bench
 

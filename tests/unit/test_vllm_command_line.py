@@ -1,0 +1,105 @@
+"""vLLM's command line (issue 19): positional MODEL, `--config` YAML, underscore spellings,
+`--device auto`."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared import cli
+
+
+def test_positional_model_on_serve_and_engine():
+    for command in ("serve", "engine"):
+        args = cli.parse_args([command, "/models/a.gguf", "--max-num-seqs", "4"])
+        assert args.model == "/models/a.gguf" and args.max_num_seqs == 4
+
+
+def test_positional_and_flag_must_agree(capsys):
+    assert cli.parse_args(["serve", "m", "--model", "m"]).model == "m"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "a", "--model", "b"])
+    assert "given twice" in capsys.readouterr().err
+
+
+def test_underscores_and_dashes_are_the_same():
+    args = cli.parse_args(["serve", "--max_model_len", "2048", "--max_num_seqs=3",
+                           "--enforce_eager", "--chat-template", "a_b"])
+    assert args.max_model_len == 2048 and args.max_num_seqs == 3 and args.enforce_eager
+    assert args.chat_template == "a_b"  # values keep their underscores
+
+
+def test_config_yaml_supplies_flags_and_the_line_wins(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model: /m.gguf\nmax_model_len: 1024\nmax-num-seqs: 8\n"
+                      "enforce_eager: true\ntrust_request_chat_template: false\n"
+                      "allowed_origins: [https://a.example, https://b.example]\n")
+    args = cli.parse_args(["serve", "--config", str(config), "--max-num-seqs", "2"])
+    assert args.model == "/m.gguf" and args.max_model_len == 1024
+    assert args.max_num_seqs == 2 and args.enforce_eager
+    assert not args.trust_request_chat_template
+    assert args.allowed_origins == ["https://a.example", "https://b.example"]
+    config.write_text("allowed_origins: [https://a.example, https://b.example]\n")
+    args = cli.parse_args(["frontend", f"--config={config}", "--port", "9"])
+    assert args.allowed_origins == ["https://a.example", "https://b.example"]
+    assert args.port == 9
+    config.write_text("model: /m.gguf\nmax_num_seqs: 8\n")
+    with pytest.raises(SystemExit):  # the file's --model and the positional disagree
+        cli.parse_args(["engine", f"--config={config}", "/other.gguf"])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- a\n- b\n", "must map flag names"),
+    ("a: [\n", "not YAML"),
+    ("config: x.yaml\n", "cannot name another"),
+])
+def test_bad_config_files_fail_naming_the_file(tmp_path, text, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    with pytest.raises(SystemExit, match=message):
+        cli.parse_args(["serve", "--config", str(config)])
+
+
+def test_missing_config_file_and_unknown_keys_fail(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="No such file"):
+        cli.parse_args(["serve", "--config", str(tmp_path / "none.yaml")])
+    with pytest.raises(SystemExit, match="needs a YAML file"):
+        cli.parse_args(["serve", "--config"])
+    config = tmp_path / "c.yaml"
+    config.write_text("no_such_flag: 1\n")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--config", str(config)])
+    assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_empty_config_file_changes_nothing(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("")
+    assert cli.parse_args(["serve", "--config", str(config)]).max_num_seqs == 128
+
+
+def test_device_defaults_to_auto(monkeypatch):
+    args = cli.parse_args(["engine"])
+    assert args.device == "auto"
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.resolve_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.resolve_device("auto") == "cuda"
+    assert cli.resolve_device("cpu") == "cpu" and cli.resolve_device("cuda:1") == "cuda:1"
+
+
+def test_serve_forwards_the_positional_model_and_auto_device(monkeypatch):
+    started = []
+
+    class Child:
+        def __init__(self, argv):
+            started.append(argv)
+
+    monkeypatch.setattr(cli.subprocess, "Popen", Child)
+    monkeypatch.setattr(cli, "_supervise", lambda *a, **k: 0)
+    monkeypatch.setattr(cli, "prepare_prometheus_dir", lambda: None)
+    cli._serve(cli.parse_args(["serve", "/m.gguf"]))
+    engine_argv = started[0]
+    assert engine_argv[engine_argv.index("--model") + 1] == "/m.gguf"
+    assert engine_argv[engine_argv.index("--device") + 1] == "auto"
