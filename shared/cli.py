@@ -86,7 +86,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("frontend")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"),
+                   help="address the HTTP server binds (default: $SLUICE_HOST, else "
+                        "127.0.0.1; the images set SLUICE_HOST=0.0.0.0)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--tokenizer-threads", type=int, default=4,
                    help="threads that render and tokenize requests")

@@ -552,13 +552,20 @@ def test_dockerfile_installs_what_the_makefile_does(path):
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
-def test_dockerfile_entrypoint_is_sluice_and_default_command_parses(path):
+def test_dockerfile_entrypoint_is_sluice_and_default_command_parses(path, monkeypatch):
     [entrypoint] = instructions(path, "ENTRYPOINT")
     assert entrypoint.json and entrypoint.value == ("sluice",)
     [cmd] = instructions(path, "CMD")
     assert cmd.json
-    args = build_parser().parse_args(list(cmd.value))
-    assert args.command == "serve" and args.host == "0.0.0.0"
+    # The defaults live in ENV, not CMD, so a CMD override (`serve MODEL`) keeps them.
+    env = {c.value[i]: c.value[i + 1]
+           for c in instructions(path, "ENV") for i in range(0, len(c.value), 2)}
+    assert env["SLUICE_HOST"] == "0.0.0.0"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for argv in (list(cmd.value), ["serve", "/models/other.gguf"]):
+        args = build_parser().parse_args(argv)
+        assert args.command == "serve" and args.host == "0.0.0.0" and args.device == "auto"
     [user] = instructions(path, "USER")
     assert user.value[0].split(":")[0].isdigit(), "numeric USER, for runAsNonRoot"
     assert user.value[0].split(":")[0] == "10001"
