@@ -34,6 +34,62 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="flags from a YAML file, as vLLM's: `max_model_len: 2048`, `enforce_eager: "
                         "true`; flags on the command line win (underscores and dashes in flag "
                         "names are the same everywhere)")
+    _add_vllm_compat_arguments(p)
+
+
+# vLLM flags that change nothing here: accepted, with one log line saying so.
+# flag -> why it changes nothing.
+VLLM_NOOP_FLAGS = {
+    "--trust-remote-code": "sluice runs its own model code; no code from the model is loaded",
+    "--enable-auto-tool-choice": "tool_choice auto works whenever --tool-call-parser is set",
+    "--disable-log-stats": "the engine logs no periodic stats to disable",
+    "--disable-log-requests": "requests are not logged one by one",
+    "--disable-frontend-multiprocessing": "the frontend is always its own process",
+    "--disable-fastapi-docs": "there are no /docs pages to disable",
+}
+
+# vLLM flags for features sluice does not have: flag -> (type, the value that asks for
+# nothing, what is missing). Any other value stops the process at start, naming the flag.
+VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
+    "--tensor-parallel-size": (int, 1, "tensor parallelism (one engine runs on one device; "
+                               "run several engines instead)"),
+    "--pipeline-parallel-size": (int, 1, "pipeline parallelism (one engine runs on one "
+                                 "device)"),
+    "--data-parallel-size": (int, 1, "data parallelism inside one process (start several "
+                             "engines and point every frontend at all of them)"),
+    "--quantization": (str, None, "quantization methods (awq, gptq, fp8, ...): weights load "
+                       "as GGUF or safetensors and compute in --dtype"),
+    "--speculative-config": (str, None, "speculative decoding"),
+    "--enable-lora": (bool, False, "LoRA adapters"),
+    "--kv-cache-dtype": (str, "auto", "a KV cache dtype other than --dtype's"),
+    "--cpu-offload-gb": (float, 0.0, "offloading weights to CPU memory"),
+}
+_SHORT_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
+                "--data-parallel-size": "-dp", "--quantization": "-q"}
+
+
+def _add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM flags that change nothing here (accepted and logged) or "
+                             "ask for what sluice lacks (the process stops at start)")
+    for flag, why in VLLM_NOOP_FLAGS.items():
+        g.add_argument(flag, action="store_true", help=f"no-op: {why}")
+    for flag, (kind, default, missing) in VLLM_UNSUPPORTED_FLAGS.items():
+        names = [flag, *([_SHORT_FLAGS[flag]] if flag in _SHORT_FLAGS else [])]
+        if kind is bool:
+            g.add_argument(*names, action="store_true", help=f"not supported: {missing}")
+        else:
+            g.add_argument(*names, type=kind, default=default,
+                           help=f"only {default!r} (not supported: {missing})")
+
+
+def vllm_compat_notes(parser: argparse.ArgumentParser, args) -> list[str]:
+    """Stop on a vLLM flag asking for a missing feature; the log lines for no-op flags."""
+    for flag, (_, default, missing) in VLLM_UNSUPPORTED_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), default)
+        if value != default:
+            parser.error(f"{flag} {value}: sluice has no {missing}")
+    return [f"{flag} changes nothing here: {why}" for flag, why in VLLM_NOOP_FLAGS.items()
+            if getattr(args, flag[2:].replace("-", "_"), False)]
 
 
 def _add_model_tag(p: argparse.ArgumentParser) -> None:
@@ -54,7 +110,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "torch", "flashinfer"],
                    help="auto = flashinfer on CUDA when installed and the dtype is 16-bit, "
                         "else torch (the engine logs which and why)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
+    g.add_argument("--page-size", "--block-size", type=int, default=16,
+                   help="tokens per KV cache page (--block-size: vLLM's name)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
                    help="memory for the KV cache on CPU, in GiB (default: 1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -62,8 +119,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "cache, which gets what the others leave (default: 0.9)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
-    g.add_argument("--num-kv-pages", type=int, default=None,
-                   help="exact number of KV pages (overrides --kv-cache-memory-gb)")
+    g.add_argument("--num-kv-pages", "--num-gpu-blocks-override", type=int, default=None,
+                   help="exact number of KV pages (overrides --kv-cache-memory-gb; "
+                        "--num-gpu-blocks-override: vLLM's name)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + answer in tokens (default: the model's context)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -303,6 +361,8 @@ def parse_args(argv: list[str]):
     parser = build_parser()
     args = parser.parse_args(normalize_argv(argv))
     _apply_model_tag(parser, args)
+    if args.command != "bench":
+        args.compat_notes = vllm_compat_notes(parser, args)
     return args
 
 
@@ -501,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_bench(args)
         return 0 if result.errors == 0 else 1
     _setup_logging(args.log_level)
+    for note in args.compat_notes:
+        logging.getLogger("sluice").info("%s", note)
     if args.command == "serve":
         return _serve(args)
     if args.command == "engine":

@@ -103,3 +103,50 @@ def test_serve_forwards_the_positional_model_and_auto_device(monkeypatch):
     engine_argv = started[0]
     assert engine_argv[engine_argv.index("--model") + 1] == "/m.gguf"
     assert engine_argv[engine_argv.index("--device") + 1] == "auto"
+
+
+@pytest.mark.parametrize("command", ["serve", "engine", "frontend", "postproc"])
+def test_noop_vllm_flags_are_accepted_with_a_note(command):
+    args = cli.parse_args([command, "--trust-remote-code", "--enable_auto_tool_choice",
+                           "--disable-log-stats"])
+    assert len(args.compat_notes) == 3
+    assert args.compat_notes[0].startswith("--trust-remote-code changes nothing here")
+    assert cli.parse_args([command]).compat_notes == []
+
+
+def test_noop_flags_are_logged_once_at_start(monkeypatch, caplog):
+    monkeypatch.setattr(cli, "_serve", lambda args: 0)
+    monkeypatch.setattr(cli, "_setup_logging", lambda level: None)
+    with caplog.at_level("INFO", logger="sluice"):
+        assert cli.main(["serve", "--trust-remote-code"]) == 0
+    assert [r.getMessage() for r in caplog.records if "changes nothing" in r.getMessage()
+            ] == [f"--trust-remote-code changes nothing here: "
+                  f"{cli.VLLM_NOOP_FLAGS['--trust-remote-code']}"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: sluice has no tensor"),
+    (["-tp", "4"], "--tensor-parallel-size 4"),
+    (["--quantization", "awq"], "--quantization awq: sluice has no quantization"),
+    (["--pipeline_parallel_size", "2"], "--pipeline-parallel-size 2"),
+    (["--enable-lora"], "--enable-lora True: sluice has no LoRA"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+    (["--speculative-config", "{}"], "speculative decoding"),
+])
+def test_flags_for_missing_features_fail_at_start(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_missing_feature_flags_at_their_neutral_value_pass():
+    args = cli.parse_args(["serve", "--tensor-parallel-size", "1", "--kv-cache-dtype", "auto",
+                           "--cpu-offload-gb", "0"])
+    assert args.compat_notes == []
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--tensor-parallel-size", "two"])
+
+
+def test_vllm_names_for_our_flags():
+    args = cli.parse_args(["engine", "--block-size", "32", "--num_gpu_blocks_override", "99"])
+    assert args.page_size == 32 and args.num_kv_pages == 99
