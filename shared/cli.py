@@ -25,7 +25,14 @@ DEFAULT_POSTPROC_ADDRESS = "tcp://127.0.0.1:5556"
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct, bundled)")
+                   help="a .gguf file, an HF folder, or a Hub id (org/name) in the local Hugging "
+                        "Face cache (default: SmolLM2-135M-Instruct, bundled)")
+    p.add_argument("--revision", default=None,
+                   help="a Hub id's branch, tag or commit in the local cache (default: main)")
+    p.add_argument("--download-dir", default=None,
+                   help="the Hugging Face cache to find Hub ids in (default: $HF_HUB_CACHE, "
+                        "else $HF_HOME/hub, else ~/.cache/huggingface/hub); nothing is "
+                        "downloaded")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients use in 'model' (default: derived from --model)")
     p.add_argument("--log-level", default="info",
@@ -367,10 +374,13 @@ def parse_args(argv: list[str]):
 
 
 def _model_names(args) -> tuple[str, str]:
-    from shared.model_source import resolve_model_path, served_model_name
+    from shared.model_source import is_hub_id, resolve_model_path, served_model_name
 
-    path = resolve_model_path(args.model)
-    return path, args.served_model_name or served_model_name(path)
+    path = resolve_model_path(args.model, args.revision, args.download_dir)
+    from_hub = (args.model is not None and is_hub_id(args.model)
+                and not os.path.exists(os.path.expanduser(args.model)))
+    # A Hub id is its own name, as in vLLM; a path's name comes from its file or folder.
+    return path, args.served_model_name or (args.model if from_hub else served_model_name(path))
 
 
 def engine_config(args, address: str, postproc_address: str | None = None) -> EngineConfig:
@@ -468,6 +478,9 @@ def _serve(args) -> int:
         common += ["--model", args.model]
     if args.served_model_name:
         common += ["--served-model-name", args.served_model_name]
+    for flag, value in (("--revision", args.revision), ("--download-dir", args.download_dir)):
+        if value is not None:
+            common += [flag, value]
     engine_argv = [
         "engine", *common, "--engine-address", address, "--dtype", args.dtype,
         "--device", args.device, "--page-size", str(args.page_size),

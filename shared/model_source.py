@@ -27,8 +27,10 @@ def default_model_path() -> str:
     return os.path.abspath(path)
 
 
-def resolve_model_path(model: str | None) -> str:
-    """None/"default" -> the bundled GGUF; a .gguf file or HF folder -> its absolute path."""
+def resolve_model_path(model: str | None, revision: str | None = None,
+                       download_dir: str | None = None) -> str:
+    """None/"default" -> the bundled GGUF; a .gguf file or HF folder -> its absolute path; a
+    Hub id (`org/name`) that is no path -> its snapshot in the local Hugging Face cache."""
     if model is None or model == "default":
         return default_model_path()
     path = os.path.abspath(os.path.expanduser(model))
@@ -38,7 +40,48 @@ def resolve_model_path(model: str | None) -> str:
         raise ValueError(f"model file {path} is not a .gguf; pass a .gguf file or an HF folder")
     if os.path.isdir(path):
         return _resolve_folder(path)
+    if is_hub_id(model):
+        return _resolve_folder(cached_snapshot(model, revision, download_dir))
     raise ValueError(f"model path not found: {path}")
+
+
+def is_hub_id(model: str) -> bool:
+    """`org/name` as the Hub spells repository ids (not a path: no leading / . ~)."""
+    parts = model.split("/")
+    return (len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+            and all(c.isalnum() or c in "-_." for c in model.replace("/", "")))
+
+
+def hub_cache_dir(download_dir: str | None = None) -> str:
+    """Where Hub snapshots are looked for: --download-dir, else $HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub (read now, not at import)."""
+    if download_dir:
+        return os.path.abspath(os.path.expanduser(download_dir))
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.abspath(os.path.expanduser(os.environ["HF_HUB_CACHE"]))
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
+    return os.path.abspath(os.path.join(os.path.expanduser(home), "hub"))
+
+
+def cached_snapshot(repo_id: str, revision: str | None = None,
+                    download_dir: str | None = None) -> str:
+    """The snapshot folder of a Hub model in the local cache; nothing is downloaded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hub_cache_dir(download_dir)
+    try:
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache,
+                                 local_files_only=True)
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
+        where = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+        raise ValueError(
+            f"model {repo_id!r} (revision {revision or 'main'}) is neither a path nor in the "
+            f"local Hugging Face cache: looked in {where} (cache {cache}: --download-dir, "
+            "else $HF_HUB_CACHE, else $HF_HOME/hub); nothing is downloaded, so put the model "
+            f"there first (e.g. `hf download {repo_id}` on a machine with internet) ({e})"
+        ) from None
 
 
 def _resolve_folder(path: str) -> str:
