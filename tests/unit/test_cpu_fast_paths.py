@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine.models.llama import RotaryEmbedding
 from engine.models.ops import PACKED_MAX_ROWS, TorchOps, can_prepack, rms_norm
-from tests.unit.test_engine_core import CONFIG
+from tests.unit.engine_builders import CONFIG
 
 
 def _transformers_rms_norm(x, weight, eps):

@@ -27,7 +27,7 @@ from engine.models.weights import (
 )
 from engine.scheduler import ScheduledChunk
 from shared.model_source import default_model_path
-from tests.unit.test_engine_core import CONFIG
+from tests.unit.engine_builders import CONFIG
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -236,7 +236,7 @@ def test_build_engine_refuses_flashinfer_on_cpu_before_loading_anything():
 def test_gpu_cache_gets_what_weights_and_activations_leave(monkeypatch):
     from engine.server import gpu_activation_reserve, gpu_kv_pages
     from shared.config import EngineConfig
-    from tests.unit.test_engine_core import CONFIG
+    from tests.unit.engine_builders import CONFIG
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -334,7 +334,7 @@ def fake_flashinfer(monkeypatch):
 def _tiny_engine_parts(backend_name: str, num_pages: int = 64, page_size: int = 4):
     from engine.attention.selector import create_attention_backend
     from engine.models.llama import LlamaModel
-    from tests.unit.test_engine_core import CONFIG, random_weights
+    from tests.unit.engine_builders import CONFIG, random_weights
 
     model = LlamaModel(CONFIG, random_weights(), 256, torch.bfloat16, CPU)
     backend = create_attention_backend(backend_name, CONFIG, num_pages, page_size,

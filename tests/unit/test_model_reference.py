@@ -74,13 +74,7 @@ EXPECTED = {  # (architecture, attention_bias, qk_norm, tied, head_dim)
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models: intra-op threads only add overhead, and on a busy machine much more.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:

@@ -1,20 +1,13 @@
 """Prefix caching (chained page hashes rooted at cache_salt) and the priority policy, on the
-tiny random Llama of test_engine_core: no sockets, no real checkpoint."""
+tiny random Llama of engine_builders: no sockets, no real checkpoint."""
 
 import msgspec
 import pytest
-import torch
 
 from engine.kv_cache import PageAllocator, chain_hash, root_hash
-from tests.unit.test_engine_core import build_core, drain, random_weights, request
+from tests.unit.engine_builders import build_core, drain, random_weights, request
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only add overhead
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

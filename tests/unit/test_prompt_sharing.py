@@ -1,20 +1,14 @@
 """n > 1: candidates of one request (same prompt, ids `<id>-0`, `<id>-1`, …) admitted in the
 same step share the prompt's full pages, so the prompt is prefilled once, on the tiny random
-Llama of test_engine_core."""
+Llama of engine_builders."""
 
 import msgspec
 import pytest
 import torch
 
-from tests.unit.test_engine_core import assert_all_free, build_core, random_weights, request, run
+from tests.unit.engine_builders import assert_all_free, build_core, random_weights, request, run
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only add overhead
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

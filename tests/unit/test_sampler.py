@@ -9,13 +9,7 @@ from shared.protocol import SamplingParams
 VOCAB = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tensors: intra-op threads only add overhead, and spin badly on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def P(**kw) -> SamplingParams:

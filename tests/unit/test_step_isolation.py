@@ -2,12 +2,11 @@
 item 4): the fault is injected with a narrow mock, since valid input cannot cause it."""
 
 import pytest
-import torch
 
 import engine.logits_processors as logits_processors
 import engine.model_runner as model_runner
 import engine.sampler as sampler
-from tests.unit.test_engine_core import (
+from tests.unit.engine_builders import (
     assert_all_free,
     build_core,
     prompts,
@@ -24,12 +23,7 @@ def weights():
     return random_weights()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _requests(**bad_params):
