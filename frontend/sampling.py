@@ -24,6 +24,7 @@ from frontend.api_models import (
 from frontend.errors import bad_request
 from frontend.input_bounds import RequestLimits, check_bounds
 from frontend.structured import StructuredSettings, check_structured
+from shared.generation_config import GenerationDefaults
 from shared.param_ranges import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGPROBS,
@@ -116,10 +117,13 @@ def plan_request(
     max_model_len: int,
     vocab_size: int,
     constraint: Constraint | None = None,
+    defaults: GenerationDefaults | None = None,
 ) -> Plan:
     """`constraint`: the request's, checked once (`frontend.structured.constraint_for`) and
-    shared by every prompt of it."""
-    max_tokens = _max_tokens(request, endpoint, prompt_len, max_model_len)
+    shared by every prompt of it. `defaults`: the model's generation defaults
+    (`--generation-config`) for the fields the request leaves out; request values win."""
+    d = defaults or _NO_DEFAULTS
+    max_tokens = _max_tokens(request, endpoint, prompt_len, max_model_len, d.max_tokens)
     logprobs, prompt_logprobs = _logprobs(request)
     candidates = request.n
     if isinstance(request, CompletionRequest) and request.best_of is not None:
@@ -128,18 +132,20 @@ def plan_request(
             logprobs = 0  # ranking the candidates needs their cumulative logprobs
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k in (None, -1) else request.top_k,
+        temperature=_given(request.temperature, None, d.temperature, 1.0),
+        top_p=_given(request.top_p, None, d.top_p, 1.0),
+        top_k=0 if request.top_k == -1 else _given(request.top_k, None, d.top_k, 0),
         # Any int64 seed (check_bounds), wrapped into the engine generators' [0, 2**64).
         seed=None if request.seed is None else request.seed % SEED_RANGE,
         stop_token_ids=_stop_token_ids(request.stop_token_ids, vocab_size),
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
-        min_p=request.min_p,
+        # min_p and repetition_penalty read their neutral value as left out.
+        min_p=_given(request.min_p, 0.0, d.min_p, request.min_p),
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty,
+        repetition_penalty=_given(request.repetition_penalty, 1.0, d.repetition_penalty,
+                                  request.repetition_penalty),
         logit_bias=logit_bias_pairs(request.logit_bias, vocab_size),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -155,7 +161,18 @@ def plan_request(
     return Plan(params, output, request.n, candidates)
 
 
-def _max_tokens(request: Request, endpoint: str, prompt_len: int, max_model_len: int) -> int:
+_NO_DEFAULTS = GenerationDefaults()
+
+
+def _given(value, left_out, default, fallback):
+    """The request's value; when it left the field out, the model's default, else fallback."""
+    if value is not None and value != left_out:
+        return value
+    return fallback if default is None else default
+
+
+def _max_tokens(request: Request, endpoint: str, prompt_len: int, max_model_len: int,
+                default: int | None = None) -> int:
     room = max_model_len - prompt_len
     if room <= 0:
         raise bad_request(
@@ -168,6 +185,8 @@ def _max_tokens(request: Request, endpoint: str, prompt_len: int, max_model_len:
         # The newer name wins when a client sends both, as in vLLM.
         asked, field = request.max_completion_tokens, "max_completion_tokens"
     if asked is None:
+        if default is not None:  # the model's max_new_tokens, within the room left
+            return min(default, room)
         return COMPLETIONS_DEFAULT_MAX_TOKENS if endpoint == "completions" else room
     if asked > room:
         raise bad_request(
