@@ -13,6 +13,7 @@ import transformers
 
 from engine.models.config import ModelConfig, RopeScaling, load_model_config
 from engine.models.weights import _undo_rope_permute, expected_shapes, load_weights
+from tests.unit.engine_builders import CONFIG
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -127,20 +128,8 @@ def test_undo_rope_permute_inverts_llama_cpp(gguf_name):
 
 
 def _tiny_llama_config() -> ModelConfig:
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    # The engine tests' tiny Llama with a larger vocabulary and context.
+    return msgspec.structs.replace(CONFIG, vocab_size=256, max_position_embeddings=512)
 
 
 # --- tiny random safetensors folders ----------------------------------------------------------
