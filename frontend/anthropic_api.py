@@ -3,7 +3,7 @@
 A Messages request becomes a `ChatCompletionRequest` (system prompt -> system message, content
 blocks -> chat messages with tool calls and tool results, tools and tool_choice, thinking ->
 the template's thinking switches, stop_sequences -> stop, output_config.format ->
-response_format) and runs through `serving.start_chat` with stream off: same renderer, engine,
+response_format) and runs through `pipeline.start_chat` with stream off: same renderer, engine,
 reasoning and tool-call parsers. The frames become content blocks
 (`frontend.protocol_edge.Blocks`): `thinking` (from the reasoning parser), `text` and
 `tool_use` (from the tool-call parser), as one JSON body or as Anthropic's event stream
@@ -21,9 +21,9 @@ from contextlib import aclosing
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from frontend import serving
+from frontend import pipeline
 from frontend.anthropic_models import (
     UNSUPPORTED_WHEN_SET,
     ContentBlock,
@@ -61,12 +61,19 @@ from frontend.protocol_edge import (
     BlockEvent,
     Blocks,
     Outcome,
+    block_events,
     call_arguments,
-    frame_error,
     function_tool,
     gather,
     renamed,
     sse,
+)
+from frontend.sampling import check_request
+from frontend.serving_context import (
+    ServingContext,
+    check_model,
+    sse_response,
+    structured_settings,
 )
 from shared.protocol import TextFrame
 
@@ -259,7 +266,7 @@ def stop_reason(request: MessagesRequest, last: TextFrame) -> tuple[str, str | N
     return "end_turn", None
 
 
-def _message(ctx, request: MessagesRequest, message_id: str, prompt_tokens: int,
+def _message(ctx: ServingContext, request: MessagesRequest, message_id: str, prompt_tokens: int,
              outcome: Outcome) -> MessageResponse:
     reason, sequence = stop_reason(request, outcome.last)
     return MessageResponse(message_id, ctx.model_name, [_content(b) for b in outcome.blocks],
@@ -270,18 +277,17 @@ def _message(ctx, request: MessagesRequest, message_id: str, prompt_tokens: int,
 # ---------------------------------------------------------------- handlers
 
 
-async def create(ctx, http: Request, request: MessagesRequest) -> Response:
+async def create(ctx: ServingContext, http: Request, request: MessagesRequest) -> Response:
     hex_id = uuid.uuid4().hex
     chat = to_chat(request, hex_id)
     try:
-        job, frames = await serving.start_chat(ctx, http, chat, prefix="msg")
+        job, frames = await pipeline.start_chat(ctx, http, chat, prefix="msg")
     except APIError as exc:
         raise renamed(exc, _FIELD_NAMES) from exc
     message_id = f"msg_{hex_id}"
     if request.stream:
         events = _stream(ctx, request, message_id, job.num_prompt_tokens, frames)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(events)
     outcome = await gather(frames)
     if not outcome.finished:
         return Response(status_code=499)  # the client left; nobody reads this
@@ -306,21 +312,19 @@ def _block_event(ev: BlockEvent) -> bytes:
     return _event(ContentBlockStop(block.index))
 
 
-async def _stream(ctx, request: MessagesRequest, message_id: str, prompt_tokens: int, frames):
+async def _stream(ctx: ServingContext, request: MessagesRequest, message_id: str,
+                  prompt_tokens: int, frames):
     start = MessageResponse(message_id, ctx.model_name, [], None, None, Usage(prompt_tokens, 0))
     yield _event(MessageStart(start))
     blocks = Blocks()
-    outcome = Outcome(blocks.blocks)
-    async with aclosing(frames):
-        async for _, frame in frames:
-            if frame.finish_reason == "error":
-                error = frame_error(frame)
-                yield sse("error", _json.encode(anthropic_error_body(error.status,
-                                                                     error.message)))
-                return
-            for ev in blocks.feed(frame):
+    try:
+        async with aclosing(block_events(frames, blocks)) as events:
+            async for ev in events:
                 yield _block_event(ev)
-            outcome.last = frame
+    except APIError as error:
+        yield sse("error", _json.encode(anthropic_error_body(error.status, error.message)))
+        return
+    outcome = blocks.outcome()
     if not outcome.finished:
         return  # the client left
     for ev in blocks.finish():
@@ -331,12 +335,12 @@ async def _stream(ctx, request: MessagesRequest, message_id: str, prompt_tokens:
     yield _event(MessageStop())
 
 
-async def count_tokens(ctx, request: CountTokensRequest) -> TokenCount:
+async def count_tokens(ctx: ServingContext, request: CountTokensRequest) -> TokenCount:
     chat = to_chat(request, uuid.uuid4().hex)
-    serving.check_model(ctx, chat.model)
-    serving.check_request(chat, serving.structured_settings(ctx), ctx.limits)
+    check_model(ctx, chat.model)
+    check_request(chat, structured_settings(ctx), ctx.limits)
     prompt = await chat_input(ctx, chat)
-    return TokenCount(len(prompt.tokens.ids))
+    return TokenCount(prompt.num_tokens)
 
 
 def batches_unsupported() -> APIError:

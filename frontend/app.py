@@ -32,7 +32,7 @@ from frontend.json_depth import TooDeep, check_depth
 from frontend.limits import Admission, AdmissionMiddleware, BodyLimitMiddleware
 from frontend.metrics import metrics_registry, render
 from frontend.responses_models import InputTokensRequest, ResponsesRequest
-from frontend.serving import ServingContext
+from frontend.serving_context import ServingContext
 from shared.config import FrontendConfig
 
 log = logging.getLogger("sluice.frontend")

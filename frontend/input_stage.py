@@ -18,8 +18,9 @@ import numpy as np
 from frontend import input_metrics
 from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
-from frontend.errors import APIError, bad_request
+from frontend.errors import bad_request
 from frontend.rendering import RenderedPrompt, RenderError, RenderParams, check_render_params
+from frontend.serving_context import max_model_len
 from frontend.structured import forced_call_prefix
 from frontend.tokenization import RenderTimeout
 
@@ -30,6 +31,11 @@ class PromptInput(msgspec.Struct):
     tokens: PromptTokens
     rendered: RenderedPrompt | None = None  # None when the client sent token ids
     source_text: str | None = None  # a completions prompt as the client wrote it (echo)
+
+    @property
+    def num_tokens(self) -> int:
+        """The prompt's length in tokens: what usage, token counts and budgets report."""
+        return len(self.tokens.ids)
 
 
 async def chat_prompt_ids(ctx, request: ChatCompletionRequest) -> list[int]:
@@ -130,16 +136,9 @@ async def _completion_text(ctx, request, text: str, params: TokenizeParams) -> P
 # ---------------------------------------------------------------- shared steps
 
 
-def _max_model_len(ctx) -> int:
-    stats = ctx.client.stats
-    if stats is None or not ctx.client.engine_alive:
-        raise APIError(503, "The engine is not available; try again shortly.")
-    return stats.max_model_len
-
-
 def _tokenize_params(ctx, request: Request, *, add_special_tokens: bool) -> TokenizeParams:
     params = TokenizeParams(
-        max_total_tokens=_max_model_len(ctx),
+        max_total_tokens=max_model_len(ctx),
         truncate_prompt_tokens=request.truncate_prompt_tokens,
         truncation_side=request.truncation_side,
         add_special_tokens=add_special_tokens,

@@ -2,7 +2,7 @@
 
 Both APIs answer with an ordered list of blocks (OpenAI's output items, Anthropic's content
 blocks): thinking, text, tool calls. Both run a translated chat request through the chat
-pipeline (`serving.start_chat`, stream off, so no chat-chunk bytes are written) and turn its
+pipeline (`pipeline.start_chat`, stream off, so no chat-chunk bytes are written) and turn its
 text frames into blocks here, one machine for streaming and non-streaming answers, so the two
 always agree: a new block opens when the kind of output changes (thinking -> text) or a tool
 call starts, and the open block closes when the next one opens or the output ends.
@@ -20,6 +20,7 @@ from typing import Any, Literal
 import msgspec
 
 from frontend.errors import APIError
+from frontend.serving_context import frame_error
 from shared.protocol import TextFrame
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
@@ -44,12 +45,14 @@ class Blocks:
 
     def __init__(self) -> None:
         self.blocks: list[Block] = []
+        self.last: TextFrame | None = None  # the last frame fed
         self._open: Block | None = None
         self._calls: dict[int, Block] = {}  # the parser's call index -> its block
 
     def feed(self, frame: TextFrame) -> list[BlockEvent]:
         # Within one frame the parsers' order holds: thinking ends before content starts, and
         # content a call follows comes before it.
+        self.last = frame
         events: list[BlockEvent] = []
         if frame.reasoning:
             self._grow("reasoning", frame.reasoning, events)
@@ -70,6 +73,9 @@ class Blocks:
         events: list[BlockEvent] = []
         self._close(events)
         return events
+
+    def outcome(self) -> Outcome:
+        return Outcome(self.blocks, self.last)
 
     def _grow(self, kind: BlockKind, piece: str, events: list[BlockEvent]) -> None:
         block = self._open
@@ -103,23 +109,29 @@ class Outcome(msgspec.Struct):
         return self.last is not None and self.last.finish_reason is not None
 
 
-def frame_error(frame: TextFrame) -> APIError:
-    return APIError(frame.error_status or 500, frame.error or "the request failed")
+async def block_events(frames: AsyncIterator[tuple[int, TextFrame]],
+                       blocks: Blocks) -> AsyncIterator[BlockEvent]:
+    """The frame loop of the block-shaped APIs: feeds one candidate's frames to `blocks` and
+    yields the events they cause; an error frame raises its APIError. The closing events are
+    the caller's (`blocks.finish()`), once `blocks.outcome().finished` says the answer ended
+    rather than the client leaving. Closing this generator closes the frames (an abort)."""
+    async with aclosing(frames):
+        async for _, frame in frames:
+            if frame.finish_reason == "error":
+                raise frame_error(frame)
+            for event in blocks.feed(frame):
+                yield event
 
 
 async def gather(frames: AsyncIterator[tuple[int, TextFrame]]) -> Outcome:
     """A whole (single-candidate) answer; an error frame raises its APIError. The outcome is
     unfinished when the client left first."""
     blocks = Blocks()
-    outcome = Outcome(blocks.blocks)
-    async with aclosing(frames):
-        async for _, frame in frames:
-            if frame.finish_reason == "error":
-                raise frame_error(frame)
-            blocks.feed(frame)
-            outcome.last = frame
+    async with aclosing(block_events(frames, blocks)) as events:
+        async for _ in events:
+            pass
     blocks.finish()
-    return outcome
+    return blocks.outcome()
 
 
 def call_arguments(block: Block) -> dict[str, Any]:

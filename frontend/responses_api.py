@@ -2,7 +2,7 @@
 
 A create request becomes a `ChatCompletionRequest` (instructions -> system message, input
 items -> chat messages, function tools -> chat tools, `text.format` -> response_format) and
-runs through `serving.start_chat` with stream off: same renderer, engine, reasoning and
+runs through `pipeline.start_chat` with stream off: same renderer, engine, reasoning and
 tool-call parsers. Its frames become output items (`frontend.protocol_edge.Blocks`):
 `reasoning` (from the reasoning parser), `message` (content) and `function_call` (from the
 tool-call parser), in the order the model wrote them, as one JSON body or as the Responses
@@ -23,9 +23,9 @@ from contextlib import aclosing
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from frontend import serving
+from frontend import pipeline
 from frontend.api_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -39,7 +39,7 @@ from frontend.protocol_edge import (
     BlockEvent,
     Blocks,
     Outcome,
-    frame_error,
+    block_events,
     function_tool,
     gather,
     renamed,
@@ -74,6 +74,13 @@ from frontend.responses_models import (
     TextDeltaEvent,
     TextDoneEvent,
     TextOut,
+)
+from frontend.sampling import check_request
+from frontend.serving_context import (
+    ServingContext,
+    check_model,
+    sse_response,
+    structured_settings,
 )
 
 _json = msgspec.json.Encoder()
@@ -405,7 +412,7 @@ def _answer_message(blocks: list[Block]) -> ChatMessage:
                        tool_calls=calls or None, reasoning_content=reasoning or None)
 
 
-def _skeleton(ctx, request: ResponsesRequest, response_id: str) -> ResponseObject:
+def _skeleton(ctx: ServingContext, request: ResponsesRequest, response_id: str) -> ResponseObject:
     fmt = request.text.format if request.text is not None else None
     text = TextOut(ResponseFormatOut(type="text") if fmt is None else ResponseFormatOut(
         type=fmt.type, name=fmt.name, description=fmt.description, schema=fmt.schema,
@@ -428,14 +435,14 @@ def _skeleton(ctx, request: ResponsesRequest, response_id: str) -> ResponseObjec
 # ---------------------------------------------------------------- handlers
 
 
-async def create(ctx, http: Request, request: ResponsesRequest, store: ResponseStore
+async def create(ctx: ServingContext, http: Request, request: ResponsesRequest, store: ResponseStore
                  ) -> Response:
     check_unsupported(request)
     messages = conversation(request, store)
     hex_id = uuid.uuid4().hex
     chat = to_chat(request, messages, request.request_id or hex_id)
     try:
-        job, frames = await serving.start_chat(ctx, http, chat, prefix="resp")
+        job, frames = await pipeline.start_chat(ctx, http, chat, prefix="resp")
     except APIError as exc:
         raise renamed(exc, _FIELD_NAMES) from exc
     shaper = _Shaper(_skeleton(ctx, request, f"resp_{hex_id}"), hex_id, job.num_prompt_tokens)
@@ -445,9 +452,7 @@ async def create(ctx, http: Request, request: ResponsesRequest, store: ResponseS
             store.put(StoredResponse(response, [*messages, _answer_message(blocks)]))
 
     if request.stream:
-        return StreamingResponse(_stream(shaper, frames, remember),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(_stream(shaper, frames, remember))
     outcome = await gather(frames)
     if not outcome.finished:
         return Response(status_code=499)  # the client left; nobody reads this
@@ -460,22 +465,20 @@ async def _stream(shaper: _Shaper, frames, remember):
     yield shaper.lifecycle("response.created", shaper.base)
     yield shaper.lifecycle("response.in_progress", shaper.base)
     blocks = Blocks()
-    outcome = Outcome(blocks.blocks)
-    async with aclosing(frames):
-        async for _, frame in frames:
-            if frame.finish_reason == "error":
-                error = frame_error(frame)
-                code = "server_error" if error.status >= 500 else "invalid_prompt"
-                yield shaper.error(error)
-                failed = msgspec.structs.replace(
-                    shaper.base, status="failed", error=ResponseError(code, error.message),
-                    output=[shaper.item(b, "incomplete") for b in blocks.blocks])
-                yield shaper.lifecycle("response.failed", failed)
-                return
-            for ev in blocks.feed(frame):
+    try:
+        async with aclosing(block_events(frames, blocks)) as events:
+            async for ev in events:
                 for chunk in shaper.block_events(ev):
                     yield chunk
-            outcome.last = frame
+    except APIError as error:
+        code = "server_error" if error.status >= 500 else "invalid_prompt"
+        yield shaper.error(error)
+        failed = msgspec.structs.replace(
+            shaper.base, status="failed", error=ResponseError(code, error.message),
+            output=[shaper.item(b, "incomplete") for b in blocks.blocks])
+        yield shaper.lifecycle("response.failed", failed)
+        return
+    outcome = blocks.outcome()
     if not outcome.finished:
         return  # the client left
     # The last block is cut short when the token limit ended the answer.
@@ -502,7 +505,8 @@ def delete(store: ResponseStore, response_id: str) -> DeletedResponse:
     return DeletedResponse(response_id)
 
 
-async def input_tokens(ctx, request: InputTokensRequest, store: ResponseStore) -> InputTokens:
+async def input_tokens(ctx: ServingContext, request: InputTokensRequest, store: ResponseStore
+                       ) -> InputTokens:
     """What the create request's prompt would be, in tokens: rendered and tokenized as it."""
     if request.conversation is not None:
         raise bad_request("'conversation' is not supported by this server", "conversation")
@@ -511,10 +515,10 @@ async def input_tokens(ctx, request: InputTokensRequest, store: ResponseStore) -
         model=request.model, instructions=request.instructions, tools=request.tools,
         tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
         text=request.text), messages, uuid.uuid4().hex)
-    serving.check_model(ctx, chat.model)
+    check_model(ctx, chat.model)
     try:
-        serving.check_request(chat, serving.structured_settings(ctx), ctx.limits)
+        check_request(chat, structured_settings(ctx), ctx.limits)
     except APIError as exc:
         raise renamed(exc, _FIELD_NAMES) from exc
     prompt = await chat_input(ctx, chat)
-    return InputTokens(len(prompt.tokens.ids))
+    return InputTokens(prompt.num_tokens)

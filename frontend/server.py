@@ -14,7 +14,7 @@ from frontend.grammar_check import GrammarChecker, TokenizerSpec
 from frontend.limits import Admission, drain
 from frontend.metrics import process_exiting
 from frontend.rendering import TemplateSettings, load_chat_template
-from frontend.serving import OutputSettings, ServingContext
+from frontend.serving_context import OutputSettings, ServingContext
 from frontend.structured import StructuredSettings
 from frontend.tokenization import InputSettings, Tokenization
 from postproc.processor import OutputProcessor, parser_delimiters_are_special

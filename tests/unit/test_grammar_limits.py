@@ -189,7 +189,8 @@ def test_a_batched_completion_is_checked_once_and_its_prompts_share_the_constrai
 
     from frontend.budgets import PromptTokens
     from frontend.input_stage import PromptInput
-    from frontend.serving import ServingContext, build_job
+    from frontend.pipeline import build_job
+    from frontend.serving_context import ServingContext
 
     checker = CountingChecker()
     request = msgspec.convert({"prompt": [f"p{i}" for i in range(8)], "n": 2,

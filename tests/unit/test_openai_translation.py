@@ -10,13 +10,14 @@ from frontend.api_models import ChatCompletionRequest, CompletionRequest, Stream
 from frontend.budgets import PromptTokens
 from frontend.errors import APIError
 from frontend.input_stage import PromptInput
+from frontend.pipeline import build_job
 from frontend.sampling import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     check_request,
     logit_bias_pairs,
     plan_request,
 )
-from frontend.serving import ServingContext, build_job
+from frontend.serving_context import ServingContext
 
 VOCAB = 1000
 MAX_LEN = 100

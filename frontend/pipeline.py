@@ -1,0 +1,310 @@
+"""The request pipeline every protocol face shares: request → engine jobs → frames → results.
+
+`build_job` turns a checked request and its prompts into engine requests, `submit` sends
+them, `job_frames` yields their frames until every candidate finishes (aborting the rest if
+the client leaves), and `collect_candidates` or `sse_stream` turn the frames into a whole
+answer or SSE bytes. `start_chat` runs a chat request through the input stage and up to its
+frames; the OpenAI routes (`frontend.serving`), the Responses API and the Messages API all
+start there and shape the frames themselves.
+
+A request with n > 1 (or best_of) runs as that many engine requests ("candidates") that
+share one frame queue; each candidate's frames carry its request id, which maps to its index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import msgspec
+from starlette.requests import Request
+
+from frontend.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.engine_client import EngineUnavailable
+from frontend.errors import APIError, error_body
+from frontend.input_stage import PromptInput, chat_input
+from frontend.sampling import Plan, check_request, plan_request
+from frontend.serving_context import (
+    ServingContext,
+    check_model,
+    frame_error,
+    max_model_len,
+    structured_settings,
+)
+from frontend.structured import constraint_for
+from postproc.chunks import sse_event
+from postproc.openai_shapes import Usage
+from postproc.reasoning import get_reasoning_parser
+from shared.protocol import (
+    ChunkFormat,
+    Constraint,
+    EngineRequest,
+    LogprobEntry,
+    OutputParams,
+    TextFrame,
+    ToolCallDelta,
+    pack_ids,
+)
+
+_DISCONNECTED = object()  # queue sentinel: the client went away
+
+
+class Job(msgspec.Struct):
+    """One HTTP request's engine work: `plan.candidates` engine requests per prompt.
+
+    Candidate c belongs to prompt c // plan.candidates; when every candidate is returned
+    (best_of == n), c is also its choice index.
+    """
+
+    request_id: str
+    created: int
+    prompts: list[PromptInput]
+    plan: Plan
+    candidates: list[EngineRequest]
+    index_of: dict[str, int]  # engine request id -> candidate number
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.prompts)
+
+
+class Candidate(msgspec.Struct):
+    """Everything one candidate produced, for non-streaming answers and best_of ranking."""
+
+    texts: list[str] = msgspec.field(default_factory=list)
+    reasoning: list[str] = msgspec.field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = msgspec.field(default_factory=list)
+    logprobs: list[LogprobEntry] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[LogprobEntry] | None = None
+    last: TextFrame | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    @property
+    def score(self) -> float:
+        if self.last is None or self.last.cumulative_logprob is None:
+            return float("-inf")
+        return self.last.cumulative_logprob
+
+
+# ---------------------------------------------------------------- engine requests
+
+
+def build_job(
+    ctx: ServingContext,
+    request: ChatCompletionRequest | CompletionRequest,
+    prompts: list[PromptInput],
+    endpoint: str,
+    prefix: str,
+    constraint: Constraint | None = None,
+) -> Job:
+    """`constraint`: the request's grammar, checked once (`constraint_for`) for all its
+    prompts and candidates."""
+    request_id = f"{prefix}-{request.request_id or uuid.uuid4().hex}"
+    now = time.time()
+    plans = [
+        plan_request(request, endpoint=endpoint, prompt_len=p.num_tokens,
+                     max_model_len=max_model_len(ctx), vocab_size=ctx.vocab_size,
+                     constraint=constraint)
+        for p in prompts
+    ]
+    job = Job(request_id, int(now), prompts, plans[0], [], {})
+    for p, (prompt, plan) in enumerate(zip(prompts, plans, strict=True)):
+        packed = pack_ids(prompt.tokens.ids)
+        for i in range(plan.candidates):
+            number = p * plan.candidates + i
+            params = plan.params
+            if params.seed is not None and number > 0:
+                # Each candidate draws its own sample; seed + i keeps the set reproducible.
+                # The engine's generators take seeds below 2**64, so wrap, not overflow.
+                params = msgspec.structs.replace(params, seed=(params.seed + number) % 2**64)
+            many = len(prompts) * plan.candidates > 1
+            job.candidates.append(EngineRequest(
+                request_id=f"{request_id}-{number}" if many else request_id,
+                prompt_token_ids=packed, params=params,
+                reply_to=ctx.client.result_address, arrival_time=now,
+                output=output_params(ctx, request, job, plan, prompt, number),
+                cache_salt=request.cache_salt, priority=request.priority,  # SPEC P-12
+            ))
+    job.index_of = {c.request_id: i for i, c in enumerate(job.candidates)}
+    return job
+
+
+def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: PromptInput,
+                   number: int) -> OutputParams:
+    """The plan's output params plus what only the serving layer knows: parsers, and for a
+    stream the chunk format, so whoever post-processes it writes the bytes."""
+    changes: dict = {}
+    settings = ctx.output
+    chat = isinstance(request, ChatCompletionRequest)
+    forced_call = bool(prompt.rendered and prompt.rendered.injected_prefix)
+    # After a forced call's opening the output is inside the call, not thinking.
+    if chat and settings.reasoning_parser and not forced_call:
+        template_text = prompt.rendered.template_text if prompt.rendered else ""
+        parser = get_reasoning_parser(settings.reasoning_parser)
+        changes.update(reasoning_parser=settings.reasoning_parser,
+                       starts_in_reasoning=parser.initial_thinking(template_text))
+    if chat and settings.tool_call_parser and request.tools and request.tool_choice != "none":
+        changes.update(tool_parser=settings.tool_call_parser,
+                       tools=msgspec.json.encode(request.tools),
+                       tool_prefill=prompt.rendered.injected_prefix if prompt.rendered else "")
+    if changes and settings.keep_special_tokens:
+        changes["skip_special_tokens"] = False
+    if request.stream:
+        changes["chunk"] = ChunkFormat(
+            kind="chat" if chat else "completion", response_id=job.request_id,
+            created=job.created, model=ctx.model_name, index=number,
+            logprobs=(plan.params.logprobs is not None if chat
+                      else request.logprobs is not None),
+            continuous_usage=bool(request.stream_options
+                                  and request.stream_options.continuous_usage_stats),
+            echo=(prompt.source_text or "") if not chat and request.echo else "",
+            reasoning_field=settings.reasoning_field,
+        )
+    return msgspec.structs.replace(plan.output, **changes)
+
+
+async def add_echo_texts(ctx: ServingContext, prompts: list[PromptInput]) -> None:
+    """Token-id prompts echo as what they decode to; text prompts as the client wrote them."""
+    for prompt in prompts:
+        if prompt.source_text is None:
+            prompt.source_text = await ctx.tokenization.decode(prompt.tokens.ids,
+                                                               skip_special_tokens=False)
+
+
+async def submit(ctx: ServingContext, job: Job) -> asyncio.Queue:
+    for candidate in job.candidates:
+        if ctx.client.in_flight(candidate.request_id):
+            # Registering it again would steal the running request's frames.
+            raise APIError(
+                400, f"a request with request_id {candidate.request_id!r} is already running",
+                "request_id",
+            )
+    queue: asyncio.Queue = asyncio.Queue()
+    try:
+        for candidate in job.candidates:
+            prompt = job.prompts[job.index_of[candidate.request_id] // job.plan.candidates]
+            await ctx.client.submit(candidate, prompt.tokens.ids, queue)
+    except EngineUnavailable as exc:
+        for candidate in job.candidates:
+            await ctx.client.abort(candidate.request_id)
+        raise APIError(503, str(exc)) from exc
+    return queue
+
+
+async def _watch_disconnect(http: Request, queue: asyncio.Queue) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            queue.put_nowait(_DISCONNECTED)
+            return
+
+
+async def job_frames(
+    ctx: ServingContext, http: Request, job: Job, queue: asyncio.Queue
+) -> AsyncIterator[tuple[int, TextFrame]]:
+    """(candidate number, frame) until every candidate finishes; aborts the rest if the
+    client leaves first."""
+    watcher = asyncio.create_task(_watch_disconnect(http, queue))
+    unfinished = set(job.index_of)
+    try:
+        while unfinished:
+            frame = await queue.get()
+            if frame is _DISCONNECTED:
+                return
+            if frame.finish_reason is not None:
+                unfinished.discard(frame.request_id)
+            yield job.index_of[frame.request_id], frame
+    finally:
+        watcher.cancel()
+        for request_id in unfinished:
+            await ctx.client.abort(request_id)
+        for request_id in job.index_of:
+            ctx.client.release(request_id)
+
+
+async def collect_candidates(frames) -> list[Candidate] | None:
+    """Gathers a whole job, candidates in order; None when the client left first."""
+    results: dict[int, Candidate] = {}
+    async with aclosing(frames):
+        async for number, frame in frames:
+            c = results.setdefault(number, Candidate())
+            c.texts.append(frame.text)
+            if frame.reasoning:
+                c.reasoning.append(frame.reasoning)
+            c.tool_calls.extend(frame.tool_calls)
+            c.logprobs.extend(frame.logprobs or ())
+            if frame.prompt_logprobs is not None:
+                c.prompt_logprobs = frame.prompt_logprobs
+            c.last = frame
+            if frame.finish_reason == "error":
+                raise frame_error(frame)
+    if not results or any(c.last is None or c.last.finish_reason is None
+                          for c in results.values()):
+        return None
+    return [results[i] for i in sorted(results)]
+
+
+def error_event(frame: TextFrame) -> bytes:
+    return sse_event(error_body(frame.error_status or 500, frame.error or "the request failed"))
+
+
+class StreamUsage(msgspec.Struct):
+    """Running token counts of a streamed job."""
+
+    prompt_tokens: int
+    completion_tokens: dict[int, int] = msgspec.field(default_factory=dict)
+
+    def update(self, number: int, frame: TextFrame) -> None:
+        self.completion_tokens[number] = frame.num_output_tokens
+
+    def total(self) -> Usage:
+        completion = sum(self.completion_tokens.values())
+        return Usage(self.prompt_tokens, completion, self.prompt_tokens + completion)
+
+
+async def sse_stream(job: Job, frames, opening: list[bytes], include_usage: bool, usage_chunk):
+    """SSE bytes of a streamed job: the opening chunks, each frame's ready-made chunk (written
+    by postproc), an error event if a candidate fails, the usage chunk, `[DONE]` (O-1)."""
+    for chunk in opening:
+        yield chunk
+    usage = StreamUsage(job.num_prompt_tokens)
+    async with aclosing(frames):
+        async for number, frame in frames:
+            if frame.finish_reason == "error":
+                yield error_event(frame)
+                break
+            usage.update(number, frame)
+            if frame.chunk:
+                yield frame.chunk
+    if include_usage:
+        yield usage_chunk(usage.total())
+    yield b"data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------- chat
+
+
+async def start_chat(
+    ctx: ServingContext, http: Request, request: ChatCompletionRequest, prefix: str = "chatcmpl"
+) -> tuple[Job, AsyncIterator[tuple[int, TextFrame]]]:
+    """Checks, renders, tokenizes and submits a chat request; returns its job and its frames
+    ((candidate number, TextFrame) until every candidate finishes, the engine requests aborted
+    if the client leaves). The other protocols (`frontend.responses_api`,
+    `frontend.anthropic_api`) translate their requests into chat requests with `stream`
+    off, so no chat-chunk bytes are written, and shape the frames themselves.
+
+    Close the frames (`aclosing`) when done with them: that aborts unfinished candidates."""
+    check_model(ctx, request.model)
+    check_request(request, structured_settings(ctx), ctx.limits)
+    prompt = await chat_input(ctx, request)
+    constraint = await constraint_for(request, structured_settings(ctx))
+    job = build_job(ctx, request, [prompt], "chat", prefix, constraint)
+    return job, job_frames(ctx, http, job, await submit(ctx, job))
+
+

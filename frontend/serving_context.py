@@ -1,0 +1,75 @@
+"""The serving context: what every route needs from the running server, in one typed place.
+
+`ServingContext` holds the engine client, the tokenization stage, the model's name and the
+server's settings (output parsers, per-request limits); the three protocol faces (OpenAI,
+Responses, Messages) and the input stage all take it as `ctx`. The small checks that read
+only the context and the helpers every face shares (an error frame's APIError, the SSE
+response) live here too, so no face imports another to get them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.responses import StreamingResponse
+
+from frontend.engine_client import EngineClient
+from frontend.errors import APIError
+from frontend.input_bounds import RequestLimits
+from frontend.structured import StructuredSettings
+from frontend.tokenization import Tokenization
+from shared.protocol import TextFrame
+
+
+class OutputSettings(msgspec.Struct, frozen=True):
+    """The server's output parsers (flags); applied to chat requests."""
+
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_field: str = "reasoning_content"
+    # The parsers' delimiters are special tokens of this tokenizer, so requests they parse
+    # keep special tokens in their text (SPEC O-6); the parsers take the delimiters out.
+    keep_special_tokens: bool = False
+
+
+class ServingContext(msgspec.Struct):
+    client: EngineClient
+    tokenization: Tokenization
+    model_name: str
+    vocab_size: int
+    output: OutputSettings = OutputSettings()
+    limits: RequestLimits = RequestLimits()  # the server's maxima per request (flags)
+
+
+def structured_settings(ctx: ServingContext) -> StructuredSettings:
+    """The server's tool-call / reasoning parsers and llguidance tokenizer, for the checks
+    and grammars of structured output (none without a tokenization stage, as in unit tests)."""
+    if ctx.tokenization is None:
+        return StructuredSettings()
+    return ctx.tokenization.settings.structured
+
+
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise APIError(404, f"The model '{model}' does not exist.", "model")
+
+
+def max_model_len(ctx: ServingContext) -> int:
+    """The engine's context length; a 503 while no engine is there to say it."""
+    stats = ctx.client.stats
+    if stats is None or not ctx.client.engine_alive:
+        raise APIError(503, "The engine is not available; try again shortly.")
+    return stats.max_model_len
+
+
+def frame_error(frame: TextFrame) -> APIError:
+    """The APIError an error frame stands for."""
+    return APIError(frame.error_status or 500, frame.error or "the request failed")
+
+
+def sse_response(events) -> StreamingResponse:
+    """A Server-Sent Events response; proxies must neither cache nor buffer it."""
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
