@@ -20,7 +20,7 @@ from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
 from frontend.errors import bad_request
 from frontend.rendering import RenderedPrompt, RenderError, RenderParams, check_render_params
-from frontend.serving_context import max_model_len
+from frontend.serving_context import ServingContext, max_model_len
 from frontend.structured import forced_call_prefix
 from frontend.tokenization import RenderTimeout
 
@@ -38,18 +38,18 @@ class PromptInput(msgspec.Struct):
         return len(self.tokens.ids)
 
 
-async def chat_prompt_ids(ctx, request: ChatCompletionRequest) -> list[int]:
+async def chat_prompt_ids(ctx: ServingContext, request: ChatCompletionRequest) -> list[int]:
     return (await chat_input(ctx, request)).tokens.ids
 
 
-async def completion_prompt_ids(ctx, request: CompletionRequest) -> list[int]:
+async def completion_prompt_ids(ctx: ServingContext, request: CompletionRequest) -> list[int]:
     return (await completion_input(ctx, request)).tokens.ids
 
 
 # ---------------------------------------------------------------- chat
 
 
-async def chat_input(ctx, request: ChatCompletionRequest) -> PromptInput:
+async def chat_input(ctx: ServingContext, request: ChatCompletionRequest) -> PromptInput:
     params = _tokenize_params(ctx, request, add_special_tokens=False)
     if request.prompt_token_ids is not None:
         return await _passthrough(ctx, request, request.prompt_token_ids, params, "chat")
@@ -61,7 +61,7 @@ async def chat_input(ctx, request: ChatCompletionRequest) -> PromptInput:
     return PromptInput(tokens, rendered)
 
 
-async def _render(ctx, request: ChatCompletionRequest) -> RenderedPrompt:
+async def _render(ctx: ServingContext, request: ChatCompletionRequest) -> RenderedPrompt:
     settings = ctx.tokenization.settings.templates
     structured = ctx.tokenization.settings.structured
     if request.chat_template is not None and not settings.trust_request_chat_template:
@@ -94,7 +94,7 @@ async def _render(ctx, request: ChatCompletionRequest) -> RenderedPrompt:
 # ---------------------------------------------------------------- completions
 
 
-async def completion_input(ctx, request: CompletionRequest) -> PromptInput:
+async def completion_input(ctx: ServingContext, request: CompletionRequest) -> PromptInput:
     """The one prompt of a request that has one; a batch is a 400 here."""
     inputs = await completion_inputs(ctx, request)
     if len(inputs) != 1:
@@ -102,7 +102,7 @@ async def completion_input(ctx, request: CompletionRequest) -> PromptInput:
     return inputs[0]
 
 
-async def completion_inputs(ctx, request: CompletionRequest) -> list[PromptInput]:
+async def completion_inputs(ctx: ServingContext, request: CompletionRequest) -> list[PromptInput]:
     """One PromptInput per prompt: a string, token ids, or a list of either (a batch, whose
     choices come back in prompt order, n per prompt; its size was bounded by check_bounds,
     --max-prompts-per-request)."""
@@ -127,7 +127,8 @@ async def completion_inputs(ctx, request: CompletionRequest) -> list[PromptInput
     return inputs
 
 
-async def _completion_text(ctx, request, text: str, params: TokenizeParams) -> PromptInput:
+async def _completion_text(ctx: ServingContext, request, text: str,
+                           params: TokenizeParams) -> PromptInput:
     tokens = await _tokenize(ctx, text, params, "prompt")
     _record(request, "completions", tokens, rendered=False)
     return PromptInput(tokens, source_text=text)
@@ -136,7 +137,8 @@ async def _completion_text(ctx, request, text: str, params: TokenizeParams) -> P
 # ---------------------------------------------------------------- shared steps
 
 
-def _tokenize_params(ctx, request: Request, *, add_special_tokens: bool) -> TokenizeParams:
+def _tokenize_params(ctx: ServingContext, request: Request, *,
+                     add_special_tokens: bool) -> TokenizeParams:
     params = TokenizeParams(
         max_total_tokens=max_model_len(ctx),
         truncate_prompt_tokens=request.truncate_prompt_tokens,
@@ -150,7 +152,8 @@ def _tokenize_params(ctx, request: Request, *, add_special_tokens: bool) -> Toke
     return params
 
 
-async def _tokenize(ctx, text: str, params: TokenizeParams, field: str) -> PromptTokens:
+async def _tokenize(ctx: ServingContext, text: str, params: TokenizeParams,
+                    field: str) -> PromptTokens:
     try:
         return await ctx.tokenization.tokenize(text, params)
     except BudgetError as exc:
@@ -158,7 +161,8 @@ async def _tokenize(ctx, text: str, params: TokenizeParams, field: str) -> Promp
         raise bad_request(str(exc), exc.param or field) from exc
 
 
-async def _passthrough(ctx, request, ids, params: TokenizeParams, endpoint: str) -> PromptInput:
+async def _passthrough(ctx: ServingContext, request, ids, params: TokenizeParams,
+                       endpoint: str) -> PromptInput:
     ids = _decode_ids(ids, ctx.vocab_size)
     try:
         tokens = await ctx.tokenization.fit_ids(ids, params)
