@@ -112,6 +112,8 @@ def _check_cache_holds(num_pages: int, config: EngineConfig, max_model_len: int)
 def build_engine(config: EngineConfig) -> EngineCore:
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)  # CPU and every CUDA device
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     try:

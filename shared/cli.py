@@ -147,6 +147,19 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a heartbeat after which the engine aborts a "
                         "frontend's requests (default: 10; 0: never)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--seed", type=_seed, default=None,
+                   help="seed the engine's random generators at start, so requests without "
+                        "a seed of their own repeat from run to run (default: not seeded)")
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} is outside [0, 2**63)")
+    return value
 
 
 def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
@@ -395,7 +408,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         max_num_seqs=args.max_num_seqs, threads=args.threads,
         scheduling_policy=args.scheduling_policy, postproc_address=postproc_address,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        frontend_timeout_s=args.frontend_timeout,
+        frontend_timeout_s=args.frontend_timeout, seed=args.seed,
     )
 
 
@@ -494,7 +507,8 @@ def _serve(args) -> int:
     ]
     for flag, value in (("--num-kv-pages", args.num_kv_pages),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads),
-                        ("--long-prefill-token-threshold", args.long_prefill_token_threshold)):
+                        ("--long-prefill-token-threshold", args.long_prefill_token_threshold),
+                        ("--seed", args.seed)):
         if value is not None:
             engine_argv += [flag, str(value)]
     if args.enforce_eager:

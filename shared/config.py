@@ -27,6 +27,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # A frontend silent this long has its requests aborted (engine.server).
     frontend_timeout_s: float = 10.0
     threads: int | None = None
+    # --seed: seeds torch's default generators at start, which requests without their own
+    # seed draw from, so a run repeats (vLLM's --seed). None: not seeded.
+    seed: int | None = None
     engine_id: str = "engine-0"
     # Where postproc workers connect (the engine binds a ROUTER); None = no fleet.
     postproc_address: str | None = None

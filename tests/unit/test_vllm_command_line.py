@@ -150,3 +150,22 @@ def test_missing_feature_flags_at_their_neutral_value_pass():
 def test_vllm_names_for_our_flags():
     args = cli.parse_args(["engine", "--block-size", "32", "--num_gpu_blocks_override", "99"])
     assert args.page_size == 32 and args.num_kv_pages == 99
+
+
+def test_seed_reaches_the_engine_and_serve_forwards_it(monkeypatch):
+    args = cli.parse_args(["engine", "--seed", "7"])
+    assert cli.engine_config(args, "ipc:///tmp/x").seed == 7
+    assert cli.engine_config(cli.parse_args(["engine"]), "ipc:///tmp/x").seed is None
+    started = []
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv: started.append(argv))
+    monkeypatch.setattr(cli, "_supervise", lambda *a, **k: 0)
+    monkeypatch.setattr(cli, "prepare_prometheus_dir", lambda: None)
+    cli._serve(cli.parse_args(["serve", "--seed", "0"]))
+    assert started[0][started[0].index("--seed") + 1] == "0"
+
+
+@pytest.mark.parametrize("value", ["-1", "x", str(2**63)])
+def test_bad_seeds_fail_at_start(value, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["engine", "--seed", value])
+    assert "--seed" in capsys.readouterr().err
