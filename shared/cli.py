@@ -53,6 +53,8 @@ VLLM_NOOP_FLAGS = {
     "--disable-log-requests": "requests are not logged one by one",
     "--disable-frontend-multiprocessing": "the frontend is always its own process",
     "--disable-fastapi-docs": "there are no /docs pages to disable",
+    "--enable-prefix-caching": "prefix caching is always on",
+    "--enable-chunked-prefill": "chunked prefill is always on",
 }
 
 # vLLM flags for features sluice does not have: flag -> (type, the value that asks for
@@ -70,6 +72,8 @@ VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
     "--enable-lora": (bool, False, "LoRA adapters"),
     "--kv-cache-dtype": (str, "auto", "a KV cache dtype other than --dtype's"),
     "--cpu-offload-gb": (float, 0.0, "offloading weights to CPU memory"),
+    "--no-enable-prefix-caching": (bool, False, "way to turn prefix caching off (it is always "
+                                   "on; a request's cache_salt keeps tenants apart)"),
 }
 _SHORT_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
                 "--data-parallel-size": "-dp", "--quantization": "-q"}

@@ -169,3 +169,10 @@ def test_bad_seeds_fail_at_start(value, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["engine", "--seed", value])
     assert "--seed" in capsys.readouterr().err
+
+
+def test_prefix_caching_flags():
+    assert cli.parse_args(["serve", "--enable-prefix-caching"]).compat_notes == [
+        "--enable-prefix-caching changes nothing here: prefix caching is always on"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--no-enable-prefix-caching"])
