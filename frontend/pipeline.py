@@ -110,7 +110,7 @@ def build_job(
     plans = [
         plan_request(request, endpoint=endpoint, prompt_len=p.num_tokens,
                      max_model_len=max_model_len(ctx), vocab_size=ctx.vocab_size,
-                     constraint=constraint)
+                     constraint=constraint, defaults=ctx.generation_defaults)
         for p in prompts
     ]
     job = Job(request_id, int(now), prompts, plans[0], [], {})

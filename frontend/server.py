@@ -19,6 +19,7 @@ from frontend.structured import StructuredSettings
 from frontend.tokenization import InputSettings, Tokenization
 from postproc.processor import OutputProcessor, parser_delimiters_are_special
 from shared.config import FrontendConfig
+from shared.generation_config import load_generation_defaults
 from shared.tokenizer import TokenizerFacts, load_tokenizer, tokenizer_facts
 
 log = logging.getLogger("sluice.frontend")
@@ -72,11 +73,16 @@ def run_frontend(config: FrontendConfig) -> None:
         engine_timeout_s=config.engine_timeout_s,
     )
     client.tracker.request_timeout_s = config.request_timeout_s
+    defaults = load_generation_defaults(config.model, config.generation_config,
+                                        config.override_generation_config)
+    log.info("generation defaults in force (--generation-config %s): %s",
+             config.generation_config, defaults.in_force() or "none (the OpenAI defaults)")
     ctx = ServingContext(
         client=client,
         tokenization=Tokenization(tokenizer, _input_settings(config, tokenizer, facts)),
         model_name=config.served_model_name,
         vocab_size=facts.max_token_id + 1,
+        generation_defaults=defaults,
         output=OutputSettings(
             reasoning_parser=config.reasoning_parser,
             tool_call_parser=config.tool_call_parser,

@@ -17,6 +17,7 @@ from frontend.errors import APIError
 from frontend.input_bounds import RequestLimits
 from frontend.structured import StructuredSettings
 from frontend.tokenization import Tokenization
+from shared.generation_config import GenerationDefaults
 from shared.protocol import TextFrame
 
 
@@ -38,6 +39,8 @@ class ServingContext(msgspec.Struct):
     vocab_size: int
     output: OutputSettings = OutputSettings()
     limits: RequestLimits = RequestLimits()  # the server's maxima per request (flags)
+    # --generation-config's defaults for fields a request leaves out (request values win).
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 def structured_settings(ctx: ServingContext) -> StructuredSettings:

@@ -197,6 +197,14 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    help="/v1/responses kept in this frontend's memory for GET and "
                         "previous_response_id, least recently used dropped first; 0 stores "
                         "none (default: 1000)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for fields a request leaves out: auto, the model's "
+                        "generation_config.json (beside a .gguf file too); vllm, none (the "
+                        "OpenAI defaults); a FOLDER, its generation_config.json (default: auto)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="JSON laid over those defaults, e.g. '{\"temperature\": 0.5}' "
+                        "(fields: temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens)")
     _add_limit_arguments(p)
 
 
@@ -428,6 +436,8 @@ def frontend_config(args, engine_address: str, result_address: str | None) -> Fr
         trust_request_chat_template=args.trust_request_chat_template,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         reasoning_field=args.reasoning_field, max_stored_responses=args.max_stored_responses,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         **_limit_config(args),
     )
 
@@ -487,6 +497,18 @@ def _setup_logging(level: str) -> None:
     )
 
 
+def check_generation_config(args) -> None:
+    """Fail at start, with the reason, on a bad --generation-config or
+    --override-generation-config (the frontend loads them again when it starts)."""
+    from shared.generation_config import load_generation_defaults
+
+    try:
+        load_generation_defaults(_model_names(args)[0], args.generation_config,
+                                 args.override_generation_config)
+    except ValueError as e:
+        raise SystemExit(f"sluice: {e}") from None
+
+
 def _serve(args) -> int:
     """Start engine and frontend as two processes over ipc and watch them."""
     address = new_ipc_address("engine")
@@ -532,7 +554,10 @@ def _serve(args) -> int:
             frontend_argv += [flag, value]
     frontend_argv += ["--reasoning-field", args.reasoning_field,
                       "--max-stored-responses", str(args.max_stored_responses),
+                      "--generation-config", args.generation_config,
                       *_limit_argv(args)]
+    if args.override_generation_config is not None:
+        frontend_argv += ["--override-generation-config", args.override_generation_config]
     keys = _api_keys(args)
     if keys:
         os.environ["SLUICE_API_KEY"] = ",".join(keys)
@@ -594,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.log_level)
     for note in args.compat_notes:
         logging.getLogger("sluice").info("%s", note)
+    if args.command in ("serve", "frontend"):
+        check_generation_config(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "engine":

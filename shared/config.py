@@ -56,6 +56,10 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     reasoning_field: str = "reasoning_content"  # vLLM now says "reasoning"
     # /v1/responses with store: responses kept in this frontend's memory (LRU); 0: none.
     max_stored_responses: int = 1000
+    # --generation-config auto|vllm|FOLDER and --override-generation-config JSON
+    # (shared.generation_config): sampling defaults for fields a request leaves out.
+    generation_config: str = "auto"
+    override_generation_config: str | None = None
     # Limits and security (frontend.auth, frontend.limits); see docs/operations.md.
     api_keys: list[str] = []  # empty: no authentication
     allowed_origins: list[str] = []  # CORS; empty: no CORS headers at all

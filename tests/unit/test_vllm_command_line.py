@@ -176,3 +176,35 @@ def test_prefix_caching_flags():
         "--enable-prefix-caching changes nothing here: prefix caching is always on"]
     with pytest.raises(SystemExit):
         cli.parse_args(["serve", "--no-enable-prefix-caching"])
+
+
+def test_generation_config_flags_parse_and_serve_forwards_them():
+    for command in ("serve", "frontend"):
+        args = cli.parse_args([command])
+        assert args.generation_config == "auto" and args.override_generation_config is None
+    args = cli.parse_args(["frontend", "--generation-config", "vllm",
+                           "--override_generation_config", '{"top_k": 1}'])
+    assert args.generation_config == "vllm"
+    config = cli.frontend_config(args, "ipc:///tmp/x", None)
+    assert config.generation_config == "vllm"
+    assert config.override_generation_config == '{"top_k": 1}'
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--generation-config", "/no/such/folder"], "not a folder"),
+    (["--override-generation-config", "{not json"], "not JSON"),
+    (["--override-generation-config", '{"top_kk": 1}'], "unknown fields"),
+    (["--override-generation-config", '{"temperature": -1}'], "out of range"),
+])
+def test_bad_generation_config_fails_at_start(flags, message):
+    for command in ("serve", "frontend"):
+        with pytest.raises(SystemExit) as e:
+            cli.check_generation_config(cli.parse_args([command, *flags]))
+        assert message in str(e.value) and str(e.value).startswith("sluice: ")
+
+
+def test_good_generation_config_passes(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"top_k": 1, "temperature": 0.7}')
+    args = cli.parse_args(["serve", "--generation-config", str(tmp_path),
+                           "--override-generation-config", '{"top_p": 0.9}'])
+    cli.check_generation_config(args)  # no SystemExit
