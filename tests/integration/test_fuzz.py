@@ -32,7 +32,7 @@ from tests.servers import Stack
 pytestmark = pytest.mark.slow  # its own stack, thousands of requests
 
 EXAMPLES = 1000
-COMBINATIONS = 150  # boundary combinations per request model
+COMBINATIONS = 75  # boundary combinations per request model
 # A valid request per route, and the fields its model knows: mutations start from these.
 ROUTES = {
     "/v1/chat/completions": (ChatCompletionRequest,
