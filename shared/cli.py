@@ -142,12 +142,12 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "arrival")
     g.add_argument("--max-num-seqs", type=int, default=128,
                    help="most sequences in the running batch")
-    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+    g.add_argument("--long-prefill-token-threshold", type=_int_at_least(0), default=None,
                    help="while other requests want to run, a prompt with more tokens left "
                         "than this is prefilled at most this many tokens a step, one such "
                         "prompt at a time (default: a quarter of --max-num-batched-tokens; "
                         "0: no cap)")
-    g.add_argument("--frontend-timeout", type=float, default=10.0,
+    g.add_argument("--frontend-timeout", type=_seconds, default=10.0,
                    help="seconds without a heartbeat after which the engine aborts a "
                         "frontend's requests (default: 10; 0: never)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -163,6 +163,31 @@ def _seed(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if not 0 <= value < 2**63:
         raise argparse.ArgumentTypeError(f"{value} is outside [0, 2**63)")
+    return value
+
+
+def _int_at_least(low: int):
+    """An argparse type: an integer no smaller than `low` (a bound of 0 would refuse
+    everything, a negative one makes no sense)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below the minimum, {low}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite, non-negative number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a finite number of seconds >= 0")
     return value
 
 
@@ -254,7 +279,7 @@ _BOUNDS = {
 def _add_bound_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("frontend bounds per request (past one: a 400 naming the field)")
     for flag, (dest, default, what) in _BOUNDS.items():
-        g.add_argument(flag, type=int, default=default, dest=dest,
+        g.add_argument(flag, type=_int_at_least(1), default=default, dest=dest,
                        help=f"{what} (default: {default})")
 
 

@@ -59,3 +59,24 @@ def test_max_stored_responses_reaches_the_frontend_config(monkeypatch):
     parser = cli.build_parser()
     args = parser.parse_args(["frontend", "--max-stored-responses", "7"])
     assert cli.frontend_config(args, "tcp://127.0.0.1:1", None).max_stored_responses == 7
+
+
+def test_bounds_and_scheduling_flags_refuse_values_that_make_no_sense(capsys):
+    import pytest
+
+    bad = [
+        ["frontend", "--max-json-depth", "0"], ["frontend", "--max-n", "-1"],
+        ["frontend", "--max-tools", "many"], ["frontend", "--max-stop-strings", "0"],
+        ["engine", "--long-prefill-token-threshold", "-5"],
+        ["engine", "--frontend-timeout", "-1"], ["engine", "--frontend-timeout", "inf"],
+        ["engine", "--frontend-timeout", "nan"],
+    ]
+    for argv in bad:
+        with pytest.raises(SystemExit) as exited:
+            cli.build_parser().parse_args(argv)
+        assert exited.value.code == 2, argv
+        assert argv[1] in capsys.readouterr().err
+    args = cli.build_parser().parse_args(
+        ["engine", "--long-prefill-token-threshold", "0", "--frontend-timeout", "0"])
+    assert (args.long_prefill_token_threshold, args.frontend_timeout) == (0, 0.0)
+    assert cli.build_parser().parse_args(["frontend", "--max-n", "1"]).max_n == 1
