@@ -27,32 +27,11 @@ from __future__ import annotations
 import bisect
 import itertools
 
-import msgspec
-
+from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.kv_cache import OutOfPages, PageAllocator, chain_hash, root_hash
 from engine.sequence import Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "priority")
-
-
-class ScheduledChunk(msgspec.Struct):
-    seq: Sequence
-    start: int  # position of the first token fed this step
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a new token is drawn."""
-        return self.start + self.num_tokens == len(self.seq.token_ids)
-
-
-class SchedulerOutput(msgspec.Struct):
-    chunks: list[ScheduledChunk]
-    preempted: list[Sequence]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
 
 
 def default_long_prefill_threshold(max_num_batched_tokens: int) -> int:

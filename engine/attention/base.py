@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from engine.scheduler import ScheduledChunk
+from engine.batch import ScheduledChunk
 
 
 class AttentionBackend(Protocol):

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from engine.scheduler import ScheduledChunk
+from engine.batch import ScheduledChunk
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.scheduler import ScheduledChunk
+from engine.batch import ScheduledChunk
 
 
 class PrefillSlice(msgspec.Struct):

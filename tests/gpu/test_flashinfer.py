@@ -254,9 +254,9 @@ class Path:
 
 
 def test_logits_flashinfer_vs_torch_backend(prompts):
+    from engine.batch import ScheduledChunk
     from engine.models.config import load_model_config
     from engine.models.weights import load_weights
-    from engine.scheduler import ScheduledChunk
     from engine.sequence import Sequence
 
     path = default_model_path()

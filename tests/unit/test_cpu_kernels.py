@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.batch import ScheduledChunk
 from engine.cpu_kernels import kernels
 from engine.models.config import load_model_config
 from engine.models.llama import LlamaModel, RotaryEmbedding
@@ -25,7 +26,6 @@ from engine.models.weights import (
     load_quantized_weights,
     load_weights,
 )
-from engine.scheduler import ScheduledChunk
 from shared.model_source import default_model_path
 from tests.unit.engine_builders import CONFIG
 

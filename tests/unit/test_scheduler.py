@@ -6,8 +6,9 @@ from typing import NamedTuple
 
 import pytest
 
+from engine.batch import SchedulerOutput
 from engine.kv_cache import PageAllocator
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from shared.protocol import SamplingParams
 
