@@ -10,10 +10,10 @@ The frontend sends each constrained request's grammar already translated and val
   refused before llguidance sees it), on deep-stack threads, and computes the first mask
   there too, so a grammar that fails at compile or at its first mask is a 400 before any
   token. A matcher that fails later (a limit hit mid-answer) fails only its request.
-- Each step, `fill_masks` computes one allowed-token bitmask per constrained row (in parallel,
-  on llguidance's own threads, while the device runs the forward pass) and `apply_masks` sets
-  every disallowed logit to -inf before sampling, so logprobs only give mass to tokens the
-  grammar allows (O-4).
+- Each step, `step_masks` (the backend's `fill_masks`) computes one allowed-token bitmask
+  per constrained row (in parallel, on llguidance's own threads, while the device runs the
+  forward pass) and `GrammarMasks.apply` sets every disallowed logit to -inf before
+  sampling, so logprobs only give mass to tokens the grammar allows (O-4).
 - The sampled token advances the request's matcher (`RequestGrammar.advance`); a matcher that
   has stopped (the grammar is complete, or EOS was taken in an accepting state) ends the
   request. Matchers only move on sampled tokens, so a preempted request that is recomputed
@@ -96,6 +96,18 @@ class GrammarMasks(msgspec.Struct):
 
     rows: list[int]
     bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)], on the CPU
+    backend: GrammarBackend  # the one that filled them, and knows how to apply them
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place: disallowed tokens of each constrained row get -inf."""
+        self.backend.apply_masks(logits, self)
+
+
+def step_masks(grammars: list[RequestGrammar | None]) -> GrammarMasks | None:
+    """Bitmasks for one step's sampled rows (one entry each, None where unconstrained), from
+    the backend that compiled their grammars; None when no row is constrained."""
+    first = next((g for g in grammars if g is not None), None)
+    return None if first is None else first.backend.fill_masks(grammars)
 
 
 class GrammarBackend:
@@ -163,7 +175,7 @@ class GrammarBackend:
         bitmask = self._bitmask[: len(rows)]
         pairs = [(grammars[row].matcher, k) for k, row in enumerate(rows)]
         llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
-        return GrammarMasks(rows, bitmask)
+        return GrammarMasks(rows, bitmask, self)
 
     def apply_masks(self, logits: torch.Tensor, masks: GrammarMasks) -> None:
         """In place: disallowed tokens of each constrained row get -inf."""

@@ -9,11 +9,11 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.grammar import GrammarMasks
+from engine.batch import ScheduledChunk
+from engine.grammar import GrammarMasks, step_masks
 from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
 from engine.sampler import SamplingRows, sample, token_logprobs
-from engine.scheduler import ScheduledChunk
 from shared.protocol import TokenLogprobs
 
 log = logging.getLogger("sluice.engine")
@@ -69,7 +69,7 @@ class ModelRunner:
         masks, mask_error = None, None
         try:
             # On the CPU while the device still runs the forward pass.
-            masks = _grammar_masks(seqs)
+            masks = step_masks([s.grammar for s in seqs])
         except Exception as exc:  # some grammar broke: found row by row below
             mask_error = exc
         failed: dict[str, str] = {}
@@ -103,7 +103,7 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             try:
                 self.stage = "the grammar mask"
-                one_mask = _grammar_masks([seq])
+                one_mask = step_masks([seq.grammar])
                 sampled.append(self._sample([seq], logits[i : i + 1], one_mask)[0])
             except Exception as exc:
                 _reraise_device_fault(exc)
@@ -120,7 +120,7 @@ class ModelRunner:
         if masks is not None:
             # Last, so nothing re-enables a token the grammar forbids; logprobs see it (O-4).
             self.stage = "the grammar mask"
-            seqs[masks.rows[0]].grammar.backend.apply_masks(logits, masks)
+            masks.apply(logits)
         self.stage = "sampling"
         params = [s.params for s in seqs]
         rows = SamplingRows.build(params, [s.generator for s in seqs], self.vocab_size)
@@ -186,9 +186,3 @@ def _reraise_device_fault(exc: Exception) -> None:
     engine down (to be restarted) instead of failing requests one by one."""
     if isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA error" in str(exc):
         raise exc
-
-
-def _grammar_masks(seqs) -> GrammarMasks | None:
-    grammars = [s.grammar for s in seqs]
-    first = next((g for g in grammars if g is not None), None)
-    return None if first is None else first.backend.fill_masks(grammars)
