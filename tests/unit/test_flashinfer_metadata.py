@@ -29,8 +29,8 @@ from engine.attention.selector import (
     flashinfer_unavailable,
     select_attention_backend,
 )
+from engine.batch import ScheduledChunk
 from engine.cuda_graphs import graph_batch_sizes
-from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
 from shared.protocol import SamplingParams
 
@@ -224,7 +224,7 @@ def test_flashinfer_missing_or_float32_on_cuda(monkeypatch):
 
 
 def test_build_engine_refuses_flashinfer_on_cpu_before_loading_anything():
-    from engine.server import build_engine
+    from engine.build import build_engine
     from shared.config import EngineConfig
 
     config = EngineConfig(model="/nonexistent", served_model_name="x", request_address="x",
@@ -234,7 +234,7 @@ def test_build_engine_refuses_flashinfer_on_cpu_before_loading_anything():
 
 
 def test_gpu_cache_gets_what_weights_and_activations_leave(monkeypatch):
-    from engine.server import gpu_activation_reserve, gpu_kv_pages
+    from engine.build import gpu_activation_reserve, gpu_kv_pages
     from shared.config import EngineConfig
     from tests.unit.engine_builders import CONFIG
 

@@ -1,0 +1,161 @@
+"""Building an engine from its config: the device and dtype, the attention backend, the
+model and its weights, how many KV pages fit, and the EngineCore that ties them together.
+
+`engine.server.run_engine` calls `build_engine` before it opens any socket; benchmarks and
+tests call it to get a core without the process around it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.attention.selector import (
+    BackendUnavailable,
+    create_attention_backend,
+    select_attention_backend,
+)
+from engine.core import EngineCore
+from engine.device import resolve_dtype
+from engine.grammar import GrammarBackend
+from engine.kv_cache import PageAllocator
+from engine.model_runner import ModelRunner
+from engine.models.config import ModelConfig, load_model_config
+from engine.models.llama import LlamaModel
+from engine.models.ops import make_ops
+from engine.models.weights import load_quantized_weights, load_weights
+from engine.scheduler import Scheduler
+from shared.config import EngineConfig
+from shared.tokenizer import load_tokenizer, tokenizer_facts
+
+log = logging.getLogger("sluice.engine")
+
+# ---------------------------------------------------------------- page arithmetic
+
+
+def _page_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one KV page takes: K and V of `page_size` tokens in every layer."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * config.page_size * model.num_kv_heads * model.head_dim * element
+
+
+def kv_pages_for(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    if config.num_pages is not None:
+        return config.num_pages
+    return max(1, int(config.kv_cache_memory_gb * 2**30) // _page_bytes(config, model, dtype))
+
+
+# Besides weights, KV cache and activations a GPU engine holds FlashInfer's workspaces
+# (128 MiB float, 8 MiB int per wrapper), the CUDA-graph memory pool, cuBLAS workspaces and
+# allocator slack; 1 GiB covers them for the models we serve.
+GPU_FIXED_RESERVE_BYTES = 2**30
+
+
+def gpu_activation_reserve(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes a step's activations may take at most, estimated from the step's token budget:
+    the tensors live at once inside one layer (residual, normed input, q/k/v and their
+    rotated copies, attention output, gate/up, SiLU output), the float32 logits of
+    max_num_seqs rows with the sampler's copies of them (softmax, sort, cumsum), and the
+    fixed reserve. Prompt logprobs of a long prefill chunk come out of what
+    --gpu-memory-utilization leaves free."""
+    element = torch.empty((), dtype=dtype).element_size()
+    q_size = model.num_heads * model.head_dim
+    kv_size = model.num_kv_heads * model.head_dim
+    per_token = 4 * model.hidden_size + 2 * (q_size + 2 * kv_size) + 3 * model.intermediate_size
+    activations = config.max_num_batched_tokens * per_token * element
+    logits = config.max_num_seqs * model.vocab_size * 4 * 6
+    return activations + logits + GPU_FIXED_RESERVE_BYTES
+
+
+def gpu_kv_pages(
+    config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    """KV pages that fit in --gpu-memory-utilization of the GPU's memory, once the weights
+    are on it (call after loading) and the activation reserve is set aside. Memory other
+    processes hold on the GPU counts as used."""
+    if config.num_pages is not None:
+        return config.num_pages
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise SystemExit(
+            f"--gpu-memory-utilization must lie in (0, 1], not {config.gpu_memory_utilization}"
+        )
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = (config.gpu_memory_utilization * total - (total - free)
+              - gpu_activation_reserve(config, model, dtype))
+    return max(1, int(budget) // _page_bytes(config, model, dtype))
+
+
+def _check_cache_holds(num_pages: int, config: EngineConfig, max_model_len: int) -> None:
+    if num_pages * config.page_size < max_model_len:
+        more = ("raise --gpu-memory-utilization" if config.device.startswith("cuda")
+                else "give it more memory")
+        raise SystemExit(
+            f"the KV cache ({num_pages} pages of {config.page_size} tokens) cannot hold one "
+            f"sequence of max_model_len={max_model_len}; {more} or lower --max-model-len"
+        )
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def build_engine(config: EngineConfig) -> EngineCore:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)  # CPU and every CUDA device
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    try:
+        choice = select_attention_backend(config.attention_backend, device, dtype)
+    except BackendUnavailable as exc:
+        raise SystemExit(str(exc)) from None
+    log.info("attention backend: %s (%s)", choice.name, choice.reason)
+    model_config = load_model_config(config.model)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    on_gpu = device.type == "cuda"
+    if on_gpu and device.index is not None:
+        torch.cuda.set_device(device)  # streams, graphs and kernel workspaces follow it
+    if not on_gpu:  # sized up front; on a GPU the cache gets what the weights leave
+        num_pages = kv_pages_for(config, model_config, dtype)
+        _check_cache_holds(num_pages, config, max_model_len)
+    started = time.monotonic()
+    weights = load_weights(config.model, model_config, torch.float32)
+    ops = make_ops(choice.name, device)
+    quantized = load_quantized_weights(config.model, model_config) if device.type == "cpu" else {}
+    model = LlamaModel(model_config, weights, max_model_len, dtype, device, ops=ops,
+                       quantized=quantized)
+    del weights
+    log.info("loaded %s (%s, %s ops) in %.1fs", config.served_model_name, dtype,
+             model.ops.name, time.monotonic() - started)
+    if on_gpu:
+        num_pages = gpu_kv_pages(config, model_config, dtype, device)
+        _check_cache_holds(num_pages, config, max_model_len)
+        log.info("KV cache: %d pages of %d tokens", num_pages, config.page_size)
+    backend = create_attention_backend(
+        choice.name, model_config, num_pages, config.page_size, dtype, device
+    )
+    if choice.name == "flashinfer" and not config.enforce_eager:
+        from engine.cuda_graphs import DecodeGraphModel, graph_batch_sizes
+
+        model = DecodeGraphModel(
+            model, backend, graph_batch_sizes(config.max_num_seqs), max_model_len
+        )
+        model.capture()
+    allocator = PageAllocator(num_pages, config.page_size)
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    facts = tokenizer_facts(tokenizer, config.model)
+    return EngineCore(
+        ModelRunner(model, backend, model_config.vocab_size),
+        allocator,
+        Scheduler(allocator, config.max_num_batched_tokens, config.max_num_seqs,
+                  config.scheduling_policy, config.long_prefill_token_threshold),
+        eos_token_ids=facts.eos_token_ids,
+        max_model_len=max_model_len,
+        vocab_size=model_config.vocab_size,
+        engine_id=config.engine_id,
+        model_name=config.served_model_name,
+        grammar=GrammarBackend(tokenizer, model_config.vocab_size, facts.eos_token_ids),
+        max_logprobs=config.max_logprobs,
+    )
