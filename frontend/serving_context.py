@@ -30,13 +30,15 @@ class OutputSettings(msgspec.Struct, frozen=True):
     # The parsers' delimiters are special tokens of this tokenizer, so requests they parse
     # keep special tokens in their text (SPEC O-6); the parsers take the delimiters out.
     keep_special_tokens: bool = False
+    response_role: str = "assistant"  # --response-role: the role chat answers carry
 
 
 class ServingContext(msgspec.Struct):
     client: EngineClient
     tokenization: Tokenization
-    model_name: str
+    model_name: str  # the name responses carry (the first --served-model-name)
     vocab_size: int
+    model_aliases: tuple[str, ...] = ()  # further names requests may send as `model`
     output: OutputSettings = OutputSettings()
     limits: RequestLimits = RequestLimits()  # the server's maxima per request (flags)
     # --generation-config's defaults for fields a request leaves out (request values win).
@@ -45,14 +47,12 @@ class ServingContext(msgspec.Struct):
 
 def structured_settings(ctx: ServingContext) -> StructuredSettings:
     """The server's tool-call / reasoning parsers and llguidance tokenizer, for the checks
-    and grammars of structured output (none without a tokenization stage, as in unit tests)."""
-    if ctx.tokenization is None:
-        return StructuredSettings()
+    and grammars of structured output."""
     return ctx.tokenization.settings.structured
 
 
 def check_model(ctx: ServingContext, model: str | None) -> None:
-    if model is not None and model != ctx.model_name:
+    if model is not None and model != ctx.model_name and model not in ctx.model_aliases:
         raise APIError(404, f"The model '{model}' does not exist.", "model")
 
 

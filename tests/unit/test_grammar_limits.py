@@ -23,17 +23,10 @@ from shared import grammar_limits
 from shared.grammar_limits import MAX_LARK_RULES, grammar_problem, lark_rule_count
 from shared.model_source import default_model_path
 from shared.protocol import Constraint
-from shared.tokenizer import load_tokenizer
-from tests.unit.grammar_check_helpers import crash_on_boom
+from shared.tokenizer import load_tokenizer, tokenizer_facts
+from tests.unit.grammar_check_helpers import chained_rules, crash_on_boom
 
 EOS = 2
-
-
-def chained_rules(n: int) -> str:
-    """The fuzzer's grammar: without limits, llguidance recurses once per rule and a few
-    thousand overflow an 8 MiB stack (SIGSEGV)."""
-    return "\n".join(["start: r0", *(f'r{i}: "a" r{i + 1} | "b"' for i in range(n)),
-                      f'r{n}: "c"'])
 
 
 def chained_refs(n: int) -> dict:
@@ -65,8 +58,13 @@ def refused(request, settings=NO_PARSERS) -> APIError:
 
 
 @pytest.fixture(scope="module")
-def llt():
-    return llguidance.hf.from_tokenizer(load_tokenizer(default_model_path()), eos_token=[EOS])
+def smol():
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def llt(smol):
+    return llguidance.hf.from_tokenizer(smol, eos_token=[EOS])
 
 
 # ---------------------------------------------------------------- the limits
@@ -127,7 +125,7 @@ def test_the_deep_stack_holds_chains_far_past_the_limits():
     code = textwrap.dedent(f"""
         from llguidance import LLMatcher, grammar_from
         from shared.grammar_limits import DeepStackThreads
-        from tests.unit.test_grammar_limits import chained_rules
+        from tests.unit.grammar_check_helpers import chained_rules
         grammar = grammar_from("lark", chained_rules(10 * {MAX_LARK_RULES}))
         check = LLMatcher.validate_grammar_with_warnings
         print(DeepStackThreads(1).submit(check, grammar).result(timeout=120))
@@ -184,23 +182,21 @@ class CountingChecker:
         return None
 
 
-def test_a_batched_completion_is_checked_once_and_its_prompts_share_the_constraint():
-    from types import SimpleNamespace
-
+def test_a_batched_completion_is_checked_once_and_its_prompts_share_the_constraint(smol):
     from frontend.budgets import PromptTokens
     from frontend.input_stage import PromptInput
     from frontend.pipeline import build_job
-    from frontend.serving_context import ServingContext
+    from tests.unit.frontend_builders import serving_context
 
     checker = CountingChecker()
     request = msgspec.convert({"prompt": [f"p{i}" for i in range(8)], "n": 2,
                                "guided_regex": "[0-9]+"}, CompletionRequest)
     constraint = asyncio.run(constraint_for(request, StructuredSettings(checker=checker)))
-    client = SimpleNamespace(stats=SimpleNamespace(max_model_len=64), engine_alive=True,
-                             result_address="tcp://127.0.0.1:1")
-    ctx = ServingContext(client=client, tokenization=None, model_name="m", vocab_size=49152)
     prompts = [PromptInput(PromptTokens(ids=[1, i + 2])) for i in range(8)]
-    job = build_job(ctx, request, prompts, "completions", "cmpl", constraint)
+    facts = tokenizer_facts(smol, default_model_path())
+    with serving_context(smol, max_model_len=64, max_chars_per_token=facts.max_chars_per_token,
+                         vocab_size=facts.max_token_id + 1) as ctx:
+        job = build_job(ctx, request, prompts, "completions", "cmpl", constraint)
     assert checker.num_checks == 1 and len(job.candidates) == 16
     assert all(c.params.constraint is constraint for c in job.candidates)
 
@@ -209,8 +205,8 @@ def test_a_batched_completion_is_checked_once_and_its_prompts_share_the_constrai
 
 
 @pytest.fixture(scope="module")
-def backend():
-    return GrammarBackend(load_tokenizer(default_model_path()), 49152, [EOS], mask_threads=1)
+def backend(smol):
+    return GrammarBackend(smol, 49152, [EOS], mask_threads=1)
 
 
 def compiled(backend: GrammarBackend, grammar: str):

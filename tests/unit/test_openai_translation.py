@@ -1,8 +1,6 @@
 """The request models and the one translation function (SPEC P-1 to P-7, P-10, P-12), without
 processes: what each request becomes, and which ones are a 400 before any work."""
 
-from types import SimpleNamespace
-
 import msgspec
 import pytest
 
@@ -17,7 +15,8 @@ from frontend.sampling import (
     logit_bias_pairs,
     plan_request,
 )
-from frontend.serving_context import ServingContext
+from tests.tiny_tokenizer import MAX_CHARS_PER_TOKEN, tiny_tokenizer
+from tests.unit.frontend_builders import serving_context
 
 VOCAB = 1000
 MAX_LEN = 100
@@ -206,30 +205,29 @@ def test_logprob_translation():
 # ---------------------------------------------------------------- P-12: pass-through
 
 
-def _ctx() -> ServingContext:
-    client = SimpleNamespace(
-        stats=SimpleNamespace(max_model_len=MAX_LEN), engine_alive=True,
-        result_address="tcp://127.0.0.1:1",
-    )
-    return ServingContext(client=client, tokenization=None, model_name="m", vocab_size=VOCAB)
+@pytest.fixture(scope="module")
+def ctx():
+    with serving_context(tiny_tokenizer(), max_model_len=MAX_LEN,
+                         max_chars_per_token=MAX_CHARS_PER_TOKEN, vocab_size=VOCAB) as ctx:
+        yield ctx
 
 
 def _prompt(ids: list[int]) -> PromptInput:
     return PromptInput(PromptTokens(ids=ids))
 
 
-def test_cache_salt_and_priority_reach_every_engine_request():
-    job = build_job(_ctx(), completion(n=2, cache_salt="tenant-a", priority=-3),
+def test_cache_salt_and_priority_reach_every_engine_request(ctx):
+    job = build_job(ctx, completion(n=2, cache_salt="tenant-a", priority=-3),
                     [_prompt([1, 2, 3])], "completions", "cmpl")
     assert len(job.candidates) == 2
     for request in job.candidates:
         assert (request.cache_salt, request.priority) == ("tenant-a", -3)
-    plain = build_job(_ctx(), completion(), [_prompt([1])], "completions", "cmpl").candidates[0]
+    plain = build_job(ctx, completion(), [_prompt([1])], "completions", "cmpl").candidates[0]
     assert (plain.cache_salt, plain.priority) == (None, 0)
 
 
-def test_candidate_seeds_differ_and_stay_in_range():
-    job = build_job(_ctx(), completion(n=3, seed=-1), [_prompt([1])], "completions", "cmpl")
+def test_candidate_seeds_differ_and_stay_in_range(ctx):
+    job = build_job(ctx, completion(n=3, seed=-1), [_prompt([1])], "completions", "cmpl")
     seeds = [c.params.seed for c in job.candidates]
     assert seeds == [2**64 - 1, 0, 1]  # -1 wraps; seed + i wraps instead of overflowing
     assert [c.request_id for c in job.candidates] == [
