@@ -329,17 +329,52 @@ _CALL_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_
 def call_json_schema(functions: dict[str, Any], arguments_key: str, *, strict: bool) -> dict:
     """JSON schema of `{"name": <one of functions>, arguments_key: <its arguments>}`, for
     llguidance (`%json` in Lark); keys in that order."""
+    many = len(functions) > 1
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, arguments_key: schema},
+            "properties": {
+                "name": {"const": name},
+                # The arguments' local $refs (#/$defs/X, what pydantic writes) point into the
+                # arguments schema, which sits deeper here: re-rooted to where it now is.
+                arguments_key: rebase_refs(
+                    schema, (f"/anyOf/{i}" if many else "") + f"/properties/{arguments_key}"),
+            },
             "required": ["name", arguments_key],
             "additionalProperties": False,
         }
-        for name, schema in functions.items()
+        for i, (name, schema) in enumerate(functions.items())
     ]
-    body = options[0] if len(options) == 1 else {"anyOf": options}
+    body = options[0] if not many else {"anyOf": options}
     return {**body, "x-guidance": {**_CALL_JSON_LAYOUT, "lenient": not strict}}
+
+
+# Keywords whose values are data, not schemas: a {"$ref": ...} inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` with every local `$ref` (`#...`, a JSON pointer into `schema` itself) made to
+    point at the same place once `schema` sits at JSON pointer `base` inside a larger
+    document. Without this, a tool whose parameters use `$defs` (pydantic's nested models)
+    fails to compile inside a call grammar: `/$defs/X` does not exist at the new root."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas
+            out[key] = {name: rebase_refs(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = rebase_refs(value, base)
+    return out
 
 
 def json_layout(schema: Any, *, strict: bool) -> dict:

@@ -1,0 +1,52 @@
+"""Output-side fidelity through the HTTP API with the official openai client, on the default
+model with `--tool-call-parser hermes` (issue 17): forced calls over pydantic-style schemas,
+bounded JSON numbers, forced calls cut by max_tokens, streamed arguments, and stop strings
+under min_tokens."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.servers import Stack
+from tests.unit.test_parser_fidelity import PYDANTIC_SCHEMA
+
+MODEL = "SmolLM2-135M-Instruct"
+SHIP = {"type": "function", "function": {
+    "name": "ship", "description": "Ship a parcel to a person", "parameters": PYDANTIC_SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    stack = Stack(str(tmp_path_factory.mktemp("fidelity")), "--tool-call-parser", "hermes")
+    yield openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    stack.stop()
+
+
+def ask(client, content: str, **extra):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], **extra)
+
+
+# ---------------------------------------------------------------- 1: $ref / $defs
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "ship"}}])
+def test_forced_calls_over_a_pydantic_schema(client, choice):
+    """A pydantic model's schema ($defs for the nested model) works for forced calls as it
+    does in response_format, and the call follows it, nested $ref included."""
+    r = ask(client, "Ship a parcel to Ann in Paris.", tools=[SHIP], tool_choice=choice,
+            parallel_tool_calls=False, max_tokens=120, temperature=0)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "ship"
+    jsonschema.validate(json.loads(call.function.arguments), PYDANTIC_SCHEMA)
+
+
+def test_strict_tools_with_a_pydantic_schema_are_accepted(client):
+    strict = {"type": "function", "function": {**SHIP["function"], "strict": True}}
+    r = ask(client, "Ship a parcel to Ann in Paris.", tools=[strict], max_tokens=40,
+            temperature=0)  # was a 400: Pointer '/$defs/Address' does not exist
+    for call in r.choices[0].message.tool_calls or ():
+        jsonschema.validate(json.loads(call.function.arguments), PYDANTIC_SCHEMA)
