@@ -16,7 +16,12 @@ from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from shared.param_ranges import RangeProblem, check_priority, check_sampling_params
+from shared.param_ranges import (
+    MAX_LOGPROBS,
+    RangeProblem,
+    check_priority,
+    check_sampling_params,
+)
 from shared.protocol import (
     EngineRequest,
     EngineStats,
@@ -52,6 +57,7 @@ class EngineCore:
         engine_id: str,
         model_name: str,
         grammar: GrammarBackend | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         self.runner = runner
         self.allocator = allocator
@@ -59,6 +65,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs  # --max-logprobs (-1: the vocabulary)
         self.engine_id = engine_id
         self.model_name = model_name
         self.sequences: dict[str, Sequence] = {}
@@ -158,7 +165,7 @@ class EngineCore:
             return "structured output is not available: this engine has no grammar backend"
         try:
             # Integers off msgpack may be anything up to 2**64-1 and floats inf or NaN.
-            check_sampling_params(params, self.vocab_size)
+            check_sampling_params(params, self.vocab_size, self.max_logprobs)
             check_priority(request.priority)
         except RangeProblem as problem:
             return problem.message

@@ -26,6 +26,7 @@ from shared.param_ranges import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
+    logprobs_cap,
 )
 
 Request = ChatCompletionRequest | CompletionRequest
@@ -44,10 +45,14 @@ class RequestLimits(msgspec.Struct, frozen=True):
     max_messages: int = 2048  # as OpenAI's limit
     max_tools: int = 128  # as OpenAI's limit
     max_stop_strings: int = 64  # each is matched against every new piece of text
+    # --max-logprobs, already capped at the vocabulary (shared.param_ranges.logprobs_cap)
+    max_logprobs: int = MAX_LOGPROBS
 
     @classmethod
-    def from_config(cls, config) -> RequestLimits:
-        return cls(**{f: getattr(config, f) for f in cls.__struct_fields__})
+    def from_config(cls, config, vocab_size: int) -> RequestLimits:
+        fields = {f: getattr(config, f) for f in cls.__struct_fields__}
+        fields["max_logprobs"] = logprobs_cap(config.max_logprobs, vocab_size)
+        return cls(**fields)
 
 
 def json_depth_error(exc: TooDeep, field: str | None = None) -> APIError:
@@ -65,6 +70,7 @@ def check_bounds(request: Request, limits: RequestLimits) -> None:
     """400 naming the field for the first number, count or JSON string out of bounds."""
     _check_counts(request, limits)
     _check_integers(request)
+    _check_logprobs(request, limits.max_logprobs)
     _check_logit_bias(request.logit_bias)
     _check_json_strings(request, limits.max_json_depth)
 
@@ -120,7 +126,6 @@ def _check_integers(request: Request) -> None:
     if isinstance(request, ChatCompletionRequest):
         ranges += [
             ("max_completion_tokens", request.max_completion_tokens, 1, INT32_MAX),
-            ("top_logprobs", request.top_logprobs, 0, MAX_LOGPROBS),
         ]
     for field, value, low, high in ranges:
         if value is not None:
@@ -129,6 +134,18 @@ def _check_integers(request: Request) -> None:
     if top_k is not None and top_k != -1 and not 0 <= top_k <= INT32_MAX:
         raise bad_request(f"top_k must be -1 (off) or lie in [0, {INT32_MAX}], not {top_k}",
                           "top_k")
+
+
+def _check_logprobs(request: Request, cap: int) -> None:
+    """top_logprobs (chat) or logprobs (completions): a count of alternatives per token."""
+    if isinstance(request, ChatCompletionRequest):
+        field, value = "top_logprobs", request.top_logprobs
+    else:
+        field, value = "logprobs", request.logprobs
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise bad_request("logprobs must be an integer for completions", "logprobs")
+    if value is not None:
+        _check_range(field, value, 0, cap, "--max-logprobs")
 
 
 def _check_range(field: str, value: int, low: int, high: int, flag: str | None = None) -> None:

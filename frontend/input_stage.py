@@ -75,7 +75,7 @@ async def _render(ctx: ServingContext, request: ChatCompletionRequest) -> Render
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
         tools=request.tools,
-        template_kwargs=request.chat_template_kwargs or {},
+        template_kwargs={**settings.default_kwargs, **(request.chat_template_kwargs or {})},
         # A named tool_choice: the output starts inside the call (SPEC C-3).
         injected_prefix=forced_call_prefix(request, structured),
     )

@@ -15,7 +15,7 @@ import msgspec
 from frontend.api_models import ChatMessage
 
 # Arguments the renderer passes itself; chat_template_kwargs may not override them.
-_RESERVED_KWARGS = frozenset({
+RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
     "add_generation_prompt", "continue_final_message", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
@@ -35,6 +35,8 @@ class TemplateSettings(msgspec.Struct, frozen=True):
 
     chat_template: str | None = None  # --chat-template, already read from its file
     trust_request_chat_template: bool = False
+    # --default-chat-template-kwargs: every request's chat_template_kwargs start from these.
+    default_kwargs: dict = {}
 
 
 class RenderParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,7 +87,7 @@ def check_render_params(params: RenderParams, messages: list[ChatMessage]) -> No
             "continue_final_message needs the last message to be the assistant's",
             "continue_final_message",
         )
-    reserved = sorted(_RESERVED_KWARGS.intersection(params.template_kwargs))
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(params.template_kwargs))
     if reserved:
         raise RenderError(
             f"chat_template_kwargs may not set {', '.join(reserved)}; use the request field",

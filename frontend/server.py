@@ -14,6 +14,7 @@ from frontend.grammar_check import GrammarChecker, TokenizerSpec
 from frontend.limits import Admission, drain
 from frontend.metrics import process_exiting
 from frontend.rendering import TemplateSettings, load_chat_template
+from frontend.request_log import RequestLog
 from frontend.serving_context import OutputSettings, ServingContext
 from frontend.structured import StructuredSettings
 from frontend.tokenization import InputSettings, Tokenization
@@ -49,6 +50,7 @@ def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) ->
     templates = TemplateSettings(
         chat_template=load_chat_template(config.chat_template),
         trust_request_chat_template=config.trust_request_chat_template,
+        default_kwargs=config.default_chat_template_kwargs,
     )
     return InputSettings(
         max_chars_per_token=facts.max_chars_per_token,
@@ -61,10 +63,11 @@ def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) ->
 
 
 def run_frontend(config: FrontendConfig) -> None:
-    tokenizer = load_tokenizer(config.model)
+    tokenizer_path = config.tokenizer or config.model
+    tokenizer = load_tokenizer(tokenizer_path)
     facts = tokenizer_facts(tokenizer, config.model)
     # The receiver thread detokenizes with its own copy; tokenizers are not shared across threads.
-    processor = OutputProcessor(load_tokenizer(config.model))
+    processor = OutputProcessor(load_tokenizer(tokenizer_path))
     client = EngineClient(
         config.engine_address,
         processor,
@@ -73,6 +76,8 @@ def run_frontend(config: FrontendConfig) -> None:
         engine_timeout_s=config.engine_timeout_s,
     )
     client.tracker.request_timeout_s = config.request_timeout_s
+    if config.log_requests:
+        client.tracker.request_log = RequestLog(outputs=config.log_outputs)
     defaults = load_generation_defaults(config.model, config.generation_config,
                                         config.override_generation_config)
     log.info("generation defaults in force (--generation-config %s): %s",
@@ -81,6 +86,7 @@ def run_frontend(config: FrontendConfig) -> None:
         client=client,
         tokenization=Tokenization(tokenizer, _input_settings(config, tokenizer, facts)),
         model_name=config.served_model_name,
+        model_aliases=tuple(config.served_model_aliases),
         vocab_size=facts.max_token_id + 1,
         generation_defaults=defaults,
         output=OutputSettings(
@@ -89,19 +95,28 @@ def run_frontend(config: FrontendConfig) -> None:
             reasoning_field=config.reasoning_field,
             keep_special_tokens=parser_delimiters_are_special(
                 tokenizer, config.reasoning_parser, config.tool_call_parser),
+            response_role=config.response_role,
         ),
     )
     app = build_app(ctx, config)
-    log.info("frontend on http://%s:%d (engine %s)", config.host, config.port,
-             config.engine_address)
+    http = config.http
+    where = (f"unix:{http.uds}" if http.uds else
+             f"{'https' if http.ssl_certfile else 'http'}://{config.host}:{config.port}")
+    log.info("frontend on %s%s (engine %s)", where, http.root_path, config.engine_address)
     server = DrainingServer(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
+            uds=http.uds,
+            root_path=http.root_path,
+            ssl_keyfile=http.ssl_keyfile,
+            ssl_certfile=http.ssl_certfile,
+            ssl_ca_certs=http.ssl_ca_certs,
+            ssl_cert_reqs=http.ssl_cert_reqs,
             loop="uvloop",
             http="httptools",
-            log_level=config.log_level,
+            log_level=http.log_level,
             access_log=False,
             # Our drain has already finished or failed every request by the time uvicorn
             # shuts down; this only bounds a second signal's wait.

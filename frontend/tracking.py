@@ -15,6 +15,7 @@ import msgspec
 
 from frontend import request_metrics as m
 from frontend.limits import Ticket, current_ticket
+from frontend.request_log import RequestLog
 from shared.protocol import EngineRequest, TextFrame
 
 
@@ -34,6 +35,7 @@ class RequestTracker:
         self.request_timeout_s: float | None = None
         self._timings: dict[str, Timing] = {}
         self._expiring: set[asyncio.Task] = set()
+        self.request_log: RequestLog | None = None  # --enable-log-requests
 
     def submitted(self, request: EngineRequest) -> None:
         ticket = current_ticket.get()
@@ -45,8 +47,12 @@ class RequestTracker:
             timing.deadline = asyncio.get_running_loop().call_later(
                 delay, self._expire, request.request_id)
         self._timings[request.request_id] = timing
+        if self.request_log is not None:
+            self.request_log.sent(request)
 
     def delivered(self, frame: TextFrame) -> None:
+        if self.request_log is not None:
+            self.request_log.frame(frame)
         timing = self._timings.get(frame.request_id)
         if timing is None:
             return
@@ -60,6 +66,8 @@ class RequestTracker:
 
     def ended(self, request_id: str, reason: str | None) -> None:
         """The request stopped without a last frame: aborted ("abort") or just released."""
+        if self.request_log is not None:
+            self.request_log.finished(request_id)
         timing = self._timings.pop(request_id, None)
         if timing is None:
             return

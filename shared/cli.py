@@ -15,7 +15,8 @@ import subprocess
 import sys
 import time
 
-from shared.config import EngineConfig, FrontendConfig
+from shared.config import EngineConfig, FrontendConfig, HttpSettings
+from shared.param_ranges import MAX_LOGPROBS, UNBOUNDED_LOGPROBS
 from shared.prometheus_dir import prepare_prometheus_dir
 from shared.transport import free_tcp_port, new_ipc_address
 
@@ -33,8 +34,16 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="the Hugging Face cache to find Hub ids in (default: $HF_HUB_CACHE, "
                         "else $HF_HOME/hub, else ~/.cache/huggingface/hub); nothing is "
                         "downloaded")
-    p.add_argument("--served-model-name", default=None,
-                   help="the name clients use in 'model' (default: derived from --model)")
+    p.add_argument("--served-model-name", nargs="+", action="extend", default=None,
+                   metavar="NAME",
+                   help="the names clients may send as 'model'; responses carry the first "
+                        "(default: the Hub id, or derived from --model's file or folder)")
+    p.add_argument("--tokenizer", default=None,
+                   help="the tokenizer, when not the model's: a .gguf file, an HF folder or a "
+                        "Hub id in the local cache (default: --model's)")
+    p.add_argument("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS,
+                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask for; "
+                        f"-1: the whole vocabulary (default: {MAX_LOGPROBS}, as vLLM)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     p.add_argument("--config", metavar="YAML",
@@ -55,6 +64,8 @@ VLLM_NOOP_FLAGS = {
     "--disable-fastapi-docs": "there are no /docs pages to disable",
     "--enable-prefix-caching": "prefix caching is always on",
     "--enable-chunked-prefill": "chunked prefill is always on",
+    "--enable-request-id-headers": "X-Request-Id is always read and echoed",
+    "--disable-uvicorn-access-log": "the HTTP server keeps no access log",
 }
 
 # vLLM flags for features sluice does not have: flag -> (type, the value that asks for
@@ -117,14 +128,16 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto",
                    help="torch device: auto (cuda when torch sees a GPU, else cpu), cpu, "
                         "cuda or cuda:N (default: auto)")
-    g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "torch", "flashinfer"],
-                   help="auto = flashinfer on CUDA when installed and the dtype is 16-bit, "
+    g.add_argument("--attention-backend", default="auto", type=_attention_backend,
+                   help="auto, torch or flashinfer (vLLM's TORCH_SDPA and FLASHINFER too); "
+                        "auto = flashinfer on CUDA when installed and the dtype is 16-bit, "
                         "else torch (the engine logs which and why)")
     g.add_argument("--page-size", "--block-size", type=int, default=16,
                    help="tokens per KV cache page (--block-size: vLLM's name)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
                    help="memory for the KV cache on CPU, in GiB (default: 1)")
+    g.add_argument("--kv-cache-memory-bytes", type=_int_at_least(1), default=None,
+                   help="the same in bytes (vLLM's name); wins over --kv-cache-memory-gb")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the GPU's memory for weights, activations and the KV "
                         "cache, which gets what the others leave (default: 0.9)")
@@ -154,6 +167,23 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=_seed, default=None,
                    help="seed the engine's random generators at start, so requests without "
                         "a seed of their own repeat from run to run (default: not seeded)")
+
+
+# vLLM's attention backend names that mean one of ours.
+_VLLM_ATTENTION_BACKENDS = {"TORCH_SDPA": "torch", "FLASHINFER": "flashinfer"}
+
+
+def _attention_backend(text: str) -> str:
+    name = _VLLM_ATTENTION_BACKENDS.get(text.upper(), text.lower())
+    if name not in ("auto", "torch", "flashinfer"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a backend here: auto, torch (vLLM's TORCH_SDPA) or flashinfer")
+    return name
+
+
+def _max_logprobs(text: str) -> int:
+    value = _int_at_least(-1)(text)
+    return UNBOUNDED_LOGPROBS if value == -1 else value
 
 
 def _seed(text: str) -> int:
@@ -230,7 +260,50 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSON laid over those defaults, e.g. '{\"temperature\": 0.5}' "
                         "(fields: temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of chat completion messages when the request's "
+                        "add_generation_prompt is true (default: assistant)")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                   metavar="JSON",
+                   help="chat_template_kwargs every chat request gets, under its own, e.g. "
+                        "'{\"enable_thinking\": false}' (default: none)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per request as it is sent to the engine: its id, "
+                        "prompt length and sampling parameters")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="with --enable-log-requests: also log each finished request's output "
+                        "text, token count and finish reason")
+    _add_http_arguments(p)
     _add_limit_arguments(p)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _add_http_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP server (uvicorn)")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a proxy in front strips, for URLs the server "
+                        "writes (ASGI root_path; default: none)")
+    g.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix domain socket instead of --host/--port")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS: the private key file")
+    g.add_argument("--ssl-certfile", default=None, help="TLS: the certificate file")
+    g.add_argument("--ssl-ca-certs", default=None,
+                   help="TLS: CA certificates for client certificates")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="TLS: client certificates: 0 none, 1 optional, 2 required "
+                        "(Python's ssl.CERT_*; default: 0)")
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="the HTTP server's own log level (default: --log-level)")
 
 
 def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
@@ -251,9 +324,10 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="CORS: let browsers send cookies and authorization headers")
     g.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
                    help="larger request bodies get a 413 (default: 32 MiB)")
-    g.add_argument("--max-queued-requests", type=int, default=None,
+    g.add_argument("--max-queued-requests", "--max-num-queued-reqs", type=int, default=None,
                    help="requests this frontend has accepted that have not started generating; "
-                        "beyond it new ones get a 503 with Retry-After (default: no cap)")
+                        "beyond it new ones get a 503 with Retry-After (default: no cap; "
+                        "--max-num-queued-reqs: vLLM's name, counted per frontend here)")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take from arrival to its last token; then it "
                         "ends with a 504 error and is aborted in the engine (default: none)")
@@ -423,38 +497,60 @@ def parse_args(argv: list[str]):
     return args
 
 
-def _model_names(args) -> tuple[str, str]:
+def _model_names(args) -> tuple[str, list[str]]:
+    """The model's path and the names it is served under (the first is the one responses
+    carry)."""
     from shared.model_source import is_hub_id, resolve_model_path, served_model_name
 
     path = resolve_model_path(args.model, args.revision, args.download_dir)
+    if args.served_model_name:
+        return path, list(dict.fromkeys(args.served_model_name))
     from_hub = (args.model is not None and is_hub_id(args.model)
                 and not os.path.exists(os.path.expanduser(args.model)))
     # A Hub id is its own name, as in vLLM; a path's name comes from its file or folder.
-    return path, args.served_model_name or (args.model if from_hub else served_model_name(path))
+    return path, [args.model if from_hub else served_model_name(path)]
+
+
+def _tokenizer_path(args, model_path: str) -> str:
+    """--tokenizer resolved like --model (the same cache and revision), else the model."""
+    from shared.model_source import resolve_model_path
+
+    if getattr(args, "tokenizer", None) is None:
+        return model_path
+    return resolve_model_path(args.tokenizer, args.revision, args.download_dir)
+
+
+def _kv_cache_memory_gb(args) -> float:
+    if args.kv_cache_memory_bytes is not None:
+        return args.kv_cache_memory_bytes / 2**30
+    return args.kv_cache_memory_gb
 
 
 def engine_config(args, address: str, postproc_address: str | None = None) -> EngineConfig:
-    path, name = _model_names(args)
+    path, names = _model_names(args)
     return EngineConfig(
-        model=path, served_model_name=name, request_address=address, dtype=args.dtype,
+        model=path, tokenizer=_tokenizer_path(args, path), served_model_name=names[0],
+        request_address=address, dtype=args.dtype,
         device=resolve_device(args.device), attention_backend=args.attention_backend,
         page_size=args.page_size,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, num_pages=args.num_kv_pages,
+        kv_cache_memory_gb=_kv_cache_memory_gb(args), num_pages=args.num_kv_pages,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, threads=args.threads,
         scheduling_policy=args.scheduling_policy, postproc_address=postproc_address,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         frontend_timeout_s=args.frontend_timeout, seed=args.seed,
+        max_logprobs=args.max_logprobs,
     )
 
 
 def frontend_config(args, engine_address: str, result_address: str | None) -> FrontendConfig:
-    path, name = _model_names(args)
+    path, names = _model_names(args)
     if result_address is None and not engine_address.startswith("ipc://"):
         result_address = f"tcp://127.0.0.1:{free_tcp_port()}"
     return FrontendConfig(
-        model=path, served_model_name=name, engine_address=engine_address, host=args.host,
+        model=path, tokenizer=_tokenizer_path(args, path), served_model_name=names[0],
+        served_model_aliases=names[1:], engine_address=engine_address, host=args.host,
         port=args.port, result_address=result_address,
         tokenizer_threads=args.tokenizer_threads, log_level=args.log_level,
         render_timeout_s=args.render_timeout, chat_template=args.chat_template,
@@ -463,6 +559,14 @@ def frontend_config(args, engine_address: str, result_address: str | None) -> Fr
         reasoning_field=args.reasoning_field, max_stored_responses=args.max_stored_responses,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
+        response_role=args.response_role,
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        log_requests=args.enable_log_requests, log_outputs=args.enable_log_outputs,
+        max_logprobs=args.max_logprobs,
+        http=HttpSettings(root_path=args.root_path, uds=args.uds,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                          log_level=args.uvicorn_log_level or args.log_level),
         **_limit_config(args),
     )
 
@@ -534,6 +638,26 @@ def check_generation_config(args) -> None:
         raise SystemExit(f"sluice: {e}") from None
 
 
+def check_frontend_flags(args) -> None:
+    """Fail at start on frontend flags no request could be served with."""
+    from frontend.rendering import RESERVED_TEMPLATE_KWARGS
+
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(args.default_chat_template_kwargs
+                                                            or {}))
+    if reserved:
+        raise SystemExit(f"sluice: --default-chat-template-kwargs may not set "
+                         f"{', '.join(reserved)}: the server passes those itself")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise SystemExit("sluice: TLS needs both --ssl-keyfile and --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None and not os.path.isfile(path):
+            raise SystemExit(f"sluice: {flag} {path}: no such file")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise SystemExit(f"sluice: --root-path {args.root_path!r} must start with / and not "
+                         "end with one, e.g. /llm")
+
+
 def _serve(args) -> int:
     """Start engine and frontend as two processes over ipc and watch them."""
     address = new_ipc_address("engine")
@@ -541,20 +665,22 @@ def _serve(args) -> int:
     if args.model:
         common += ["--model", args.model]
     if args.served_model_name:
-        common += ["--served-model-name", args.served_model_name]
-    for flag, value in (("--revision", args.revision), ("--download-dir", args.download_dir)):
+        common += ["--served-model-name", *args.served_model_name]
+    for flag, value in (("--revision", args.revision), ("--download-dir", args.download_dir),
+                        ("--tokenizer", args.tokenizer)):
         if value is not None:
             common += [flag, value]
     engine_argv = [
         "engine", *common, "--engine-address", address, "--dtype", args.dtype,
         "--device", args.device, "--page-size", str(args.page_size),
-        "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
+        "--kv-cache-memory-gb", str(_kv_cache_memory_gb(args)),
         "--attention-backend", args.attention_backend,
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-num-seqs", str(args.max_num_seqs),
         "--scheduling-policy", args.scheduling_policy,
         "--frontend-timeout", str(args.frontend_timeout),
+        "--max-logprobs", str(args.max_logprobs),
     ]
     for flag, value in (("--num-kv-pages", args.num_kv_pages),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads),
@@ -568,7 +694,22 @@ def _serve(args) -> int:
         "frontend", *common, "--engine-address", address, "--host", args.host,
         "--port", str(args.port), "--tokenizer-threads", str(args.tokenizer_threads),
         "--render-timeout", str(args.render_timeout),
+        "--max-logprobs", str(args.max_logprobs), "--response-role", args.response_role,
+        "--root-path", args.root_path, "--ssl-cert-reqs", str(args.ssl_cert_reqs),
     ]
+    for flag, value in (("--uds", args.uds), ("--ssl-keyfile", args.ssl_keyfile),
+                        ("--ssl-certfile", args.ssl_certfile),
+                        ("--ssl-ca-certs", args.ssl_ca_certs),
+                        ("--uvicorn-log-level", args.uvicorn_log_level)):
+        if value is not None:
+            frontend_argv += [flag, value]
+    if args.default_chat_template_kwargs:
+        frontend_argv += ["--default-chat-template-kwargs",
+                          json.dumps(args.default_chat_template_kwargs)]
+    for flag, on in (("--enable-log-requests", args.enable_log_requests),
+                     ("--enable-log-outputs", args.enable_log_outputs)):
+        if on:
+            frontend_argv.append(flag)
     if args.chat_template is not None:
         frontend_argv += ["--chat-template", args.chat_template]
     if args.trust_request_chat_template:
@@ -645,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in args.compat_notes:
         logging.getLogger("sluice").info("%s", note)
     if args.command in ("serve", "frontend"):
+        check_frontend_flags(args)
         check_generation_config(args)
     if args.command == "serve":
         return _serve(args)
@@ -656,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "postproc":
         from postproc.worker import run_postproc
 
-        run_postproc(_model_names(args)[0], args.engine_postproc_address)
+        run_postproc(_tokenizer_path(args, _model_names(args)[0]),
+                     args.engine_postproc_address)
         return 0
     if args.command == "frontend":
         prepare_prometheus_dir()  # before frontend.* imports prometheus_client

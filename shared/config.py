@@ -8,6 +8,7 @@ import msgspec
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # resolved path: a .gguf file or an HF folder
     served_model_name: str
+    tokenizer: str | None = None  # --tokenizer's resolved path; None: the model's
     request_address: str  # the engine binds a ROUTER here; frontends connect
     dtype: str = "auto"
     device: str = "cpu"
@@ -30,15 +31,30 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # --seed: seeds torch's default generators at start, which requests without their own
     # seed draw from, so a run repeats (vLLM's --seed). None: not seeded.
     seed: int | None = None
+    max_logprobs: int = 20  # --max-logprobs; -1: up to the vocabulary
     engine_id: str = "engine-0"
     # Where postproc workers connect (the engine binds a ROUTER); None = no fleet.
     postproc_address: str | None = None
 
 
+class HttpSettings(msgspec.Struct, kw_only=True):
+    """How uvicorn listens: vLLM's --root-path, --uds, --ssl-* and --uvicorn-log-level."""
+
+    root_path: str = ""
+    uds: str | None = None  # a Unix socket instead of host:port
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE
+    log_level: str = "info"
+
+
 class FrontendConfig(msgspec.Struct, kw_only=True):
     model: str
-    served_model_name: str
+    served_model_name: str  # the name responses carry
     engine_address: str
+    tokenizer: str | None = None  # --tokenizer's resolved path; None: the model's
+    served_model_aliases: list[str] = []  # further names requests may use (--served-model-name)
     host: str = "127.0.0.1"
     port: int = 8000
     # Where engine/postproc frames for this frontend arrive; default: a fresh address.
@@ -60,6 +76,11 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     # (shared.generation_config): sampling defaults for fields a request leaves out.
     generation_config: str = "auto"
     override_generation_config: str | None = None
+    response_role: str = "assistant"  # --response-role
+    default_chat_template_kwargs: dict = {}  # under each request's chat_template_kwargs
+    log_requests: bool = False  # --enable-log-requests (frontend.request_log)
+    log_outputs: bool = False  # --enable-log-outputs
+    http: HttpSettings = msgspec.field(default_factory=HttpSettings)
     # Limits and security (frontend.auth, frontend.limits); see docs/operations.md.
     api_keys: list[str] = []  # empty: no authentication
     allowed_origins: list[str] = []  # CORS; empty: no CORS headers at all
@@ -77,3 +98,4 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     max_messages: int = 2048
     max_tools: int = 128
     max_stop_strings: int = 64
+    max_logprobs: int = 20  # --max-logprobs; -1: up to the vocabulary

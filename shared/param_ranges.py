@@ -25,7 +25,8 @@ TOP_P_MIN = 1e-6  # (0, 1] in principle; below this float32 sums lose the first 
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 2.0
 PENALTY_LIMIT = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
 LOGIT_BIAS_LIMIT = 100.0  # biases are clamped to [-100, 100], as vLLM does
-MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's limit
+MAX_LOGPROBS = 20  # top alternatives per token: --max-logprobs' default, as vLLM's
+UNBOUNDED_LOGPROBS = -1  # --max-logprobs -1: up to the whole vocabulary
 TOP_K_MAX = INT32_MAX
 MAX_TOKENS_MAX = INT32_MAX
 SEED_RANGE = 2**64  # engine seeds lie in [0, 2**64): torch generators take no more
@@ -46,7 +47,13 @@ def _finite_in(value: float, low: float, high: float) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and low <= value <= high
 
 
-def check_sampling_params(p: SamplingParams, vocab_size: int) -> None:
+def logprobs_cap(max_logprobs: int, vocab_size: int) -> int:
+    """The most logprobs a request may ask for: --max-logprobs, never past the vocabulary."""
+    return vocab_size if max_logprobs == UNBOUNDED_LOGPROBS else min(max_logprobs, vocab_size)
+
+
+def check_sampling_params(p: SamplingParams, vocab_size: int,
+                          max_logprobs: int = MAX_LOGPROBS) -> None:
     """Raises RangeProblem for the first parameter outside its range."""
     ints = (
         ("max_tokens", p.max_tokens, 1, MAX_TOKENS_MAX),
@@ -72,9 +79,10 @@ def check_sampling_params(p: SamplingParams, vocab_size: int) -> None:
             raise RangeProblem(field, f"{field} must be a finite number in [{low:g}, {high:g}]")
     if p.seed is not None and not 0 <= p.seed < SEED_RANGE:
         raise RangeProblem("seed", "seed must lie in [0, 2**64) in the engine")
+    cap = logprobs_cap(max_logprobs, vocab_size)
     for field, n in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
-        if n is not None and not 0 <= n <= MAX_LOGPROBS:
-            raise RangeProblem(field, f"{field} must lie in [0, {MAX_LOGPROBS}]")
+        if n is not None and not 0 <= n <= cap:
+            raise RangeProblem(field, f"{field} must lie in [0, {cap}] (--max-logprobs)")
     _check_token_ids(p, vocab_size)
 
 

@@ -208,3 +208,137 @@ def test_good_generation_config_passes(tmp_path):
     args = cli.parse_args(["serve", "--generation-config", str(tmp_path),
                            "--override-generation-config", '{"top_p": 0.9}'])
     cli.check_generation_config(args)  # no SystemExit
+
+
+def _serve_argvs(monkeypatch, argv: list[str]) -> tuple[list[str], list[str]]:
+    """The engine and frontend command lines `sluice serve argv` would start."""
+    started = []
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv: started.append(argv))
+    monkeypatch.setattr(cli, "_supervise", lambda *a, **k: 0)
+    monkeypatch.setattr(cli, "prepare_prometheus_dir", lambda: None)
+    cli._serve(cli.parse_args(["serve", *argv]))
+    return started[0][3:], started[1][3:]  # after `python -m shared.cli`
+
+
+def _after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _model_file(tmp_path) -> str:
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")  # resolution looks at the name only
+    return str(tmp_path / "m.gguf")
+
+
+def test_several_served_model_names(monkeypatch, tmp_path):
+    model = _model_file(tmp_path)
+    args = cli.parse_args(["frontend", "--model", model, "--served-model-name", "a", "b",
+                           "--served_model_name", "c", "a"])
+    config = cli.frontend_config(args, "ipc:///tmp/x", None)
+    assert config.served_model_name == "a" and config.served_model_aliases == ["b", "c"]
+    assert cli.engine_config(cli.parse_args(["engine", "--model", model,
+                                             "--served-model-name", "x", "y"]),
+                             "ipc:///tmp/x").served_model_name == "x"
+    engine, frontend = _serve_argvs(monkeypatch, ["--served-model-name", "a", "b"])
+    for argv in (engine, frontend):
+        i = argv.index("--served-model-name")
+        assert argv[i + 1:i + 3] == ["a", "b"]
+
+
+def test_tokenizer_resolves_like_the_model(tmp_path, monkeypatch):
+    model = _model_file(tmp_path)
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    args = cli.parse_args(["frontend", "--model", model, "--tokenizer", str(folder)])
+    assert cli.frontend_config(args, "ipc:///tmp/x", None).tokenizer == str(folder)
+    args = cli.parse_args(["engine", "--model", model, "--tokenizer", str(folder)])
+    assert cli.engine_config(args, "ipc:///tmp/x").tokenizer == str(folder)
+    args = cli.parse_args(["frontend", "--model", model])
+    assert cli.frontend_config(args, "ipc:///tmp/x", None).tokenizer == model
+    with pytest.raises(ValueError, match="not found"):
+        cli.frontend_config(cli.parse_args(["frontend", "--tokenizer", str(tmp_path / "no")]),
+                            "ipc:///tmp/x", None)
+    engine, frontend = _serve_argvs(monkeypatch, ["--tokenizer", str(folder)])
+    assert _after(engine, "--tokenizer") == _after(frontend, "--tokenizer") == str(folder)
+
+
+def test_kv_cache_memory_bytes_and_queued_requests_aliases(monkeypatch):
+    args = cli.parse_args(["engine", "--kv-cache-memory-bytes", str(3 * 2**29)])
+    assert cli.engine_config(args, "ipc:///tmp/x").kv_cache_memory_gb == 1.5
+    assert cli.engine_config(cli.parse_args(["engine", "--kv-cache-memory-gb", "2"]),
+                             "ipc:///tmp/x").kv_cache_memory_gb == 2
+    with pytest.raises(SystemExit):
+        cli.parse_args(["engine", "--kv-cache-memory-bytes", "0"])
+    engine, _ = _serve_argvs(monkeypatch, ["--kv_cache_memory_bytes", str(2**30)])
+    assert float(_after(engine, "--kv-cache-memory-gb")) == 1.0
+    assert cli.parse_args(["frontend", "--max-num-queued-reqs", "7"]).max_queued_requests == 7
+
+
+@pytest.mark.parametrize("name, ours", [("TORCH_SDPA", "torch"), ("FLASHINFER", "flashinfer"),
+                                        ("flashinfer", "flashinfer"), ("Torch", "torch"),
+                                        ("auto", "auto")])
+def test_attention_backend_names_in_vllms_case(name, ours):
+    assert cli.parse_args(["engine", "--attention-backend", name]).attention_backend == ours
+
+
+def test_other_attention_backends_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["engine", "--attention-backend", "FLASH_ATTN"])
+    assert "not a backend here" in capsys.readouterr().err
+
+
+def test_max_logprobs(monkeypatch, capsys):
+    assert cli.parse_args(["engine"]).max_logprobs == 20
+    args = cli.parse_args(["engine", "--max-logprobs", "-1"])
+    assert cli.engine_config(args, "ipc:///tmp/x").max_logprobs == -1
+    args = cli.parse_args(["frontend", "--max_logprobs", "5"])
+    assert cli.frontend_config(args, "ipc:///tmp/x", None).max_logprobs == 5
+    for bad in ("-2", "x"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["engine", "--max-logprobs", bad])
+        assert "--max-logprobs" in capsys.readouterr().err
+    engine, frontend = _serve_argvs(monkeypatch, ["--max-logprobs", "3"])
+    assert _after(engine, "--max-logprobs") == _after(frontend, "--max-logprobs") == "3"
+
+
+def test_http_flags_reach_the_frontend_and_serve_forwards_them(tmp_path, monkeypatch):
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    key.write_text("k")
+    cert.write_text("c")
+    argv = ["--root-path", "/llm", "--uds", str(tmp_path / "s.sock"), "--ssl-keyfile", str(key),
+            "--ssl-certfile", str(cert), "--ssl-cert-reqs", "1", "--uvicorn-log-level", "warning",
+            "--response-role", "bot", "--enable-log-requests", "--enable-log-outputs",
+            "--default-chat-template-kwargs", '{"enable_thinking": false}']
+    config = cli.frontend_config(cli.parse_args(["frontend", *argv]), "ipc:///tmp/x", None)
+    http = config.http
+    assert (http.root_path, http.uds, http.ssl_keyfile, http.ssl_certfile) == (
+        "/llm", str(tmp_path / "s.sock"), str(key), str(cert))
+    assert http.ssl_cert_reqs == 1 and http.log_level == "warning"
+    assert config.response_role == "bot" and config.log_requests and config.log_outputs
+    assert config.default_chat_template_kwargs == {"enable_thinking": False}
+    assert cli.frontend_config(cli.parse_args(["frontend", "--log-level", "debug"]),
+                               "ipc:///tmp/x", None).http.log_level == "debug"
+    _, frontend = _serve_argvs(monkeypatch, argv)
+    reparsed = cli.frontend_config(cli.parse_args(frontend), "ipc:///tmp/x", None)
+    assert reparsed.http == http
+    assert reparsed.default_chat_template_kwargs == config.default_chat_template_kwargs
+    assert (reparsed.response_role, reparsed.log_requests, reparsed.log_outputs) == (
+        "bot", True, True)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--default-chat-template-kwargs", "{x"], "not JSON"),
+    (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
+    (["--default-chat-template-kwargs", '{"tools": []}'], "may not set tools"),
+    (["--ssl-keyfile", "/no/key.pem"], "needs both"),
+    (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", "/no/c.pem"], "no such file"),
+    (["--root-path", "llm"], "must start with /"),
+    (["--root-path", "/llm/"], "must start with /"),
+])
+def test_bad_frontend_flags_fail_at_start(flags, message, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_serve", lambda args: 0)
+    monkeypatch.setattr(cli, "_setup_logging", lambda level: None)
+    for command in ("serve", "frontend"):
+        with pytest.raises(SystemExit) as failure:
+            cli.main([command, *flags])
+        assert message in str(failure.value) + capsys.readouterr().err
