@@ -1,4 +1,5 @@
-"""Builders for engine tests: a tiny random Llama (`CONFIG`, `random_weights`), an EngineCore
+"""Builders for engine tests: a tiny random Llama (`CONFIG`, `random_weights`, and
+`hf_config_kwargs` for transformers' side of it), an EngineCore
 on it that records logits and plans (`build_core`), requests, and drivers that run a core to
 the end and collect what each request produced. Shared by the engine's unit tests."""
 
@@ -33,6 +34,20 @@ CONFIG = ModelConfig(
 )
 VOCAB = CONFIG.vocab_size
 CPU = torch.device("cpu")
+
+
+def hf_config_kwargs(**overrides) -> dict:
+    """The tiny Llama's shape in transformers' config names, for tests that build an HF
+    model of it (a twin to compare with, or a folder to load); `overrides` add or replace
+    fields. No head_dim unless given: each family derives its own."""
+    return dict(
+        vocab_size=CONFIG.vocab_size,
+        hidden_size=CONFIG.hidden_size,
+        intermediate_size=CONFIG.intermediate_size,
+        num_hidden_layers=CONFIG.num_layers,
+        num_attention_heads=CONFIG.num_heads,
+        num_key_value_heads=CONFIG.num_kv_heads,
+    ) | overrides
 
 
 def random_weights() -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from tests.unit.engine_builders import (
     build_core,
     collect,
     drain,
+    hf_config_kwargs,
     prompts,
     random_weights,
     request,
@@ -137,19 +138,13 @@ def test_streamed_outputs_one_token_per_step(weights):
 @pytest.fixture(scope="module")
 def hf_model(weights):
     transformers = pytest.importorskip("transformers")
-    hf_config = transformers.LlamaConfig(
-        vocab_size=CONFIG.vocab_size,
-        hidden_size=CONFIG.hidden_size,
-        intermediate_size=CONFIG.intermediate_size,
-        num_hidden_layers=CONFIG.num_layers,
-        num_attention_heads=CONFIG.num_heads,
-        num_key_value_heads=CONFIG.num_kv_heads,
+    hf_config = transformers.LlamaConfig(**hf_config_kwargs(
         head_dim=CONFIG.head_dim,
         rms_norm_eps=CONFIG.rms_norm_eps,
         rope_theta=CONFIG.rope_theta,
         max_position_embeddings=CONFIG.max_position_embeddings,
         tie_word_embeddings=False,
-    )
+    ))
     model = transformers.LlamaForCausalLM(hf_config).to(torch.float32).eval()
     model.load_state_dict(weights, strict=True)
     return model

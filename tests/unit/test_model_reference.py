@@ -20,6 +20,7 @@ from engine.models.ops import CpuKernelOps
 from engine.models.weights import load_weights
 from engine.scheduler import Scheduler
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
+from tests.unit.engine_builders import hf_config_kwargs
 
 CPU = torch.device("cpu")
 VOCAB = 256
@@ -31,13 +32,9 @@ NUM_PAGES = 64  # all prompts at once need ~40 pages: no preemption here
 # A one-token prompt, one that fills whole pages and whole budgets, and one of 4 chunks.
 PROMPT_LENGTHS = [1, 6, 16, 27]
 
-TINY = dict(
+TINY = hf_config_kwargs(
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
     num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     max_position_embeddings=MAX_MODEL_LEN,
     rms_norm_eps=1e-5,
     # Not the default: a loader that ignored it would rotate every position wrongly.

@@ -13,17 +13,12 @@ import transformers
 
 from engine.models.config import ModelConfig, RopeScaling, load_model_config
 from engine.models.weights import _undo_rope_permute, expected_shapes, load_weights
-from tests.unit.engine_builders import CONFIG
+from tests.unit.engine_builders import CONFIG, hf_config_kwargs
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-TINY = dict(
+TINY = hf_config_kwargs(
     vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     max_position_embeddings=512,
     # A power of two: GGUF stores eps as float32, so 1e-5 would not round-trip.
     rms_norm_eps=2.0**-16,
