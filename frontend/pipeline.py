@@ -26,7 +26,13 @@ from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.engine_client import EngineUnavailable
 from frontend.errors import APIError, error_body
 from frontend.input_stage import PromptInput, chat_input
-from frontend.sampling import Plan, check_request, plan_request
+from frontend.sampling import (
+    Plan,
+    check_request,
+    prompt_max_tokens,
+    prompt_params,
+    request_plan,
+)
 from frontend.serving_context import (
     ServingContext,
     check_model,
@@ -104,21 +110,22 @@ def build_job(
     constraint: Constraint | None = None,
 ) -> Job:
     """`constraint`: the request's grammar, checked once (`constraint_for`) for all its
-    prompts and candidates."""
+    prompts and candidates. The plan is built once too; only max_tokens is per prompt."""
     request_id = f"{prefix}-{request.request_id or uuid.uuid4().hex}"
     now = time.time()
-    plans = [
-        plan_request(request, endpoint=endpoint, prompt_len=p.num_tokens,
-                     max_model_len=max_model_len(ctx), vocab_size=ctx.vocab_size,
-                     constraint=constraint, defaults=ctx.generation_defaults)
-        for p in prompts
-    ]
-    job = Job(request_id, int(now), prompts, plans[0], [], {})
-    for p, (prompt, plan) in enumerate(zip(prompts, plans, strict=True)):
+    # Every prompt's room first: a prompt too long for the context is the likeliest 400.
+    limit = max_model_len(ctx)
+    max_tokens = [prompt_max_tokens(request, endpoint, p.num_tokens, limit,
+                                    ctx.generation_defaults) for p in prompts]
+    plan = request_plan(request, vocab_size=ctx.vocab_size, constraint=constraint,
+                        defaults=ctx.generation_defaults)
+    job = Job(request_id, int(now), prompts, plan, [], {})
+    for p, (prompt, prompt_max) in enumerate(zip(prompts, max_tokens, strict=True)):
         packed = pack_ids(prompt.tokens.ids)
+        prompt_sampling = prompt_params(plan, prompt_max)
         for i in range(plan.candidates):
             number = p * plan.candidates + i
-            params = plan.params
+            params = prompt_sampling
             if params.seed is not None and number > 0:
                 # Each candidate draws its own sample; seed + i keeps the set reproducible.
                 # The engine's generators take seeds below 2**64, so wrap, not overflow.

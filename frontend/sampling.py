@@ -28,6 +28,7 @@ from shared.generation_config import GenerationDefaults
 from shared.param_ranges import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGPROBS,
+    MAX_TOKENS_MAX,
     SEED_RANGE,
     RangeProblem,
     check_sampling_params,
@@ -119,11 +120,30 @@ def plan_request(
     constraint: Constraint | None = None,
     defaults: GenerationDefaults | None = None,
 ) -> Plan:
-    """`constraint`: the request's, checked once (`frontend.structured.constraint_for`) and
-    shared by every prompt of it. `defaults`: the model's generation defaults
-    (`--generation-config`) for the fields the request leaves out; request values win."""
+    """The plan of a one-prompt request: `request_plan` with that prompt's max_tokens."""
+    max_tokens = prompt_max_tokens(request, endpoint, prompt_len, max_model_len, defaults)
+    plan = request_plan(request, vocab_size=vocab_size, constraint=constraint,
+                        defaults=defaults)
+    return msgspec.structs.replace(plan, params=prompt_params(plan, max_tokens))
+
+
+def request_plan(
+    request: Request,
+    *,
+    vocab_size: int,
+    constraint: Constraint | None = None,
+    defaults: GenerationDefaults | None = None,
+) -> Plan:
+    """Everything but max_tokens, built and checked once per request: the prompts of a
+    batched completion share it, so its grammar, logit_bias and ranges are not redone per
+    prompt. max_tokens depends on each prompt's length (`prompt_params`); until then
+    `params.max_tokens` holds the request's own ask, or the most any prompt could get.
+
+    `constraint`: the request's, checked once (`frontend.structured.constraint_for`).
+    `defaults`: the model's generation defaults (`--generation-config`) for the fields the
+    request leaves out; request values win."""
     d = defaults or _NO_DEFAULTS
-    max_tokens = _max_tokens(request, endpoint, prompt_len, max_model_len, d.max_tokens)
+    asked, _ = _asked_max_tokens(request)
     logprobs, prompt_logprobs = _logprobs(request)
     candidates = request.n
     if isinstance(request, CompletionRequest) and request.best_of is not None:
@@ -131,7 +151,7 @@ def plan_request(
         if candidates > request.n and logprobs is None:
             logprobs = 0  # ranking the candidates needs their cumulative logprobs
     params = SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=MAX_TOKENS_MAX if asked is None else asked,
         temperature=_given(request.temperature, None, d.temperature, 1.0),
         top_p=_given(request.top_p, None, d.top_p, 1.0),
         top_k=0 if request.top_k == -1 else _given(request.top_k, None, d.top_k, 0),
@@ -161,6 +181,22 @@ def plan_request(
     return Plan(params, output, request.n, candidates)
 
 
+def prompt_max_tokens(request: Request, endpoint: str, prompt_len: int, max_model_len: int,
+                      defaults: GenerationDefaults | None = None) -> int:
+    """One prompt's max_tokens: the request's ask when the context has room for it (else a
+    400); without one, the model's default or the endpoint's, within the room left."""
+    return _max_tokens(request, endpoint, prompt_len, max_model_len,
+                       (defaults or _NO_DEFAULTS).max_tokens)
+
+
+def prompt_params(plan: Plan, max_tokens: int) -> SamplingParams:
+    """The plan's params with one prompt's max_tokens (`prompt_max_tokens`), and the one
+    range that depends on it."""
+    if plan.params.min_tokens > max_tokens:
+        raise bad_request("min_tokens must not exceed max_tokens", "min_tokens")
+    return msgspec.structs.replace(plan.params, max_tokens=max_tokens)
+
+
 _NO_DEFAULTS = GenerationDefaults()
 
 
@@ -180,10 +216,7 @@ def _max_tokens(request: Request, endpoint: str, prompt_len: int, max_model_len:
             f"has {prompt_len} tokens, which leaves no room for the answer.",
             "messages" if endpoint == "chat" else "prompt",
         )
-    asked, field = request.max_tokens, "max_tokens"
-    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
-        # The newer name wins when a client sends both, as in vLLM.
-        asked, field = request.max_completion_tokens, "max_completion_tokens"
+    asked, field = _asked_max_tokens(request)
     if asked is None:
         if default is not None:  # the model's max_new_tokens, within the room left
             return min(default, room)
@@ -195,6 +228,14 @@ def _max_tokens(request: Request, endpoint: str, prompt_len: int, max_model_len:
             field,
         )
     return asked
+
+
+def _asked_max_tokens(request: Request) -> tuple[int | None, str]:
+    """The max_tokens the request asks for, and the field it came in."""
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        # The newer name wins when a client sends both, as in vLLM.
+        return request.max_completion_tokens, "max_completion_tokens"
+    return request.max_tokens, "max_tokens"
 
 
 def _logprobs(request: Request) -> tuple[int | None, int | None]:

@@ -15,6 +15,7 @@ from frontend.sampling import (
     logit_bias_pairs,
     plan_request,
 )
+from shared.generation_config import GenerationDefaults
 from tests.tiny_tokenizer import MAX_CHARS_PER_TOKEN, tiny_tokenizer
 from tests.unit.frontend_builders import serving_context
 
@@ -233,3 +234,35 @@ def test_candidate_seeds_differ_and_stay_in_range(ctx):
     assert [c.request_id for c in job.candidates] == [
         f"{job.request_id}-{i}" for i in range(3)
     ]
+
+
+# ---------------------------------------------------------------- one plan per request
+
+
+def test_a_batched_completion_is_planned_once_and_sized_per_prompt(ctx, monkeypatch):
+    """The plan (sampling params, logit_bias, constraint) does not depend on the prompt, so
+    it is built and checked once; only max_tokens follows each prompt's room (here the
+    model's default of 30 new tokens, within the room left)."""
+    import frontend.pipeline as pipeline
+
+    built = []
+    real = pipeline.request_plan
+    monkeypatch.setattr(pipeline, "request_plan",
+                        lambda *a, **kw: built.append(1) or real(*a, **kw))
+    sized = msgspec.structs.replace(ctx, generation_defaults=GenerationDefaults(max_tokens=30))
+    prompts = [_prompt([1] * 3), _prompt([1] * (MAX_LEN - 10)), _prompt([1] * 50)]
+    job = build_job(sized, completion(n=2, logit_bias={"5": 1}), prompts, "completions",
+                    "cmpl")
+    assert len(built) == 1
+    assert [c.params.max_tokens for c in job.candidates] == [30, 30, 10, 10, 30, 30]
+    assert all(c.params.logit_bias == [(5, 1.0)] for c in job.candidates)
+
+
+def test_min_tokens_is_held_to_each_prompts_room(ctx):
+    """A chat request without max_tokens gets the room its prompt leaves, which min_tokens
+    may not pass."""
+    request = chat(min_tokens=12)
+    assert build_job(ctx, request, [_prompt([1] * 50)], "chat", "chatcmpl")
+    with pytest.raises(APIError) as info:
+        build_job(ctx, request, [_prompt([1] * (MAX_LEN - 10))], "chat", "chatcmpl")
+    assert (info.value.status, info.value.param) == (400, "min_tokens")
