@@ -74,6 +74,50 @@ def _param_of(message: str) -> str | None:
     return path or None
 
 
+class _InvocationShape(msgspec.Struct):
+    """What /invocations reads to pick a route (other fields pass, unread)."""
+
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+
+
+def _given(raw: msgspec.Raw) -> bool:
+    return bytes(raw) not in (b"", b"null")
+
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def _with_request_id(request: Request, body):
+    """vLLM's X-Request-Id: the header, when sent, is the request id (over the body's)."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    return msgspec.structs.replace(body, request_id=given) if given else body
+
+
+class RequestIdMiddleware:
+    """Echoes a request's X-Request-Id on its response, errors and refusals included."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((value for name, value in scope["headers"]
+                      if name == REQUEST_ID_HEADER.encode()), None)
+        if given is None:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message,
+                           "headers": [*message.get("headers", []),
+                                       (REQUEST_ID_HEADER.encode(), given)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def _guarded(handler):
     async def endpoint(request: Request) -> Response:
         try:
@@ -104,27 +148,50 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     async def version(request: Request) -> Response:
         return JSONResponse({"version": VERSION})
 
-    async def models(request: Request) -> Response:
-        stats = ctx.client.stats
-        max_len = stats.max_model_len if stats else 0
-        card = ModelCard(id=ctx.model_name, created=0, max_model_len=max_len)
-        return Response(_json.encode(ModelList([card])), media_type="application/json")
-
-    async def chat(request: Request) -> Response:
-        body = await _decode_body(request, ChatCompletionRequest)
-        return await serving.chat_completion(ctx, request, body)
-
-    async def completions(request: Request) -> Response:
-        body = await _decode_body(request, CompletionRequest)
-        return await serving.completion(ctx, request, body)
-
-    store = responses_api.ResponseStore(config.max_stored_responses)
-
     def json_response(body) -> Response:
         return Response(_json.encode(body), media_type="application/json")
 
+    def model_card(name: str) -> ModelCard:
+        stats = ctx.client.stats
+        return ModelCard(id=name, created=0, max_model_len=stats.max_model_len if stats else 0)
+
+    async def models(request: Request) -> Response:
+        return json_response(ModelList([model_card(ctx.model_name)]))
+
+    async def model(request: Request) -> Response:
+        # The client's models.retrieve(); `:path` so a Hub id (org/name) is one model id.
+        name = request.path_params["model_id"]
+        if name != ctx.model_name and name not in config.served_model_aliases:
+            raise APIError(404, f"The model '{name}' does not exist.", "model")
+        return json_response(model_card(name))
+
+    async def load(request: Request) -> Response:
+        # vLLM's shape, read by vllm-router's least-load policy: requests being answered.
+        return JSONResponse({"server_load": admission.in_flight})
+
+    async def chat(request: Request) -> Response:
+        body = _with_request_id(request, await _decode_body(request, ChatCompletionRequest))
+        return await serving.chat_completion(ctx, request, body)
+
+    async def completions(request: Request) -> Response:
+        body = _with_request_id(request, await _decode_body(request, CompletionRequest))
+        return await serving.completion(ctx, request, body)
+
+    async def invocations(request: Request) -> Response:
+        # SageMaker's one route, routed by the body's shape as vLLM does (the first request
+        # type the body fits, chat before completions); the route then decodes it strictly.
+        shape = await _decode_body(request, _InvocationShape)
+        if _given(shape.messages):
+            return await chat(request)
+        if _given(shape.prompt):
+            return await completions(request)
+        raise APIError(400, "Cannot route this /invocations body: send a chat completion "
+                            "(with messages) or a completion (with prompt).")
+
+    store = responses_api.ResponseStore(config.max_stored_responses)
+
     async def responses_create(request: Request) -> Response:
-        body = await _decode_body(request, ResponsesRequest)
+        body = _with_request_id(request, await _decode_body(request, ResponsesRequest))
         return await responses_api.create(ctx, request, body, store)
 
     async def responses_input_tokens(request: Request) -> Response:
@@ -177,8 +244,11 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's /health, as vLLM's
+        Route("/load", load, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/v1/models", _guarded(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _guarded(model), methods=["GET"]),
         Route("/v1/chat/completions", _guarded(chat), methods=["POST"]),
         Route("/v1/completions", _guarded(completions), methods=["POST"]),
         # Literal paths before parameterised ones (SPEC R-2): Starlette answers with the
@@ -201,6 +271,7 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
               methods=["POST"]),
         Route("/v1/messages/batches/{batch_id}", _guarded(messages_batches),
               methods=["GET", "DELETE"]),
+        Route("/invocations", _guarded(invocations), methods=["POST"]),
         Route("/tokenize", _guarded(tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(detokenize), methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -217,7 +288,7 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
 def _middleware(config: FrontendConfig, admission: Admission) -> list[Middleware]:
     """Outermost first: CORS answers preflights and decorates even 401s (browsers must see
     them); unauthenticated requests are refused before their bodies are read or queued."""
-    stack = []
+    stack = [Middleware(RequestIdMiddleware)]
     if config.allowed_origins:
         stack.append(Middleware(
             CORSMiddleware, allow_origins=config.allowed_origins,

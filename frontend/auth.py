@@ -1,8 +1,9 @@
 """API keys (--api-key, SLUICE_API_KEY) as ASGI middleware.
 
 A key comes as `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic
-clients). Probes and scrapes (`/health`, `/metrics`, `/version`) stay open, so orchestrators
-and Prometheus need no secret.
+clients). Probes and scrapes (`frontend.limits.OPEN_PATHS`: `/health`, `/ping`, `/load`,
+`/metrics`, `/version`, `/openapi.json`) stay open, so orchestrators, routers and Prometheus
+need no secret.
 """
 
 from __future__ import annotations

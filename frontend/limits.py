@@ -24,7 +24,7 @@ from frontend.errors import APIError, error_response
 log = logging.getLogger("sluice.frontend")
 
 # Routes that answer without a key and while draining: probes and scrapes.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version", "/openapi.json"})
 RETRY_AFTER_S = 1
 
 

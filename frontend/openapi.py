@@ -14,6 +14,7 @@ app's routes.
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import msgspec
@@ -28,6 +29,7 @@ from frontend.api_models import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -63,10 +65,17 @@ class Operation(NamedTuple):
 OPERATIONS: tuple[Operation, ...] = (
     Operation("get", "/health", "200 while the engine is reachable and not draining, else 503",
               answer_type=""),
+    Operation("get", "/ping", "SageMaker's health check: the same answer as /health",
+              answer_type=""),
+    Operation("post", "/ping", "SageMaker's health check: the same answer as /health",
+              answer_type=""),
+    Operation("get", "/load", "Requests being answered now: {\"server_load\": N}"),
     Operation("get", "/version", "The server's version"),
     Operation("get", "/metrics", "Prometheus metrics", answer_type="text/plain"),
     Operation("get", "/openapi.json", "This document"),
     Operation("get", "/v1/models", "The served model", answer=ModelList),
+    Operation("get", "/v1/models/{model_id:path}", "One served model by name (404 if unknown)",
+              answer=ModelCard),
     Operation("post", "/v1/chat/completions", "OpenAI chat completion",
               ChatCompletionRequest, streams=True),
     Operation("post", "/v1/completions", "OpenAI (legacy) text completion",
@@ -87,6 +96,8 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/v1/messages/batches/{batch_id}/cancel", "Not supported: always 404"),
     Operation("get", "/v1/messages/batches/{batch_id}", "Not supported: always 404"),
     Operation("delete", "/v1/messages/batches/{batch_id}", "Not supported: always 404"),
+    Operation("post", "/invocations", "SageMaker's route: a chat completion when the body "
+              "has messages, else a completion when it has prompt", streams=True),
     Operation("post", "/tokenize", "vLLM's /tokenize: a prompt or chat messages to token ids",
               TokenizeRequest, answer=TokenizeResponse),
     Operation("post", "/detokenize", "vLLM's /detokenize: token ids to text",
@@ -106,7 +117,7 @@ def document(model_name: str, version: str) -> dict[str, Any]:
             _pin_unsupported(components[op.body.__name__], _UNSUPPORTED.get(op.body, ()))
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
-        paths.setdefault(op.path, {})[op.method] = _operation(op, ref_of)
+        paths.setdefault(_openapi_path(op.path), {})[op.method] = _operation(op, ref_of)
     return {
         "openapi": "3.1.0",
         "info": {"title": "sluice", "version": version,
@@ -127,12 +138,18 @@ def endpoint(model_name: str, version: str):
     return openapi_json
 
 
+def _openapi_path(path: str) -> str:
+    """Starlette's `{name:path}` (a parameter that may hold slashes) is OpenAPI's `{name}`."""
+    return re.sub(r"\{(\w+):\w+\}", r"{\1}", path)
+
+
 def _operation(op: Operation, ref_of: dict[type, dict]) -> dict[str, Any]:
-    name = op.path.strip("/").replace("/", "_").replace("{", "").replace("}", "").replace(".", "_")
+    path = _openapi_path(op.path)
+    name = path.strip("/").replace("/", "_").replace("{", "").replace("}", "").replace(".", "_")
     spec: dict[str, Any] = {"operationId": f"{op.method}_{name}", "summary": op.summary}
     parameters = [
         {"name": part[1:-1], "in": "path", "required": True, "schema": {"type": "string"}}
-        for part in op.path.split("/") if part.startswith("{")
+        for part in path.split("/") if part.startswith("{")
     ]
     if parameters:
         spec["parameters"] = parameters

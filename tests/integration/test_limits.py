@@ -80,8 +80,13 @@ def test_api_keys(limited):
     assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
     assert httpx.get(f"{url}/v1/models", headers={"x-api-key": KEYS[1]}).status_code == 200
     _error_shape(httpx.post(f"{url}/tokenize", json={"prompt": "hi"}), 401)
-    for open_path in ("/health", "/metrics", "/version", "/openapi.json"):
+    # vLLM's ops routes: /v1/* and /invocations (it generates) need the key, probes do not.
+    _error_shape(httpx.get(f"{url}/v1/models/SmolLM2-135M-Instruct"), 401)
+    _error_shape(httpx.post(f"{url}/invocations", json={"prompt": "hi"}), 401)
+    assert httpx.post(f"{url}/invocations", json=SHORT, headers=AUTH).status_code == 200
+    for open_path in ("/health", "/ping", "/load", "/metrics", "/version", "/openapi.json"):
         assert httpx.get(f"{url}{open_path}").status_code == 200
+    assert httpx.post(f"{url}/ping").status_code == 200
     # The official client sends the key as a bearer token.
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[1], max_retries=0)
     done = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello",
