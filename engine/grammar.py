@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding with llguidance (SPEC P-8, O-4, C-1 to C-3).
+"""Grammar-constrained decoding with llguidance (req P-8, O-4, C-1 to C-3).
 
 The frontend sends each constrained request's grammar already translated and validated
 (`shared.protocol.Constraint`). Here:

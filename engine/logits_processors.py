@@ -51,7 +51,7 @@ def _penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     vocab = logits.shape[1]
     repetition = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if repetition:
-        # Counts prompt and output tokens (SPEC P-11).
+        # Counts prompt and output tokens (req P-11).
         seen = (_counts([seqs[i].token_ids for i in repetition], vocab) > 0).to(logits.device)
         penalty = torch.tensor(
             [seqs[i].params.repetition_penalty for i in repetition], device=logits.device
@@ -64,7 +64,7 @@ def _penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
     ]
     if additive:
-        # Counts output tokens only (SPEC P-11).
+        # Counts output tokens only (req P-11).
         counts = _counts([seqs[i].output_ids for i in additive], vocab).to(logits.device)
         frequency = torch.tensor(
             [seqs[i].params.frequency_penalty for i in additive], device=logits.device

@@ -200,7 +200,7 @@ def _response_format(request: MessagesRequest | CountTokensRequest) -> ResponseF
 
 
 def _template_kwargs(request: MessagesRequest | CountTokensRequest) -> dict | None:
-    """Thinking on or off, written as both switches templates use (SPEC O-5)."""
+    """Thinking on or off, written as both switches templates use (req O-5)."""
     if request.thinking is None:
         return None
     on = request.thinking.type != "disabled"

@@ -1,6 +1,6 @@
 """Anthropic Messages API bodies as msgspec Structs (`/v1/messages`, `/v1/messages/count_tokens`).
 
-The request forbids unknown top-level fields, as the OpenAI models do (SPEC P-1): a typo is a
+The request forbids unknown top-level fields, as the OpenAI models do (req P-1): a typo is a
 400 naming it. Fields of Anthropic's API that change nothing here (metadata, service_tier,
 cache_control, ...) are known and ignored; features we do not run (server tools, containers,
 MCP servers, context management) are a 400 when set. Content blocks are read leniently (a

@@ -1,6 +1,6 @@
 """OpenAI request and response bodies as msgspec Structs.
 
-Requests forbid unknown fields so a typo is a 400 naming the field, before any work (SPEC P-1).
+Requests forbid unknown fields so a typo is a 400 naming the field, before any work (req P-1).
 Every field of the current OpenAI API is known: the ones we cannot honour are listed in the
 `*UNSUPPORTED_WHEN_SET` tuples (a non-default value is a 400 saying so, rather than silently
 ignored), the ones that change nothing about the tokens in `ACCEPTED_AND_IGNORED`.
@@ -183,7 +183,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 class TokenizeRequest(_NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """vLLM's /tokenize: either `prompt` (text) or `messages` (rendered with the chat
     template first), never both. add_special_tokens defaults as on the generation endpoints:
-    True for a prompt, False for messages (the template already holds BOS, SPEC T-4)."""
+    True for a prompt, False for messages (the template already holds BOS, req T-4)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -216,7 +216,7 @@ CHAT_UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
     ("web_search_options", None),
 )
 COMPLETION_UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
-    ("suffix", None),  # SPEC P-6: reject, don't ignore
+    ("suffix", None),  # req P-6: reject, don't ignore
 )
 # Values of unsupported fields that ask for nothing beyond the default, so they pass.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {

@@ -251,7 +251,7 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         Route("/v1/models/{model_id:path}", _guarded(model), methods=["GET"]),
         Route("/v1/chat/completions", _guarded(chat), methods=["POST"]),
         Route("/v1/completions", _guarded(completions), methods=["POST"]),
-        # Literal paths before parameterised ones (SPEC R-2): Starlette answers with the
+        # Literal paths before parameterised ones (req R-2): Starlette answers with the
         # first route whose pattern and method match, and `{response_id}` matches any one
         # path segment, so a parameterised route listed first would take a literal path it
         # shares a method with (`/v1/responses/input_tokens` read as a response id, as would

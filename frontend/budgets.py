@@ -1,10 +1,10 @@
-"""Prompt budgets (SPEC T-5 to T-7): how long a prompt may be, and how it is cut.
+"""Prompt budgets (req T-5 to T-7): how long a prompt may be, and how it is cut.
 
 Pure functions over token ids and text; `frontend.tokenization` runs them around the tokenizer
 in its thread pool. The numbers:
 
 - max_input_tokens = max_model_len: a prompt alone may fill the context (a generation request
-  is then refused for lack of room, SPEC P-5, which is a clearer error than a silent cut).
+  is then refused for lack of room, req P-5, which is a clearer error than a silent cut).
 - max_truncation_tokens = max_model_len - 1 for generation: truncating to the full context
   would leave no room for even one new token.
 - max_input_chars = max_input_tokens * max_chars_per_token: no token is longer than
@@ -36,16 +36,16 @@ class BudgetError(ValueError):
 
 
 class TokenizeParams(msgspec.Struct, frozen=True, kw_only=True):
-    """How one prompt is tokenized and cut (the tokenizer stage's own parameters, SPEC T-1)."""
+    """How one prompt is tokenized and cut (the tokenizer stage's own parameters, req T-1)."""
 
     max_total_tokens: int  # the model's context: prompt + output
     generation: bool = True  # False: pooling, no output tokens to leave room for
     truncate_prompt_tokens: int | None = None  # keep this many tokens; -1: as many as allowed
     truncation_side: Side | None = None  # None: left for generation, right for pooling
     pad_prompt_tokens: int | None = None  # pad to this many tokens; -1: max_input_tokens
-    add_special_tokens: bool = True  # completions True, chat False (SPEC T-4)
+    add_special_tokens: bool = True  # completions True, chat False (req T-4)
     return_offsets: bool = False
-    needs_detokenization: bool = False  # recover the text after truncation (SPEC T-10)
+    needs_detokenization: bool = False  # recover the text after truncation (req T-10)
 
     @property
     def max_input_tokens(self) -> int:
@@ -123,7 +123,7 @@ def check_truncation(params: TokenizeParams) -> None:
 
 
 def fit_text(text: str, params: TokenizeParams, max_chars_per_token: int) -> FittedText:
-    """The character ceiling (SPEC T-5): reject, or cut to it when truncation was asked for.
+    """The character ceiling (req T-5): reject, or cut to it when truncation was asked for.
 
     A cut text of max_input_chars characters still has at least max_input_tokens tokens, so
     token truncation afterwards decides exactly what remains; this cut only bounds the work.
@@ -203,7 +203,7 @@ def check_length(tokens: PromptTokens, params: TokenizeParams, capped: bool) -> 
 def finish(
     tokens: PromptTokens, params: TokenizeParams, *, capped: bool, pad_token_id: int | None
 ) -> PromptTokens:
-    """Truncate, then pad, then check the length (SPEC T-7). Padding before a left cut would
+    """Truncate, then pad, then check the length (req T-7). Padding before a left cut would
     keep the padding and drop the prompt; checking before the cut would reject what the
     client asked us to cut."""
     tokens = truncate(tokens, params)

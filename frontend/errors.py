@@ -1,4 +1,4 @@
-"""Error bodies and the status codes clients rely on (SPEC R-3).
+"""Error bodies and the status codes clients rely on (req R-3).
 
 Every route answers in OpenAI's shape, except the Anthropic-compatible ones (`/v1/messages`
 and below), which answer in Anthropic's (`{"type": "error", "error": {"type", "message"}}`),

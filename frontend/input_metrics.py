@@ -1,9 +1,9 @@
-"""Input-side visibility (SPEC L-4): prompt sizes and truncation, as metrics and a log line.
+"""Input-side visibility (req L-4): prompt sizes and truncation, as metrics and a log line.
 
 Truncation cuts what the model sees without failing the request, so it must be counted
 somewhere a person looks; each accepted prompt also gets one INFO line on `sluice.requests`.
 The names carry `input_` so they cannot collide with the engine-side request histograms
-(SPEC L-3, e.g. `sluice:request_prompt_tokens`).
+(req L-3, e.g. `sluice:request_prompt_tokens`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The input stage: from a request to prompt token ids (SPEC T-*, L-4).
+"""The input stage: from a request to prompt token ids (req T-*, L-4).
 
 Chat requests are rendered with a chat template (`frontend.rendering`), then tokenized
-without special tokens, because the template already holds BOS (SPEC T-4); completion prompts
+without special tokens, because the template already holds BOS (req T-4); completion prompts
 are tokenized with them; `prompt_token_ids` skip rendering. Every path then goes through the
 same budgets (`frontend.budgets`). Rendering and tokenizing run in `frontend.tokenization`'s
 worker threads, never on the event loop.
@@ -76,7 +76,7 @@ async def _render(ctx: ServingContext, request: ChatCompletionRequest) -> Render
         continue_final_message=request.continue_final_message,
         tools=request.tools,
         template_kwargs={**settings.default_kwargs, **(request.chat_template_kwargs or {})},
-        # A named tool_choice: the output starts inside the call (SPEC C-3).
+        # A named tool_choice: the output starts inside the call (req C-3).
         injected_prefix=forced_call_prefix(request, structured),
     )
     try:

@@ -136,7 +136,7 @@ def build_job(
                 prompt_token_ids=packed, params=params,
                 reply_to=ctx.client.result_address, arrival_time=now,
                 output=output_params(ctx, request, job, plan, prompt, number),
-                cache_salt=request.cache_salt, priority=request.priority,  # SPEC P-12
+                cache_salt=request.cache_salt, priority=request.priority,  # req P-12
             ))
     job.index_of = {c.request_id: i for i, c in enumerate(job.candidates)}
     return job

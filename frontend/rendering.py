@@ -1,4 +1,4 @@
-"""The renderer: chat messages -> prompt text (SPEC T-1 to T-3).
+"""The renderer: chat messages -> prompt text (req T-1 to T-3).
 
 It only makes text; tokenizing is the next stage, with its own parameters (`frontend.budgets`).
 `render` is synchronous and runs in `frontend.tokenization`'s pool, under the render timeout.
@@ -40,7 +40,7 @@ class TemplateSettings(msgspec.Struct, frozen=True):
 
 
 class RenderParams(msgspec.Struct, frozen=True, kw_only=True):
-    """The renderer's own parameters (SPEC T-1)."""
+    """The renderer's own parameters (req T-1)."""
 
     request_template: str | None = None  # the request's chat_template, when trusted
     add_generation_prompt: bool = True
@@ -53,7 +53,7 @@ class RenderParams(msgspec.Struct, frozen=True, kw_only=True):
 
 class RenderedPrompt(msgspec.Struct, frozen=True):
     """The template's own text, kept apart from what the server injected: parsers read the
-    template's view of the conversation, the model reads both (SPEC T-1)."""
+    template's view of the conversation, the model reads both (req T-1)."""
 
     template_text: str
     injected_prefix: str = ""
@@ -95,7 +95,7 @@ def check_render_params(params: RenderParams, messages: list[ChatMessage]) -> No
         )
 
 
-# ---------------------------------------------------------------- template choice (SPEC T-2)
+# ---------------------------------------------------------------- template choice (req T-2)
 
 
 def resolve_template(tok, params: RenderParams, settings: TemplateSettings) -> str:
@@ -163,7 +163,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def developer_as_system(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
-    """SPEC T-3: a template with no developer branch would treat one as a user turn (or
+    """req T-3: a template with no developer branch would treat one as a user turn (or
     reject it), so it becomes system, merged with system messages next to it, because many
     templates only accept one system message, first."""
     if "developer" in template or not any(m["role"] == "developer" for m in messages):

@@ -1,4 +1,4 @@
-"""Per-request metrics of a frontend (SPEC L-3), with vLLM's meanings and units.
+"""Per-request metrics of a frontend (req L-3), with vLLM's meanings and units.
 
 Under `sluice frontend` and `sluice serve` prometheus_client runs in multiprocess mode (see
 `shared.prometheus_dir`): these values live in files that a scrape of any frontend process

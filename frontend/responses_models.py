@@ -1,6 +1,6 @@
 """OpenAI Responses API bodies as msgspec Structs (`/v1/responses`).
 
-The request knows every top-level field of the current API and forbids unknown ones (SPEC
+The request knows every top-level field of the current API and forbids unknown ones (req
 P-1): hints and bookkeeping are accepted and ignored, features this server does not run are a
 400 when set (`UNSUPPORTED_WHEN_SET`). Input items and tools are read leniently, because
 clients send earlier output items back as input with every field they got (`status`,

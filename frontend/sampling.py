@@ -1,4 +1,4 @@
-"""The one place an OpenAI request becomes engine parameters (SPEC P-4 to P-7, P-10).
+"""The one place an OpenAI request becomes engine parameters (req P-4 to P-7, P-10).
 
 Defaults are pinned here, not inherited from the engine: a missing temperature or top_p
 means 1.0, completions default to 16 new tokens, chat to whatever room the context leaves.
@@ -55,7 +55,7 @@ _DEFAULT_LIMITS = RequestLimits()
 
 def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTURED_SETTINGS,
                   limits: RequestLimits = _DEFAULT_LIMITS) -> None:
-    """Bounds (numbers, counts, JSON depth), combination checks that need no prompt (SPEC
+    """Bounds (numbers, counts, JSON depth), combination checks that need no prompt (req
     P-6), then unsupported fields.
 
     `structured`: the server's tool-call and reasoning parsers; without them, tools (other

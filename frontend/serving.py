@@ -204,7 +204,7 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> TokenizeRes
             tools=request.tools,
         )
         check_bounds(chat, ctx.limits)  # message and tool counts, tool-call arguments' depth
-        # The template already holds BOS, so no special tokens by default (SPEC T-4).
+        # The template already holds BOS, so no special tokens by default (req T-4).
         text, field, add_special = (await render_messages(ctx, chat)).text, "messages", False
     if request.add_special_tokens is not None:
         add_special = request.add_special_tokens

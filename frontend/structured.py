@@ -1,4 +1,4 @@
-"""Structured outputs and forced tool calls: a request -> one llguidance grammar (SPEC P-6,
+"""Structured outputs and forced tool calls: a request -> one llguidance grammar (req P-6,
 P-8, C-1 to C-3).
 
 A request's own constraint comes from at most one of: `response_format` (json_object,

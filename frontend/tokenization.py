@@ -1,4 +1,4 @@
-"""Rendering (messages -> text) and tokenizing (text -> ids), off the event loop (SPEC T-8, T-9).
+"""Rendering (messages -> text) and tokenizing (text -> ids), off the event loop (req T-8, T-9).
 
 Both run on a pool of worker threads. Each job borrows a tokenizer copy from a pool that grows
 on demand, because one shared tokenizer behind a lock would serialize every request's
@@ -43,13 +43,13 @@ log = logging.getLogger("sluice.frontend")
 
 
 class InputSettings(msgspec.Struct, frozen=True, kw_only=True):
-    max_chars_per_token: int  # TokenizerFacts, computed once at load (SPEC T-11)
+    max_chars_per_token: int  # TokenizerFacts, computed once at load (req T-11)
     pad_token_id: int | None = None
     threads: int = 4
     render_timeout_s: float = 30.0
     templates: TemplateSettings = TemplateSettings()
     # Tool-call and reasoning parsers (and llguidance's tokenizer) for structured output; the
-    # renderer injects a named tool_choice's begin marker (SPEC C-3).
+    # renderer injects a named tool_choice's begin marker (req C-3).
     structured: StructuredSettings = StructuredSettings()
 
 
@@ -276,7 +276,7 @@ class Tokenization:
         return tokens
 
     async def fit_ids(self, ids: list[int], params: TokenizeParams) -> PromptTokens:
-        """prompt_token_ids passthrough: budgets only, no rendering (SPEC T-10)."""
+        """prompt_token_ids passthrough: budgets only, no rendering (req T-10)."""
         tokens = finish(
             PromptTokens(ids=ids), params, capped=False, pad_token_id=self.settings.pad_token_id
         )

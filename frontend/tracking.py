@@ -1,5 +1,5 @@
 """Follows each engine request from submission to its last frame, for the request metrics
-(SPEC L-3), the queue cap (its ticket leaves the queue at the first token) and the
+(req L-3), the queue cap (its ticket leaves the queue at the first token) and the
 per-request timeout (--request-timeout).
 
 `EngineClient` calls `submitted`, `delivered` (every frame it hands to a request, errors
@@ -116,7 +116,7 @@ class RequestTracker:
 
 
 def _ttft(timing: Timing, now: float, engine_stamp: float | None) -> float:
-    """Time to first token as the engine stamped it, before any post-processing (SPEC
+    """Time to first token as the engine stamped it, before any post-processing (req
     O-8: a postproc worker's hop is not the model's latency). Without a stamp, or with clocks
     that disagree (engine on another machine), the frame's arrival here bounds it."""
     arrival_bound = now - timing.arrived

@@ -1,5 +1,5 @@
 """One streamed candidate's frames -> ready-to-write SSE bytes (OpenAI chat or completion
-chunks), so the HTTP layer only forwards bytes (SPEC S-4, O-1).
+chunks), so the HTTP layer only forwards bytes (req S-4, O-1).
 
 The frontend writes what is once per request: the role-only opening chunk, the usage chunk,
 `[DONE]` and error events. Everything per token is written here.

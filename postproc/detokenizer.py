@@ -1,4 +1,4 @@
-"""Incremental detokenization for streaming (SPEC O-2).
+"""Incremental detokenization for streaming (req O-2).
 
 Each push decodes only a short window: the tokens of the last emitted chunk (context) plus the
 tokens not yet emitted. The new text is what the window decodes to beyond what its context

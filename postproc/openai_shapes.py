@@ -1,4 +1,4 @@
-"""The OpenAI response shapes that chunks are made of, and the two logprobs shapes (SPEC O-4).
+"""The OpenAI response shapes that chunks are made of, and the two logprobs shapes (req O-4).
 
 They live in postproc because whoever post-processes a request (a postproc worker, or the
 frontend's receiver thread without a fleet) writes the streamed chunks; the frontend builds

@@ -3,7 +3,7 @@
 Per frame: detokenize, match stop strings, split reasoning from content, parse tool calls,
 and, for streamed requests, write the OpenAI chunk bytes. The same code runs in a postproc
 worker (the fleet) or in a frontend's receiver thread when no fleet is configured; either way
-it is off the engine and off the HTTP event loop (SPEC S-4).
+it is off the engine and off the HTTP event loop (req S-4).
 
 A request's frames are a pure function of its EngineRequest and its outputs, in order: frame
 k comes from the k-th output. So a dead worker's requests replay on another worker, which
@@ -167,7 +167,7 @@ class OutputProcessor:
         if (output.finish_reason == "stop" and len(ids)
                 and not state.params.include_stop_str_in_output):
             # The engine stops with "stop" only on EOS or a stop_token_id, the last token:
-            # like a stop string, it is left out of the text unless asked for (SPEC O-3).
+            # like a stop string, it is left out of the text unless asked for (req O-3).
             text_ids = ids[:-1]
         text = state.detokenizer.push(text_ids.tolist()) if len(text_ids) else ""
         if finished:
@@ -210,7 +210,7 @@ def parser_delimiters_are_special(
 ) -> bool:
     """Whether a configured parser's delimiters (`<think>`, `[TOOL_CALLS]`, ...) are special
     tokens of this tokenizer, which skip_special_tokens would take out before the parser saw
-    them (SPEC O-6)."""
+    them (req O-6)."""
     delimiters: set[str] = set()
     if reasoning_parser:
         cls = get_reasoning_parser(reasoning_parser)

@@ -1,4 +1,4 @@
-"""Stop strings on detokenized text, with hold-back (SPEC P-9, O-2, O-3).
+"""Stop strings on detokenized text, with hold-back (req P-9, O-2, O-3).
 
 Text that could still be the start of a stop string is held back (at most the longest stop
 string minus one character), so a client never sees a prefix of a stop string that later

@@ -1,6 +1,6 @@
 """A postproc worker process: registers with the engine, takes the token batches of the
 requests the engine assigns it, and pushes finished text frames (with chunk bytes for
-streamed requests) straight to each request's frontend (SPEC S-1, S-4).
+streamed requests) straight to each request's frontend (req S-1, S-4).
 
 It holds per-request parser state only. When it dies, the engine replays its requests on
 another worker; when it comes back after the engine gave it up, the engine tells it to reset.

@@ -727,7 +727,7 @@ def _serve(args) -> int:
     keys = _api_keys(args)
     if keys:
         os.environ["SLUICE_API_KEY"] = ",".join(keys)
-    # Every frontend `serve` starts shares one metrics directory (SPEC L-3).
+    # Every frontend `serve` starts shares one metrics directory (req L-3).
     prepare_prometheus_dir()
     argvs = [engine_argv, frontend_argv]
     if args.postproc_workers > 0:

@@ -1,4 +1,4 @@
-"""Prometheus multiprocess mode for frontends (SPEC L-3).
+"""Prometheus multiprocess mode for frontends (req L-3).
 
 prometheus_client picks its value storage once, when it is first imported: in-process, or in
 files under PROMETHEUS_MULTIPROC_DIR that a scrape of any frontend process sums. So the CLI

@@ -24,7 +24,7 @@ def unpack_ids(buf: TokenIds) -> np.ndarray:
 
 
 class Constraint(msgspec.Struct, frozen=True):
-    """A grammar the output must follow (SPEC P-8, C-1 to C-3).
+    """A grammar the output must follow (req P-8, C-1 to C-3).
 
     The frontend translates the request (response_format, structured_outputs, guided_*, forced
     tool calls) into one llguidance grammar and validates it, so the engine only compiles it.
@@ -47,7 +47,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     min_tokens: int = 0
     min_p: float = 0.0
     # Penalties: presence/frequency count output tokens only; repetition counts prompt and
-    # output (SPEC P-11).
+    # output (req P-11).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -97,7 +97,7 @@ class OutputParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop: list[str] = []  # stop strings, matched on detokenized text
     include_stop_str_in_output: bool = False
     logprobs: bool = False  # attach token strings to the logprobs the engine sends
-    # Output parsers by registered name (SPEC O-5, O-6); None = off for this request.
+    # Output parsers by registered name (req O-5, O-6); None = off for this request.
     reasoning_parser: str | None = None
     # Whether the output starts inside a thinking block, as the frontend read it from the
     # rendered prompt (a template may pre-fill `<think>` or a closed block).
@@ -105,7 +105,7 @@ class OutputParams(msgspec.Struct, frozen=True, omit_defaults=True):
     tool_parser: str | None = None
     tools: bytes = b""  # the request's `tools` as JSON (parsers read parameter types)
     # Text the server put after the rendered prompt that the output continues (a forced
-    # call's opening, SPEC C-3): parsed as output, never returned as content.
+    # call's opening, req C-3): parsed as output, never returned as content.
     tool_prefill: str = ""
     chunk: ChunkFormat | None = None  # set for streamed requests only
 
@@ -123,7 +123,7 @@ class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     arrival_time: float
     # What a postproc worker needs to turn tokens into text for this request.
     output: OutputParams = OutputParams()
-    # Passed through untouched (SPEC P-12): the salt joins the root of the request's
+    # Passed through untouched (req P-12): the salt joins the root of the request's
     # prefix-cache hash chain, so tenants with different salts never share cached pages;
     # priority orders the waiting queue under a priority scheduler (lower runs first, as vLLM).
     cache_salt: str | None = None

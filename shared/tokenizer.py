@@ -115,7 +115,7 @@ def _store_cache(tokenizer, cache_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Facts (SPEC T-11/T-12)
+# Facts (req T-11/T-12)
 
 
 class TokenizerFacts(msgspec.Struct, frozen=True):
@@ -125,7 +125,7 @@ class TokenizerFacts(msgspec.Struct, frozen=True):
     bos_token_id: int | None
     max_chars_per_token: int  # longest single token once decoded, in characters
     special_token_ids: list[int]
-    pad_token_id: int | None = None  # what prompt padding appends (SPEC T-7)
+    pad_token_id: int | None = None  # what prompt padding appends (req T-7)
 
 
 class _GenerationConfig(msgspec.Struct):

@@ -1,6 +1,6 @@
 """What the reasoning parsers share: a `<think>` / `</think>` state machine on streamed text.
 
-One instance per request. The initial state comes from the rendered prompt (SPEC O-5): a
+One instance per request. The initial state comes from the rendered prompt (req O-5): a
 template may have opened the thinking block already (`...<think>\n`: the output starts inside
 it) or written a closed one (`<think>\n\n</think>\n\n`: thinking is off, the output is all
 content). When the prompt says neither, the parser's own default applies.

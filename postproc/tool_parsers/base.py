@@ -2,7 +2,7 @@
 
 A parser instance holds one request's state. `feed(delta_text)` takes the next piece of
 detokenized output (after the reasoning parser, if any, has taken its part) and returns what
-can no longer change (SPEC O-2): content text, and whole tool calls as OpenAI streaming deltas.
+can no longer change (req O-2): content text, and whole tool calls as OpenAI streaming deltas.
 `finish()` flushes what was held back. `parse(text)` is the one-shot form, for non-streaming
 responses; it runs the same machine on the whole text, so a streamed request and a
 non-streamed one always agree, however the text was split.
@@ -138,7 +138,7 @@ class ToolParser:
     delimiters: ClassVar[tuple[str, ...]] = ()
     id_length: ClassVar[int] = 24
     id_prefix: ClassVar[str] = "call_"
-    # Grammar side (SPEC C-1 to C-3), used by the frontend to force calls with llguidance.
+    # Grammar side (req C-1 to C-3), used by the frontend to force calls with llguidance.
     # `begin_marker`: the text that opens a call; a named tool_choice injects it after the
     # prompt. `begin_lark`: the same as a Lark expression (a string literal, or `<|...|>` for
     # a special token). `next_call_lark`: what comes between one call and the next.
@@ -185,7 +185,7 @@ class ToolParser:
         ids; otherwise they are random.
 
         `prefill`: text the server put after the rendered prompt that the output continues,
-        such as a forced call's opening (`<tool_call>\n{"name": "f", "arguments": `, SPEC
+        such as a forced call's opening (`<tool_call>\n{"name": "f", "arguments": `, req
         C-3). It is parsed as the start of the output but never returned as content.
         """
         self._tools_arg = tools

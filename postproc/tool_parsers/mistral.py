@@ -12,7 +12,7 @@ Call ids are 9 letters and digits (no `call_` prefix): Mistral chat templates re
 other shape when the conversation comes back with the tool results. An id the model wrote
 with `[CALL_ID]` is used as is.
 
-Forced calls (SPEC C-1 to C-3) are generated in the v11+ spelling, `[TOOL_CALLS]name[ARGS]{...}`
+Forced calls (req C-1 to C-3) are generated in the v11+ spelling, `[TOOL_CALLS]name[ARGS]{...}`
 (what current Mistral templates render and what mistral-common's own grammars produce, with no
 `[CALL_ID]`), or, for models of the older templates, `[TOOL_CALLS][{"name": ..., "arguments":
 {...}}]` with one call per array; the model picks. `[TOOL_CALLS]` and `[ARGS]` are named by

@@ -1,4 +1,4 @@
-"""Anthropic-compatible `/v1/messages` end to end with the official `anthropic` client (SPEC
+"""Anthropic-compatible `/v1/messages` end to end with the official `anthropic` client (req
 R-2): text, streaming, stop_sequences, a tool_use / tool_result round trip, structured output,
 thinking blocks from the reasoning parser, count_tokens and Anthropic-shaped errors, on a
 server with the hermes tool-call parser and the qwen3 reasoning parser (`edge_url`)."""

@@ -1,4 +1,4 @@
-"""Faults an orchestrator causes (SPEC L-1, L-2, issue 9): a killed engine, a drained frontend,
+"""Faults an orchestrator causes (req L-1, L-2, issue 9): a killed engine, a drained frontend,
 a client that leaves. One engine and two frontends as separate processes over tcp."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ own fields, and boundary values for every field of every request model (chat, co
 responses, messages, tokenize, detokenize): ints where int32/int64/uint64 end and past, floats
 that vanish or overflow in float32, empty, huge and odd strings, JSON nested 1,000 deep
 wherever free-form JSON goes, long lists, wrong types. No 5xx, every refusal in its API's
-error shape (SPEC R-3), and afterwards every process alive, /health 200 and the engine idle
+error shape (req R-3), and afterwards every process alive, /health 200 and the engine idle
 (tests.fuzz_checks). One stack, the issue's configuration, for the whole module."""
 
 from __future__ import annotations

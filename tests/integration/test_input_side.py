@@ -1,4 +1,4 @@
-"""The input side through real processes (SPEC T-*, L-4): budgets, truncation, templates,
+"""The input side through real processes (req T-*, L-4): budgets, truncation, templates,
 the render timeout, and what /metrics and the request log show."""
 
 import threading

@@ -1,4 +1,4 @@
-"""`/metrics` during and after load (SPEC L-3): the request histograms and counters move by
+"""`/metrics` during and after load (req L-3): the request histograms and counters move by
 exactly what the load did, and the engine's iteration stats show it working."""
 
 from __future__ import annotations

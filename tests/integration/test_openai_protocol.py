@@ -1,7 +1,7 @@
-"""OpenAI protocol fidelity, end to end (SPEC R-1, R-3, P-1 to P-12, O-1 to O-4, O-7).
+"""OpenAI protocol fidelity, end to end (req R-1, R-3, P-1 to P-12, O-1 to O-4, O-7).
 
 Real processes and the real default model, spoken to with the official `openai` client and
-with raw httpx. Each test names the SPEC lines it proves; each would fail without the
+with raw httpx. Each test names the requirements it proves; each would fail without the
 behaviour. Generation is kept to a few tokens and independent requests run concurrently (the
 engine batches them), so the file stays cheap on a small CPU machine.
 """

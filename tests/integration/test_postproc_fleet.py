@@ -1,4 +1,4 @@
-"""The postproc fleet end to end (SPEC S-1, S-3, S-4, O-5): an engine, two frontends and
+"""The postproc fleet end to end (req S-1, S-3, S-4, O-5): an engine, two frontends and
 postproc workers as separate processes. Workers do the per-token text work and push chunk
 bytes to the frontends; a SIGKILLed worker's requests replay on another worker and every
 stream still completes with the text an undisturbed run gives."""

@@ -1,4 +1,4 @@
-"""`/v1/responses` end to end with the official `openai` client's `responses` API (SPEC R-2):
+"""`/v1/responses` end to end with the official `openai` client's `responses` API (req R-2):
 created, streamed, stored, chained, with function tools, reasoning items and structured
 output, on a server with the hermes tool-call parser and the qwen3 reasoning parser
 (`edge_url` in conftest). The chat pipeline underneath is the same one /v1/chat/completions

@@ -1,5 +1,5 @@
 """Structured outputs and forced tool calls through real processes on the default model
-(SPEC P-6, P-8, O-4, C-1, C-3): every output must fit its constraint, every time."""
+(req P-6, P-8, O-4, C-1, C-3): every output must fit its constraint, every time."""
 
 import concurrent.futures
 import json

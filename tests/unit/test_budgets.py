@@ -1,4 +1,4 @@
-"""Prompt budgets (SPEC T-5 to T-7), branch by branch, with the real tokenizer."""
+"""Prompt budgets (req T-5 to T-7), branch by branch, with the real tokenizer."""
 
 import pytest
 

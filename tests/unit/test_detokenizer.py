@@ -1,4 +1,4 @@
-"""IncrementalDetokenizer (SPEC O-2): streamed deltas never split a UTF-8 character, and they
+"""IncrementalDetokenizer (req O-2): streamed deltas never split a UTF-8 character, and they
 add up to tokenizer.decode(output_ids) exactly."""
 
 import json

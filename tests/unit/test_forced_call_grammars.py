@@ -1,4 +1,4 @@
-"""Forced tool calls for the mistral, pythonic and qwen3_coder parsers (SPEC C-1 to C-3).
+"""Forced tool calls for the mistral, pythonic and qwen3_coder parsers (req C-1 to C-3).
 
 Each parser spells its call syntax as a grammar (`call_grammar` and the marker fields); the
 frontend turns it into the required / named / strict grammars. The checks run llguidance

@@ -1,4 +1,4 @@
-"""The input stage end to end, in process: BOS handling (SPEC T-4), passthrough (T-10),
+"""The input stage end to end, in process: BOS handling (req T-4), passthrough (T-10),
 error mapping, and the request log line (L-4)."""
 
 import asyncio

@@ -1,4 +1,4 @@
-"""docs/openai-compat.md cannot drift from the request models (SPEC P-1): every field of every
+"""docs/openai-compat.md cannot drift from the request models (req P-1): every field of every
 request Struct has exactly one row, nothing else does, and the statuses agree with the
 rejected and ignored lists the server enforces."""
 

@@ -1,4 +1,4 @@
-"""The request models and the one translation function (SPEC P-1 to P-7, P-10, P-12), without
+"""The request models and the one translation function (req P-1 to P-7, P-10, P-12), without
 processes: what each request becomes, and which ones are a 400 before any work."""
 
 import msgspec

@@ -1,4 +1,4 @@
-"""The postproc step (SPEC O-2, O-3, P-9): engine token batches -> text frames, with stop
+"""The postproc step (req O-2, O-3, P-9): engine token batches -> text frames, with stop
 strings held back and cut, and the engine's stop token kept out of the text unless asked."""
 
 import pytest

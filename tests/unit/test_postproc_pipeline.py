@@ -1,5 +1,5 @@
 """The whole postproc step on real tokens of the default tokenizer: reasoning and tool-call
-parsers in the pipeline (SPEC O-5, O-6) and the chunk bytes it writes for streamed requests
+parsers in the pipeline (req O-5, O-6) and the chunk bytes it writes for streamed requests
 (O-1, O-4), fed one token per engine step and checked against the non-streaming result."""
 
 import json

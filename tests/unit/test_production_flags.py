@@ -1,5 +1,5 @@
 """The limit flags reach FrontendConfig, `serve` forwards them, and the CLI sets the metrics
-directory before prometheus_client can be imported (SPEC L-3)."""
+directory before prometheus_client can be imported (req L-3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reasoning parsers (SPEC O-2, O-5): the thinking state comes from the rendered prompt, tags
+"""Reasoning parsers (req O-2, O-5): the thinking state comes from the rendered prompt, tags
 never leak (not even half of one), and streaming gives the one-shot result however the text is
 split: one real token at a time (SmolLM2 tokenizer), one character at a time, and cut into two
 or three pieces at every boundary."""

@@ -1,4 +1,4 @@
-"""The renderer (SPEC T-1 to T-3): template choice, developer messages, parts, template errors."""
+"""The renderer (req T-1 to T-3): template choice, developer messages, parts, template errors."""
 
 import json
 

@@ -75,7 +75,7 @@ def _sum(histogram) -> float:
 
 
 def test_time_to_first_token_is_the_engines_stamp_not_the_frames_arrival():
-    """SPEC O-8: a postproc worker's hop between the engine and here is not in the TTFT."""
+    """req O-8: a postproc worker's hop between the engine and here is not in the TTFT."""
     import time
 
     async def run():

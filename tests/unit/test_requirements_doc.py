@@ -48,6 +48,14 @@ def test_every_cited_id_has_an_entry():
     assert not missing, f"IDs cited but not in docs/requirements.md (ID: first file): {missing}"
 
 
+def test_ids_are_cited_as_req_not_as_an_outside_spec():
+    """The IDs' old prefix pointed at a file outside the repository."""
+    old = re.compile(r"\bSPEC(\s+#?\s*)[A-Z]{1,2}-(\d+|\*)")
+    found = [str(p.relative_to(ROOT)) for p in _scanned_files()
+             if p != DOC and old.search(p.read_text(errors="replace"))]
+    assert not found, f"cite requirements as 'req X-n' (docs/requirements.md): {found}"
+
+
 def test_every_entry_names_tests_that_exist():
     entries = _entries()
     assert len(entries) >= 40

@@ -1,4 +1,4 @@
-"""frontend.structured: requests -> llguidance grammars (SPEC P-6, P-8, C-1 to C-3). The
+"""frontend.structured: requests -> llguidance grammars (req P-6, P-8, C-1 to C-3). The
 grammars are checked by running llguidance matchers on the real SmolLM2 tokenizer."""
 
 import json

@@ -1,4 +1,4 @@
-"""The input stage's threads (SPEC T-8, T-9): tokenizer copies, render timeouts, stuck workers."""
+"""The input stage's threads (req T-8, T-9): tokenizer copies, render timeouts, stuck workers."""
 
 import asyncio
 import threading

@@ -1,4 +1,4 @@
-"""Tool-call parsers (SPEC O-2, O-6): one-shot results, and streaming that gives the same
+"""Tool-call parsers (req O-2, O-6): one-shot results, and streaming that gives the same
 result however the text is split: one real token at a time (SmolLM2 tokenizer, incremental
 detokenizer), one character at a time, and cut into two or three pieces at every boundary."""
 
@@ -524,7 +524,7 @@ def test_reasoning_then_tool_calls(tokenizer):
 
 
 
-# -- a forced call's opening injected after the prompt (SPEC C-3) ---------------------------
+# -- a forced call's opening injected after the prompt (req C-3) ---------------------------
 
 PREFILL_CASES = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": ',
