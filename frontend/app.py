@@ -26,13 +26,13 @@ from frontend.api_models import (
     TokenizeRequest,
 )
 from frontend.auth import AuthMiddleware
-from frontend.errors import APIError, error_response
+from frontend.errors import APIError, error_response, route_path
 from frontend.input_bounds import RequestLimits, json_depth_error
 from frontend.json_depth import TooDeep, check_depth
 from frontend.limits import Admission, AdmissionMiddleware, BodyLimitMiddleware
 from frontend.metrics import metrics_registry, render
 from frontend.responses_models import InputTokensRequest, ResponsesRequest
-from frontend.serving_context import ServingContext
+from frontend.serving_context import ServingContext, check_model
 from shared.config import FrontendConfig
 
 log = logging.getLogger("sluice.frontend")
@@ -123,19 +123,19 @@ def _guarded(handler):
         try:
             return await handler(request)
         except APIError as exc:
-            return error_response(exc, request.url.path)
+            return error_response(exc, route_path(request.scope))
         except Exception:
-            log.exception("unhandled error in %s", request.url.path)
-            return error_response(APIError(500, "internal server error"), request.url.path)
+            log.exception("unhandled error in %s", route_path(request.scope))
+            return error_response(APIError(500, "internal server error"), route_path(request.scope))
 
     return endpoint
 
 
 def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
-    registry = metrics_registry(ctx.client)
+    registry = metrics_registry(ctx.client, ctx.model_name, config.export_engine_metrics)
     admission = Admission(config.max_queued_requests)
     # The checks in serving read the bounds from ctx; the body scan here reads the depth.
-    ctx.limits = limits = RequestLimits.from_config(config)
+    ctx.limits = limits = RequestLimits.from_config(config, ctx.vocab_size)
 
     async def _decode_body(request: Request, body_type):
         return await _decode(request, body_type, limits.max_json_depth)
@@ -156,13 +156,14 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         return ModelCard(id=name, created=0, max_model_len=stats.max_model_len if stats else 0)
 
     async def models(request: Request) -> Response:
-        return json_response(ModelList([model_card(ctx.model_name)]))
+        # One card per served name, as vLLM lists them.
+        return json_response(ModelList([model_card(name) for name in
+                                        (ctx.model_name, *ctx.model_aliases)]))
 
     async def model(request: Request) -> Response:
         # The client's models.retrieve(); `:path` so a Hub id (org/name) is one model id.
         name = request.path_params["model_id"]
-        if name != ctx.model_name and name not in config.served_model_aliases:
-            raise APIError(404, f"The model '{name}' does not exist.", "model")
+        check_model(ctx, name)
         return json_response(model_card(name))
 
     async def load(request: Request) -> Response:
@@ -229,7 +230,7 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         return Response(_json.encode(result), media_type="application/json")
 
     async def metrics(request: Request) -> Response:
-        if ctx.client.engine_alive:
+        if config.export_engine_metrics and ctx.client.engine_alive:
             await ctx.client.refresh_stats()
         return Response(render(registry), media_type="text/plain; version=0.0.4")
 
@@ -305,6 +306,6 @@ def _middleware(config: FrontendConfig, admission: Admission) -> list[Middleware
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (unknown path 404, wrong method 405) in the one error shape."""
     response = error_response(APIError(exc.status_code, exc.detail or "request failed"),
-                              request.url.path)
+                              route_path(request.scope))
     response.headers.update(exc.headers or {})
     return response

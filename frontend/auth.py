@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 
-from frontend.errors import APIError
+from frontend.errors import APIError, route_path
 from frontend.limits import OPEN_PATHS, reject
 
 
@@ -20,7 +20,8 @@ class AuthMiddleware:
         self.keys = [key.encode() for key in keys]
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._allowed(scope):
+        if (scope["type"] != "http" or route_path(scope) in OPEN_PATHS
+                or self._allowed(scope)):
             return await self.app(scope, receive, send)
         error = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer KEY' "
                               "or 'x-api-key: KEY'.")

@@ -63,6 +63,14 @@ def anthropic_error_body(status: int, message: str) -> ErrorBody:
     return ErrorBody(ErrorDetail(_ANTHROPIC_TYPES.get(status, "api_error"), message))
 
 
+def route_path(scope) -> str:
+    """The path routes match. Under --root-path uvicorn puts the prefix in front of the
+    client's path; Starlette's router takes it off again, and so must anything else that
+    looks at paths (open paths, error shapes)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def is_anthropic_path(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 

@@ -19,7 +19,7 @@ from contextvars import ContextVar
 import msgspec
 
 from frontend import request_metrics as m
-from frontend.errors import APIError, error_response
+from frontend.errors import APIError, error_response, route_path
 
 log = logging.getLogger("sluice.frontend")
 
@@ -30,7 +30,7 @@ RETRY_AFTER_S = 1
 
 async def reject(scope, receive, send, error: APIError, reason: str, headers=None) -> None:
     m.REJECTED.labels(reason).inc()
-    response = error_response(error, scope.get("path", ""))
+    response = error_response(error, route_path(scope))
     response.headers.update(headers or {})
     await response(scope, receive, send)
 
@@ -69,7 +69,7 @@ class AdmissionMiddleware:
         self.admission = admission
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         admission = self.admission
         if admission.draining:

@@ -107,7 +107,7 @@ async def chat_completion(
     choices = [
         ChatChoice(
             index=i,
-            message=_message(ctx, c),
+            message=_message(ctx, c, answer_role(ctx, request)),
             finish_reason=c.last.finish_reason,
             stop_reason=c.last.stop_reason,
             logprobs=chat_logprobs(c.logprobs) if want_logprobs else None,
@@ -119,11 +119,19 @@ async def chat_completion(
     return Response(_json.encode(body), media_type="application/json")
 
 
-def _message(ctx: ServingContext, c: Candidate) -> AssistantMessage:
+def answer_role(ctx: ServingContext, request: ChatCompletionRequest) -> str:
+    """The role a chat answer carries, as vLLM: --response-role after a generation prompt,
+    else that of the last message, which the output continues."""
+    if request.add_generation_prompt or not request.messages:
+        return ctx.output.response_role
+    return request.messages[-1].role
+
+
+def _message(ctx: ServingContext, c: Candidate, role: str) -> AssistantMessage:
     calls = collect([ToolDelta("", c.tool_calls)]).calls if c.tool_calls else []
     text = c.text
     return AssistantMessage(
-        role="assistant",
+        role=role,
         content=(text or None) if calls else text,
         tool_calls=calls or None,
         **reasoning_delta(ctx.output.reasoning_field, "".join(c.reasoning)),
@@ -139,7 +147,8 @@ def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, 
 
     prompt_tokens = job.num_prompt_tokens
     opening_usage = Usage(prompt_tokens, 0, prompt_tokens) if continuous else None
-    opening = [chunk([ChatChunkChoice(i, Delta(role="assistant"))], opening_usage)
+    role = answer_role(ctx, request)
+    opening = [chunk([ChatChunkChoice(i, Delta(role=role))], opening_usage)
                for i in range(job.plan.n)]
     return sse_stream(job, frames, opening, include_usage, lambda usage: chunk([], usage))
 
