@@ -1,0 +1,100 @@
+"""Which engine a request goes to: pure policy, no sockets (the engine client feeds it).
+
+`prefix` (the default) is rendezvous hashing with a load bound. A request's key is a hash of
+its first pages of prompt tokens and its `cache_salt`, so every turn of a conversation (each
+re-sends the same history) and every request behind a shared system prompt names the same
+key, and every frontend, hashing the same engine ids, ranks the engines in the same order
+for it. The request goes to the first engine in that order whose load is within the bound,
+`load_factor` × the mean load (after this request) rounded up: affinity never piles work
+onto a hot engine, and when the preferred engine is over the bound the key spills to its
+second choice, the same one for every frontend (bounded-load consistent hashing, Mirrokni
+et al. 2018, over rendezvous rather than a ring). An engine whose KV cache is nearly full
+while requests wait is skipped too. `least-loaded` takes the engine with the least load (KV
+use breaks ties), `round-robin` cycles. Only live engines are candidates.
+
+Load is waiting + running requests from the engine's last heartbeat, corrected by what this
+frontend sent it since (heartbeats lag by up to a second, and a burst must not all land on
+the engine whose heartbeat is oldest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+
+import msgspec
+
+POLICIES = ("prefix", "least-loaded", "round-robin")
+AFFINITY_PAGES = 4  # pages of prompt the key covers: a shared system prompt, a chat's start
+DEFAULT_PAGE_SIZE = 16  # until an engine's heartbeat says its own
+KV_FULL = 0.95  # KV use at which an engine with waiting requests takes no affinity traffic
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    """One engine as placement sees it."""
+
+    name: str  # what the hash ranks: the engine's id (its address until it has spoken)
+    load: int  # waiting + running requests, as best known now
+    kv_use: float = 0.0  # share of KV pages in use, 0..1
+    waiting: int = 0
+
+
+def prefix_key(prompt_ids: bytes, cache_salt: str | None,
+               page_size: int = DEFAULT_PAGE_SIZE, pages: int = AFFINITY_PAGES) -> bytes:
+    """The affinity key: a digest of the prompt's first `pages` pages (int32 token bytes;
+    the whole prompt if shorter) and its salt, which keeps tenants' caches apart."""
+    head = prompt_ids[: 4 * max(1, page_size) * max(1, pages)]
+    digest = hashlib.blake2b(head, digest_size=16)
+    digest.update(b"\x00salt:" + (cache_salt or "").encode())
+    return digest.digest()
+
+
+def _score(key: bytes, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key + name.encode(), digest_size=8).digest(), "big")
+
+
+def rank(key: bytes, names: list[str]) -> list[str]:
+    """Rendezvous order: the engines by descending hash of (key, engine); ties by name."""
+    return sorted(names, key=lambda n: (-_score(key, n), n))
+
+
+def load_bound(candidates: list[Candidate], load_factor: float) -> int:
+    """The most requests an engine may hold and still take affinity traffic: load_factor ×
+    the mean load counting the request being placed, rounded up (never below 1)."""
+    total = sum(c.load for c in candidates) + 1
+    return max(1, math.ceil(load_factor * total / len(candidates)))
+
+
+class Placement:
+    def __init__(self, policy: str = "prefix", load_factor: float = 1.25) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}: {policy!r}")
+        if load_factor < 1.0:
+            raise ValueError("load_factor must be at least 1")
+        self.policy = policy
+        self.load_factor = load_factor
+        self._turn = itertools.count()
+
+    def choose(self, key: bytes, candidates: list[Candidate]) -> str | None:
+        """The engine for a request with affinity `key` among the live `candidates`;
+        None when there is none."""
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            return candidates[0].name
+        if self.policy == "round-robin":
+            ordered = sorted(c.name for c in candidates)
+            return ordered[next(self._turn) % len(ordered)]
+        if self.policy == "prefix":
+            bound = load_bound(candidates, self.load_factor)
+            by_name = {c.name: c for c in candidates}
+            for name in rank(key, list(by_name)):
+                c = by_name[name]
+                if c.load < bound and not (c.kv_use >= KV_FULL and c.waiting > 0):
+                    return name
+        return least_loaded(candidates)
+
+
+def least_loaded(candidates: list[Candidate]) -> str:
+    return min(candidates, key=lambda c: (c.load, c.kv_use, c.name)).name
