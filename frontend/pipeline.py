@@ -1,11 +1,13 @@
 """The request pipeline every protocol face shares: request → engine jobs → frames → results.
 
-`build_job` turns a checked request and its prompts into engine requests, `submit` sends
-them, `job_frames` yields their frames until every candidate finishes (aborting the rest if
-the client leaves), and `collect_candidates` or `sse_stream` turn the frames into a whole
-answer or SSE bytes. `start_chat` runs a chat request through the input stage and up to its
-frames; the OpenAI routes (`frontend.serving`), the Responses API and the Messages API all
-start there and shape the frames themselves.
+`build_job` turns a checked request and its prompts into engine requests (one plan per
+request, max_tokens per prompt), `submit` sends them, `job_frames` yields their frames until
+every candidate finishes (aborting the rest if the client leaves), and `frame_loop`, the one
+loop over those frames, hands each to what a face makes of it: `collect_candidates` gathers a
+whole OpenAI answer, `sse_stream` forwards postproc's chunk bytes, and the Responses and
+Messages APIs feed their blocks (`protocol_edge.block_events`). `start_chat` runs a chat
+request through the input stage up to its frames; the OpenAI routes (`frontend.serving`),
+the Responses API and the Messages API all start there.
 
 A request with n > 1 (or best_of) runs as that many engine requests ("candidates") that
 share one frame queue; each candidate's frames carry its request id, which maps to its index.
@@ -16,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
+from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -56,6 +59,10 @@ from shared.protocol import (
 )
 
 _DISCONNECTED = object()  # queue sentinel: the client went away
+T = TypeVar("T")
+Frames = AsyncIterator[tuple[int, TextFrame]]  # a job's (candidate number, frame)s
+# What a face makes of one frame: chunk bytes, block events, or nothing (it gathers).
+OnFrame = Callable[[int, TextFrame], Iterable[T] | None]
 
 
 class Job(msgspec.Struct):
@@ -86,6 +93,20 @@ class Candidate(msgspec.Struct):
     logprobs: list[LogprobEntry] = msgspec.field(default_factory=list)
     prompt_logprobs: list[LogprobEntry] | None = None
     last: TextFrame | None = None
+
+    def add(self, frame: TextFrame) -> None:
+        self.texts.append(frame.text)
+        if frame.reasoning:
+            self.reasoning.append(frame.reasoning)
+        self.tool_calls.extend(frame.tool_calls)
+        self.logprobs.extend(frame.logprobs or ())
+        if frame.prompt_logprobs is not None:
+            self.prompt_logprobs = frame.prompt_logprobs
+        self.last = frame
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finish_reason is not None
 
     @property
     def text(self) -> str:
@@ -212,9 +233,8 @@ async def _watch_disconnect(http: Request, queue: asyncio.Queue) -> None:
             return
 
 
-async def job_frames(
-    ctx: ServingContext, http: Request, job: Job, queue: asyncio.Queue
-) -> AsyncIterator[tuple[int, TextFrame]]:
+async def job_frames(ctx: ServingContext, http: Request, job: Job, queue: asyncio.Queue
+                     ) -> Frames:
     """(candidate number, frame) until every candidate finishes; aborts the rest if the
     client leaves first."""
     watcher = asyncio.create_task(_watch_disconnect(http, queue))
@@ -235,30 +255,40 @@ async def job_frames(
             ctx.client.release(request_id)
 
 
-async def collect_candidates(frames) -> list[Candidate] | None:
-    """Gathers a whole job, candidates in order; None when the client left first."""
-    results: dict[int, Candidate] = {}
+# ---------------------------------------------------------------- the frame loop
+
+async def frame_loop(frames: Frames, on_frame: OnFrame) -> AsyncIterator[T]:
+    """The one loop over a job's frames, for every face: feeds each (candidate number,
+    frame) to `on_frame` and yields what it makes of it (chunk bytes, block events, or
+    nothing while a whole answer is gathered). An error frame raises its APIError before
+    `on_frame` sees it. Closing this generator closes the frames, which aborts unfinished
+    candidates."""
     async with aclosing(frames):
         async for number, frame in frames:
-            c = results.setdefault(number, Candidate())
-            c.texts.append(frame.text)
-            if frame.reasoning:
-                c.reasoning.append(frame.reasoning)
-            c.tool_calls.extend(frame.tool_calls)
-            c.logprobs.extend(frame.logprobs or ())
-            if frame.prompt_logprobs is not None:
-                c.prompt_logprobs = frame.prompt_logprobs
-            c.last = frame
             if frame.finish_reason == "error":
                 raise frame_error(frame)
-    if not results or any(c.last is None or c.last.finish_reason is None
-                          for c in results.values()):
+            for out in on_frame(number, frame) or ():
+                yield out
+
+
+async def run_frames(frames: Frames, on_frame: OnFrame) -> None:
+    """`frame_loop` to its end, for whole (non-streamed) answers: `on_frame` gathers."""
+    async with aclosing(frame_loop(frames, on_frame)) as outs:
+        async for _ in outs:
+            pass
+
+
+async def collect_candidates(frames: Frames) -> list[Candidate] | None:
+    """Gathers a whole job, candidates in order; None when the client left first."""
+    results: dict[int, Candidate] = {}
+
+    def add(number: int, frame: TextFrame) -> None:
+        results.setdefault(number, Candidate()).add(frame)
+
+    await run_frames(frames, add)
+    if not results or not all(c.finished for c in results.values()):
         return None
     return [results[i] for i in sorted(results)]
-
-
-def error_event(frame: TextFrame) -> bytes:
-    return sse_event(error_body(frame.error_status or 500, frame.error or "the request failed"))
 
 
 class StreamUsage(msgspec.Struct):
@@ -267,28 +297,30 @@ class StreamUsage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: dict[int, int] = msgspec.field(default_factory=dict)
 
-    def update(self, number: int, frame: TextFrame) -> None:
+    def forward(self, number: int, frame: TextFrame) -> list[bytes]:
+        """`frame_loop`'s on_frame for OpenAI streams: counts the candidate's tokens and
+        passes on the chunk postproc wrote for the frame."""
         self.completion_tokens[number] = frame.num_output_tokens
+        return [frame.chunk] if frame.chunk else []
 
     def total(self) -> Usage:
         completion = sum(self.completion_tokens.values())
         return Usage(self.prompt_tokens, completion, self.prompt_tokens + completion)
 
 
-async def sse_stream(job: Job, frames, opening: list[bytes], include_usage: bool, usage_chunk):
+async def sse_stream(job: Job, frames: Frames, opening: list[bytes], include_usage: bool,
+                     usage_chunk):
     """SSE bytes of a streamed job: the opening chunks, each frame's ready-made chunk (written
     by postproc), an error event if a candidate fails, the usage chunk, `[DONE]` (O-1)."""
     for chunk in opening:
         yield chunk
     usage = StreamUsage(job.num_prompt_tokens)
-    async with aclosing(frames):
-        async for number, frame in frames:
-            if frame.finish_reason == "error":
-                yield error_event(frame)
-                break
-            usage.update(number, frame)
-            if frame.chunk:
-                yield frame.chunk
+    try:
+        async with aclosing(frame_loop(frames, usage.forward)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+    except APIError as error:  # an error frame: the stream ends with an error event
+        yield sse_event(error_body(error.status, error.message))
     if include_usage:
         yield usage_chunk(usage.total())
     yield b"data: [DONE]\n\n"
@@ -299,7 +331,7 @@ async def sse_stream(job: Job, frames, opening: list[bytes], include_usage: bool
 
 async def start_chat(
     ctx: ServingContext, http: Request, request: ChatCompletionRequest, prefix: str = "chatcmpl"
-) -> tuple[Job, AsyncIterator[tuple[int, TextFrame]]]:
+) -> tuple[Job, Frames]:
     """Checks, renders, tokenizes and submits a chat request; returns its job and its frames
     ((candidate number, TextFrame) until every candidate finishes, the engine requests aborted
     if the client leaves). The other protocols (`frontend.responses_api`,

@@ -14,13 +14,12 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any, Literal
 
 import msgspec
 
 from frontend.errors import APIError
-from frontend.serving_context import frame_error
+from frontend.pipeline import Frames, frame_loop, run_frames
 from shared.protocol import TextFrame
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
@@ -109,27 +108,20 @@ class Outcome(msgspec.Struct):
         return self.last is not None and self.last.finish_reason is not None
 
 
-async def block_events(frames: AsyncIterator[tuple[int, TextFrame]],
-                       blocks: Blocks) -> AsyncIterator[BlockEvent]:
-    """The frame loop of the block-shaped APIs: feeds one candidate's frames to `blocks` and
-    yields the events they cause; an error frame raises its APIError. The closing events are
-    the caller's (`blocks.finish()`), once `blocks.outcome().finished` says the answer ended
-    rather than the client leaving. Closing this generator closes the frames (an abort)."""
-    async with aclosing(frames):
-        async for _, frame in frames:
-            if frame.finish_reason == "error":
-                raise frame_error(frame)
-            for event in blocks.feed(frame):
-                yield event
+def block_events(frames: Frames, blocks: Blocks) -> AsyncIterator[BlockEvent]:
+    """The pipeline's one frame loop (`frame_loop`) with `blocks` as its consumer: yields the
+    block events one candidate's frames cause; an error frame raises its APIError. The
+    closing events are the caller's (`blocks.finish()`), once `blocks.outcome().finished`
+    says the answer ended rather than the client leaving. Closing this generator closes the
+    frames (an abort)."""
+    return frame_loop(frames, lambda _, frame: blocks.feed(frame))
 
 
-async def gather(frames: AsyncIterator[tuple[int, TextFrame]]) -> Outcome:
+async def gather(frames: Frames) -> Outcome:
     """A whole (single-candidate) answer; an error frame raises its APIError. The outcome is
     unfinished when the client left first."""
     blocks = Blocks()
-    async with aclosing(block_events(frames, blocks)) as events:
-        async for _ in events:
-            pass
+    await run_frames(frames, lambda _, frame: blocks.feed(frame))
     blocks.finish()
     return blocks.outcome()
 
