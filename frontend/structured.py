@@ -31,7 +31,7 @@ from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.errors import APIError, bad_request
 from postproc.reasoning import get_reasoning_parser
 from postproc.tool_parsers import ToolParser, get_tool_parser
-from postproc.tool_parsers.base import tools_by_name
+from postproc.tool_parsers.base import bounded_schema, tools_by_name
 from shared.grammar_limits import (
     MAX_GRAMMAR_CHARS,
     MAX_REGEX_CHARS,
@@ -297,6 +297,8 @@ def _schema(value: Any) -> dict | bool:
 
 
 def _json_grammar(schema: dict | bool, *, strict: bool, ws: str | None = None) -> str:
+    # Numbers the schema leaves open get at most 16 integral and 10 fraction digits.
+    schema = bounded_schema(schema)
     layout = dict(_JSON_LAYOUT, lenient=not strict)
     if ws is not None:
         layout.update(whitespace_flexible=True, whitespace_pattern=ws)

@@ -338,7 +338,8 @@ def call_json_schema(functions: dict[str, Any], arguments_key: str, *, strict: b
                 # The arguments' local $refs (#/$defs/X, what pydantic writes) point into the
                 # arguments schema, which sits deeper here: re-rooted to where it now is.
                 arguments_key: rebase_refs(
-                    schema, (f"/anyOf/{i}" if many else "") + f"/properties/{arguments_key}"),
+                    bounded_schema(schema),
+                    (f"/anyOf/{i}" if many else "") + f"/properties/{arguments_key}"),
             },
             "required": ["name", arguments_key],
             "additionalProperties": False,
@@ -377,8 +378,83 @@ def rebase_refs(schema: Any, base: str) -> Any:
     return out
 
 
+# Digits of a JSON number the grammars let a model write, unless the schema bounds it
+# itself: a small model can otherwise write `1111…` until it runs out of tokens. llama.cpp's
+# converter caps both parts at 16 digits. llguidance has no option for it, so the schema is
+# rewritten: an open side of an integer / number range is closed at ±10**16 (at most 16
+# integral digits, no exponent), and a number without `multipleOf` gets `multipleOf: 1e-10`
+# (at most 10 fraction digits: llguidance reads multipleOf through a float and refuses any
+# finer step, "too many digits").
+INTEGRAL_DIGITS = 16
+FRACTION_DIGITS = 10
+_NUMBER_LIMIT = 10**INTEGRAL_DIGITS
+_NUMBER_STEP = float(f"1e-{FRACTION_DIGITS}")
+
+
+def bound_numbers(schema: Any) -> Any:
+    """`schema` with every `integer` / `number` it types held to INTEGRAL_DIGITS integral
+    and FRACTION_DIGITS fraction digits, where the schema leaves them open (its own bounds
+    and `multipleOf` win)."""
+    if isinstance(schema, list):
+        return [bound_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: bound_numbers(sub) for name, sub in value.items()}
+        else:
+            out[key] = bound_numbers(value)
+    kind = schema.get("type")
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    if not kinds & {"integer", "number"}:
+        return out
+    low, high = _bound(schema, "minimum", "exclusiveMinimum"), _bound(
+        schema, "maximum", "exclusiveMaximum")
+    if low is None and (high is None or high > -_NUMBER_LIMIT):
+        out["exclusiveMinimum"] = -_NUMBER_LIMIT
+    if high is None and (low is None or low < _NUMBER_LIMIT):
+        out["exclusiveMaximum"] = _NUMBER_LIMIT
+    if "number" in kinds and "multipleOf" not in schema:
+        out["multipleOf"] = _NUMBER_STEP
+    return out
+
+
+def _bound(schema: dict, inclusive: str, exclusive: str) -> float | None:
+    """The schema's own bound on one side (draft 4's boolean exclusive* included)."""
+    for key in (exclusive, inclusive):
+        value = schema.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def any_json_object() -> dict:
+    """A schema for any JSON object whose numbers are bounded as `bound_numbers` bounds
+    them (`{"type": "object"}` would let llguidance's own any-value write endless digits):
+    what json_object and tools without parameters are held to."""
+    number = bound_numbers({"type": "number"})
+    value = {"anyOf": [{"type": "null"}, {"type": "boolean"}, {"type": "string"}, number,
+                       {"type": "array", "items": {"$ref": "#/$defs/json_value"}},
+                       {"type": "object",
+                        "additionalProperties": {"$ref": "#/$defs/json_value"}}]}
+    return {"$defs": {"json_value": value}, "type": "object",
+            "additionalProperties": {"$ref": "#/$defs/json_value"}}
+
+
+def bounded_schema(schema: Any) -> Any:
+    """What a grammar holds JSON to for `schema`: its numbers bounded (`bound_numbers`), and
+    a bare `{"type": "object"}` (json_object, tools without parameters) as `any_json_object`."""
+    if schema == {"type": "object"}:
+        return any_json_object()
+    return bound_numbers(schema)
+
+
 def json_layout(schema: Any, *, strict: bool) -> dict:
     """A JSON schema for `%json` in a call grammar, with the layout forced calls use."""
+    schema = bounded_schema(schema)
     base = schema if isinstance(schema, dict) else {} if schema is True else {"not": {}}
     return {**base, "x-guidance": {**_CALL_JSON_LAYOUT, "lenient": not strict}}
 

@@ -4,6 +4,7 @@ bounded JSON numbers, forced calls cut by max_tokens, streamed arguments, and st
 under min_tokens."""
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -50,3 +51,26 @@ def test_strict_tools_with_a_pydantic_schema_are_accepted(client):
             temperature=0)  # was a 400: Pointer '/$defs/Address' does not exist
     for call in r.choices[0].message.tool_calls or ():
         jsonschema.validate(json.loads(call.function.arguments), PYDANTIC_SCHEMA)
+
+
+# ---------------------------------------------------------------- 15: bounded numbers
+
+ONE = 33  # "1" in SmolLM2's vocabulary: biased up, a model writes 1s wherever it may
+
+
+def test_json_numbers_end_after_16_integral_and_10_fraction_digits(client):
+    """An unconstrained integer lets a model loop on digits to max_tokens; the grammar ends
+    the number after 16 integral digits (10 fraction digits for a number)."""
+    schema = {"type": "object", "properties": {"population": {"type": "integer"},
+                                               "ratio": {"type": "number"}},
+              "required": ["population", "ratio"], "additionalProperties": False}
+    r = ask(client, "Population of Paris as JSON.", max_tokens=80, temperature=0,
+            logit_bias={str(ONE): 100},
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "city", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    text = r.choices[0].message.content
+    value = json.loads(text)
+    assert value["population"] == int("1" * 16), text
+    ratio = re.search(r'"ratio": ([^}]*)}', text).group(1)
+    assert re.fullmatch(r"-?[0-9]{1,16}(\.[0-9]{1,10})?", ratio), text

@@ -124,3 +124,55 @@ def test_hermes_parses_what_the_defs_grammar_allows():
     parsed = get_tool_parser("hermes")([SHIP]).parse(text)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in parsed.calls] == [
         ("ship", GOOD)]
+
+
+# ---------------------------------------------------------------- 15: bounded numbers
+
+
+def json_constraint(llt, **fields):
+    structured = StructuredSettings(tool_call_parser="hermes", tokenizer=llt)
+    return build_constraint(chat(**fields), structured).grammar
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+SIXTEEN, SEVENTEEN = "1" * 16, "1" * 17
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_object"}},
+    {"structured_outputs": {"json_object": True}},
+    {"response_format": schema_format({"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": ["number", "null"]}}})},
+    {"guided_json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0},
+                                                     "x": {"type": "number", "maximum": 5}}}},
+])
+def test_json_numbers_get_at_most_16_integral_and_10_fraction_digits(llt, fields):
+    grammar = json_constraint(llt, **fields)
+    assert accepts(llt, grammar, f'{{"n": {SIXTEEN}, "x": -{"1" * 15}.0123456789}}')
+    assert not accepts(llt, grammar, f'{{"n": {SEVENTEEN}}}')
+    assert not accepts(llt, grammar, f'{{"n": -{SEVENTEEN}}}')
+    assert not accepts(llt, grammar, '{"n": 1, "x": 0.01234567891}')  # 11 fraction digits
+    assert not accepts(llt, grammar, '{"n": 1e20}')  # nor an exponent
+
+
+def test_a_schemas_own_bounds_and_step_win(llt):
+    grammar = json_constraint(llt, response_format=schema_format({"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 1e20},
+        "x": {"type": "number", "multipleOf": 0.5}}}))
+    assert accepts(llt, grammar, f'{{"n": {"9" * 18}, "x": 1.5}}')
+    assert not accepts(llt, grammar, f'{{"n": -{SEVENTEEN}}}') and not accepts(
+        llt, grammar, '{"n": 1, "x": 1.25}')
+
+
+def test_forced_call_arguments_have_bounded_numbers(llt):
+    counter = {"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    free = {"type": "function", "function": {"name": "free"}}
+    grammar = json_constraint(llt, tools=[counter, free], tool_choice="required")
+    assert accepts(llt, grammar, hermes_call("count", {"n": int(SIXTEEN)}))
+    assert not accepts(llt, grammar, hermes_call("count", {"n": int(SEVENTEEN)}))
+    assert accepts(llt, grammar, hermes_call("free", {"a": [1.5, {"b": None}], "c": "d"}))
+    assert not accepts(llt, grammar, hermes_call("free", {"a": int(SEVENTEEN)}))
