@@ -25,6 +25,7 @@ from frontend.api_models import (
     ModelList,
     TokenizeRequest,
 )
+from frontend.field_hints import closest_field
 from frontend.auth import AuthMiddleware
 from frontend.errors import APIError, error_response, route_path
 from frontend.input_bounds import RequestLimits, json_depth_error
@@ -49,7 +50,8 @@ async def _decode(request: Request, body_type, max_json_depth: int):
     except TooDeep as exc:
         raise json_depth_error(exc) from exc
     except msgspec.ValidationError as exc:
-        raise APIError(400, f"Invalid request: {exc}", _param_of(str(exc))) from exc
+        raise APIError(400, f"Invalid request: {exc}{_hint(body_type, str(exc))}",
+                       _param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise APIError(400, f"The request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # the scan should have stopped it; never a 500
@@ -72,6 +74,18 @@ def _param_of(message: str) -> str | None:
     if named:
         return f"{path}.{named.group(1)}" if path else named.group(1)
     return path or None
+
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `\$([^`]*)`)?")
+
+
+def _hint(body_type, message: str) -> str:
+    """For an unknown field: the closest known one at the same place, if any is close."""
+    unknown = _UNKNOWN_FIELD.match(message)
+    if unknown is None:
+        return ""
+    known = closest_field(body_type, (unknown.group(2) or "").lstrip("."), unknown.group(1))
+    return f' (did you mean "{known}"?)' if known else ""
+
 
 
 class _InvocationShape(msgspec.Struct):

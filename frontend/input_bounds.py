@@ -94,6 +94,10 @@ def _check_counts(request: Request, limits: RequestLimits) -> None:
     else:
         check_at_most(len(request.messages), limits.max_messages, "messages", "messages",
                       "max-messages")
+        if request.tools is not None and not request.tools:
+            # As OpenAI and vLLM: leave tools out rather than send none.
+            raise bad_request("tools must hold at least one tool when given; leave it out "
+                              "for none", "tools")
         check_at_most(len(request.tools or ()), limits.max_tools, "tools", "tools",
                       "max-tools")
     stops = [request.stop] if isinstance(request.stop, str) else request.stop or ()

@@ -18,11 +18,11 @@ import numpy as np
 from frontend import input_metrics
 from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
-from frontend.errors import bad_request
+from frontend.errors import APIError, bad_request
 from frontend.rendering import RenderedPrompt, RenderError, RenderParams, check_render_params
 from frontend.serving_context import ServingContext, max_model_len
 from frontend.structured import forced_call_prefix
-from frontend.tokenization import RenderTimeout
+from frontend.tokenization import RenderQueueTimeout, RenderTimeout
 
 Request = ChatCompletionRequest | CompletionRequest
 
@@ -89,6 +89,10 @@ async def _render(ctx: ServingContext, request: ChatCompletionRequest) -> Render
         # automatically, each retry stranding another thread on the same template.
         input_metrics.REJECTED.labels("render_timeout").inc()
         raise bad_request(str(exc), "messages") from exc
+    except RenderQueueTimeout as exc:
+        # Every worker was busy for the whole timeout: overload, which a retry can cure.
+        input_metrics.REJECTED.labels("render_queue_timeout").inc()
+        raise APIError(503, str(exc)) from exc
 
 
 # ---------------------------------------------------------------- completions

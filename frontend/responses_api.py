@@ -278,7 +278,9 @@ def to_chat(request: ResponsesRequest, messages: list[ChatMessage], request_id: 
         temperature=request.temperature,
         top_p=request.top_p,
         tools=chat_tools(request),
-        tool_choice=chat_tool_choice(request.tool_choice),
+        # "auto" is this API's default, so it is fine without tools (chat's is not).
+        tool_choice=(None if request.tool_choice == "auto" and not request.tools
+                     else chat_tool_choice(request.tool_choice)),
         parallel_tool_calls=request.parallel_tool_calls,
         response_format=chat_response_format(request),
         stream=False,  # the chat pipeline writes no chunk bytes; we shape the frames here

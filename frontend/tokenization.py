@@ -62,6 +62,15 @@ class RenderTimeout(Exception):
         )
 
 
+class RenderQueueTimeout(Exception):
+    """No worker was free to start the render in time: overload, not the template's fault."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"The server is overloaded: no worker could start rendering this request within "
+            f"{timeout_s:g} s. Try again shortly.")
+
+
 class RenderInterrupted(BaseException):
     """Raised inside a stuck render's thread. A BaseException, so `except Exception` in
     template or library code cannot swallow it."""
@@ -177,10 +186,16 @@ def _run_item(future: Future, fn, args, kwargs) -> None:
 class _RenderJob:
     """Which thread runs a render, so a timeout can stop that thread and only that one."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_start) -> None:
         self.lock = threading.Lock()
         self.ident: int | None = None
         self.done = False
+        self.on_start = on_start  # called on the worker thread as the render begins
+
+
+def _set_once(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _interrupt(ident: int) -> None:
@@ -230,17 +245,30 @@ class Tokenization:
     async def render_chat(
         self, messages: list[ChatMessage], params: RenderParams
     ) -> RenderedPrompt:
-        job = _RenderJob()
+        """The rendered prompt. --render-timeout bounds the wait for a free worker and then,
+        separately, the render itself: only the second is the template's fault (a 400);
+        the first is overload (RenderQueueTimeout, a 503)."""
+        loop = asyncio.get_running_loop()
+        started = loop.create_future()
+        job = _RenderJob(lambda: loop.call_soon_threadsafe(_set_once, started))
         future = self.workers.submit(self._render, job, messages, params)
+        result = asyncio.wrap_future(future)
+        timeout_s = self.settings.render_timeout_s
         try:
-            return await asyncio.wait_for(
-                asyncio.wrap_future(future), self.settings.render_timeout_s
-            )
+            await asyncio.wait({started, result}, timeout=timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not started.done() and not result.done() and future.cancel():
+                raise RenderQueueTimeout(timeout_s)
+            return await asyncio.wait_for(result, timeout_s)
         except TimeoutError:
             self._abandon(job)
-            raise RenderTimeout(self.settings.render_timeout_s) from None
+            raise RenderTimeout(timeout_s) from None
+        except asyncio.CancelledError:
+            result.cancel()  # the client left: a render still queued never runs
+            raise
 
     def _render(self, job: _RenderJob, messages, params: RenderParams) -> RenderedPrompt:
+        job.on_start()
         with job.lock:
             job.ident = threading.get_ident()
         try:

@@ -231,7 +231,8 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    help="threads that render and tokenize requests")
     g.add_argument("--render-timeout", type=float, default=30.0,
                    help="seconds a chat template may take to render before its request fails "
-                        "with a 400 and its thread is replaced (default: 30)")
+                        "with a 400 and its thread is replaced; a request that waits this "
+                        "long for a free render thread gets a 503 instead (default: 30)")
     g.add_argument("--chat-template", default=None,
                    help="chat template for chat requests: a file path or the Jinja text itself "
                         "(default: the tokenizer's)")

@@ -218,3 +218,44 @@ def test_an_uninterruptible_stuck_worker_is_replaced(tokenizer, max_chars, monke
         release.set()
         stage.shutdown()
 
+
+
+def test_render_timeout_counts_the_render_not_the_queue(tokenizer, max_chars, monkeypatch):
+    """Under overload a request waits for a worker; that wait is not its template's fault.
+    A render that starts late but runs fast succeeds; one that never gets a worker within
+    the timeout is overload (RenderQueueTimeout, a 503), and never runs."""
+    real_render = tokenization.render
+    ran = []
+
+    def slow_render(tok, messages, params, settings):
+        ran.append(params.request_template)
+        if params.request_template == "slow":
+            time.sleep(0.4)  # within the 0.5 s timeout on its own
+        return real_render(tok, messages, RenderParams(), settings)
+
+    monkeypatch.setattr(tokenization, "render", slow_render)
+    stage = make_stage(tokenizer, max_chars, threads=1, timeout=0.5)
+
+    async def run():
+        first = asyncio.create_task(stage.render_chat(HI, RenderParams(request_template="slow")))
+        await asyncio.sleep(0.05)
+        # Queued 0.35 s behind the first, then 0.4 s of its own: 0.75 s in all.
+        second = asyncio.create_task(stage.render_chat(HI, RenderParams(
+            request_template="slow")))
+        await first
+        return await second
+
+    async def starved():
+        blockers = [asyncio.create_task(stage.render_chat(HI, RenderParams(
+            request_template="slow"))) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(tokenization.RenderQueueTimeout, match="overloaded"):
+            await stage.render_chat(HI, RenderParams(request_template="starved"))
+        await asyncio.gather(*blockers, return_exceptions=True)
+
+    try:
+        assert asyncio.run(run()).text.endswith("<|im_start|>assistant\n")
+        asyncio.run(starved())
+        assert "starved" not in ran  # cancelled while queued
+    finally:
+        stage.shutdown()
