@@ -1,4 +1,4 @@
-"""OpenAI request and response bodies as msgspec Structs.
+"""OpenAI request bodies as msgspec Structs (the response bodies: `postproc.openai_shapes`).
 
 Requests forbid unknown fields so a typo is a 400 naming the field, before any work (req P-1).
 Every field of the current OpenAI API is known: the ones we cannot honour are listed in the
@@ -15,11 +15,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
-
-from postproc.openai_shapes import Usage
-from postproc.tool_parsers.base import ToolCall
-
-# ---------------------------------------------------------------- requests
 
 _NULL_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
 
@@ -243,65 +238,3 @@ ACCEPTED_AND_IGNORED: frozenset[str] = frozenset({
     # stream_options
     "include_obfuscation",
 })
-
-
-# ---------------------------------------------------------------- responses
-
-
-class ErrorInfo(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None
-    code: int
-
-
-class ErrorResponse(msgspec.Struct):
-    error: ErrorInfo
-
-
-class AssistantMessage(msgspec.Struct, omit_defaults=True):
-    role: str
-    content: str | None  # null, not absent, when the answer is all tool calls (OpenAI's shape)
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(msgspec.Struct):
-    index: int
-    message: AssistantMessage
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    logprobs: Any = None
-
-
-class ChatCompletion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    object: str = "chat.completion"
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-    created: int
-    max_model_len: int
-    object: str = "model"
-    owned_by: str = "sluice"
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: str = "list"
-
-
-class TokenizeResponse(msgspec.Struct):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeResponse(msgspec.Struct):
-    prompt: str

@@ -21,8 +21,6 @@ from frontend.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
 )
 from frontend.field_hints import closest_field
@@ -34,6 +32,7 @@ from frontend.limits import Admission, AdmissionMiddleware, BodyLimitMiddleware
 from frontend.metrics import metrics_registry, render
 from frontend.responses_models import InputTokensRequest, ResponsesRequest
 from frontend.serving_context import ServingContext, check_model
+from postproc.openai_shapes import ModelCard, ModelList
 from shared.config import FrontendConfig
 
 log = logging.getLogger("sluice.frontend")

@@ -12,7 +12,7 @@ import msgspec
 from starlette.responses import Response
 
 from frontend.anthropic_models import ErrorBody, ErrorDetail
-from frontend.api_models import ErrorInfo, ErrorResponse
+from postproc.openai_shapes import ErrorInfo, ErrorResponse
 
 _TYPES = {
     400: "invalid_request_error",

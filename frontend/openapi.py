@@ -27,15 +27,17 @@ from frontend.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from frontend.errors import is_anthropic_path
+from frontend.responses_models import InputTokensRequest, ResponsesRequest
+from postproc.openai_shapes import (
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
-from frontend.errors import is_anthropic_path
-from frontend.responses_models import InputTokensRequest, ResponsesRequest
 
 REF = "#/components/schemas/{name}"
 # Fields known but not run here: any value but these (the default, values meaning the same,

@@ -13,15 +13,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.api_models import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletion,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeRequest,
-    TokenizeResponse,
 )
 from frontend.budgets import BudgetError, TokenizeParams
 from frontend.errors import bad_request
@@ -50,11 +45,16 @@ from frontend.serving_context import (
 from frontend.structured import constraint_for
 from postproc.chunks import sse_event
 from postproc.openai_shapes import (
+    AssistantMessage,
+    ChatChoice,
     ChatChunkChoice,
+    ChatCompletion,
     ChatCompletionChunk,
     Completion,
     CompletionChoice,
     Delta,
+    DetokenizeResponse,
+    TokenizeResponse,
     Usage,
     chat_logprobs,
     completion_logprobs,

@@ -1,8 +1,10 @@
-"""The OpenAI response shapes that chunks are made of, and the two logprobs shapes (req O-4).
+"""Every OpenAI response body: chunks, whole answers, logprobs (req O-4), errors, models.
 
 They live in postproc because whoever post-processes a request (a postproc worker, or the
-frontend's receiver thread without a fleet) writes the streamed chunks; the frontend builds
-its non-streaming bodies from the same pieces.
+frontend's receiver thread without a fleet) writes the streamed chunks, and postproc may not
+import the frontend. The frontend builds its whole answers and its other bodies from this
+module too, so a whole answer and a streamed one are made of the same Structs, and
+`frontend.api_models` holds requests only.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from typing import Any
 
 import msgspec
 
+from postproc.tool_parsers.base import ToolCall
 from shared.protocol import LogprobEntry, ToolCallDelta
+
+# ---------------------------------------------------------------- chunks and whole answers
 
 
 class Usage(msgspec.Struct):
@@ -48,6 +53,31 @@ class ChatCompletionChunk(msgspec.Struct):
     object: str = "chat.completion.chunk"
 
 
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str | None  # null, not absent, when the answer is all tool calls (OpenAI's shape)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: Any = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
@@ -65,6 +95,9 @@ class Completion(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     object: str = "text_completion"
+
+
+# ---------------------------------------------------------------- logprobs
 
 
 class TopLogprobOut(msgspec.Struct):
@@ -132,3 +165,40 @@ def completion_logprobs(entries: list[LogprobEntry], start_offset: int) -> Compl
 def reasoning_delta(field: str, text: str) -> dict[str, str]:
     """Keyword arguments that put thinking in the configured field of a Delta or message."""
     return {field: text} if text else {}
+
+
+# ---------------------------------------------------------------- the other bodies
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "sluice"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
