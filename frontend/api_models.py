@@ -162,7 +162,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = False
-    documents: Any = None
+    # RAG documents for templates that take them (vLLM's): [{"title": ..., "text": ...}]
+    documents: list[dict[str, str]] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -204,7 +205,6 @@ CHAT_UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
     ("functions", None),
     ("function_call", None),
     ("echo", False),
-    ("documents", None),
     ("audio", None),
     ("modalities", None),
     ("moderation", None),
@@ -232,7 +232,6 @@ ACCEPTED_AND_IGNORED: frozenset[str] = frozenset({
     "prompt_cache_options",
     "prompt_cache_retention",
     "safety_identifier",
-    "reasoning_effort",
     "verbosity",
     "prediction",
     # stream_options

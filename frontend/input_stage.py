@@ -61,6 +61,15 @@ async def chat_input(ctx: ServingContext, request: ChatCompletionRequest) -> Pro
     return PromptInput(tokens, rendered)
 
 
+def _template_kwargs(request: ChatCompletionRequest, settings) -> dict:
+    """--default-chat-template-kwargs, under the request's; reasoning_effort reaches the
+    template as vLLM passes it (a chat_template_kwargs entry of that name wins)."""
+    kwargs = dict(settings.default_kwargs)
+    if request.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = request.reasoning_effort
+    return {**kwargs, **(request.chat_template_kwargs or {})}
+
+
 async def _render(ctx: ServingContext, request: ChatCompletionRequest) -> RenderedPrompt:
     settings = ctx.tokenization.settings.templates
     structured = ctx.tokenization.settings.structured
@@ -75,7 +84,8 @@ async def _render(ctx: ServingContext, request: ChatCompletionRequest) -> Render
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
         tools=request.tools,
-        template_kwargs={**settings.default_kwargs, **(request.chat_template_kwargs or {})},
+        documents=request.documents,
+        template_kwargs=_template_kwargs(request, settings),
         # A named tool_choice: the output starts inside the call (req C-3).
         injected_prefix=forced_call_prefix(request, structured),
     )

@@ -6,6 +6,7 @@ It only makes text; tokenizing is the next stage, with its own parameters (`fron
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -35,6 +36,9 @@ class TemplateSettings(msgspec.Struct, frozen=True):
 
     chat_template: str | None = None  # --chat-template, already read from its file
     trust_request_chat_template: bool = False
+    # --chat-template-content-format: how templates get content parts; auto reads the
+    # template (`content_format`).
+    content_format: str = "auto"
     # --default-chat-template-kwargs: every request's chat_template_kwargs start from these.
     default_kwargs: dict = {}
 
@@ -46,6 +50,7 @@ class RenderParams(msgspec.Struct, frozen=True, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, str]] | None = None  # RAG documents (vLLM's `documents`)
     template_kwargs: dict[str, Any] = {}
     # Text the server appends after the template's output (e.g. a forced tool-call opening).
     injected_prefix: str = ""
@@ -116,16 +121,40 @@ def resolve_template(tok, params: RenderParams, settings: TemplateSettings) -> s
 # ---------------------------------------------------------------- messages
 
 
-def message_text(message: ChatMessage) -> str | None:
-    """Content parts joined into one string (as vLLM does): templates expect a string."""
+def _text_parts(message: ChatMessage) -> str | list[dict[str, str]] | None:
+    """The content as sent, with parts as {"type": "text", "text": ...} (a refusal is text)."""
     if message.content is None or isinstance(message.content, str):
         return message.content
-    texts = []
+    parts = []
     for part in message.content:
         if part.type not in ("text", "refusal"):
             raise RenderError(f"content parts of type {part.type!r} are not supported")
-        texts.append((part.text if part.type == "text" else part.refusal) or "")
-    return "\n".join(texts)
+        text = (part.text if part.type == "text" else part.refusal) or ""
+        parts.append({"type": "text", "text": text})
+    return parts
+
+
+@functools.lru_cache(maxsize=64)
+def content_format(template: str) -> str:
+    """"openai" when the template loops over a message's content (it wants the parts, as
+    vLLM detects), else "string". Unparseable templates are left for the render to report."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    for loop in tree.find_all(nodes.For):
+        target = loop.iter
+        while isinstance(target, nodes.Filter | nodes.Test) and target.node is not None:
+            target = target.node  # `message.content | list` and the like
+        if isinstance(target, nodes.Getattr) and target.attr == "content":
+            return "openai"
+        if (isinstance(target, nodes.Getitem) and isinstance(target.arg, nodes.Const)
+                and target.arg.value == "content"):
+            return "openai"
+    return "string"
 
 
 def _tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -143,13 +172,22 @@ def _tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def template_messages(messages: list[ChatMessage], parts: bool = False
+                      ) -> list[dict[str, Any]]:
+    """Messages as HF templates read them; `parts`: content as a list of text parts (for
+    "openai" templates), else one string."""
     out = []
     for m in messages:
         # OpenAI's tool loop sends an assistant's calls back with content null; templates
         # that use the content as text (SmolLM2's) fail on it, and "" means the same.
-        text = message_text(m)
-        entry: dict[str, Any] = {"role": m.role, "content": "" if text is None else text}
+        content = _text_parts(m)
+        if content is None:
+            content = [] if parts else ""
+        elif parts and isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        elif not parts and not isinstance(content, str):
+            content = "\n".join(p["text"] for p in content)
+        entry: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             entry["name"] = m.name
         if m.tool_calls is not None:
@@ -172,8 +210,10 @@ def developer_as_system(messages: list[dict[str, Any]], template: str) -> list[d
     for m in messages:
         m = {**m, "role": "system"} if m["role"] == "developer" else m
         if m["role"] == "system" and out and out[-1]["role"] == "system":
-            parts = [p for p in (out[-1]["content"], m["content"]) if p]
-            out[-1] = {**out[-1], "content": "\n\n".join(parts)}
+            before, content = out[-1]["content"], m["content"]
+            merged = (before + content if isinstance(before, list)  # "openai" parts
+                      else "\n\n".join(p for p in (before, content) if p))
+            out[-1] = {**out[-1], "content": merged}
         else:
             out.append(m)
     return out
@@ -186,11 +226,14 @@ def render(
     tok, messages: list[ChatMessage], params: RenderParams, settings: TemplateSettings
 ) -> RenderedPrompt:
     template = resolve_template(tok, params, settings)
-    conversation = developer_as_system(template_messages(messages), template)
+    wanted = settings.content_format
+    parts = (content_format(template) if wanted == "auto" else wanted) == "openai"
+    conversation = developer_as_system(template_messages(messages, parts), template)
     try:
         text = tok.apply_chat_template(
             conversation,
             tools=params.tools,
+            documents=params.documents,
             chat_template=template,
             add_generation_prompt=params.add_generation_prompt,
             continue_final_message=params.continue_final_message,

@@ -51,6 +51,7 @@ def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) ->
         chat_template=load_chat_template(config.chat_template),
         trust_request_chat_template=config.trust_request_chat_template,
         default_kwargs=config.default_chat_template_kwargs,
+        content_format=config.chat_template_content_format,
     )
     return InputSettings(
         max_chars_per_token=facts.max_chars_per_token,

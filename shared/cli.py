@@ -235,6 +235,11 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                         "long for a free render thread gets a 503 instead (default: 30)")
     g.add_argument("--chat-template", default=None,
                    help="chat template for chat requests: a file path or the Jinja text itself "
+    g.add_argument("--chat-template-content-format", default="auto",
+                   choices=["auto", "string", "openai"],
+                   help="how chat templates get message content: string (parts joined), "
+                        "openai (a list of {type, text} parts), or auto: openai when the "
+                        "template loops over a message's content (default: auto)")
                         "(default: the tokenizer's)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a request's template runs "
@@ -592,6 +597,7 @@ def _limit_config(args) -> dict:
         api_keys=_api_keys(args), allowed_origins=_listed(args.allowed_origins, []),
         allowed_methods=_listed(args.allowed_methods, ["*"]),
         allowed_headers=_listed(args.allowed_headers, ["*"]),
+        chat_template_content_format=args.chat_template_content_format,
         allow_credentials=args.allow_credentials,
         max_request_body_bytes=args.max_request_body_bytes,
         max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
@@ -755,6 +761,7 @@ def _supervise(children: list[subprocess.Popen],
     while not stopping:
         exited = [c for c in children if c.poll() is not None]
         if exited:
+    frontend_argv += ["--chat-template-content-format", args.chat_template_content_format]
             code = exited[0].returncode or 1
             break
         time.sleep(0.2)

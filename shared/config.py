@@ -71,6 +71,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None
     reasoning_field: str = "reasoning_content"  # vLLM now says "reasoning"
     # /v1/responses with store: responses kept in this frontend's memory (LRU); 0: none.
+    chat_template_content_format: str = "auto"  # auto | string | openai (frontend.rendering)
     max_stored_responses: int = 1000
     # --generation-config auto|vllm|FOLDER and --override-generation-config JSON
     # (shared.generation_config): sampling defaults for fields a request leaves out.

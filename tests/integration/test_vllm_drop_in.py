@@ -21,8 +21,13 @@ pytestmark = pytest.mark.slow
 
 REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"
 # Greets by a template variable, so --default-chat-template-kwargs shows in prompt_tokens.
-TEMPLATE = ("{{ greeting | default('') }}{% for m in messages %}<|im_start|>{{ m.role }}\n"
-            "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+# It reads reasoning_effort and documents, and loops over content parts (so it gets them).
+TEMPLATE = ("{{ greeting | default('') }}"
+            "{% if reasoning_effort %}Think {{ reasoning_effort }} hard.\n{% endif %}"
+            "{% for d in documents or [] %}Document: {{ d.text }}\n{% endfor %}"
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+            "{% for p in m.content %}{{ p.text }}{% endfor %}<|im_end|>\n{% endfor %}"
+            "<|im_start|>assistant\n")
 
 
 def _hub_cache(root) -> str:
@@ -197,3 +202,23 @@ def _check_response_role(http: httpx.Client, key: dict) -> None:
         "messages": [*user, {"role": "assistant", "content": "Hello"}], "max_tokens": 2,
         "add_generation_prompt": False, "continue_final_message": True}).json()
     assert continued["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_template_inputs_reach_the_template(vllm_style):
+    """Issue 17 item 18: reasoning_effort and documents reach the template, and a template
+    that loops over a message's content gets the parts, not one joined string."""
+    client = _client(*vllm_style[:2])
+
+    def prompt_tokens(messages, **extra) -> int:
+        return client.chat.completions.create(model="smol", messages=messages, max_tokens=1,
+                                              **extra).usage.prompt_tokens
+
+    hi = [{"role": "user", "content": "Say hi"}]
+    plain = prompt_tokens(hi)
+    assert prompt_tokens(hi, reasoning_effort="low") > plain
+    assert prompt_tokens(hi, extra_body={"documents": [{"text": "Paris is in France."}]}) > plain
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"},
+                                          {"type": "text", "text": " hi"}]}]
+    assert prompt_tokens(parts) == plain  # "Say" + " hi", not "Say\n hi"
+    with pytest.raises(openai.BadRequestError, match="documents"):
+        prompt_tokens(hi, extra_body={"documents": "not a list"})

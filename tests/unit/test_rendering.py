@@ -159,3 +159,56 @@ def test_a_tool_round_trip_renders_with_the_default_template(tokenizer):
     out = render(tokenizer, messages, RenderParams(), NO_SETTINGS)
     assert "Weather in Paris?" in out.text and '{"temp": 21}' in out.text
     assert template_messages(messages)[1]["content"] == ""
+
+
+# ---------------------------------------------------------------- template inputs (issue 17)
+
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}"
+                  "S:{{ m.content }}{% else %}{% for p in m.content %}[{{ p.text }}]"
+                  "{% endfor %}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, expected", [
+    (ECHO, "string"),
+    (PARTS_TEMPLATE, "openai"),
+    ("{% for p in message['content'] %}{{ p.text }}{% endfor %}", "openai"),
+    ("{% for p in m.content | selectattr('type', 'eq', 'text') %}{{ p.text }}{% endfor %}",
+     "openai"),
+    ("{% for m in messages %}{% for x in m.tool_calls %}{% endfor %}{% endfor %}", "string"),
+    ("{% for m in messages %", "string"),  # unparseable: the render reports it
+])
+def test_content_format_is_read_from_the_template(template, expected):
+    from frontend.rendering import content_format
+
+    assert content_format(template) == expected
+
+
+def test_templates_that_loop_over_content_get_parts(tokenizer):
+    parts = [{"type": "text", "text": "one"}, {"type": "refusal", "refusal": "no"}]
+    messages = [msgspec.convert({"role": "user", "content": parts}, ChatMessage),
+                ChatMessage(role="assistant", content="plain"),
+                ChatMessage(role="assistant", content=None)]
+    params = RenderParams(request_template=PARTS_TEMPLATE, add_generation_prompt=False)
+    auto = render(tokenizer, messages, params, NO_SETTINGS).text
+    assert auto == "<user>[one][no]<assistant>[plain]<assistant>"
+    as_strings = render(tokenizer, messages, params, TemplateSettings(content_format="string"))
+    assert as_strings.text == "<user>S:one\nno<assistant>S:plain<assistant>S:"
+    forced = render(tokenizer, msgs(("user", "hi")), RenderParams(request_template=ECHO),
+                    TemplateSettings(content_format="openai"))
+    assert "'text': 'hi'" in forced.text  # a string template printing the parts it was given
+
+
+def test_developer_messages_merge_as_parts_too():
+    parts = template_messages(msgs(("system", "A"), ("developer", "B"), ("user", "hi")),
+                              parts=True)
+    merged = developer_as_system(parts, PARTS_TEMPLATE)
+    assert merged[0] == {"role": "system", "content": [{"type": "text", "text": "A"},
+                                                       {"type": "text", "text": "B"}]}
+
+
+def test_documents_reach_the_template(tokenizer):
+    template = "{% for d in documents %}{{ d.title }}={{ d.text }};{% endfor %}"
+    out = render(tokenizer, msgs(("user", "hi")), RenderParams(
+        request_template=template, documents=[{"title": "a", "text": "x"},
+                                              {"title": "b", "text": "y"}]), NO_SETTINGS)
+    assert out.text == "a=x;b=y;"
