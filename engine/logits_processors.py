@@ -1,8 +1,8 @@
 """Per-request changes to a step's logits before sampling, as tensor ops over the batch.
 
-Order (as vLLM): logit_bias, the min_tokens mask on stop tokens, then repetition,
-frequency and presence penalties. Rows that use none of these cost nothing: each stage
-builds tensors only for the rows that need it.
+Order (as vLLM): allowed_token_ids and bad_words (masks), logit_bias, the min_tokens mask
+on stop tokens, then repetition, frequency and presence penalties. Rows that use none of
+these cost nothing: each stage builds tensors only for the rows that need it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,39 @@ from engine.sequence import Sequence
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """In place; row i of `logits` belongs to seqs[i]."""
+    _allowed_tokens(logits, seqs)
+    _bad_words(logits, seqs)
     _logit_bias(logits, seqs)
     _min_tokens(logits, seqs)
     _penalties(logits, seqs)
+
+
+def _allowed_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Rows with allowed_token_ids keep only those; every other token becomes -inf."""
+    for i, seq in enumerate(seqs):
+        allowed = seq.params.allowed_token_ids
+        if allowed:
+            keep = torch.tensor(allowed, device=logits.device)
+            row = torch.full_like(logits[i], float("-inf"))
+            row[keep] = logits[i, keep]
+            logits[i] = row
+
+
+def _bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """A bad word's last token is banned where the output ends with the rest of it."""
+    rows, cols = [], []
+    for i, seq in enumerate(seqs):
+        if not seq.params.bad_words:
+            continue
+        tokens, generated = seq.token_ids, seq.num_output_tokens  # no copy of the output
+        for ids in seq.params.bad_words:
+            prefix = len(ids) - 1
+            if prefix == 0 or (generated >= prefix and tokens[-prefix:] == ids[:-1]):
+                rows.append(i)
+                cols.append(ids[-1])
+    if rows:
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
 
 
 def _logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -32,6 +32,8 @@ MAX_TOKENS_MAX = INT32_MAX
 SEED_RANGE = 2**64  # engine seeds lie in [0, 2**64): torch generators take no more
 MAX_STOP_TOKEN_IDS = 128
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BAD_WORD_SEQUENCES = 256  # token sequences (the frontend sends 2 per word: with and
+MAX_BAD_WORD_TOKENS = 64  # without a leading space), each at most this long
 
 
 class RangeProblem(Exception):
@@ -87,6 +89,21 @@ def check_sampling_params(p: SamplingParams, vocab_size: int,
 
 
 def _check_token_ids(p: SamplingParams, vocab_size: int) -> None:
+    if len(p.allowed_token_ids) > vocab_size:
+        raise RangeProblem("allowed_token_ids",
+                           f"allowed_token_ids may hold at most {vocab_size} ids")
+    if any(not 0 <= t < vocab_size for t in p.allowed_token_ids):
+        raise RangeProblem("allowed_token_ids",
+                           f"allowed_token_ids entries must lie in [0, {vocab_size})")
+    if len(p.bad_words) > MAX_BAD_WORD_SEQUENCES:
+        raise RangeProblem("bad_words",
+                           f"at most {MAX_BAD_WORD_SEQUENCES} bad_words token sequences")
+    for ids in p.bad_words:
+        if not 1 <= len(ids) <= MAX_BAD_WORD_TOKENS:
+            raise RangeProblem("bad_words", f"each of bad_words must be 1 to "
+                               f"{MAX_BAD_WORD_TOKENS} tokens long")
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise RangeProblem("bad_words", f"bad_words token ids must lie in [0, {vocab_size})")
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise RangeProblem("stop_token_ids",
                            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")

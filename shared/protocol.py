@@ -60,6 +60,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     # The output must follow this grammar: a mask on the logits before sampling.
     constraint: Constraint | None = None
+    # vLLM's allowed_token_ids: only these may be drawn (empty: any).
+    allowed_token_ids: list[int] = []
+    # vLLM's bad_words, tokenized by the frontend: the last token of each sequence is
+    # banned wherever the output so far ends with the ones before it.
+    bad_words: list[list[int]] = []
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):
