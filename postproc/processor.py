@@ -127,7 +127,8 @@ class OutputProcessor:
         ids = unpack_ids(output.new_token_ids)
         text, finish_reason, stop_reason = self._text(state, output, ids)
         finished = finish_reason is not None and finish_reason != "error"
-        reasoning, content, calls = self._parse(state, text, finished)
+        reasoning, content, calls = self._parse(state, text, finished,
+                                                truncated=finish_reason == "length")
         if finish_reason == "stop" and state.tools is not None and state.tools.num_calls:
             finish_reason = "tool_calls"  # as OpenAI says when the answer called tools
         logprobs = self._entries(ids, output.logprobs)
@@ -182,8 +183,9 @@ class OutputProcessor:
         return text, finish_reason, stop_reason
 
     @staticmethod
-    def _parse(state: RequestState, text: str, finished: bool):
-        """(reasoning, content, tool-call deltas) of the new text; flushes at the end."""
+    def _parse(state: RequestState, text: str, finished: bool, *, truncated: bool = False):
+        """(reasoning, content, tool-call deltas) of the new text; flushes at the end.
+        `truncated`: the output ran out of tokens (a call it was writing is unfinished)."""
         reasoning, content = "", text
         if state.reasoning is not None:
             d = state.reasoning.feed(text)
@@ -195,7 +197,7 @@ class OutputProcessor:
             return reasoning, content, []
         parts: list[ToolDelta] = [state.tools.feed(content)]
         if finished:
-            parts.append(state.tools.finish())
+            parts.append(state.tools.finish(truncated=truncated))
         return (reasoning, "".join(p.content for p in parts),
                 [c for p in parts for c in p.calls])
 

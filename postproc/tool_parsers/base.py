@@ -199,6 +199,8 @@ class ToolParser:
         self._after_call = False
         self._num_calls = 0
         self._finished = False
+        self._truncated = False  # finish(truncated=True): the output ran out of tokens
+        self._dropped = False  # unfinished call markup was dropped at that finish
         self._reset()
         if prefill:
             self.feed(prefill)  # whatever it completes on its own is not model output
@@ -216,25 +218,31 @@ class ToolParser:
                 pass
         return self._take()
 
-    def finish(self) -> ToolDelta:
+    def finish(self, truncated: bool = False) -> ToolDelta:
+        """Flushes what was held back. `truncated`: the output was cut by max_tokens
+        (finish_reason "length"), so call markup it ends inside (a partial begin marker, a
+        call still being written) was never finished: it is not content, and only what was
+        parsed of it comes back (SPEC O-6)."""
         if not self._finished:
             self._finished = True
+            self._truncated = truncated
             while self._step(True):
                 pass
             if self._buf:  # a subclass left text undecided: it is content
-                self._text(self._buf)
+                self._text(self._buf[: len(self._buf) - self._cut_marker(self._buf)])
                 self._buf = ""
-            if self._held_ws and not self._after_call:
+            # Whitespace before a call, or before markup cut short, only separated them.
+            if self._held_ws and not self._after_call and not self._dropped:
                 self._content.append(self._held_ws)
             self._held_ws = ""
         return self._take()
 
-    def parse(self, text: str) -> ParsedTools:
+    def parse(self, text: str, truncated: bool = False) -> ParsedTools:
         """One-shot parse of a whole output, on fresh state (this instance is untouched)."""
         fresh = type(self)(
             self._tools_arg, call_id_seed=self._call_id_seed, prefill=self._prefill
         )
-        first, last = fresh.feed(text), fresh.finish()
+        first, last = fresh.feed(text), fresh.finish(truncated)
         return collect([first, last])
 
     @property
@@ -268,10 +276,31 @@ class ToolParser:
             self._buf = buf[i + len(marker):]
             return marker
         keep = 0 if final else partial_suffix_len(buf, hold or markers)
+        if final and self._truncated:  # a marker cut short by max_tokens: not content
+            cut = partial_suffix_len(buf, hold or markers)
+            if cut:
+                buf, self._dropped = buf[: len(buf) - cut], True
         if len(buf) > keep:
             self._text(buf[: len(buf) - keep])
             self._buf = buf[len(buf) - keep:]
+        else:
+            self._buf = buf
         return None
+
+    def _cut_marker(self, text: str) -> int:
+        """How much of the end of `text` to drop at a truncated finish: a partial
+        delimiter the output ran out of tokens in."""
+        cut = partial_suffix_len(text, self.delimiters) if self._truncated else 0
+        self._dropped = self._dropped or cut > 0
+        return cut
+
+    def _drop_unfinished(self, final: bool) -> bool:
+        """At a truncated finish, inside a call that was still being written: drop its
+        text (call markup is never content). True when it did."""
+        if final and self._truncated:
+            self._buf, self._dropped = "", True
+            return True
+        return False
 
     def _text(self, text: str) -> None:
         for delimiter in self.delimiters:

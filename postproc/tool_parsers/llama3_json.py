@@ -90,6 +90,9 @@ class Llama3JsonToolParser(ToolParser):
             self._scanner = JsonValueEnd(len(buf) - len(rest))
         end = self._scanner.scan(buf)
         if end is None:
+            if self._drop_unfinished(final):  # cut by max_tokens inside a call
+                self._scanner = None
+                return False
             if final:  # unfinished: content
                 self._scanner = None
                 self._mode = _CONTENT

@@ -89,6 +89,14 @@ class MistralToolParser(ToolParser):
         self._mode = _TEXT
         return True
 
+    def _unfinished(self, final: bool) -> bool:
+        """At the end inside a call: cut by max_tokens, its text is dropped; else content."""
+        if self._drop_unfinished(final):
+            self._scanner = None
+            self._mode = _TEXT
+            return False
+        return self._fallback() if final else False
+
     def _step(self, final: bool) -> bool:
         buf = self._buf
         if self._mode == _TEXT:
@@ -110,7 +118,7 @@ class MistralToolParser(ToolParser):
                 self._scanner = JsonValueEnd(self._array_start)
             end = self._scanner.scan(buf)
             if end is None:
-                return self._fallback() if final else False
+                return self._unfinished(final)
             calls = _array_calls(buf[self._array_start:end])
             if calls is None:
                 return self._fallback()
@@ -128,13 +136,13 @@ class MistralToolParser(ToolParser):
             if header is _WAIT:
                 return False
             if header is _FAIL:
-                return self._fallback()
+                return self._unfinished(True) if final else self._fallback()
             name, call_id, args_start = header
             self._scanner = JsonValueEnd(args_start)
             self._pending = (name, call_id, args_start)
         end = self._scanner.scan(buf)
         if end is None:
-            return self._fallback() if final else False
+            return self._unfinished(final)
         name, call_id, args_start = self._pending
         arguments = arguments_json(buf[args_start:end])
         if arguments is None:

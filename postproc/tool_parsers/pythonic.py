@@ -97,12 +97,18 @@ class PythonicToolParser(ToolParser):
             if not _HEAD.match(buf, start):
                 if not final and _HEAD_PARTIAL.fullmatch(buf, start):
                     return False  # could still become `[name(`
+                if _HEAD_PARTIAL.fullmatch(buf, start) and self._drop_unfinished(final):
+                    return False  # `[get_wea` cut by max_tokens: not content
                 self._mode = _CONTENT
                 return True
             self._list_start = start
             self._scanner = PythonValueEnd(start)
         end = self._scanner.scan(buf)
         if end is None:
+            if self._drop_unfinished(final):  # cut by max_tokens inside the list
+                self._scanner = None
+                self._mode = _CONTENT
+                return False
             if final:
                 self._scanner = None
                 self._mode = _CONTENT

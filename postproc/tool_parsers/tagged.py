@@ -47,6 +47,8 @@ class TaggedBlockParser(ToolParser):
         if calls:
             for name, arguments in calls:
                 self._call(name, arguments)
+        elif not terminated and self._truncated:
+            self._dropped = True  # a call max_tokens cut short: its markup is not content
         else:
             self._text(body)  # not a call after all: content, without the tags
         self._buf = rest

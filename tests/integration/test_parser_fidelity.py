@@ -74,3 +74,30 @@ def test_json_numbers_end_after_16_integral_and_10_fraction_digits(client):
     assert value["population"] == int("1" * 16), text
     ratio = re.search(r'"ratio": ([^}]*)}', text).group(1)
     assert re.fullmatch(r"-?[0-9]{1,16}(\.[0-9]{1,10})?", ratio), text
+
+
+# ---------------------------------------------------------------- 7: forced calls cut short
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice, max_tokens", [("required", 2), ("required", 12),
+                                                (NAMED, 3), (NAMED, 9)])
+def test_a_forced_call_cut_by_max_tokens_leaks_no_markup(client, choice, max_tokens):
+    """Cut inside `<tool_call>` or inside the call's JSON: no raw text comes back as
+    content, streamed or not, and the answer ends with "length"."""
+    r = ask(client, "Weather in Paris?", tools=[WEATHER], tool_choice=choice,
+            max_tokens=max_tokens, temperature=0)
+    choice0 = r.choices[0]
+    assert choice0.finish_reason == "length"
+    assert not choice0.message.content, choice0.message.content
+    stream = ask(client, "Weather in Paris?", tools=[WEATHER], tool_choice=choice,
+                 max_tokens=max_tokens, temperature=0, stream=True)
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

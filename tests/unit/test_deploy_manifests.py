@@ -99,6 +99,12 @@ def tcp(address: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
+def dns_tcp(address: str) -> tuple[str, int]:
+    """(name, port) of a frontend's `dns+tcp://NAME:PORT` engine address."""
+    assert address.startswith("dns+tcp://"), address
+    return tcp(address[len("dns+"):])
+
+
 # ------------------------------------------------------------------------------------------
 # Kustomize, the subset the manifests use
 
@@ -342,8 +348,11 @@ def test_tiers_are_wired_together(directory):
     # The engine binds on all interfaces, behind a Service on the same port: requests on one,
     # postproc workers on another.
     [(where, engine, engine_container, engine_args)] = tiers["engine"]
-    assert engine["kind"] == "StatefulSet" and engine["spec"]["replicas"] == 1
+    # Several engines behind one headless name, each pod its own A record (issue 18).
+    assert engine["kind"] == "StatefulSet" and engine["spec"]["replicas"] >= 2
     engine_service = service_for(resources, engine["spec"]["serviceName"])
+    assert engine_service["spec"]["clusterIP"] == "None"
+    assert engine_service["spec"]["publishNotReadyAddresses"] is True
     assert engine_service["spec"]["selector"].items() <= (
         engine["spec"]["template"]["metadata"]["labels"].items())
     assert engine_args.postproc_address, f"{where}: the engine binds no socket for workers"
@@ -362,8 +371,10 @@ def test_tiers_are_wired_together(directory):
 
     for where, frontend, container, args in tiers["frontend"]:
         assert frontend["kind"] == "Deployment"
-        # Requests go to the engine's Service; results come back to this pod's own IP.
-        assert tcp(args.engine_address) == (engine["spec"]["serviceName"], engine_port), where
+        # Requests go to every engine the Service's name resolves to (re-resolved, so the
+        # StatefulSet may scale); results come back to this pod's own IP.
+        assert [dns_tcp(a) for a in args.engine_address] == [
+            (engine["spec"]["serviceName"], engine_port)], where
         raw = container["args"][container["args"].index("--result-address") + 1]
         assert raw == f"tcp://$(POD_IP):{FRONTEND_RESULT_PORT}", where
         [pod_ip] = [e for e in container["env"] if e["name"] == "POD_IP"]
@@ -479,24 +490,34 @@ def test_compose_services_use_valid_commands_and_flags(files):
     engines = {n: a for n, a in parsed.items() if a.command == "engine"}
     frontends = {n: a for n, a in parsed.items() if a.command == "frontend"}
     workers = {n: a for n, a in parsed.items() if a.command == "postproc"}
-    assert len(engines) == 1 and len(frontends) >= 2 and len(workers) >= 1
-    [(engine_name, engine_args)] = engines.items()
-    host, engine_port = tcp(engine_args.engine_address)
-    assert host in ("0.0.0.0", "*")
-    assert engine_args.postproc_address, "the engine binds no socket for postproc workers"
-    host, worker_port = tcp(engine_args.postproc_address)
-    assert host in ("0.0.0.0", "*") and worker_port != engine_port
-    # Both ZeroMQ ports are open to the other containers (and only to them: see above).
-    assert {str(engine_port), str(worker_port)} <= set(map(str, services[engine_name]["expose"]))
-    assert "5555" in str(services[engine_name]["healthcheck"]["test"])
+    # Two engines (issue 18), each its own service and hostname, both behind every frontend.
+    assert len(engines) == 2 and len(frontends) >= 2 and len(workers) >= 1
+    engine_ports, worker_ports = {}, {}
+    for engine_name, engine_args in engines.items():
+        assert services[engine_name]["hostname"] == engine_name
+        host, engine_ports[engine_name] = tcp(engine_args.engine_address)
+        assert host in ("0.0.0.0", "*")
+        assert engine_args.postproc_address, "the engine binds no socket for postproc workers"
+        host, worker_ports[engine_name] = tcp(engine_args.postproc_address)
+        assert host in ("0.0.0.0", "*")
+        assert worker_ports[engine_name] != engine_ports[engine_name]
+        # Both ZeroMQ ports are open to the other containers (and only to them: see above).
+        assert {str(engine_ports[engine_name]), str(worker_ports[engine_name])} <= set(
+            map(str, services[engine_name]["expose"]))
+        assert "5555" in str(services[engine_name]["healthcheck"]["test"])
+    served = set()
     for name, args in workers.items():
-        # Workers reach the engine by its service name; they bind nothing, so replicas are fine.
-        assert tcp(args.engine_postproc_address) == (engine_name, worker_port), name
+        # A worker reaches its engine by service name; it binds nothing, so replicas are fine.
+        engine_name, port = tcp(args.engine_postproc_address)
+        assert port == worker_ports[engine_name], name
+        served.add(engine_name)
         assert not services[name].get("ports") and not services[name].get("expose"), name
         assert engine_name in services[name]["depends_on"], name
+    assert served == set(engines), "every engine has its postproc workers"
     for name, args in frontends.items():
         service = services[name]
-        assert tcp(args.engine_address) == (engine_name, engine_port), name
+        assert sorted(tcp(a) for a in args.engine_address) == sorted(engine_ports.items()), name
+        assert set(engines) <= set(service["depends_on"]), name
         # Its own name: bindable inside its container, resolvable from the engine's.
         result_host, _ = tcp(args.result_address)
         assert result_host == name == service["hostname"], name
@@ -505,13 +526,18 @@ def test_compose_services_use_valid_commands_and_flags(files):
         assert f"{args.port}/health" in " ".join(service["healthcheck"]["test"]), name
 
 
-def test_compose_gpu_override_puts_the_engine_on_a_gpu():
+def test_compose_gpu_override_puts_each_engine_on_its_own_gpu():
     services = compose_services(COMPOSE, DEPLOY / "compose.gpu.yaml")
-    engine = services["engine"]
-    assert parse_cli(engine["command"], "compose.gpu.yaml").device == "cuda"
-    assert engine["build"]["dockerfile"].endswith("Dockerfile.cuda")
-    [device] = engine["deploy"]["resources"]["reservations"]["devices"]
-    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    gpus = []
+    for name in ("engine-1", "engine-2"):
+        engine = services[name]
+        assert parse_cli(engine["command"], "compose.gpu.yaml").device == "cuda"
+        assert engine["build"]["dockerfile"].endswith("Dockerfile.cuda")
+        [device] = engine["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert engine["hostname"] == name  # kept from compose.yaml
+        gpus += device["device_ids"]
+    assert sorted(gpus) == ["0", "1"]
 
 
 # ------------------------------------------------------------------------------------------

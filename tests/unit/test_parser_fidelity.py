@@ -176,3 +176,96 @@ def test_forced_call_arguments_have_bounded_numbers(llt):
     assert not accepts(llt, grammar, hermes_call("count", {"n": int(SEVENTEEN)}))
     assert accepts(llt, grammar, hermes_call("free", {"a": [1.5, {"b": None}], "c": "d"}))
     assert not accepts(llt, grammar, hermes_call("free", {"a": int(SEVENTEEN)}))
+
+
+# ---------------------------------------------------------------- 7: calls cut by max_tokens
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+CUT = [  # (parser, output cut by max_tokens inside call markup, content before it)
+    ("hermes", "Sure.\n<tool", "Sure."),
+    ("hermes", "<tool_call>", None),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "argu', None),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', None),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Pa', None),
+    ("llama3_json", "Well <|python", "Well"),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', None),
+    ("mistral", '[TOOL_CALLS]get_wea', None),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "argu', None),
+    ("pythonic", '[get_weather(city="Pa', None),
+    ("pythonic", "[get_wea", None),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPa", None),
+    ("qwen3_coder", "Ok <tool_c", "Ok"),
+]
+
+
+def streamed(parser, text: str, *, truncated: bool, prefill: str = "", step: int = 1):
+    p = get_tool_parser(parser)([WEATHER], call_id_seed="r", prefill=prefill)
+    parts = [p.feed(text[i:i + step]) for i in range(0, len(text), step)]
+    parts.append(p.finish(truncated=truncated))
+    return parts
+
+
+@pytest.mark.parametrize("parser, text, content", CUT)
+def test_call_markup_cut_by_max_tokens_is_not_content(parser, text, content):
+    parsed = get_tool_parser(parser)([WEATHER]).parse(text, truncated=True)
+    assert parsed.content == content and parsed.calls == []
+    for step in (1, 3, len(text)):  # streamed the same, however it was split
+        parts = streamed(parser, text, truncated=True, step=step)
+        assert ("".join(p.content for p in parts) or None) == content
+        assert not [c for p in parts for c in p.calls]
+
+
+def test_complete_calls_before_the_cut_come_back():
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    parsed = get_tool_parser("hermes")([WEATHER]).parse(
+        first + '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci', truncated=True)
+    assert parsed.content is None
+    assert [json.loads(c.function.arguments) for c in parsed.calls] == [{"city": "Paris"}]
+
+
+def test_a_named_call_cut_by_max_tokens_leaves_no_raw_text():
+    """The named tool_choice's injected marker is prefill; the output is the call's body."""
+    parts = streamed("hermes", '\n{"name": "get_weather", "arguments": {"city": "Par',
+                     truncated=True, prefill="<tool_call>")
+    assert "".join(p.content for p in parts) == ""
+
+
+def test_without_truncation_unfinished_markup_is_still_content():
+    """A model that stopped by itself (EOS, a stop string) inside a would-be call wrote
+    text, not a call in progress: nothing is lost."""
+    assert get_tool_parser("hermes")([WEATHER]).parse("a <tool").content == "a <tool"
+    assert get_tool_parser("hermes")([WEATHER]).parse("<tool_call>oops").content == "oops"
+
+
+def run_processor(ids, params, finish=("length", None), num_before=0):
+    """Feeds ids one per step, as the engine would, through the postproc step."""
+    from postproc.processor import OutputProcessor
+    from shared.protocol import RequestOutput, pack_ids
+
+    tokenizer = load_tokenizer("default")
+    processor = OutputProcessor(tokenizer)
+    processor.register("r", [1, 2], params)
+    frames = []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        output = RequestOutput(
+            request_id="r", new_token_ids=pack_ids([token]), num_prompt_tokens=2,
+            num_output_tokens=num_before + i + 1, finish_reason=finish[0] if last else None,
+            stop_reason=finish[1] if last else None)
+        processed = processor.process([output])
+        frames.extend(processed.frames)
+        if processed.frames and processed.frames[-1].finish_reason is not None:
+            break
+    return frames
+
+
+def test_the_postproc_step_tells_the_parser_the_output_was_cut():
+    from shared.protocol import OutputParams
+
+    tokenizer = load_tokenizer("default")
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    params = OutputParams(tool_parser="hermes", tools=json.dumps([WEATHER]).encode())
+    frames = run_processor(tokenizer.encode(text, add_special_tokens=False), params)
+    assert "".join(f.text for f in frames) == "Sure."
+    assert frames[-1].finish_reason == "length"
