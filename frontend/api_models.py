@@ -59,6 +59,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    # vLLM's newer name for the same thing (--reasoning-field reasoning answers with it, so
+    # clients send it back); reasoning_content wins when both are given.
+    reasoning: str | None = None
     refusal: str | None = None
     audio: Any = None
     function_call: Any = None

@@ -194,8 +194,9 @@ def template_messages(messages: list[ChatMessage], parts: bool = False
             entry["tool_calls"] = _tool_calls(m.tool_calls)
         if m.tool_call_id is not None:
             entry["tool_call_id"] = m.tool_call_id
-        if m.reasoning_content is not None:
-            entry["reasoning_content"] = m.reasoning_content
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            entry["reasoning_content"] = reasoning  # the name templates read
         out.append(entry)
     return out
 

@@ -222,7 +222,7 @@ class ToolParser:
         """Flushes what was held back. `truncated`: the output was cut by max_tokens
         (finish_reason "length"), so call markup it ends inside (a partial begin marker, a
         call still being written) was never finished: it is not content, and only what was
-        parsed of it comes back (SPEC O-6)."""
+        parsed of it comes back (req O-6)."""
         if not self._finished:
             self._finished = True
             self._truncated = truncated

@@ -71,3 +71,12 @@ def test_unknown_fields_inside_messages_and_far_from_any_name(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt="Hi", extra_body={"zqxv_wy": 1})
     assert "did you mean" not in refused.value.body["message"]
+
+
+def test_reasoning_sent_back_under_vllms_name_is_accepted(client):
+    """Item 17: a client echoing an answer made with --reasoning-field reasoning sends the
+    thinking back as `reasoning`; that is a message field, not an unknown one."""
+    history = [*PARIS, {"role": "assistant", "content": "Paris.", "reasoning": "Easy."},
+               {"role": "user", "content": "And Spain?"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, max_tokens=2)
+    assert answer.choices[0].message.content

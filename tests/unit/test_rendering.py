@@ -212,3 +212,18 @@ def test_documents_reach_the_template(tokenizer):
         request_template=template, documents=[{"title": "a", "text": "x"},
                                               {"title": "b", "text": "y"}]), NO_SETTINGS)
     assert out.text == "a=x;b=y;"
+
+
+def test_reasoning_reaches_the_template_under_either_name(tokenizer):
+    """vLLM's `reasoning` (what --reasoning-field reasoning answers with) and the older
+    `reasoning_content` both come back to the template as reasoning_content."""
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.reasoning_content | default('-') }}"
+                ";{% endfor %}")
+    sent = [msgspec.convert(m, ChatMessage) for m in (
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning": "r1"},
+        {"role": "assistant", "content": "a", "reasoning_content": "r2"},
+        {"role": "assistant", "content": "a", "reasoning": "x", "reasoning_content": "r3"})]
+    out = render(tokenizer, sent, RenderParams(request_template=template,
+                                               add_generation_prompt=False), NO_SETTINGS)
+    assert out.text == "user:-;assistant:r1;assistant:r2;assistant:r3;"
