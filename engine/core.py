@@ -16,6 +16,7 @@ from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from shared import histograms as h
 from shared.param_ranges import (
     MAX_LOGPROBS,
     RangeProblem,
@@ -80,6 +81,8 @@ class EngineCore:
         self.num_preemptions = 0
         self.num_computed_tokens = 0
         self.step_time_total_s = 0.0
+        # vLLM's engine histograms (tokens per step, per-request phase times) as counts.
+        self.histograms = h.engine_histograms()
         # Outputs produced outside a step (rejections, aborts), sent with the next batch.
         self._pending: list[tuple[str, RequestOutput]] = []
 
@@ -118,6 +121,7 @@ class EngineCore:
             params=params,
             reply_to=request.reply_to,
             arrival_time=request.arrival_time,
+            queued_time=time.time(),
             max_output_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
             generator=generator,
             min_tokens_banned=self._min_tokens_banned(params),
@@ -193,6 +197,7 @@ class EngineCore:
             self._drop_grammar(seq)
             seq.finish_reason = "abort"
             self.num_aborted += 1
+            self._observe_times(seq)
             self._pending.append((seq.reply_to, self._output_for(seq)))
 
     def abort_peer(self, peer: bytes) -> list[str]:
@@ -218,8 +223,13 @@ class EngineCore:
                 # Only grammars are left to wait for: sleep on them rather than spin.
                 GrammarBackend.wait_any([s.grammar for s in self._compiling.values()], 0.01)
             return outputs
+        scheduled_at = time.time()
+        for chunk in plan.chunks:
+            if chunk.seq.scheduled_time is None:
+                chunk.seq.scheduled_time = scheduled_at
         result = self.runner.execute(plan.chunks)
         self.num_steps += 1
+        self.histograms[h.ITERATION_TOKENS].observe(plan.num_tokens)
         self.num_preemptions += len(plan.preempted)
         self.num_computed_tokens += plan.num_tokens
         self.max_seqs_in_step = max(self.max_seqs_in_step, len(plan.chunks))
@@ -253,6 +263,7 @@ class EngineCore:
             seq.cumulative_logprob += token.logprob
         if seq.first_token_time is None:
             seq.first_token_time = now
+        seq.last_token_time = now
         if seq.grammar is not None:
             self._advance_grammar(seq, token.token)
         if seq.finish_reason is None:
@@ -349,6 +360,20 @@ class EngineCore:
         self._drop_grammar(seq)
         del self.sequences[seq.request_id]
         self.num_finished += 1
+        self._observe_times(seq)
+
+    def _observe_times(self, seq: Sequence) -> None:
+        """vLLM's phases of a request that ended: waiting (queued until first scheduled),
+        prefill (to the first token), decode (first to last token), inference (running)."""
+        if seq.scheduled_time is None:
+            return  # never ran: refused, or aborted while waiting
+        hist = self.histograms
+        hist[h.QUEUE_TIME].observe(max(0.0, seq.scheduled_time - seq.queued_time))
+        if seq.first_token_time is None:
+            return
+        hist[h.PREFILL_TIME].observe(max(0.0, seq.first_token_time - seq.scheduled_time))
+        hist[h.DECODE_TIME].observe(max(0.0, seq.last_token_time - seq.first_token_time))
+        hist[h.INFERENCE_TIME].observe(max(0.0, seq.last_token_time - seq.scheduled_time))
 
     # ---------------------------------------------------------------- stats
 
@@ -371,6 +396,8 @@ class EngineCore:
             prefix_cache_queries=self.allocator.prefix_queries,
             prefix_cache_hits=self.allocator.prefix_hits,
             step_time_total_s=self.step_time_total_s,
+            page_size=self.allocator.page_size,
+            histograms={name: b.snapshot() for name, b in self.histograms.items()},
         )
 
 

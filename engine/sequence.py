@@ -43,7 +43,12 @@ class Sequence(msgspec.Struct, kw_only=True):
     # Outputs already reported to the frontend, so a step reports only what is new.
     num_reported: int = 0
     generator: torch.Generator | None = None
+    # The engine's clock (time.time()) at its phases, for vLLM's per-request histograms:
+    # admitted (queued), first scheduled, first and latest token.
+    queued_time: float = 0.0
+    scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | None = None
     # Tokens that may not be drawn until min_tokens are out: stop token ids, plus EOS unless

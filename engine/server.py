@@ -22,6 +22,7 @@ import zmq
 
 from engine.build import build_engine
 from engine.core import EngineCore
+from engine.metrics_server import start_metrics_server
 from engine.output_router import FleetCounts, OutputRouter
 from shared.codec import encode, engine_inbound_decoder
 from shared.config import EngineConfig
@@ -224,6 +225,8 @@ def run_engine(config: EngineConfig) -> None:
     gc.freeze()
     server = EngineServer(core, config.request_address, config.postproc_address,
                           config.frontend_timeout_s)
+    if config.metrics_port is not None:
+        start_metrics_server(config.metrics_host, config.metrics_port, server._stats)
 
     def stop(signum, frame):
         server.stopping.set()

@@ -113,8 +113,8 @@ class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     user: str | None = None
     # vLLM-compatible extensions
     top_k: int | None = None
-    min_p: float | None = 0.0
-    repetition_penalty: float | None = 1.0
+    min_p: float | None = None  # None: left out (the model's default, else 0)
+    repetition_penalty: float | None = None  # None: left out (the model's default, else 1)
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None

@@ -181,8 +181,8 @@ def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: Pr
         changes.update(tool_parser=settings.tool_call_parser,
                        tools=msgspec.json.encode(request.tools),
                        tool_prefill=prompt.rendered.injected_prefix if prompt.rendered else "")
-    if changes and settings.keep_special_tokens:
-        changes["skip_special_tokens"] = False
+    # skip_special_tokens stays as the request says: the postproc step keeps the parsers'
+    # own delimiters when they are special tokens (postproc.processor.special_ids_to_skip).
     if request.stream:
         changes["chunk"] = ChunkFormat(
             kind="chat" if chat else "completion", response_id=job.request_id,

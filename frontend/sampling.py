@@ -27,9 +27,9 @@ from frontend.structured import StructuredSettings, check_structured
 from shared.generation_config import GenerationDefaults
 from shared.param_ranges import (
     LOGIT_BIAS_LIMIT,
-    MAX_LOGPROBS,
     MAX_TOKENS_MAX,
     SEED_RANGE,
+    UNBOUNDED_LOGPROBS,
     RangeProblem,
     check_sampling_params,
 )
@@ -97,12 +97,6 @@ def _check_chat(request: ChatCompletionRequest) -> None:
 
 
 def _check_completion(request: CompletionRequest) -> None:
-    logprobs = request.logprobs
-    if logprobs is not None:
-        if isinstance(logprobs, bool) or not isinstance(logprobs, int):
-            raise bad_request("logprobs must be an integer for completions", "logprobs")
-        if not 0 <= logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
     if request.best_of is not None:
         if request.best_of < request.n:
             raise bad_request("best_of must be greater than or equal to n", "best_of")
@@ -160,12 +154,11 @@ def request_plan(
         stop_token_ids=_stop_token_ids(request.stop_token_ids, vocab_size),
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
-        # min_p and repetition_penalty read their neutral value as left out.
-        min_p=_given(request.min_p, 0.0, d.min_p, request.min_p),
+        min_p=_given(request.min_p, None, d.min_p, 0.0),
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
-        repetition_penalty=_given(request.repetition_penalty, 1.0, d.repetition_penalty,
-                                  request.repetition_penalty),
+        repetition_penalty=_given(request.repetition_penalty, None, d.repetition_penalty,
+                                  1.0),
         logit_bias=logit_bias_pairs(request.logit_bias, vocab_size),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -293,6 +286,7 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
 def _check_ranges(p: SamplingParams, vocab_size: int) -> None:
     """The engine's ranges (`shared.param_ranges`), as a 400 naming the field."""
     try:
-        check_sampling_params(p, vocab_size)
+        # Logprob counts were held to --max-logprobs already (input_bounds).
+        check_sampling_params(p, vocab_size, UNBOUNDED_LOGPROBS)
     except RangeProblem as exc:
         raise bad_request(exc.message, exc.field) from exc

@@ -102,6 +102,9 @@ class OutputParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop: list[str] = []  # stop strings, matched on detokenized text
     include_stop_str_in_output: bool = False
     logprobs: bool = False  # attach token strings to the logprobs the engine sends
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", not their text
+    # (for tokens whose text is not valid UTF-8 on its own).
+    tokens_as_ids: bool = False
     # Output parsers by registered name (req O-5, O-6); None = off for this request.
     reasoning_parser: str | None = None
     # Whether the output starts inside a thinking block, as the frontend read it from the
@@ -151,6 +154,14 @@ class Ping(msgspec.Struct, tag="ping", frozen=True):
 # ---------------------------------------------------------------- engine -> frontend
 
 
+class HistogramCounts(msgspec.Struct, array_like=True, frozen=True):
+    """One engine histogram: observations per bucket (the bounds of `shared.histograms`,
+    then +Inf; not cumulative) and their sum."""
+
+    counts: list[int]
+    total: float
+
+
 class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     engine_id: str
     model_name: str
@@ -175,6 +186,10 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     num_postproc_workers: int = 0  # live workers now
     postproc_assigned: int = 0  # requests assigned to a worker since start
     postproc_replayed: int = 0  # of those, moved to another worker (or the frontend) on a death
+    page_size: int = 0  # tokens per KV page (vLLM's block_size)
+    # Per-step and per-request distributions (shared.histograms names them): tokens per step;
+    # each request's queue, prefill, decode and inference time on the engine's clock.
+    histograms: dict[str, HistogramCounts] = {}
 
 
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):

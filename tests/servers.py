@@ -105,12 +105,16 @@ def start_frontend(tmp_dir: str, engine_address: str, name: str, *extra: str) ->
 
 
 class Cluster:
-    """One engine and two frontends as separate processes over tcp, as an orchestrator runs them."""
+    """One engine and two frontends as separate processes over tcp, as an orchestrator runs
+    them; the engine serves its own metrics (`engine_metrics_url`), the frontends theirs."""
 
     def __init__(self, tmp_dir: str, *engine_extra: str) -> None:
         self.engine_address = f"tcp://127.0.0.1:{free_tcp_port()}"
+        metrics_port = free_tcp_port()
+        self.engine_metrics_url = f"http://127.0.0.1:{metrics_port}"
         self.engine = Proc(
-            ["engine", "--engine-address", self.engine_address, *engine_extra],
+            ["engine", "--engine-address", self.engine_address,
+             "--metrics-port", str(metrics_port), *engine_extra],
             os.path.join(tmp_dir, "engine.log"),
         )
         self.frontends: list[Proc] = []

@@ -32,8 +32,9 @@ class Faults:
         self.start_engine()
         for i in range(2):
             # A long drain window: a loaded test machine streams slowly.
+            # Each test reads the engine's series off one frontend's /metrics.
             proc, url = start_frontend(tmp_dir, self.address, f"frontend{i}",
-                                       "--shutdown-timeout", "120")
+                                       "--shutdown-timeout", "120", "--export-engine-metrics")
             self.frontends.append(proc)
             self.urls.append(url)
         for url in self.urls:

@@ -32,9 +32,10 @@ class Limited:
         self.guarded, self.url = start_frontend(
             tmp_dir, address, "guarded", "--api-key", KEYS[0], "--api-key", KEYS[1],
             "--allowed-origins", ORIGIN, "--max-request-body-bytes", str(MAX_BODY),
-            "--max-queued-requests", "2")
+            "--max-queued-requests", "2", "--export-engine-metrics")
         self.timed, self.timed_url = start_frontend(
-            tmp_dir, address, "timed", "--request-timeout", str(TIMEOUT_S))
+            tmp_dir, address, "timed", "--request-timeout", str(TIMEOUT_S),
+            "--export-engine-metrics")
         procs = [self.engine, self.guarded, self.timed]
         try:
             for url in (self.url, self.timed_url):

@@ -11,6 +11,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 N, TOKENS = 4, 12
+MODEL = "SmolLM2-135M-Instruct"  # every series carries the served name as model_name
 
 
 def scrape(base_url: str) -> dict[tuple, float]:
@@ -23,6 +24,7 @@ def scrape(base_url: str) -> dict[tuple, float]:
 
 
 def value(samples: dict, name: str, **labels) -> float:
+    labels = {"model_name": MODEL, **labels}
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
@@ -108,8 +110,22 @@ def test_metrics_follow_the_load(base_url):
     fleet = ("sluice:postproc_workers", "sluice:postproc_requests_assigned_total",
              "sluice:postproc_requests_replayed_total")
     for name in fleet:
-        assert (name, (("engine", "engine-0"),)) in after, f"{name} is not exported"
+        key = (name, (("engine", "engine-0"), ("model_name", MODEL)))
+        assert key in after, f"{name} is not exported"
     workers = engine(after, "sluice:postproc_workers")
     assigned = engine(after, fleet[1]) - engine(before, fleet[1])
     assert assigned == (N if workers else 0)
     assert engine(after, fleet[2]) == engine(before, fleet[2])
+    # vLLM's names beside ours, same values; the engine's phase histograms, once per request.
+    assert delta("vllm:generation_tokens_total") == N * TOKENS
+    assert delta("vllm:prompt_tokens_total") == prompt_tokens
+    assert delta("vllm:request_success_total", finished_reason="length") == N
+    assert delta("vllm:time_per_output_token_seconds_count") == N * (TOKENS - 1)
+    for phase in ("queue", "prefill", "decode", "inference"):
+        name = f"vllm:request_{phase}_time_seconds_count"
+        assert delta(name, engine="engine-0") == N, name
+    decode = delta("vllm:request_decode_time_seconds_sum", engine="engine-0")
+    inference = delta("vllm:request_inference_time_seconds_sum", engine="engine-0")
+    assert 0 < decode < inference <= e2e
+    assert delta("vllm:iteration_tokens_total_count", engine="engine-0") >= TOKENS
+    assert engine(after, "vllm:num_requests_running") == 0

@@ -86,6 +86,9 @@ def test_defaults_fill_what_the_request_leaves_out_and_request_values_win():
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (
         1.0, 0.5, 7, 0.2, 1.3, 5)
     assert _plan({"top_k": -1}, d).top_k == 0  # -1 asks for no top-k, over the default
+    # Explicit neutral values are values too: they win over the model's defaults.
+    neutral = _plan({"min_p": 0.0, "repetition_penalty": 1.0, "top_k": 0}, d)
+    assert (neutral.min_p, neutral.repetition_penalty, neutral.top_k) == (0.0, 1.0, 0)
     assert _plan({}, GenerationDefaults(max_tokens=500)).max_tokens == 96  # within the room
     assert _plan({}, d, "completions").max_tokens == 20
 
@@ -93,3 +96,4 @@ def test_defaults_fill_what_the_request_leaves_out_and_request_values_win():
 def test_without_defaults_nothing_changes():
     p = _plan({}, None)
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, 0, 96)
+    assert (p.min_p, p.repetition_penalty) == (0.0, 1.0)
