@@ -1,5 +1,7 @@
-"""Prometheus exposition for a frontend: the engine's latest stats, as the heartbeat saw them,
-and this frontend's own request and input metrics.
+"""Prometheus exposition for a frontend: this frontend's own request and input metrics, whether
+its engine answers, and (only with --export-engine-metrics) the engine's latest stats as the
+heartbeat saw them. Every series carries `model_name`; vLLM's names come beside ours
+(`shared.metrics_export`).
 
 The frontend's metrics live in prometheus_client's multiprocess files when
 PROMETHEUS_MULTIPROC_DIR was set before the library was imported (the CLI does that), so
@@ -12,87 +14,62 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 
 from frontend.engine_client import EngineClient
 from frontend.input_metrics import register_input_metrics
 from frontend.request_metrics import register_request_metrics
+from shared.metrics_export import engine_families, with_model_name, with_vllm_names
 
 # The library chose its storage when it was imported, i.e. by now: read the same setting.
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
-_GAUGES = (
-    ("num_running", "sluice:num_requests_running", "Requests in the engine's running batch."),
-    ("num_waiting", "sluice:num_requests_waiting", "Requests queued in the engine."),
-    ("num_total_pages", "sluice:kv_cache_total_pages", "KV cache pages in the engine."),
-    ("num_free_pages", "sluice:kv_cache_free_pages", "KV cache pages not owned by a request."),
-    ("max_seqs_in_step", "sluice:max_seqs_in_step", "Most sequences one engine step has run."),
-    ("num_postproc_workers", "sluice:postproc_workers",
-     "Postproc workers the engine hears from (0: frontends post-process every request)."),
-)
-_COUNTERS = (
-    ("num_steps", "sluice:engine_steps", "Model steps the engine has run."),
-    ("num_finished", "sluice:requests_finished", "Requests the engine finished."),
-    ("num_aborted", "sluice:requests_aborted", "Requests aborted before they finished."),
-    ("num_preemptions", "sluice:num_preemptions", "Sequences preempted for lack of KV pages."),
-    ("num_computed_tokens", "sluice:computed_tokens", "Tokens fed through the model."),
-    ("prefix_cache_queries", "sluice:prefix_cache_queries",
-     "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hits", "sluice:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-    ("postproc_assigned", "sluice:postproc_requests_assigned",
-     "Requests the engine assigned to a postproc worker."),
-    ("postproc_replayed", "sluice:postproc_requests_replayed",
-     "Assigned requests moved off a dead postproc worker (to another, or to their frontend)."),
-)
-
 
 class EngineStatsCollector:
-    def __init__(self, client: EngineClient) -> None:
+    """What this frontend knows of its engine: whether it answers heartbeats (always), and,
+    with `--export-engine-metrics` (`sluice serve`), the engine's own series as its last
+    heartbeat carried them. Off by default: with several frontends per engine, each would
+    export the same engine numbers and a `sum()` would count them once per frontend; the
+    engine serves them itself (`sluice engine --metrics-port`)."""
+
+    def __init__(self, client: EngineClient, model_name: str, export_engine: bool) -> None:
         self.client = client
+        self.model_name = model_name
+        self.export_engine = export_engine
 
     def collect(self):
         stats = self.client.stats
-        alive = GaugeMetricFamily("sluice:engine_up", "1 while the engine answers heartbeats.")
-        alive.add_metric([], 1.0 if self.client.engine_alive else 0.0)
+        alive = GaugeMetricFamily("sluice:engine_up", "1 while the engine answers heartbeats.",
+                                  labels=["model_name"])
+        alive.add_metric([self.model_name], 1.0 if self.client.engine_alive else 0.0)
         yield alive
-        if stats is None:
-            return
-        for field, name, doc in _GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=["engine"])
-            family.add_metric([stats.engine_id], float(getattr(stats, field)))
-            yield family
-        for field, name, doc in _COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["engine"])
-            family.add_metric([stats.engine_id], float(getattr(stats, field)))
-            yield family
-        yield from _derived(stats)
+        if stats is not None and self.export_engine:
+            yield from with_vllm_names(engine_families(stats))
 
 
-def _derived(stats):
-    """The series vLLM's dashboards expect that are computed from the raw stats."""
-    usage = GaugeMetricFamily(
-        "sluice:kv_cache_usage_perc",
-        "Fraction of KV cache pages in use by requests (1 = full), as vLLM's.", labels=["engine"])
-    used = stats.num_total_pages - stats.num_free_pages
-    usage.add_metric([stats.engine_id], used / stats.num_total_pages if stats.num_total_pages
-                     else 0.0)
-    yield usage
-    # A summary (count and sum): mean step time = rate(_sum) / rate(_count).
-    step = SummaryMetricFamily(
-        "sluice:engine_step_duration_seconds", "Wall time of the engine's model steps.",
-        labels=["engine"])
-    step.add_metric([stats.engine_id], stats.num_steps, stats.step_time_total_s)
-    yield step
+class FrontendSeries:
+    """This frontend's own request and input series (summed over its processes in
+    multiprocess mode), labelled with the served model and doubled under vLLM's names."""
+
+    def __init__(self, source, model_name: str) -> None:
+        self.source = source
+        self.model_name = model_name
+
+    def collect(self):
+        yield from with_vllm_names(with_model_name(self.source.collect(), self.model_name))
 
 
-def metrics_registry(client: EngineClient) -> CollectorRegistry:
+def metrics_registry(client: EngineClient, model_name: str = "",
+                     export_engine: bool = False) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineStatsCollector(client))
+    registry.register(EngineStatsCollector(client, model_name, export_engine))
+    own = CollectorRegistry(auto_describe=False)
     if MULTIPROCESS:
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(own)
     else:
-        register_input_metrics(registry)
-        register_request_metrics(registry)
+        register_input_metrics(own)
+        register_request_metrics(own)
+    registry.register(FrontendSeries(own, model_name))
     return registry
 
 

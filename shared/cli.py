@@ -235,12 +235,12 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                         "long for a free render thread gets a 503 instead (default: 30)")
     g.add_argument("--chat-template", default=None,
                    help="chat template for chat requests: a file path or the Jinja text itself "
+                        "(default: the tokenizer's)")
     g.add_argument("--chat-template-content-format", default="auto",
                    choices=["auto", "string", "openai"],
                    help="how chat templates get message content: string (parts joined), "
                         "openai (a list of {type, text} parts), or auto: openai when the "
                         "template loops over a message's content (default: auto)")
-                        "(default: the tokenizer's)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a request's template runs "
                         "on this server's CPU; off by default)")
@@ -389,12 +389,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where to bind for postproc workers, e.g. "
                              f"{DEFAULT_POSTPROC_ADDRESS} (default: no fleet; frontends "
                              "post-process their own requests)")
+    engine.add_argument("--metrics-port", type=_int_at_least(1), default=None,
+                        help="serve the engine's Prometheus /metrics on this port (its series "
+                             "once per engine, whatever the number of frontends; default: "
+                             "not served)")
+    engine.add_argument("--metrics-host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"),
+                        help="the address --metrics-port binds (default: $SLUICE_HOST, "
+                             "else 127.0.0.1)")
 
     frontend = sub.add_parser("frontend", help="run one HTTP frontend against an engine")
     _add_model_arguments(frontend)
     _add_frontend_arguments(frontend)
     frontend.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
                           help=f"the engine to use (default: {DEFAULT_ENGINE_ADDRESS})")
+    frontend.add_argument("--export-engine-metrics", action="store_true",
+                          help="also export the engine's series (from its heartbeat) on this "
+                               "frontend's /metrics: right for one frontend per engine (serve "
+                               "sets it); with several, scrape the engine's --metrics-port, "
+                               "or sums count the engine once per frontend")
     frontend.add_argument("--result-address", default=None,
                           help="where this frontend receives outputs; must be reachable from "
                                "the engine (default: ipc next to an ipc engine, otherwise "
@@ -546,7 +558,8 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         scheduling_policy=args.scheduling_policy, postproc_address=postproc_address,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         frontend_timeout_s=args.frontend_timeout, seed=args.seed,
-        max_logprobs=args.max_logprobs,
+        max_logprobs=args.max_logprobs, metrics_port=getattr(args, "metrics_port", None),
+        metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
     )
 
 
@@ -569,6 +582,7 @@ def frontend_config(args, engine_address: str, result_address: str | None) -> Fr
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
         log_requests=args.enable_log_requests, log_outputs=args.enable_log_outputs,
         max_logprobs=args.max_logprobs,
+        export_engine_metrics=getattr(args, "export_engine_metrics", False),
         http=HttpSettings(root_path=args.root_path, uds=args.uds,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                           ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
@@ -703,6 +717,8 @@ def _serve(args) -> int:
         "--render-timeout", str(args.render_timeout),
         "--max-logprobs", str(args.max_logprobs), "--response-role", args.response_role,
         "--root-path", args.root_path, "--ssl-cert-reqs", str(args.ssl_cert_reqs),
+        # One frontend on one port: its /metrics is the engine's too, as `vllm serve`'s.
+        "--export-engine-metrics",
     ]
     for flag, value in (("--uds", args.uds), ("--ssl-keyfile", args.ssl_keyfile),
                         ("--ssl-certfile", args.ssl_certfile),
@@ -721,6 +737,7 @@ def _serve(args) -> int:
         frontend_argv += ["--chat-template", args.chat_template]
     if args.trust_request_chat_template:
         frontend_argv.append("--trust-request-chat-template")
+    frontend_argv += ["--chat-template-content-format", args.chat_template_content_format]
     for flag, value in (("--reasoning-parser", args.reasoning_parser),
                         ("--tool-call-parser", args.tool_call_parser)):
         if value is not None:
@@ -761,7 +778,6 @@ def _supervise(children: list[subprocess.Popen],
     while not stopping:
         exited = [c for c in children if c.poll() is not None]
         if exited:
-    frontend_argv += ["--chat-template-content-format", args.chat_template_content_format]
             code = exited[0].returncode or 1
             break
         time.sleep(0.2)

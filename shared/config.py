@@ -33,6 +33,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: int | None = None
     max_logprobs: int = 20  # --max-logprobs; -1: up to the vocabulary
     engine_id: str = "engine-0"
+    # --metrics-port: the engine's own Prometheus /metrics (its series once per engine, not
+    # once per frontend); None: not served.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     # Where postproc workers connect (the engine binds a ROUTER); None = no fleet.
     postproc_address: str | None = None
 
@@ -82,6 +86,9 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     log_requests: bool = False  # --enable-log-requests (frontend.request_log)
     log_outputs: bool = False  # --enable-log-outputs
     http: HttpSettings = msgspec.field(default_factory=HttpSettings)
+    # --export-engine-metrics: this frontend's /metrics carries its engine's series too, as
+    # `sluice serve` (one frontend, one scrape target) wants; see frontend.metrics.
+    export_engine_metrics: bool = False
     # Limits and security (frontend.auth, frontend.limits); see docs/operations.md.
     api_keys: list[str] = []  # empty: no authentication
     allowed_origins: list[str] = []  # CORS; empty: no CORS headers at all
