@@ -1,10 +1,19 @@
-"""The frontend's side of the engine connection.
+"""The frontend's side of the engine connections.
 
-Requests and aborts go out on a DEALER connected to the engine's ROUTER; pings ride the same
-socket and the engine's stats come back on it, which doubles as the heartbeat. Outputs arrive
-on this frontend's own PULL socket (`reply_to`), read by a receiver thread: text frames from
-postproc workers, or token batches that it post-processes itself (when there is no fleet, or
-every worker died), so the event loop only gets finished frames, one hop per batch.
+A frontend talks to every engine it is given (`--engine-address`, repeatable; a
+`dns+tcp://NAME:PORT` stands for every address NAME resolves to, re-resolved every few
+seconds, so engines join and leave without a restart). Each engine gets its own DEALER
+connected to the engine's ROUTER: requests and aborts go out on it, pings ride it and the
+engine's stats come back on it, which doubles as that engine's heartbeat. `frontend.placement`
+picks the engine for each request among the live ones; the engine that took a request gets
+its aborts and stop-string finishes. When an engine goes silent its requests that have not
+produced a frame yet are sent again to another live engine (under a new wire id, so a late
+frame of the lost attempt cannot mix in); the ones already streaming end with an error.
+
+Outputs arrive on this frontend's own PULL socket (`reply_to`), read by a receiver thread:
+text frames from postproc workers, or token batches that it post-processes itself (when
+there is no fleet, or every worker died), so the event loop only gets finished frames, one
+hop per batch.
 """
 
 from __future__ import annotations
@@ -14,11 +23,13 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from frontend.placement import Candidate, Placement, prefix_key
 from frontend.tracking import RequestTracker
 from postproc.processor import OutputProcessor
 from shared.codec import encode, frontend_inbound_decoder
@@ -31,153 +42,368 @@ from shared.protocol import (
     Ping,
     TextFrame,
 )
-from shared.transport import make_socket, new_ipc_address
+from shared.transport import (
+    is_dns_address,
+    make_socket,
+    new_ipc_address,
+    resolve_host,
+    split_dns_address,
+    tcp_address,
+)
 
 log = logging.getLogger("sluice.frontend")
+
+Resolver = Callable[[str, int], list[str]]  # (name, port) -> IP addresses
 
 
 class EngineUnavailable(Exception):
     pass
 
 
+class EngineConnection:
+    """One engine: its socket, its last stats (the heartbeat) and the requests on it."""
+
+    def __init__(self, address: str, source: str) -> None:
+        self.address = address  # what the DEALER connects to
+        self.source = source  # the --engine-address it came from
+        self.dealer: zmq.asyncio.Socket | None = None
+        self.stats: EngineStats | None = None
+        self.last_heard = 0.0
+        self.was_alive = False
+        self.retired = False  # its name no longer resolves to it: no new requests
+        self.requests: set[str] = set()  # wire ids this frontend has running there
+        self.own_at_stats = 0  # len(requests) when the last stats arrived
+        # Requests failed or moved because it went silent: if it comes back (it was
+        # frozen, not dead) it must drop them, so their aborts go out once it answers.
+        self.orphans: set[str] = set()
+        self.stats_task: asyncio.Task | None = None
+        self.stats_arrived = asyncio.Event()
+
+    @property
+    def engine_id(self) -> str:
+        return self.stats.engine_id if self.stats is not None else self.address
+
+    def alive(self, timeout_s: float) -> bool:
+        return time.monotonic() - self.last_heard < timeout_s
+
+    def load(self) -> int:
+        """Waiting + running from its heartbeat, plus what this frontend sent since."""
+        own = len(self.requests)
+        if self.stats is None:
+            return own
+        return max(own, self.stats.num_running + self.stats.num_waiting + own - self.own_at_stats)
+
+    def kv_use(self) -> float:
+        stats = self.stats
+        if stats is None or stats.num_total_pages <= 0:
+            return 0.0
+        return 1.0 - stats.num_free_pages / stats.num_total_pages
+
+
 class RequestStream(msgspec.Struct):
     queue: asyncio.Queue
     next_seq: int = 0
     finished: bool = False
+    # Where it runs and under which id (a resubmitted request gets a new one).
+    engine: EngineConnection | None = None
+    wire_id: str = ""
+    # Kept until its first frame, to send it again if its engine dies before that.
+    request: EngineRequest | None = None
+    prompt_ids: object = None
+    attempts: int = 0
 
 
 class EngineClient:
     def __init__(
         self,
-        engine_address: str,
+        engine_address: str | list[str],
         processor: OutputProcessor,
         result_address: str | None = None,
         heartbeat_interval_s: float = 1.0,
         engine_timeout_s: float = 5.0,
+        routing: str = "prefix",
+        resolver: Resolver | None = None,
+        resolve_interval_s: float = 5.0,
     ) -> None:
-        self.engine_address = engine_address
+        sources = [engine_address] if isinstance(engine_address, str) else list(engine_address)
+        if not sources:
+            raise ValueError("at least one engine address is needed")
+        for source in sources:
+            if is_dns_address(source):
+                split_dns_address(source)  # fails now, naming it, if malformed
+        self.engine_sources = sources
+        self.engine_address = " ".join(sources)  # for logs
         self.result_address = result_address or new_ipc_address("frontend")
         self.processor = processor
         self.heartbeat_interval_s = heartbeat_interval_s
         self.engine_timeout_s = engine_timeout_s
+        self.placement = Placement(routing)
+        self.resolver: Resolver = resolver or resolve_host
+        self.resolve_interval_s = resolve_interval_s
         self.frontend_id = f"frontend-{uuid.uuid4().hex[:8]}"
-        self.stats: EngineStats | None = None
-        self._last_heard = 0.0
-        self._streams: dict[str, RequestStream] = {}
-        # Requests failed because the engine went silent: if it comes back (it was frozen,
-        # not dead) it must drop them, so their aborts go out once it answers again.
-        self._orphans: set[str] = set()
+        self.engines: dict[str, EngineConnection] = {}  # by address
+        self._streams: dict[str, RequestStream] = {}  # by the pipeline's request id
+        self._aliases: dict[str, str] = {}  # wire id of a resubmission -> request id
         self._ctx = zmq.asyncio.Context()
         self._stopping = threading.Event()
         self._tasks: list[asyncio.Task] = []
         self._sends: set[asyncio.Future] = set()
         self.tracker = RequestTracker(self)  # request metrics and timeouts
-        self._stats_arrived = asyncio.Event()
+        self.resubmitted = 0  # requests moved to another engine when theirs died
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._connect()
+        await self._resolve()
         bound = threading.Event()
         self._receiver = threading.Thread(
             target=self._receive_outputs, args=(bound,), name="frontend-recv", daemon=True
         )
         self._receiver.start()
         bound.wait()
-        self._stats_task = asyncio.create_task(self._stats_loop())
         self._tasks = [asyncio.create_task(self._ping_loop())]
+        if any(is_dns_address(s) for s in self.engine_sources):
+            self._tasks.append(asyncio.create_task(self._resolve_loop()))
 
-    def _connect(self) -> None:
-        self._dealer = make_socket(self._ctx, zmq.DEALER)
-        self._dealer.connect(self.engine_address)
+    def _connect(self, conn: EngineConnection) -> None:
+        conn.dealer = make_socket(self._ctx, zmq.DEALER)
+        if conn.address.startswith("tcp://["):
+            conn.dealer.setsockopt(zmq.IPV6, 1)
+        conn.dealer.connect(conn.address)
+        conn.stats_task = asyncio.create_task(self._stats_loop(conn))
 
-    def _reconnect(self) -> None:
+    def _disconnect(self, conn: EngineConnection) -> None:
+        if conn.stats_task is not None:
+            conn.stats_task.cancel()
+        if conn.dealer is not None:
+            conn.dealer.close(linger=0)
+
+    def _reconnect(self, conn: EngineConnection) -> None:
         """A fresh connection after the engine was lost: what the old one still queued
-        (requests whose streams already failed) must not reach a restarted engine, which
-        would generate them for nobody."""
-        self._stats_task.cancel()
-        self._dealer.close(linger=0)
-        self._connect()
-        self._stats_task = asyncio.create_task(self._stats_loop())
+        (requests whose streams already failed or moved) must not reach a restarted engine,
+        which would generate them for nobody."""
+        self._disconnect(conn)
+        self._connect(conn)
 
     async def stop(self) -> None:
         self._stopping.set()
-        for task in [*self._tasks, self._stats_task]:
+        for task in self._tasks:
             task.cancel()
         self._receiver.join(timeout=2)
-        self._dealer.close(linger=0)
+        for conn in self.engines.values():
+            self._disconnect(conn)
         self._ctx.term()
 
-    # ---------------------------------------------------------------- health
+    # ---------------------------------------------------------------- engines
+
+    async def _resolve(self) -> None:
+        """Bring the connections in line with what the addresses name now."""
+        wanted: dict[str, str] = {}
+        for source in self.engine_sources:
+            if not is_dns_address(source):
+                wanted.setdefault(source, source)
+                continue
+            host, port = split_dns_address(source)
+            try:
+                ips = await self._loop.run_in_executor(None, self.resolver, host, port)
+            except Exception as exc:  # noqa: BLE001 - DNS trouble must not stop serving
+                log.warning("resolving %s failed (%s); keeping its %d engines", source, exc,
+                            sum(c.source == source for c in self.engines.values()))
+                for conn in self.engines.values():
+                    if conn.source == source:
+                        wanted.setdefault(conn.address, source)
+                continue
+            for ip in ips:
+                wanted.setdefault(tcp_address(ip, port), source)
+        for address, source in wanted.items():
+            conn = self.engines.get(address)
+            if conn is None:
+                conn = self.engines[address] = EngineConnection(address, source)
+                self._connect(conn)
+                log.info("engine at %s (from %s): connecting", address, source)
+            elif conn.retired:
+                log.info("engine at %s is back in %s", address, source)
+            conn.retired = False
+        for conn in list(self.engines.values()):
+            if conn.address not in wanted and not conn.retired:
+                conn.retired = True
+                log.info("engine %s at %s left %s: no new requests go there",
+                         conn.engine_id, conn.address, conn.source)
+            self._drop_if_retired(conn)
+
+    def _drop_if_retired(self, conn: EngineConnection) -> None:
+        if conn.retired and not conn.requests:
+            self._disconnect(conn)
+            del self.engines[conn.address]
+
+    async def _resolve_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.resolve_interval_s)
+            await self._resolve()
+
+    def live_engines(self) -> list[EngineConnection]:
+        return [c for c in self.engines.values()
+                if c.alive(self.engine_timeout_s) and not c.retired]
 
     @property
     def engine_alive(self) -> bool:
-        return time.monotonic() - self._last_heard < self.engine_timeout_s
+        """Whether any engine answers: the frontend can serve."""
+        return bool(self.live_engines())
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """A live engine's latest stats (the model's facts: max_model_len, the name), else
+        the latest any engine sent; None before any did."""
+        ordered = sorted(self.engines.values(), key=lambda c: c.address)
+        for conn in [*self.live_engines(), *ordered]:
+            if conn.stats is not None:
+                return conn.stats
+        return None
+
+    def engine_states(self) -> list[tuple[str, str, bool, EngineStats | None]]:
+        """(engine id, address, alive, last stats) of every engine, for /metrics."""
+        return [(c.engine_id, c.address, c.alive(self.engine_timeout_s), c.stats)
+                for c in sorted(self.engines.values(), key=lambda c: c.address)]
 
     async def _ping_loop(self) -> None:
-        was_alive = False
         while True:
-            ping = Ping(sender_id=self.frontend_id, sent_at=time.time())
-            await self._dealer.send(encode(ping))
+            ping = encode(Ping(sender_id=self.frontend_id, sent_at=time.time()))
+            for conn in list(self.engines.values()):
+                if self.engines.get(conn.address) is conn:  # not dropped meanwhile
+                    await conn.dealer.send(ping)
             await asyncio.sleep(self.heartbeat_interval_s)
-            alive = self.engine_alive
-            if was_alive and not alive:
-                log.error("engine stopped answering; failing %d requests", len(self._streams))
-                self._fail_all("the engine stopped responding")
-                self._reconnect()
-            was_alive = alive
+            for conn in list(self.engines.values()):
+                alive = conn.alive(self.engine_timeout_s)
+                if conn.was_alive and not alive:
+                    await self._engine_lost(conn)
+                elif alive and not conn.was_alive:
+                    log.info("engine %s at %s is live", conn.engine_id, conn.address)
+                conn.was_alive = alive
+                self._drop_if_retired(conn)
 
-    async def _stats_loop(self) -> None:
+    async def _stats_loop(self, conn: EngineConnection) -> None:
         decoder = frontend_inbound_decoder()
         while True:
-            message = decoder.decode(await self._dealer.recv())
+            message = decoder.decode(await conn.dealer.recv())
             if isinstance(message, EngineStats):
-                self.stats = message
-                self._last_heard = time.monotonic()
-                if self._orphans:
-                    orphans, self._orphans = sorted(self._orphans), set()
-                    log.info("the engine answers again; aborting the %d requests failed "
-                             "while it was silent", len(orphans))
-                    await self._dealer.send(encode(AbortRequest(orphans)))
-                self._stats_arrived.set()
-                self._stats_arrived = asyncio.Event()
+                conn.stats = message
+                conn.own_at_stats = len(conn.requests)
+                conn.last_heard = time.monotonic()
+                if conn.orphans:
+                    orphans, conn.orphans = sorted(conn.orphans), set()
+                    log.info("engine %s answers again; aborting the %d requests failed or "
+                             "moved while it was silent", conn.engine_id, len(orphans))
+                    await conn.dealer.send(encode(AbortRequest(orphans)))
+                conn.stats_arrived.set()
+                conn.stats_arrived = asyncio.Event()
 
     async def refresh_stats(self, timeout_s: float = 1.0) -> None:
-        """Ask the engine for its stats now, so a scrape never shows a second-old picture."""
-        arrived = self._stats_arrived
-        await self._dealer.send(encode(Ping(sender_id=self.frontend_id, sent_at=time.time())))
-        try:
-            await asyncio.wait_for(arrived.wait(), timeout_s)
-        except TimeoutError:
-            pass  # the engine is busy or gone: the heartbeat's picture has to do
+        """Ask the live engines for their stats now, so a scrape never shows a second-old
+        picture."""
+        ping = encode(Ping(sender_id=self.frontend_id, sent_at=time.time()))
+        waits = []
+        for conn in self.live_engines():
+            waits.append(conn.stats_arrived.wait())
+            await conn.dealer.send(ping)
+        if waits:
+            # An engine busy or gone: the heartbeat's picture has to do.
+            tasks = [asyncio.ensure_future(w) for w in waits]
+            await asyncio.wait(tasks, timeout=timeout_s)
+            for task in tasks:
+                task.cancel()
+
+    async def _engine_lost(self, conn: EngineConnection) -> None:
+        """`conn` stopped answering: move its requests that have produced nothing yet to
+        another live engine, fail the rest, and start a fresh connection."""
+        mine = [(rid, s) for rid, s in self._streams.items() if s.engine is conn]
+        conn.orphans.update(s.wire_id for _, s in mine)
+        conn.requests.clear()
+        others = [c for c in self.live_engines() if c is not conn]
+        moved = 0
+        for request_id, stream in mine:
+            if stream.next_seq == 0 and stream.request is not None and others:
+                self._aliases.pop(stream.wire_id, None)
+                await self._send_to(self._place(stream.request, others), request_id, stream)
+                moved += 1
+            else:
+                self._end_with_error(request_id, stream, "the engine stopped responding", 503)
+        self.resubmitted += moved
+        log.error("engine %s at %s stopped answering: %d requests moved to other engines, "
+                  "%d failed", conn.engine_id, conn.address, moved, len(mine) - moved)
+        self._reconnect(conn)
 
     # ---------------------------------------------------------------- requests
 
+    def _place(self, request: EngineRequest, live: list[EngineConnection]) -> EngineConnection:
+        names: dict[str, EngineConnection] = {}
+        for conn in live:
+            name = conn.engine_id
+            if name in names:  # two engines calling themselves the same: keep both apart
+                name = f"{name}|{conn.address}"
+            names[name] = conn
+        page_size = next((getattr(c.stats, "page_size", 0) for c in live
+                          if c.stats is not None and getattr(c.stats, "page_size", 0)), 16)
+        key = prefix_key(request.prompt_token_ids, request.cache_salt, page_size)
+        chosen = self.placement.choose(key, [
+            Candidate(name=name, load=c.load(), kv_use=c.kv_use(),
+                      waiting=c.stats.num_waiting if c.stats is not None else 0)
+            for name, c in names.items()])
+        return names[chosen]
+
+    async def _send_to(self, conn: EngineConnection, request_id: str,
+                       stream: RequestStream) -> None:
+        request = stream.request
+        if stream.attempts > 0:
+            # A new id for each further attempt: a late frame of a lost one is dropped.
+            stream.wire_id = f"{request_id}~{stream.attempts}"
+            self._aliases[stream.wire_id] = request_id
+            request = msgspec.structs.replace(request, request_id=stream.wire_id)
+            self.processor.discard(f"{request_id}~{stream.attempts - 1}"
+                                   if stream.attempts > 1 else request_id)
+        else:
+            stream.wire_id = request_id
+        stream.attempts += 1
+        stream.engine = conn
+        conn.requests.add(stream.wire_id)
+        self.processor.register(stream.wire_id, stream.prompt_ids, request.output)
+        await conn.dealer.send(encode(request))
+
     async def submit(self, request: EngineRequest, prompt_ids, queue: asyncio.Queue) -> None:
         """Send a request; its TextFrames will arrive on `queue` (which several may share)."""
-        if not self.engine_alive:
+        live = self.live_engines()
+        if not live:
             raise EngineUnavailable("no engine is connected")
-        stream = RequestStream(queue)
+        stream = RequestStream(queue, request=request, prompt_ids=prompt_ids)
         self._streams[request.request_id] = stream
-        self.processor.register(request.request_id, prompt_ids, request.output)
         self.tracker.submitted(request)
-        await self._dealer.send(encode(request))
+        await self._send_to(self._place(request, live), request.request_id, stream)
+
+    def _forget(self, request_id: str) -> RequestStream | None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._aliases.pop(stream.wire_id, None)
+            if stream.engine is not None:
+                stream.engine.requests.discard(stream.wire_id)
+        return stream
 
     async def abort(self, request_id: str) -> None:
         """Stop a request early; safe to call for finished or unknown ids."""
-        stream = self._streams.pop(request_id, None)
-        self.processor.discard(request_id)
+        stream = self._forget(request_id)
         self.tracker.ended(request_id, "abort")
-        if stream is not None and not stream.finished:
-            await self._dealer.send(encode(AbortRequest([request_id])))
+        if stream is None:
+            self.processor.discard(request_id)
+            return
+        self.processor.discard(stream.wire_id)
+        if not stream.finished and stream.engine is not None:
+            await stream.engine.dealer.send(encode(AbortRequest([stream.wire_id])))
 
     def in_flight(self, request_id: str) -> bool:
         """Whether this frontend already has a request with this id running."""
         return request_id in self._streams
 
     def release(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        self._forget(request_id)
         self.tracker.ended(request_id, None)
 
     # ---------------------------------------------------------------- outputs
@@ -206,37 +432,54 @@ class EngineClient:
                 self._loop.call_soon_threadsafe(self._deliver, frames, stopped)
         sock.close(linger=0)
 
+    def _stream_of(self, wire_id: str) -> tuple[str, RequestStream | None]:
+        """The request id and stream a frame's id belongs to; None for a lost attempt."""
+        request_id = self._aliases.get(wire_id, wire_id)
+        stream = self._streams.get(request_id)
+        if stream is None or stream.wire_id != wire_id:
+            return request_id, None
+        return request_id, stream
+
     def _deliver(self, frames: list[TextFrame], stopped_early: list[str]) -> None:
         if stopped_early:
-            # A stop string ended these; the engine is still generating them.
-            send = asyncio.ensure_future(self._dealer.send(encode(AbortRequest(stopped_early))))
-            self._sends.add(send)  # keep a reference until it is done
-            send.add_done_callback(self._sends.discard)
+            # A stop string ended these; their engines are still generating them.
+            by_engine: dict[str, list[str]] = {}
+            for wire_id in stopped_early:
+                _, stream = self._stream_of(wire_id)
+                if stream is not None and stream.engine is not None:
+                    by_engine.setdefault(stream.engine.address, []).append(wire_id)
+            for address, wire_ids in by_engine.items():
+                send = asyncio.ensure_future(
+                    self.engines[address].dealer.send(encode(AbortRequest(wire_ids))))
+                self._sends.add(send)  # keep a reference until it is done
+                send.add_done_callback(self._sends.discard)
         for frame in frames:
-            stream = self._streams.get(frame.request_id)
+            request_id, stream = self._stream_of(frame.request_id)
             if stream is None or frame.seq < stream.next_seq:
-                continue  # gone, or a duplicate from a replaying postproc worker
+                continue  # gone, a lost attempt, or a duplicate from a replaying worker
+            if frame.request_id != request_id:
+                frame = msgspec.structs.replace(frame, request_id=request_id)
             stream.next_seq = frame.seq + 1
+            stream.request = stream.prompt_ids = None  # started: no resubmission now
             if frame.finish_reason is not None:
                 stream.finished = True
-                del self._streams[frame.request_id]
+                self._forget(request_id)
                 # A postproc worker did the work; drop the spec kept in case it died.
-                self.processor.discard(frame.request_id)
+                self.processor.discard(stream.wire_id)
             self.tracker.delivered(frame)
             stream.queue.put_nowait(frame)
 
-    def _fail_all(self, message: str) -> None:
-        streams, self._streams = self._streams, {}
-        self._orphans.update(streams)
-        for request_id, stream in streams.items():
-            self.processor.discard(request_id)
-            frame = TextFrame(
-                request_id=request_id, seq=stream.next_seq, text="", token_ids=b"",
-                num_prompt_tokens=0, num_output_tokens=0, finish_reason="error",
-                error=message, error_status=503,
-            )
-            self.tracker.delivered(frame)
-            stream.queue.put_nowait(frame)
+    def _end_with_error(self, request_id: str, stream: RequestStream, message: str,
+                        status: int) -> None:
+        self._forget(request_id)
+        self.processor.discard(stream.wire_id)
+        frame = TextFrame(
+            request_id=request_id, seq=stream.next_seq, text="", token_ids=b"",
+            num_prompt_tokens=0, num_output_tokens=0, finish_reason="error",
+            error=message, error_status=status,
+        )
+        self.tracker.delivered(frame)
+        stream.queue.put_nowait(frame)
 
     # ---------------------------------------------------------------- limits
 

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 
 from frontend.engine_client import EngineClient
+from frontend.engine_metrics import connection_families
 from frontend.input_metrics import register_input_metrics
 from frontend.request_metrics import register_request_metrics
 from shared.metrics_export import engine_families, with_model_name, with_vllm_names
@@ -43,6 +44,7 @@ class EngineStatsCollector:
                                   labels=["model_name"])
         alive.add_metric([self.model_name], 1.0 if self.client.engine_alive else 0.0)
         yield alive
+        yield from connection_families(self.client, self.model_name)  # one per engine
         if stats is not None and self.export_engine:
             yield from with_vllm_names(engine_families(stats))
 

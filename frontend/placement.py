@@ -26,7 +26,9 @@ import math
 import msgspec
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
-AFFINITY_PAGES = 4  # pages of prompt the key covers: a shared system prompt, a chat's start
+# Full pages of prompt the key covers: a shared system prompt, or a chat's first turn, which
+# every later turn of that chat re-sends. Few, so the key stays the same as a chat grows.
+AFFINITY_PAGES = 2
 DEFAULT_PAGE_SIZE = 16  # until an engine's heartbeat says its own
 KV_FULL = 0.95  # KV use at which an engine with waiting requests takes no affinity traffic
 
@@ -42,9 +44,13 @@ class Candidate(msgspec.Struct, frozen=True):
 
 def prefix_key(prompt_ids: bytes, cache_salt: str | None,
                page_size: int = DEFAULT_PAGE_SIZE, pages: int = AFFINITY_PAGES) -> bytes:
-    """The affinity key: a digest of the prompt's first `pages` pages (int32 token bytes;
-    the whole prompt if shorter) and its salt, which keeps tenants' caches apart."""
-    head = prompt_ids[: 4 * max(1, page_size) * max(1, pages)]
+    """The affinity key: a digest of the prompt's first `pages` full pages (int32 token
+    bytes; fewer if that is all it has, the whole prompt if not one) and its salt, which
+    keeps tenants' caches apart. Full pages only, because only those are cached: a first
+    turn of 40 tokens and its next turn of 90 share two 16-token pages, hence a key."""
+    page = 4 * max(1, page_size)
+    full = min(max(1, pages), len(prompt_ids) // page)
+    head = prompt_ids[: full * page] if full else prompt_ids
     digest = hashlib.blake2b(head, digest_size=16)
     digest.update(b"\x00salt:" + (cache_salt or "").encode())
     return digest.digest()

@@ -70,11 +70,12 @@ def run_frontend(config: FrontendConfig) -> None:
     # The receiver thread detokenizes with its own copy; tokenizers are not shared across threads.
     processor = OutputProcessor(load_tokenizer(tokenizer_path))
     client = EngineClient(
-        config.engine_address,
+        config.engine_addresses or config.engine_address,
         processor,
         result_address=config.result_address,
         heartbeat_interval_s=config.heartbeat_interval_s,
         engine_timeout_s=config.engine_timeout_s,
+        routing=config.routing,
     )
     client.tracker.request_timeout_s = config.request_timeout_s
     if config.log_requests:
@@ -103,7 +104,8 @@ def run_frontend(config: FrontendConfig) -> None:
     http = config.http
     where = (f"unix:{http.uds}" if http.uds else
              f"{'https' if http.ssl_certfile else 'http'}://{config.host}:{config.port}")
-    log.info("frontend on %s%s (engine %s)", where, http.root_path, config.engine_address)
+    log.info("frontend on %s%s (engines %s, routing %s)", where, http.root_path,
+             client.engine_address, config.routing)
     server = DrainingServer(
         uvicorn.Config(
             app,

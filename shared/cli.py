@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -75,8 +76,6 @@ VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
                                "run several engines instead)"),
     "--pipeline-parallel-size": (int, 1, "pipeline parallelism (one engine runs on one "
                                  "device)"),
-    "--data-parallel-size": (int, 1, "data parallelism inside one process (start several "
-                             "engines and point every frontend at all of them)"),
     "--quantization": (str, None, "quantization methods (awq, gptq, fp8, ...): weights load "
                        "as GGUF or safetensors and compute in --dtype"),
     "--speculative-config": (str, None, "speculative decoding"),
@@ -87,7 +86,7 @@ VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
                                    "on; a request's cache_salt keeps tenants apart)"),
 }
 _SHORT_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
-                "--data-parallel-size": "-dp", "--quantization": "-q"}
+                "--quantization": "-q"}
 
 
 def _add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
@@ -378,6 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--postproc-workers", type=int, default=0,
                        help="postproc worker processes to start (default: 0, the frontend "
                             "post-processes on its receiver thread)")
+    serve.add_argument("--data-parallel-size", "-dp", type=_int_at_least(1), default=1,
+                       help="engines to start, each on its own GPU (CUDA) or its own share "
+                            "of the CPUs, all behind the frontend (default: 1)")
+    _add_routing_argument(serve)
 
     engine = sub.add_parser("engine", help="run the engine alone")
     _add_model_tag(engine)
@@ -385,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(engine)
     engine.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
                         help=f"where to bind for frontends (default: {DEFAULT_ENGINE_ADDRESS})")
+    engine.add_argument("--engine-id", default=None,
+                        help="this engine's name in stats, metrics and logs (default: the "
+                             "hostname plus --engine-address)")
     engine.add_argument("--postproc-address", default=None,
                         help="where to bind for postproc workers, e.g. "
                              f"{DEFAULT_POSTPROC_ADDRESS} (default: no fleet; frontends "
@@ -400,8 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     frontend = sub.add_parser("frontend", help="run one HTTP frontend against an engine")
     _add_model_arguments(frontend)
     _add_frontend_arguments(frontend)
-    frontend.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
-                          help=f"the engine to use (default: {DEFAULT_ENGINE_ADDRESS})")
+    frontend.add_argument("--engine-address", action="append", default=None,
+                          help="an engine to use; repeat for several, or give "
+                               "dns+tcp://NAME:PORT for every address NAME resolves to "
+                               "(re-resolved, so engines may join and leave; a Kubernetes "
+                               f"headless Service) (default: {DEFAULT_ENGINE_ADDRESS})")
+    _add_routing_argument(frontend)
     frontend.add_argument("--export-engine-metrics", action="store_true",
                           help="also export the engine's series (from its heartbeat) on this "
                                "frontend's /metrics: right for one frontend per engine (serve "
@@ -424,6 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench)
     return parser
+
+
+def _add_routing_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routing", choices=["prefix", "least-loaded", "round-robin"],
+                   default="prefix",
+                   help="how a frontend picks an engine per request: prefix (the same first "
+                        "prompt pages and cache_salt prefer the same engine, bounded by "
+                        "load), least-loaded or round-robin (default: prefix)")
 
 
 def resolve_device(name: str) -> str:
@@ -559,17 +577,23 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         frontend_timeout_s=args.frontend_timeout, seed=args.seed,
         max_logprobs=args.max_logprobs, metrics_port=getattr(args, "metrics_port", None),
+        engine_id=getattr(args, "engine_id", None) or f"{socket.gethostname()}@{address}",
         metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
     )
 
 
-def frontend_config(args, engine_address: str, result_address: str | None) -> FrontendConfig:
+def frontend_config(args, engine_address: str | list[str] | None,
+                    result_address: str | None) -> FrontendConfig:
     path, names = _model_names(args)
-    if result_address is None and not engine_address.startswith("ipc://"):
+    addresses = ([engine_address] if isinstance(engine_address, str) else
+                 list(engine_address or [DEFAULT_ENGINE_ADDRESS]))
+    engine_address = addresses[0]
+    if result_address is None and not all(a.startswith("ipc://") for a in addresses):
         result_address = f"tcp://127.0.0.1:{free_tcp_port()}"
     return FrontendConfig(
         model=path, tokenizer=_tokenizer_path(args, path), served_model_name=names[0],
         served_model_aliases=names[1:], engine_address=engine_address, host=args.host,
+        engine_addresses=addresses, routing=getattr(args, "routing", "prefix"),
         port=args.port, result_address=result_address,
         tokenizer_threads=args.tokenizer_threads, log_level=args.log_level,
         render_timeout_s=args.render_timeout, chat_template=args.chat_template,
@@ -753,15 +777,69 @@ def _serve(args) -> int:
         os.environ["SLUICE_API_KEY"] = ",".join(keys)
     # Every frontend `serve` starts shares one metrics directory (req L-3).
     prepare_prometheus_dir()
-    argvs = [engine_argv, frontend_argv]
+    # --data-parallel-size N: N engines, each on its own address, and the frontend on all.
+    n = args.data_parallel_size
+    addresses = [address, *(new_ipc_address("engine") for _ in range(n - 1))]
+    for extra in addresses[1:]:
+        frontend_argv += ["--engine-address", extra]
+    frontend_argv += ["--routing", args.routing]
+    at = engine_argv.index("--engine-address") + 1
+    engine_argvs = [[*engine_argv[:at], a, *engine_argv[at + 1:]] for a in addresses]
+    for i, argv in enumerate(engine_argvs):  # vLLM's data-parallel ranks: engine-0, -1...
+        argv += ["--engine-id", f"engine-{i}"]
+    worker_argvs = []
     if args.postproc_workers > 0:
-        postproc_address = new_ipc_address("postproc")
-        engine_argv += ["--postproc-address", postproc_address]
-        argvs += [["postproc", *common, "--engine-postproc-address", postproc_address]
-                  ] * args.postproc_workers
-    children = [subprocess.Popen([sys.executable, "-m", "shared.cli", *argv]) for argv in argvs]
-    # The frontend (children[1]) drains first, while the engine still runs its requests.
+        postproc_addresses = [new_ipc_address("postproc") for _ in addresses]
+        for argv, postproc_address in zip(engine_argvs, postproc_addresses, strict=True):
+            argv += ["--postproc-address", postproc_address]
+        # A worker serves one engine: spread them over the engines.
+        worker_argvs = [["postproc", *common, "--engine-postproc-address",
+                         postproc_addresses[i % n]] for i in range(args.postproc_workers)]
+    shares = _engine_shares(args, n)
+    for argv, (_, cpus) in zip(engine_argvs, shares, strict=True):
+        if cpus and args.threads is None:
+            argv += ["--threads", str(len(cpus))]
+
+    def start(argv: list[str], share=(None, None)) -> subprocess.Popen:
+        env, cpus = share
+        pinning: dict = {}
+        if env is not None:
+            pinning["env"] = {**os.environ, **env}
+        if cpus:
+            pinning["preexec_fn"] = lambda: os.sched_setaffinity(0, cpus)
+        return subprocess.Popen([sys.executable, "-m", "shared.cli", *argv], **pinning)
+
+    children = [start(engine_argvs[0], shares[0]), start(frontend_argv),
+                *(start(argv, share) for argv, share in zip(engine_argvs[1:], shares[1:],
+                                                            strict=True)),
+                *(start(argv) for argv in worker_argvs)]
+    # The frontend (children[1]) drains first, while the engines still run its requests.
     return _supervise(children, drain_first=children[1:2], grace_s=args.shutdown_timeout + 5)
+
+
+def _engine_shares(args, n: int) -> list[tuple[dict | None, list[int] | None]]:
+    """(environment, CPUs) for each of `serve`'s n engines: one GPU each on CUDA
+    (CUDA_VISIBLE_DEVICES), else an equal share of this process's CPUs each; nothing to
+    change for one engine."""
+    if n == 1:
+        return [(None, None)]
+    if resolve_device(args.device).startswith("cuda"):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            gpus = [g.strip() for g in visible.split(",") if g.strip()]
+        else:
+            import torch
+
+            gpus = [str(i) for i in range(torch.cuda.device_count())]
+        if len(gpus) < n:
+            raise SystemExit(f"sluice: --data-parallel-size {n} needs {n} GPUs, "
+                             f"{len(gpus)} visible")
+        return [({"CUDA_VISIBLE_DEVICES": gpus[i]}, None) for i in range(n)]
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < n:
+        return [(None, [cpus[i % len(cpus)]]) for i in range(n)]
+    per = len(cpus) // n
+    return [(None, cpus[i * per:(i + 1) * per]) for i in range(n)]
 
 
 def _supervise(children: list[subprocess.Popen],

@@ -57,6 +57,10 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     model: str
     served_model_name: str  # the name responses carry
     engine_address: str
+    # Every --engine-address (each a zmq address or dns+tcp://NAME:PORT); empty: just
+    # engine_address. `routing` picks one per request (frontend.placement).
+    engine_addresses: list[str] = []
+    routing: str = "prefix"
     tokenizer: str | None = None  # --tokenizer's resolved path; None: the model's
     served_model_aliases: list[str] = []  # further names requests may use (--served-model-name)
     host: str = "127.0.0.1"

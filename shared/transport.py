@@ -53,3 +53,36 @@ class PushPool:
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
+
+
+# ---------------------------------------------------------------- engine addresses
+
+DNS_PREFIX = "dns+"
+
+
+def is_dns_address(address: str) -> bool:
+    """`dns+tcp://NAME:PORT`: every A/AAAA record of NAME (a Kubernetes headless Service),
+    re-resolved while running, so engines may join and leave."""
+    return address.startswith(DNS_PREFIX)
+
+
+def split_dns_address(address: str) -> tuple[str, int]:
+    """(NAME, PORT) of a `dns+tcp://NAME:PORT`; ValueError for anything else."""
+    rest = address[len(DNS_PREFIX):] if is_dns_address(address) else ""
+    if not rest.startswith("tcp://"):
+        raise ValueError(f"{address!r}: the DNS form is dns+tcp://NAME:PORT")
+    host, sep, port = rest[len("tcp://"):].rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r}: the DNS form is dns+tcp://NAME:PORT")
+    return host, int(port)
+
+
+def resolve_host(host: str, port: int) -> list[str]:
+    """Every address NAME resolves to (A and AAAA records), each once, in resolver order."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def tcp_address(ip: str, port: int) -> str:
+    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"

@@ -26,6 +26,10 @@ def test_the_key_covers_the_first_pages_and_the_salt():
     turn1 = pack_ids(system + [1, 2, 3])
     turn2 = pack_ids(system + [1, 2, 3, 9, 9, 9, 9])  # the same chat, one turn later
     assert prefix_key(turn1, None) == prefix_key(turn2, None)
+    # A short first turn and the longer next one share their full pages, hence the key.
+    first = pack_ids(list(range(40)))
+    assert prefix_key(first, None) == prefix_key(pack_ids(list(range(40)) + [5] * 50), None)
+    assert prefix_key(pack_ids([1, 2]), None) != prefix_key(pack_ids([1, 3]), None)
     assert prefix_key(turn1, "tenant-a") != prefix_key(turn1, None)
     assert prefix_key(turn1, "tenant-a") != prefix_key(turn1, "tenant-b")
     other = pack_ids([7] + system)

@@ -1,0 +1,28 @@
+"""Per-engine series of one frontend's engine connections (issue 18): which engines it hears,
+how many of its requests each holds, how many requests it moved off a dead engine. Read
+from the engine client at scrape time, labelled `engine` (the engine's id) and `address`."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+def connection_families(client, model_name: str = ""):
+    labels = ["model_name", "engine", "address"]
+    live = GaugeMetricFamily("sluice:engine_live",
+                             "1 while this engine answers this frontend's heartbeats.",
+                             labels=labels)
+    held = GaugeMetricFamily("sluice:engine_requests",
+                             "This frontend's requests running on this engine.", labels=labels)
+    for conn in sorted(client.engines.values(), key=lambda c: c.address):
+        key = [model_name, conn.engine_id, conn.address]
+        live.add_metric(key, 1.0 if conn.alive(client.engine_timeout_s) else 0.0)
+        held.add_metric(key, float(len(conn.requests)))
+    yield live
+    yield held
+    moved = CounterMetricFamily(
+        "sluice:requests_resubmitted",
+        "Requests sent again to another engine because theirs died before their first token.",
+        labels=["model_name"])
+    moved.add_metric([model_name], float(client.resubmitted))
+    yield moved

@@ -1,0 +1,270 @@
+"""Many engines behind every frontend (issue 18): two engines and two frontends as separate
+processes over tcp; placement by prefix affinity bounded by load; an engine killed under
+load loses no request that had not started streaming; an engine started later is used;
+the dns+tcp:// form with a resolver the test injects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from shared.transport import free_tcp_port
+from tests.engine_client import engine_stats
+from tests.servers import Proc, start_frontend, wait_healthy, wait_until
+
+pytestmark = pytest.mark.slow  # starts its own engines and frontends
+
+# A shared system prompt of several 16-token pages: the affinity key (two pages) is in it.
+SYSTEM = ("You are a careful assistant for a shipping company. Answer briefly, in plain "
+          "words, and never invent tracking numbers, prices or delivery dates; when you do "
+          "not know, say so and suggest the customer contacts the support desk by email.")
+
+
+def start_engine(tmp_dir: str, name: str, address: str, *extra: str) -> Proc:
+    # One thread each: the test machine has few cores and runs both engines at once.
+    return Proc(["engine", "--engine-address", address, "--engine-id", name, "--threads", "1",
+                 *extra], os.path.join(tmp_dir, f"{name}.log"))
+
+
+class TwoEngines:
+    def __init__(self, tmp_dir: str) -> None:
+        self.tmp_dir = tmp_dir
+        self.addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2)]
+        # Two sequences at a time, so a burst leaves requests waiting in each engine.
+        self.engines = [start_engine(tmp_dir, f"engine-{i}", a, "--max-num-seqs", "2")
+                        for i, a in enumerate(self.addresses)]
+        self.frontends: list[Proc] = []
+        self.urls: list[str] = []
+        try:
+            for i in range(2):
+                proc, url = start_frontend(tmp_dir, self.addresses[0], f"frontend{i}",
+                                           "--engine-address", self.addresses[1])
+                self.frontends.append(proc)
+                self.urls.append(url)
+            for url in self.urls:
+                wait_healthy(url, [*self.engines, *self.frontends])
+            for url in self.urls:  # both engines live on both frontends
+                wait_until(lambda url=url: _engines_up(url) == 2, 60, "both engines live")
+        except Exception:
+            self.stop()
+            raise
+
+    def stats(self):
+        return [engine_stats(a) for a in self.addresses]
+
+    def stop(self) -> None:
+        for p in [*self.frontends, *self.engines]:
+            p.stop()
+
+
+def _engines_up(url: str) -> int:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(1 for line in text.splitlines()
+               if line.startswith("sluice:engine_live{") and line.endswith(" 1.0"))
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    t = TwoEngines(str(tmp_path_factory.mktemp("many_engines")))
+    yield t
+    t.stop()
+
+
+def _chat(url: str, user: str, max_tokens: int = 8, stream: bool = False, **extra):
+    return {"messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": user}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream, **extra}
+
+
+def _stream(url: str, body: dict, out: dict, key) -> None:
+    """A streamed chat; out[key] = its data lines as they come."""
+    events = out.setdefault(key, [])
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+    except httpx.HTTPError as exc:
+        events.append(f"transport error: {exc!r}")
+
+
+def test_two_engines_two_frontends_serve_concurrent_streams(two):
+    before = two.stats()
+    out: dict = {}
+    threads = [threading.Thread(target=_stream, args=(
+        url, {"messages": [{"role": "user", "content": f"Tell me a fact about {i}."}],
+              "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+              "stream_options": {"include_usage": True}}, out, (url, i)))
+        for url in two.urls for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for key, events in out.items():
+        assert events[-1] == "[DONE]", (key, events[-3:])
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 12, key
+    after = two.stats()
+    done = [a.num_finished - b.num_finished for a, b in zip(after, before, strict=True)]
+    assert sum(done) == 12
+    # Twelve at once over engines that run two each: the load bound spreads them.
+    assert min(done) >= 2, done
+    assert {s.engine_id for s in after} == {"engine-0", "engine-1"}
+
+
+def test_identical_prefixes_land_on_one_engine(two):
+    before = two.stats()
+    for i in range(6):  # a shared system prompt, each time another question, both frontends
+        url = two.urls[i % 2]
+        r = httpx.post(f"{url}/v1/chat/completions", json=_chat(url, f"Where is parcel {i}?"),
+                       timeout=120)
+        assert r.status_code == 200, r.text
+    after = two.stats()
+    done = [a.num_finished - b.num_finished for a, b in zip(after, before, strict=True)]
+    hits = [a.prefix_cache_hits - b.prefix_cache_hits for a, b in zip(after, before,
+                                                                        strict=True)]
+    assert sorted(done) == [0, 6], done
+    warm = done.index(6)
+    # Every request after the first found the system prompt's pages cached there.
+    assert hits[warm] >= 5 * 32, hits
+    assert hits[1 - warm] == 0
+
+
+def test_an_engine_killed_under_load_loses_no_unstarted_request(two):
+    out: dict = {}
+    # Long streams: each engine runs two and queues the rest.
+    threads = [threading.Thread(target=_stream, args=(
+        url, {"messages": [{"role": "user", "content": f"Count to a thousand, {i}."}],
+              "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True},
+        out, (url, i))) for url in two.urls for i in range(5)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: sum(len(e) >= 2 for e in out.values()) >= 4, 120, "streams started")
+    stats = two.stats()
+    assert all(s.num_waiting > 0 for s in stats), stats  # both hold unstarted requests
+    victim = 0
+    two.engines[victim].popen.kill()  # SIGKILL: no goodbye on any socket
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    failed = completed = 0
+    for key, events in out.items():
+        assert events and events[-1] == "[DONE]", (key, events[-3:])
+        last = json.loads(events[-2])
+        if "error" in last:
+            # Only a request that had streamed may end with an error.
+            assert len(events) > 2, (key, events)
+            assert last["error"]["code"] == 503
+            failed += 1
+        else:
+            completed += 1
+    assert failed + completed == 10
+    assert failed <= 2  # at most what the dead engine was running
+    # The killed engine's waiting requests finished on the survivor.
+    logs = "".join(p.log() for p in two.frontends)
+    assert "moved to other engines" in logs
+    for url in two.urls:
+        assert httpx.get(f"{url}/health").status_code == 200  # one engine is enough
+    # Restart it on the same address: the frontends, never restarted, use it again.
+    two.engines[victim].stop()
+    two.engines[victim] = start_engine(two.tmp_dir, f"engine-{victim}-again",
+                                       two.addresses[victim], "--max-num-seqs", "2")
+    for url in two.urls:
+        wait_until(lambda url=url: _engines_up(url) == 2, 120, "the engine back")
+
+
+def test_an_engine_started_later_is_used(two, tmp_path):
+    late = f"tcp://127.0.0.1:{free_tcp_port()}"
+    proc, url = start_frontend(str(tmp_path), two.addresses[1], "frontend-rr",
+                               "--engine-address", late, "--routing", "round-robin")
+    engine = None
+    try:
+        wait_healthy(url, [proc])  # one engine live is enough to serve
+        assert _engines_up(url) == 1
+        engine = start_engine(str(tmp_path), "engine-late", late)
+        wait_until(lambda: _engines_up(url) == 2, 120, "the late engine")
+        before = engine_stats(late).num_finished
+        for i in range(4):
+            r = httpx.post(f"{url}/v1/chat/completions", json=_chat(url, f"Hello {i}"),
+                           timeout=120)
+            assert r.status_code == 200, r.text
+        assert engine_stats(late).num_finished - before == 2  # round-robin: every other
+    finally:
+        proc.stop()
+        if engine is not None:
+            engine.stop()
+
+
+def test_dns_form_follows_an_injected_resolver(two, tmp_path):
+    """EngineClient in-process with `dns+tcp://engines.test:PORT` and a resolver the test
+    controls: two loopback addresses, one engine on each, then one of them leaves."""
+    from frontend.engine_client import EngineClient
+    from postproc.processor import OutputProcessor
+    from shared.protocol import EngineRequest, OutputParams, SamplingParams, pack_ids
+    from shared.tokenizer import load_tokenizer
+
+    port = free_tcp_port()
+    engines = [start_engine(str(tmp_path), f"dns-{i}", f"tcp://127.0.0.{i + 1}:{port}")
+               for i in range(2)]
+    answers = {"engines.test": ["127.0.0.1", "127.0.0.2"]}
+    asked: list[str] = []
+
+    def resolver(host: str, port: int) -> list[str]:
+        asked.append(host)
+        return list(answers[host])
+
+    async def scenario() -> None:
+        from shared.cli import _model_names, parse_args
+
+        model = _model_names(parse_args(["frontend"]))[0]
+        client = EngineClient(f"dns+tcp://engines.test:{port}",
+                              OutputProcessor(load_tokenizer(model)),
+                              routing="round-robin", resolver=resolver,
+                              resolve_interval_s=0.5)
+        await client.start()
+        try:
+            assert sorted(client.engines) == [f"tcp://127.0.0.{i}:{port}" for i in (1, 2)]
+            deadline = time.monotonic() + 180
+            while len(client.live_engines()) < 2:
+                assert time.monotonic() < deadline, "engines never live"
+                await asyncio.sleep(0.2)
+            assert client.engine_alive
+
+            async def one(i: int) -> str:
+                queue: asyncio.Queue = asyncio.Queue()
+                request = EngineRequest(
+                    request_id=f"dns-{i}", prompt_token_ids=pack_ids([1, 2, 3, 4]),
+                    params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                    reply_to=client.result_address, arrival_time=time.time(),
+                    output=OutputParams())
+                await client.submit(request, [1, 2, 3, 4], queue)
+                engine = client._streams[request.request_id].engine.engine_id
+                while (await queue.get()).finish_reason is None:
+                    pass
+                client.release(request.request_id)
+                return engine
+
+            used = {await one(i) for i in range(2)}
+            assert used == {"dns-0", "dns-1"}
+            # The name now resolves to one address: the other engine takes nothing new.
+            answers["engines.test"] = ["127.0.0.2"]
+            deadline = time.monotonic() + 10
+            while len(client.engines) > 1:
+                assert time.monotonic() < deadline, "the departed engine stayed"
+                await asyncio.sleep(0.1)
+            assert {await one(i) for i in range(2, 5)} == {"dns-1"}
+        finally:
+            await client.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for e in engines:
+            e.stop()
+    assert asked.count("engines.test") >= 2  # re-resolved while running
