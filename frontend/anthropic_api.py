@@ -3,7 +3,7 @@
 A Messages request becomes a `ChatCompletionRequest` (system prompt -> system message, content
 blocks -> chat messages with tool calls and tool results, tools and tool_choice, thinking ->
 the template's thinking switches, stop_sequences -> stop, output_config.format ->
-response_format) and runs through `pipeline.start_chat` with stream off: same renderer, engine,
+response_format) and runs through `pipeline.start_job` with stream off: same renderer, engine,
 reasoning and tool-call parsers. The frames become content blocks
 (`frontend.protocol_edge.Blocks`): `thinking` (from the reasoning parser), `text` and
 `tool_use` (from the tool-call parser), as one JSON body or as Anthropic's event stream
@@ -281,7 +281,7 @@ async def create(ctx: ServingContext, http: Request, request: MessagesRequest) -
     hex_id = uuid.uuid4().hex
     chat = to_chat(request, hex_id)
     try:
-        job, frames = await pipeline.start_chat(ctx, http, chat, prefix="msg")
+        job, frames = await pipeline.start_job(ctx, http, chat, prefix="msg")
     except APIError as exc:
         raise renamed(exc, _FIELD_NAMES) from exc
     message_id = f"msg_{hex_id}"

@@ -5,9 +5,9 @@ request, max_tokens per prompt), `submit` sends them, `job_frames` yields their 
 every candidate finishes (aborting the rest if the client leaves), and `frame_loop`, the one
 loop over those frames, hands each to what a face makes of it: `collect_candidates` gathers a
 whole OpenAI answer, `sse_stream` forwards postproc's chunk bytes, and the Responses and
-Messages APIs feed their blocks (`protocol_edge.block_events`). `start_chat` runs a chat
-request through the input stage up to its frames; the OpenAI routes (`frontend.serving`),
-the Responses API and the Messages API all start there.
+Messages APIs feed their blocks (`protocol_edge.block_events`). `start_job` runs a request
+through the input stage up to its frames; the OpenAI routes (`frontend.serving`), the
+Responses API and the Messages API all start there.
 
 A request with n > 1 (or best_of) runs as that many engine requests ("candidates") that
 share one frame queue; each candidate's frames carry its request id, which maps to its index.
@@ -28,7 +28,7 @@ from starlette.requests import Request
 from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.engine_client import EngineUnavailable
 from frontend.errors import APIError, error_body
-from frontend.input_stage import PromptInput, chat_input
+from frontend.input_stage import PromptInput, chat_input, completion_inputs
 from frontend.sampling import (
     Plan,
     check_request,
@@ -117,6 +117,37 @@ class Candidate(msgspec.Struct):
         if self.last is None or self.last.cumulative_logprob is None:
             return float("-inf")
         return self.last.cumulative_logprob
+
+
+# ---------------------------------------------------------------- the way in
+
+_ID_PREFIXES = {"chat": "chatcmpl", "completions": "cmpl"}
+
+
+async def start_job(
+    ctx: ServingContext, http: Request, request: ChatCompletionRequest | CompletionRequest,
+    prefix: str | None = None,
+) -> tuple[Job, Frames]:
+    """Checks, renders (chat) or reads (completions), tokenizes and submits a request;
+    returns its job and its frames ((candidate number, TextFrame) until every candidate
+    finishes, the engine requests aborted if the client leaves). The other protocols
+    (`frontend.responses_api`, `frontend.anthropic_api`) translate their requests into chat
+    requests with `stream` off, so no chat-chunk bytes are written, and shape the frames
+    themselves; `prefix` starts their ids.
+
+    Close the frames (`aclosing`) when done with them: that aborts unfinished candidates."""
+    check_model(ctx, request.model)
+    check_request(request, structured_settings(ctx), ctx.limits)
+    if isinstance(request, ChatCompletionRequest):
+        endpoint, prompts = "chat", [await chat_input(ctx, request)]
+    else:
+        endpoint, prompts = "completions", await completion_inputs(ctx, request)
+        if request.echo:
+            await add_echo_texts(ctx, prompts)
+    constraint = await constraint_for(request, structured_settings(ctx))
+    job = build_job(ctx, request, prompts, endpoint, prefix or _ID_PREFIXES[endpoint],
+                    constraint)
+    return job, job_frames(ctx, http, job, await submit(ctx, job))
 
 
 # ---------------------------------------------------------------- engine requests
@@ -257,6 +288,7 @@ async def job_frames(ctx: ServingContext, http: Request, job: Job, queue: asynci
 
 # ---------------------------------------------------------------- the frame loop
 
+
 async def frame_loop(frames: Frames, on_frame: OnFrame) -> AsyncIterator[T]:
     """The one loop over a job's frames, for every face: feeds each (candidate number,
     frame) to `on_frame` and yields what it makes of it (chunk bytes, block events, or
@@ -324,26 +356,3 @@ async def sse_stream(job: Job, frames: Frames, opening: list[bytes], include_usa
     if include_usage:
         yield usage_chunk(usage.total())
     yield b"data: [DONE]\n\n"
-
-
-# ---------------------------------------------------------------- chat
-
-
-async def start_chat(
-    ctx: ServingContext, http: Request, request: ChatCompletionRequest, prefix: str = "chatcmpl"
-) -> tuple[Job, Frames]:
-    """Checks, renders, tokenizes and submits a chat request; returns its job and its frames
-    ((candidate number, TextFrame) until every candidate finishes, the engine requests aborted
-    if the client leaves). The other protocols (`frontend.responses_api`,
-    `frontend.anthropic_api`) translate their requests into chat requests with `stream`
-    off, so no chat-chunk bytes are written, and shape the frames themselves.
-
-    Close the frames (`aclosing`) when done with them: that aborts unfinished candidates."""
-    check_model(ctx, request.model)
-    check_request(request, structured_settings(ctx), ctx.limits)
-    prompt = await chat_input(ctx, request)
-    constraint = await constraint_for(request, structured_settings(ctx))
-    job = build_job(ctx, request, [prompt], "chat", prefix, constraint)
-    return job, job_frames(ctx, http, job, await submit(ctx, job))
-
-

@@ -2,7 +2,7 @@
 
 Both APIs answer with an ordered list of blocks (OpenAI's output items, Anthropic's content
 blocks): thinking, text, tool calls. Both run a translated chat request through the chat
-pipeline (`pipeline.start_chat`, stream off, so no chat-chunk bytes are written) and turn its
+pipeline (`pipeline.start_job`, stream off, so no chat-chunk bytes are written) and turn its
 text frames into blocks here, one machine for streaming and non-streaming answers, so the two
 always agree: a new block opens when the kind of output changes (thinking -> text) or a tool
 call starts, and the open block closes when the next one opens or the output ends.

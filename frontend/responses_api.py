@@ -2,7 +2,7 @@
 
 A create request becomes a `ChatCompletionRequest` (instructions -> system message, input
 items -> chat messages, function tools -> chat tools, `text.format` -> response_format) and
-runs through `pipeline.start_chat` with stream off: same renderer, engine, reasoning and
+runs through `pipeline.start_job` with stream off: same renderer, engine, reasoning and
 tool-call parsers. Its frames become output items (`frontend.protocol_edge.Blocks`):
 `reasoning` (from the reasoning parser), `message` (content) and `function_call` (from the
 tool-call parser), in the order the model wrote them, as one JSON body or as the Responses
@@ -444,7 +444,7 @@ async def create(ctx: ServingContext, http: Request, request: ResponsesRequest, 
     hex_id = uuid.uuid4().hex
     chat = to_chat(request, messages, request.request_id or hex_id)
     try:
-        job, frames = await pipeline.start_chat(ctx, http, chat, prefix="resp")
+        job, frames = await pipeline.start_job(ctx, http, chat, prefix="resp")
     except APIError as exc:
         raise renamed(exc, _FIELD_NAMES) from exc
     shaper = _Shaper(_skeleton(ctx, request, f"resp_{hex_id}"), hex_id, job.num_prompt_tokens)

@@ -22,27 +22,19 @@ from frontend.budgets import BudgetError, TokenizeParams
 from frontend.errors import bad_request
 from frontend.input_bounds import check_bounds
 from frontend.input_stage import _render as render_messages
-from frontend.input_stage import completion_inputs
 from frontend.pipeline import (
     Candidate,
     Job,
-    add_echo_texts,
-    build_job,
     collect_candidates,
-    job_frames,
     sse_stream,
-    start_chat,
-    submit,
+    start_job,
 )
-from frontend.sampling import check_request
 from frontend.serving_context import (
     ServingContext,
     check_model,
     max_model_len,
     sse_response,
-    structured_settings,
 )
-from frontend.structured import constraint_for
 from postproc.chunks import sse_event
 from postproc.openai_shapes import (
     AssistantMessage,
@@ -97,7 +89,7 @@ def _stream_options(request) -> tuple[bool, bool]:
 async def chat_completion(
     ctx: ServingContext, http: Request, request: ChatCompletionRequest
 ) -> Response:
-    job, frames = await start_chat(ctx, http, request)
+    job, frames = await start_job(ctx, http, request)
     if request.stream:
         return sse_response(_chat_stream(ctx, request, job, frames))
     candidates = await collect_candidates(frames)
@@ -157,14 +149,7 @@ def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, 
 
 
 async def completion(ctx: ServingContext, http: Request, request: CompletionRequest) -> Response:
-    check_model(ctx, request.model)
-    check_request(request, structured_settings(ctx), ctx.limits)
-    prompts = await completion_inputs(ctx, request)
-    if request.echo:
-        await add_echo_texts(ctx, prompts)
-    constraint = await constraint_for(request, structured_settings(ctx))
-    job = build_job(ctx, request, prompts, "completions", "cmpl", constraint)
-    frames = job_frames(ctx, http, job, await submit(ctx, job))
+    job, frames = await start_job(ctx, http, request)
     if request.stream:
         include_usage, _ = _stream_options(request)
 
@@ -177,7 +162,7 @@ async def completion(ctx: ServingContext, http: Request, request: CompletionRequ
         return Response(status_code=499)
     choices = []
     for i, (p, c) in enumerate(_chosen(job, candidates)):
-        echo = (prompts[p].source_text or "") if request.echo else ""
+        echo = (job.prompts[p].source_text or "") if request.echo else ""
         logprobs = None
         if job.plan.params.logprobs is not None and request.logprobs is not None:
             entries = (c.prompt_logprobs or []) + c.logprobs

@@ -27,10 +27,15 @@ _PROMPT_CONTEXT = 4
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+        self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+        skip_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """`skip_ids`: special tokens to leave out while the others are kept (with
+        skip_special_tokens False): how an output parser sees its delimiters when they are
+        special tokens while every other special token is skipped as the request asked."""
         self._backend = tokenizer.backend_tokenizer  # the Rust tokenizer: no Python per token
         self._skip = skip_special_tokens
+        self._skip_ids = skip_ids
         self._parts: list[str] = []
         self._window: list[int] = []
         self._context_len = 0  # how many leading window tokens were already emitted
@@ -41,7 +46,7 @@ class IncrementalDetokenizer:
         return self._backend.decode(ids, skip_special_tokens=self._skip)
 
     def _start_context(self, prompt_token_ids: Sequence[int]) -> None:
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        context = self._kept(prompt_token_ids[-_PROMPT_CONTEXT:])
         text = self._decode(context)
         if text.endswith(_REPLACEMENT):
             # The prompt ends inside a character, so the first output bytes would finish the
@@ -53,11 +58,16 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds generated tokens; returns the text that is now stable (may be "")."""
-        self._window.extend(token_ids)
+        self._window.extend(self._kept(token_ids))
         text = self._decode(self._window)
         if len(text) <= len(self._context_text) or text.endswith(_REPLACEMENT):
             return ""  # nothing new yet, or an unfinished character at the end
         return self._emit(text)
+
+    def _kept(self, ids: Sequence[int]) -> list[int]:
+        if not self._skip_ids:
+            return list(ids)
+        return [i for i in ids if i not in self._skip_ids]
 
     def flush(self) -> str:
         """At the end of generation: everything still held back, unfinished bytes included."""

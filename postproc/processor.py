@@ -57,6 +57,8 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._texts = TokenTexts(tokenizer)
+        # (reasoning parser, tool parser) -> the special tokens to skip for such a request.
+        self._skips: dict[tuple[str | None, str | None], frozenset[int] | None] = {}
         self._states: dict[str, RequestState | Registration] = {}
         self._lock = threading.Lock()
 
@@ -113,15 +115,32 @@ class OutputProcessor:
         return RequestState(
             prompt_ids=spec.prompt_ids,
             params=params,
-            detokenizer=IncrementalDetokenizer(
-                self._tokenizer, spec.prompt_ids, skip_special_tokens=params.skip_special_tokens
-            ),
+            detokenizer=self._detokenizer(spec.prompt_ids, params, reasoning is not None,
+                                          tools is not None),
             stops=(StopMatcher(params.stop, params.include_stop_str_in_output)
                    if params.stop else None),
             reasoning=reasoning,
             tools=tools,
             writer=ChunkWriter(params.chunk) if params.chunk is not None else None,
         )
+
+    def _detokenizer(self, prompt_ids, params: OutputParams, reasoning: bool,
+                     tools: bool) -> IncrementalDetokenizer:
+        """skip_special_tokens as the request says, except for the delimiters of its
+        parsers that are special tokens (`[TOOL_CALLS]`, `<|python_tag|>`): those reach the
+        parser, which takes them out, and every other special token is still skipped."""
+        skip = None
+        if params.skip_special_tokens and (reasoning or tools):
+            key = (params.reasoning_parser if reasoning else None,
+                   params.tool_parser if tools else None)
+            if key not in self._skips:
+                self._skips[key] = special_ids_to_skip(self._tokenizer, *key)
+            skip = self._skips[key]
+        if skip is None:
+            return IncrementalDetokenizer(self._tokenizer, prompt_ids,
+                                          skip_special_tokens=params.skip_special_tokens)
+        return IncrementalDetokenizer(self._tokenizer, prompt_ids, skip_special_tokens=False,
+                                      skip_ids=skip)
 
     def _frame(self, state: RequestState, output: RequestOutput, request_id: str) -> TextFrame:
         ids = unpack_ids(output.new_token_ids)
@@ -207,17 +226,34 @@ class OutputProcessor:
         return logprob_entries(ids, raw, self._texts)
 
 
-def parser_delimiters_are_special(
-    tokenizer, reasoning_parser: str | None, tool_parser: str | None
-) -> bool:
-    """Whether a configured parser's delimiters (`<think>`, `[TOOL_CALLS]`, ...) are special
-    tokens of this tokenizer, which skip_special_tokens would take out before the parser saw
-    them (req O-6)."""
+def _delimiters(reasoning_parser: str | None, tool_parser: str | None) -> set[str]:
     delimiters: set[str] = set()
     if reasoning_parser:
         cls = get_reasoning_parser(reasoning_parser)
         delimiters |= {cls.start_tag, cls.end_tag}
     if tool_parser:
         delimiters |= set(get_tool_parser(tool_parser).delimiters)
+    return delimiters
+
+
+def parser_delimiters_are_special(
+    tokenizer, reasoning_parser: str | None, tool_parser: str | None
+) -> bool:
+    """Whether a configured parser's delimiters (`<think>`, `[TOOL_CALLS]`, ...) are special
+    tokens of this tokenizer, which skip_special_tokens would take out before the parser saw
+    them (req O-6)."""
     special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    return bool(delimiters & special)
+    return bool(_delimiters(reasoning_parser, tool_parser) & special)
+
+
+def special_ids_to_skip(
+    tokenizer, reasoning_parser: str | None, tool_parser: str | None
+) -> frozenset[int] | None:
+    """For a request with these parsers that skips special tokens: the special token ids to
+    skip, which are all but the parsers' delimiters; None when no delimiter is special (a
+    plain skip_special_tokens decode does)."""
+    delimiters = _delimiters(reasoning_parser, tool_parser)
+    special = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    if not delimiters & set(special.values()):
+        return None
+    return frozenset(i for i, content in special.items() if content not in delimiters)

@@ -46,6 +46,9 @@ COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_OVERRIDES = sorted(DEPLOY.glob("compose.*.yaml"))
 KUSTOMIZATIONS = sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
 OVERLAYS = [d for d in KUSTOMIZATIONS if d.parent.name == "overlays"]
+MONITORING = K8S / "monitoring"  # Prometheus Operator resources (CRDs), beside an overlay
+# Kinds from CRDs, which the Kubernetes schemas do not know: checked by their own tests.
+CRD_GROUPS = ("monitoring.coreos.com/",)
 # The oldest Kubernetes release we claim to support, and the newest the validator knows.
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 TIERS = ("engine", "frontend", "postproc")
@@ -268,6 +271,8 @@ def test_manifests_validate_against_kubernetes_schemas(directory, version):
     assert resources
     for resource in resources:
         name = "/".join(resource_key(resource)[1:])
+        if resource["apiVersion"].startswith(CRD_GROUPS):
+            continue  # test_service_monitor_scrapes_every_tier
         try:
             kubernetes_validate.validate(resource, version, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -319,7 +324,7 @@ def test_container_args_are_accepted_by_the_cli(directory):
         parse_cli(container_argv(container, f"{rel(directory)}: {where}"),
                   f"{rel(directory)}: {where}")
         checked += 1
-    assert checked
+    assert checked or directory == MONITORING
 
 
 def service_for(resources: dict, host: str) -> dict:
@@ -426,6 +431,35 @@ def test_tiers_are_wired_together(directory):
 
     for where, _, container, _ in [t for tier in TIERS for t in tiers[tier]]:
         assert container["resources"]["requests"] and container["resources"]["limits"], where
+
+
+def test_service_monitor_scrapes_every_tier():
+    """The ServiceMonitor selects the sluice Services and scrapes the frontends' http port and
+    the engine's --metrics-port, in each overlay; the engine's series come from the engine
+    alone (no frontend re-exports them, so sums over targets count each once)."""
+    [monitor] = render(MONITORING)
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["kind"] == "ServiceMonitor"
+    spec = monitor["spec"]
+    assert set(spec) == {"selector", "endpoints"}
+    assert all(set(e) <= {"port", "path", "interval"} for e in spec["endpoints"])
+    scraped = {e["port"]: e["path"] for e in spec["endpoints"]}
+    for directory in OVERLAYS:
+        resources = overlay_resources(directory)
+        services = {k[2]: r for k, r in resources.items() if k[1] == "Service"}
+        ports = {}
+        for name, service in services.items():
+            if spec["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items():
+                ports[name] = {p["name"] for p in service["spec"]["ports"]} & set(scraped)
+        assert ports == {"sluice-frontend": {"http"}, "sluice-engine": {"metrics"}}, directory
+        for where, _, container in sluice_containers(resources):
+            args = parse_cli(container_argv(container, where), where)
+            if args.command == "engine":
+                assert args.metrics_port == named_port(container, "metrics"), where
+                assert args.metrics_host == "0.0.0.0", where
+            if args.command == "frontend":
+                assert not args.export_engine_metrics, f"{where}: engine series counted twice"
+    assert set(scraped.values()) == {"/metrics"}
 
 
 def test_gpu_overlay_gives_the_engine_a_gpu():

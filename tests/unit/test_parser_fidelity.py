@@ -269,3 +269,70 @@ def test_the_postproc_step_tells_the_parser_the_output_was_cut():
     frames = run_processor(tokenizer.encode(text, add_special_tokens=False), params)
     assert "".join(f.text for f in frames) == "Sure."
     assert frames[-1].finish_reason == "length"
+
+
+# ---------------------------------------------------------------- 12: special delimiters
+
+
+@pytest.fixture(scope="module")
+def special_tokenizer():
+    """SmolLM2's tokenizer with hermes' tags made special tokens, as Mistral's
+    [TOOL_CALLS] or Llama's <|python_tag|> are in theirs."""
+    tok = load_tokenizer(default_model_path())
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    return tok
+
+
+def ids_of(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def run_with(tok, ids, params, finish=("stop", None)):
+    from postproc.processor import OutputProcessor
+    from shared.protocol import RequestOutput, pack_ids
+
+    processor = OutputProcessor(tok)
+    processor.register("r", [1, 2], params)
+    frames = []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        processed = processor.process([RequestOutput(
+            request_id="r", new_token_ids=pack_ids([token]), num_prompt_tokens=2,
+            num_output_tokens=i + 1, finish_reason=finish[0] if last else None,
+            stop_reason=finish[1] if last else None)])
+        frames.extend(processed.frames)
+    return frames
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_delimiters_reach_the_parser_and_other_special_tokens_follow_skip(
+        special_tokenizer, skip):
+    from postproc.processor import special_ids_to_skip
+    from shared.protocol import OutputParams
+
+    tok = special_tokenizer
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text = "<|im_start|>Sure.<file_sep> " + call
+    assert tok.convert_tokens_to_ids("<tool_call>") in ids_of(tok, text)  # one special token
+    params = OutputParams(skip_special_tokens=skip, tool_parser="hermes",
+                          tools=json.dumps([WEATHER]).encode())
+    frames = run_with(tok, ids_of(tok, text), params)
+    content = "".join(f.text for f in frames)
+    calls = [c for f in frames for c in f.tool_calls]
+    assert calls and calls[0].function.name == "get_weather"
+    # Skipped as asked: the other special tokens are gone; kept when asked, they stay.
+    assert content == ("Sure." if skip else "<|im_start|>Sure.<file_sep>")
+    assert frames[-1].finish_reason == "tool_calls"
+    keep = special_ids_to_skip(tok, None, "hermes")
+    assert tok.convert_tokens_to_ids("<tool_call>") not in keep
+    assert tok.convert_tokens_to_ids("<|im_start|>") in keep
+    assert special_ids_to_skip(load_tokenizer(default_model_path()), None, "hermes") is None
+
+
+def test_without_parsers_special_tokens_are_skipped_as_before(special_tokenizer):
+    from shared.protocol import OutputParams
+
+    tok = special_tokenizer
+    frames = run_with(tok, ids_of(tok, "a<tool_call>b<|im_start|>c"), OutputParams(),
+                      finish=("length", None))
+    assert "".join(f.text for f in frames) == "abc"
