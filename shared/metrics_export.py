@@ -32,8 +32,9 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "sluice:num_requests_waiting": ("vllm:num_requests_waiting",),
     # gpu_cache_usage_perc is the name before vLLM 0.10; older dashboards still read it.
     "sluice:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    "sluice:prefix_cache_queries": ("vllm:prefix_cache_queries",),
-    "sluice:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    # gpu_prefix_cache_*: vLLM's names for the same counters before 0.10.
+    "sluice:prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
+    "sluice:prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
     "sluice:num_preemptions": ("vllm:num_preemptions",),
     "sluice:iteration_tokens_total": ("vllm:iteration_tokens_total",),
     "sluice:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
