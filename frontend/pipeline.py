@@ -1,13 +1,13 @@
 """The request pipeline every protocol face shares: request → engine jobs → frames → results.
 
-`build_job` turns a checked request and its prompts into engine requests (one plan per
-request, max_tokens per prompt), `submit` sends them, `job_frames` yields their frames until
-every candidate finishes (aborting the rest if the client leaves), and `frame_loop`, the one
-loop over those frames, hands each to what a face makes of it: `collect_candidates` gathers a
-whole OpenAI answer, `sse_stream` forwards postproc's chunk bytes, and the Responses and
-Messages APIs feed their blocks (`protocol_edge.block_events`). `start_job` runs a request
-through the input stage up to its frames; the OpenAI routes (`frontend.serving`), the
-Responses API and the Messages API all start there.
+In the order a request meets them: `start_job` (where the OpenAI routes, the Responses API
+and the Messages API all start) checks the request and runs the input stage; `build_job`
+turns it and its prompts into engine requests (one plan per request, max_tokens per
+prompt), `submit` sends them, `job_frames` yields their frames until every candidate
+finishes (aborting the rest if the client leaves), and `frame_loop`, the one loop over those
+frames, hands each to what a face makes of it: `collect_candidates` gathers a whole OpenAI
+answer, `sse_stream` forwards postproc's chunk bytes, and the Responses and Messages APIs
+feed their blocks (`protocol_edge.block_events`).
 
 A request with n > 1 (or best_of) runs as that many engine requests ("candidates") that
 share one frame queue; each candidate's frames carry its request id, which maps to its index.
