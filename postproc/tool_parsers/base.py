@@ -2,18 +2,20 @@
 
 A parser instance holds one request's state. `feed(delta_text)` takes the next piece of
 detokenized output (after the reasoning parser, if any, has taken its part) and returns what
-can no longer change (req O-2): content text, and whole tool calls as OpenAI streaming deltas.
+can no longer change (req O-2): content text, and tool calls as OpenAI streaming deltas.
 `finish()` flushes what was held back. `parse(text)` is the one-shot form, for non-streaming
 responses; it runs the same machine on the whole text, so a streamed request and a
 non-streamed one always agree, however the text was split.
 
-A call is emitted once it is complete and valid, as two deltas: the first with index, id,
-type "function", the function name and empty arguments; the second with the whole arguments
-JSON. Holding a call back until it is complete costs the client the sight of half-written
-arguments, and buys three things: no fragment is ever sent that later turns out not to be a
-call (a call that never finishes, or whose JSON is broken, is returned as content instead);
-the arguments are normalised JSON (`json.dumps`, non-ASCII kept) whatever the model's
-spacing was; and the streamed result equals the one-shot result exactly.
+A call opens with a header delta (index, id, type "function", the function name, empty
+arguments). In the JSON formats that write `{"name": ..., "arguments": {...}}` (hermes,
+llama3_json) the arguments then follow in fragments as the model writes them, each a piece
+that can no longer change (`call_head`, `_open_call`, `_call_args`): once the header is out
+the call stays a call, unfinished or not. Other formats, and calls that do not begin with
+their name, are emitted whole when complete, as a header and one arguments delta (then the
+arguments are normalised JSON, `json.dumps` with non-ASCII kept); a call of those that never
+finishes or is broken comes back as content. Either way the streamed result equals the
+one-shot result exactly.
 
 Content rules, shared by all formats:
 - Delimiters (`<tool_call>`, `[TOOL_CALLS]`, ...) never appear in content, whole or in part:
@@ -130,6 +132,67 @@ def call_from_object(obj: Any) -> tuple[str, str] | None:
     return None if text is None else (name, text)
 
 
+_JSON_WS = " \t\r\n"
+
+
+def _json_string_end(text: str, i: int, n: int) -> int | None:
+    """Index past the JSON string opening at text[i] ('"'), or None if it is unfinished."""
+    j = i + 1
+    while j < n:
+        c = text[j]
+        if c == "\\":
+            j += 2
+        elif c == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def call_head(text: str, start: int, stop: int | None = None,
+              keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[str, int] | bool | None:
+    """Reads the head of a JSON call object, `{"name": "f", "arguments": {`, from its `{`
+    at text[start] (up to `stop`). (name, index of the arguments' `{`) once it is all there;
+    False when the object cannot begin that way (another key order, no arguments,
+    arguments that are not an object): it can only be read whole; None while undecided."""
+    n = len(text) if stop is None else stop
+    i = start + 1
+    expect = ("key:name", ":", "name", ",", "key:args", ":", "{")
+    name = ""
+    for what in expect:
+        while i < n and text[i] in _JSON_WS:
+            i += 1
+        if i >= n:
+            return None
+        c = text[i]
+        if what in (":", ",", "{"):
+            if c != what:
+                return False
+            if what == "{":
+                return name, i
+            i += 1
+            continue
+        if c != '"':
+            return False
+        end = _json_string_end(text, i, n)
+        if end is None:
+            return None
+        try:
+            value = json.loads(text[i:end])
+        except ValueError:
+            return False
+        if what == "key:name" and value != "name":
+            return False
+        if what == "key:args" and value not in keys:
+            return False
+        if what == "name":
+            if not value:
+                return False
+            name = value
+        i = end
+    return False  # not reached
+
+
 class ToolParser:
     """Base class: subclasses implement `_step` (and `_reset`) for their format."""
 
@@ -200,11 +263,17 @@ class ToolParser:
         self._num_calls = 0
         self._finished = False
         self._truncated = False  # finish(truncated=True): the output ran out of tokens
+        self._open_index: int | None = None  # a call whose arguments are streaming
         self._dropped = False  # unfinished call markup was dropped at that finish
         self._reset()
-        if prefill:
-            self.feed(prefill)  # whatever it completes on its own is not model output
-            self._content, self._deltas, self._num_calls = [], [], 0
+        if prefill:  # whatever it completes on its own is not model output
+            self._buf = prefill
+            while self._step(False):
+                pass
+            if self._open_index is None:
+                self._content, self._deltas, self._num_calls = [], [], 0
+            else:  # the prefill opened a call: its header belongs to the output
+                self._content = []
             self._held_ws, self._after_call = "", False
 
     # -- the public interface ------------------------------------------------------------
@@ -329,6 +398,27 @@ class ToolParser:
         self._deltas.append(
             ToolCallDelta(index=index, function=FunctionCallDelta(arguments=arguments))
         )
+
+    def _open_call(self, name: str, call_id: str | None = None) -> None:
+        """A call whose arguments follow as they are written (`_call_args`): its header
+        (index, id, type, name, empty arguments) goes out now."""
+        self._held_ws = ""
+        self._after_call = True
+        index = self._open_index = self._num_calls
+        self._num_calls += 1
+        self._deltas.append(ToolCallDelta(
+            index=index, id=call_id or self._make_id(index), type="function",
+            function=FunctionCallDelta(name=name, arguments=""),
+        ))
+
+    def _call_args(self, fragment: str) -> None:
+        """The next piece of the open call's arguments, as the model wrote it."""
+        if fragment and self._open_index is not None:
+            self._deltas.append(ToolCallDelta(
+                index=self._open_index, function=FunctionCallDelta(arguments=fragment)))
+
+    def _close_call(self) -> None:
+        self._open_index = None
 
     def _make_id(self, index: int) -> str:
         n = self.id_length

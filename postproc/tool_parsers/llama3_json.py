@@ -17,6 +17,7 @@ import json
 from postproc.tool_parsers.base import (
     ToolParser,
     call_from_object,
+    call_head,
     call_json_schema,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
@@ -40,7 +41,10 @@ class Llama3JsonToolParser(ToolParser):
 
     def _reset(self) -> None:
         self._mode = _START
-        self._scanner: JsonValueEnd | None = None
+        self._scanner: JsonValueEnd | None = None  # an object read whole
+        self._args: JsonValueEnd | None = None  # a call's arguments, streaming
+        self._outer: JsonValueEnd | None = None  # the rest of that call's object
+        self._sent = 0
 
     def _step(self, final: bool) -> bool:
         buf = self._buf
@@ -79,6 +83,8 @@ class Llama3JsonToolParser(ToolParser):
                 self._mode = _CONTENT
             return True
         # _CALLS: a JSON object is expected (after whitespace).
+        if self._args is not None:
+            return self._streaming(buf, final)
         if self._scanner is None:
             rest = buf.lstrip()
             if not rest:
@@ -87,7 +93,16 @@ class Llama3JsonToolParser(ToolParser):
             if rest[0] != "{":
                 self._mode = _CONTENT
                 return True
-            self._scanner = JsonValueEnd(len(buf) - len(rest))
+            start = len(buf) - len(rest)
+            head = call_head(buf, start)
+            if head is None and not final:
+                return False  # `{"name": "f", "parameters": {` may still be arriving
+            if head:  # the arguments stream as they are written
+                name, value_start = head
+                self._open_call(name)
+                self._args, self._outer, self._sent = JsonValueEnd(value_start), None, value_start
+                return True
+            self._scanner = JsonValueEnd(start)  # any other object is read whole
         end = self._scanner.scan(buf)
         if end is None:
             if self._drop_unfinished(final):  # cut by max_tokens inside a call
@@ -111,3 +126,27 @@ class Llama3JsonToolParser(ToolParser):
             self._mode = _SEP
         self._buf = buf[end:]
         return True
+
+    def _streaming(self, buf: str, final: bool) -> bool:
+        """Inside a call whose header went out: its arguments as written, then the rest of
+        its object (markup). The output ending first leaves the call as far as it went."""
+        if self._outer is None:
+            end = self._args.scan(buf)
+            upto = self._args.pos if end is None else end
+            self._call_args(buf[self._sent:upto])
+            self._sent = upto
+            if end is None:
+                return self._end_streaming("") if final else False
+            self._outer = JsonValueEnd(end)
+            self._outer.depth = 1  # inside the call object
+        end = self._outer.scan(buf)
+        if end is None:
+            return self._end_streaming("") if final else False
+        self._mode = _SEP
+        return self._end_streaming(buf[end:]) or True
+
+    def _end_streaming(self, rest: str) -> bool:
+        self._close_call()
+        self._args = self._outer = None
+        self._buf = rest
+        return False

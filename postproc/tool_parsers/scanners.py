@@ -21,12 +21,14 @@ class JsonValueEnd:
         self.depth = 0
         self.in_string = False
 
-    def scan(self, text: str) -> int | None:
-        """Index just past the closing bracket, or None while the value is unfinished."""
-        i, n = self.pos, len(text)
+    def scan(self, text: str, stop: int | None = None) -> int | None:
+        """Index just past the closing bracket, or None while the value is unfinished.
+        `stop`: look only at text[:stop] (the rest is not decided yet); `pos` then tells
+        how far the text is known to belong to the value."""
+        i, n = self.pos, len(text) if stop is None else stop
         while True:
             if self.in_string:
-                m = _JSON_IN_STRING.search(text, i)
+                m = _JSON_IN_STRING.search(text, i, n)
                 if m is None:
                     self.pos = n
                     return None
@@ -40,7 +42,7 @@ class JsonValueEnd:
                 self.in_string = False
                 i = j + 1
                 continue
-            m = _JSON_STRUCT.search(text, i)
+            m = _JSON_STRUCT.search(text, i, n)
             if m is None:
                 self.pos = n
                 return None

@@ -101,3 +101,31 @@ def test_a_forced_call_cut_by_max_tokens_leaks_no_markup(client, choice, max_tok
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == ""
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+# ---------------------------------------------------------------- 14: arguments stream
+
+
+def test_tool_call_arguments_stream_as_they_are_generated(client):
+    """As vLLM's hermes parser streams: the id/type/name delta, then the arguments in
+    fragments as the model writes them, adding up to what the non-streamed answer says."""
+    city = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                         "days": {"type": "integer", "minimum": 1,
+                                                  "maximum": 9}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+    fields = dict(tools=[city], tool_choice=NAMED, max_tokens=60, temperature=0)
+    whole = ask(client, "Weather in Paris for 3 days?", **fields)
+    [call] = whole.choices[0].message.tool_calls
+    deltas = []
+    for chunk in ask(client, "Weather in Paris for 3 days?", stream=True, **fields):
+        for c in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            deltas.append(c)
+    head, *rest = deltas
+    assert head.id.startswith("call_") and head.type == "function"
+    assert head.function.name == "get_weather" and head.function.arguments == ""
+    assert len(rest) > 3, rest  # several pieces, not the whole arguments at the end
+    assert all(d.id is None and d.function.name is None and d.index == 0 for d in rest)
+    streamed = "".join(d.function.arguments for d in rest)
+    assert streamed == call.function.arguments
+    assert set(json.loads(streamed)) == {"city", "days"}

@@ -186,8 +186,7 @@ CUT = [  # (parser, output cut by max_tokens inside call markup, content before 
     ("hermes", "Sure.\n<tool", "Sure."),
     ("hermes", "<tool_call>", None),
     ("hermes", '<tool_call>\n{"name": "get_weather", "argu', None),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', None),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Pa', None),
+    ("llama3_json", '{"name": "get_weather", "param', None),
     ("llama3_json", "Well <|python", "Well"),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', None),
     ("mistral", '[TOOL_CALLS]get_wea', None),
@@ -216,12 +215,12 @@ def test_call_markup_cut_by_max_tokens_is_not_content(parser, text, content):
         assert not [c for p in parts for c in p.calls]
 
 
-def test_complete_calls_before_the_cut_come_back():
+def test_calls_before_the_cut_come_back_and_the_open_one_as_far_as_it_went():
     first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     parsed = get_tool_parser("hermes")([WEATHER]).parse(
         first + '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci', truncated=True)
     assert parsed.content is None
-    assert [json.loads(c.function.arguments) for c in parsed.calls] == [{"city": "Paris"}]
+    assert [c.function.arguments for c in parsed.calls] == ['{"city": "Paris"}', '{"ci']
 
 
 def test_a_named_call_cut_by_max_tokens_leaves_no_raw_text():
@@ -336,3 +335,91 @@ def test_without_parsers_special_tokens_are_skipped_as_before(special_tokenizer)
     frames = run_with(tok, ids_of(tok, "a<tool_call>b<|im_start|>c"), OutputParams(),
                       finish=("length", None))
     assert "".join(f.text for f in frames) == "abc"
+
+
+# ---------------------------------------------------------------- 14: arguments stream
+
+
+def arguments_so_far(parser, pieces):
+    """Feeds pieces one by one; returns (calls' headers, arguments text after each piece)."""
+    headers, args, after = [], {}, []
+    for piece in pieces:
+        for c in parser.feed(piece).calls:
+            if c.id is not None:
+                headers.append((c.index, c.function.name, c.function.arguments))
+            else:
+                args[c.index] = args.get(c.index, "") + c.function.arguments
+        after.append(dict(args))
+    return headers, args, after
+
+
+def test_hermes_arguments_stream_as_the_model_writes_them():
+    tok = load_tokenizer(default_model_path())
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris", "days": [1, 2], "note": "a \\"b\\" }"}}\n</tool_call>')
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.decode(ids[:i + 1])[len(tok.decode(ids[:i])):] for i in range(len(ids))]
+    headers, args, after = arguments_so_far(get_tool_parser("hermes")([WEATHER]), pieces)
+    assert headers == [(0, "get_weather", "")]
+    final = '{"city": "Paris", "days": [1, 2], "note": "a \\"b\\" }"}'
+    assert args == {0: final}
+    seen = [a.get(0, "") for a in after]
+    assert len(set(seen)) > 5  # many fragments, not one at the end
+    assert all(final.startswith(s) for s in seen)  # each a piece that cannot change
+    # The arguments were out before the call was: "Paris" went out while "days" was written.
+    cut = text.index('"days"')
+    _, early, _ = arguments_so_far(get_tool_parser("hermes")([WEATHER]), [text[:cut]])
+    assert early == {0: '{"city": "Paris", '}
+
+
+STREAM_CASES = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               '</tool_call>\n<tool_call>{"name": "get_weather", "parameters": {}}</tool_call>'
+               " Done.", "Done.", ['{"city": "Paris"}', "{}"]),
+    # Another key order, or arguments given as a string: read whole, as before.
+    ("hermes", '<tool_call>{"arguments": {"city": "Nice"}, "name": "get_weather"}</tool_call>',
+     None, ['{"city": "Nice"}']),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}'
+               "</tool_call>", None, ['{"city": "Rome"}']),
+    # Keys after the arguments, and the missing close tag: markup, not content.
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}, "x": 1}',
+     None, ['{"city": "Oslo"}']),
+    # A tag inside the arguments ends the block (as it always has): the call stays as it went.
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b',
+     "b", ['{"city": "a']),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Quito", "n": {"a": 1}}}',
+     None, ['{"city": "Lima"}', '{"city": "Quito", "n": {"a": 1}}']),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Li', None, ['{"city": "Li']),
+]
+
+
+def splits(text: str):
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+        for width in (1, 2, 5):
+            if i + width <= len(text):
+                yield [text[:i], text[i:i + width], text[i + width:]]
+
+
+@pytest.mark.parametrize("parser, text, content, arguments", STREAM_CASES)
+def test_streamed_arguments_equal_the_one_shot_result(parser, text, content, arguments):
+    parsed = get_tool_parser(parser)([WEATHER], call_id_seed="s").parse(text)
+    assert parsed.content == content
+    assert [c.function.arguments for c in parsed.calls] == arguments
+    for pieces in [list(text), *splits(text)]:
+        p = get_tool_parser(parser)([WEATHER], call_id_seed="s")
+        deltas = [p.feed(x) for x in pieces] + [p.finish()]
+        from postproc.tool_parsers.base import collect
+        assert collect(deltas) == parsed, pieces
+        for d in deltas:  # a header first, then fragments of that call only
+            for c in d.calls:
+                assert (c.id is None) == (c.function.name is None)
+
+
+def test_the_prefill_may_open_the_arguments():
+    prefill = '<tool_call>\n{"name": "get_weather", "arguments": '
+    p = get_tool_parser("hermes")([WEATHER], prefill=prefill)
+    first = p.feed('{"city"')
+    assert [(c.function.name, c.function.arguments) for c in first.calls] == [
+        ("get_weather", ""), (None, '{"city"')]
