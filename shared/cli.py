@@ -425,9 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     postproc = sub.add_parser(
         "postproc", help="run one postproc worker (detokenize, parse, format) for an engine")
     _add_model_arguments(postproc)
-    postproc.add_argument("--engine-postproc-address", default=DEFAULT_POSTPROC_ADDRESS,
-                          help="the engine's --postproc-address "
-                               f"(default: {DEFAULT_POSTPROC_ADDRESS})")
+    postproc.add_argument("--engine-postproc-address", action="append", default=None,
+                          help="an engine's --postproc-address; repeat for several, or give "
+                               "dns+tcp://NAME:PORT for every address NAME resolves to "
+                               f"(re-resolved) (default: {DEFAULT_POSTPROC_ADDRESS})")
 
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server")
     from shared.bench import add_bench_arguments
@@ -792,9 +793,10 @@ def _serve(args) -> int:
         postproc_addresses = [new_ipc_address("postproc") for _ in addresses]
         for argv, postproc_address in zip(engine_argvs, postproc_addresses, strict=True):
             argv += ["--postproc-address", postproc_address]
-        # A worker serves one engine: spread them over the engines.
-        worker_argvs = [["postproc", *common, "--engine-postproc-address",
-                         postproc_addresses[i % n]] for i in range(args.postproc_workers)]
+        # Every worker registers with every engine.
+        worker_argvs = [["postproc", *common,
+                         *(x for a in postproc_addresses for x in ("--engine-postproc-address", a))]
+                        ] * args.postproc_workers
     shares = _engine_shares(args, n)
     for argv, (_, cpus) in zip(engine_argvs, shares, strict=True):
         if cpus and args.threads is None:
@@ -901,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
         from postproc.worker import run_postproc
 
         run_postproc(_tokenizer_path(args, _model_names(args)[0]),
-                     args.engine_postproc_address)
+                     args.engine_postproc_address or [DEFAULT_POSTPROC_ADDRESS])
         return 0
     if args.command == "frontend":
         prepare_prometheus_dir()  # before frontend.* imports prometheus_client

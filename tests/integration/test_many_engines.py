@@ -1,7 +1,8 @@
-"""Many engines behind every frontend (issue 18): two engines and two frontends as separate
-processes over tcp; placement by prefix affinity bounded by load; an engine killed under
-load loses no request that had not started streaming; an engine started later is used;
-the dns+tcp:// form with a resolver the test injects."""
+"""Many engines behind every frontend (issue 18): two engines, two frontends and two postproc
+workers (each registered with both engines) as separate processes over tcp; placement by
+prefix affinity bounded by load; an engine killed under load loses no request that had not
+started streaming; an engine started later is used; the dns+tcp:// form with a resolver
+the test injects."""
 
 from __future__ import annotations
 
@@ -36,11 +37,14 @@ class TwoEngines:
     def __init__(self, tmp_dir: str) -> None:
         self.tmp_dir = tmp_dir
         self.addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2)]
+        self.postproc_addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2)]
         # Two sequences at a time, so a burst leaves requests waiting in each engine.
-        self.engines = [start_engine(tmp_dir, f"engine-{i}", a, "--max-num-seqs", "2")
-                        for i, a in enumerate(self.addresses)]
+        self.engines = [self.engine(i) for i in range(2)]
         self.frontends: list[Proc] = []
         self.urls: list[str] = []
+        workers = [x for a in self.postproc_addresses for x in ("--engine-postproc-address", a)]
+        self.workers = [Proc(["postproc", *workers], os.path.join(tmp_dir, f"postproc{i}.log"))
+                        for i in range(2)]
         try:
             for i in range(2):
                 proc, url = start_frontend(tmp_dir, self.addresses[0], f"frontend{i}",
@@ -48,18 +52,23 @@ class TwoEngines:
                 self.frontends.append(proc)
                 self.urls.append(url)
             for url in self.urls:
-                wait_healthy(url, [*self.engines, *self.frontends])
+                wait_healthy(url, [*self.engines, *self.frontends, *self.workers])
             for url in self.urls:  # both engines live on both frontends
                 wait_until(lambda url=url: _engines_up(url) == 2, 60, "both engines live")
         except Exception:
             self.stop()
             raise
 
+    def engine(self, i: int, name: str | None = None) -> Proc:
+        return start_engine(self.tmp_dir, name or f"engine-{i}", self.addresses[i],
+                            "--max-num-seqs", "2",
+                            "--postproc-address", self.postproc_addresses[i])
+
     def stats(self):
         return [engine_stats(a) for a in self.addresses]
 
     def stop(self) -> None:
-        for p in [*self.frontends, *self.engines]:
+        for p in [*self.frontends, *self.workers, *self.engines]:
             p.stop()
 
 
@@ -96,6 +105,9 @@ def _stream(url: str, body: dict, out: dict, key) -> None:
 
 
 def test_two_engines_two_frontends_serve_concurrent_streams(two):
+    # Both workers registered with both engines (item 5).
+    wait_until(lambda: all(s.num_postproc_workers == 2 for s in two.stats()), 60,
+               "two workers on each engine")
     before = two.stats()
     out: dict = {}
     threads = [threading.Thread(target=_stream, args=(
@@ -116,6 +128,9 @@ def test_two_engines_two_frontends_serve_concurrent_streams(two):
     # Twelve at once over engines that run two each: the load bound spreads them.
     assert min(done) >= 2, done
     assert {s.engine_id for s in after} == {"engine-0", "engine-1"}
+    # Each engine handed its streams to the workers, which wrote the chunks.
+    assert all(a.postproc_assigned - b.postproc_assigned == d
+               for a, b, d in zip(after, before, done, strict=True)), (after, before)
 
 
 def test_identical_prefixes_land_on_one_engine(two):
@@ -173,10 +188,12 @@ def test_an_engine_killed_under_load_loses_no_unstarted_request(two):
         assert httpx.get(f"{url}/health").status_code == 200  # one engine is enough
     # Restart it on the same address: the frontends, never restarted, use it again.
     two.engines[victim].stop()
-    two.engines[victim] = start_engine(two.tmp_dir, f"engine-{victim}-again",
-                                       two.addresses[victim], "--max-num-seqs", "2")
+    two.engines[victim] = two.engine(victim, f"engine-{victim}-again")
     for url in two.urls:
         wait_until(lambda url=url: _engines_up(url) == 2, 120, "the engine back")
+    # The workers, never restarted, register with it again.
+    wait_until(lambda: engine_stats(two.addresses[victim]).num_postproc_workers == 2, 60,
+               "the workers back on the restarted engine")
 
 
 def test_an_engine_started_later_is_used(two, tmp_path):

@@ -47,6 +47,7 @@ COMPOSE_OVERRIDES = sorted(DEPLOY.glob("compose.*.yaml"))
 KUSTOMIZATIONS = sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
 OVERLAYS = [d for d in KUSTOMIZATIONS if d.parent.name == "overlays"]
 MONITORING = K8S / "monitoring"  # Prometheus Operator resources (CRDs), beside an overlay
+AUTOSCALING = K8S / "autoscaling"  # the engine tier's HPA on queue depth, beside an overlay
 # Kinds from CRDs, which the Kubernetes schemas do not know: checked by their own tests.
 CRD_GROUPS = ("monitoring.coreos.com/",)
 # The oldest Kubernetes release we claim to support, and the newest the validator knows.
@@ -324,7 +325,24 @@ def test_container_args_are_accepted_by_the_cli(directory):
         parse_cli(container_argv(container, f"{rel(directory)}: {where}"),
                   f"{rel(directory)}: {where}")
         checked += 1
-    assert checked or directory == MONITORING
+    assert checked or directory in (MONITORING, AUTOSCALING)
+
+
+def test_engine_autoscaling_targets_the_engine_statefulset():
+    """The engine HPA (issue 18 item 7) scales the StatefulSet every overlay has, on an
+    external queue-depth metric, never below the two engines the base starts with."""
+    [hpa] = render(AUTOSCALING)
+    assert hpa["kind"] == "HorizontalPodAutoscaler"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert target["kind"] == "StatefulSet"
+    for directory in OVERLAYS:
+        engine = overlay_resources(directory)[("apps/v1", "StatefulSet", target["name"])]
+        assert hpa["spec"]["minReplicas"] >= engine["spec"]["replicas"] >= 2, directory
+    [metric] = hpa["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"]["name"] == "sluice_engine_requests_waiting"
+    assert metric["external"]["target"]["type"] == "AverageValue"
+    assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
 
 
 def service_for(resources: dict, host: str) -> dict:
@@ -413,8 +431,9 @@ def test_tiers_are_wired_together(directory):
         assert worker["kind"] == "Deployment"
         # Workers connect to the engine's worker socket by its Service name; they push to
         # frontends' result addresses (in each request), so they bind nothing themselves.
-        assert tcp(args.engine_postproc_address) == (
-            engine["spec"]["serviceName"], bound["--postproc-address"]), where
+        # Every engine pod: the headless name, re-resolved (issue 18 item 5).
+        assert [dns_tcp(a) for a in args.engine_postproc_address] == [
+            (engine["spec"]["serviceName"], bound["--postproc-address"])], where
         assert not container.get("ports"), f"{where}: workers listen on nothing"
         assert "sluice-postproc" not in {k[2] for k in resources if k[1] == "Service"}
         # Autoscaled on CPU and protected from voluntary disruptions, like the frontends.
@@ -539,15 +558,12 @@ def test_compose_services_use_valid_commands_and_flags(files):
         assert {str(engine_ports[engine_name]), str(worker_ports[engine_name])} <= set(
             map(str, services[engine_name]["expose"]))
         assert "5555" in str(services[engine_name]["healthcheck"]["test"])
-    served = set()
     for name, args in workers.items():
-        # A worker reaches its engine by service name; it binds nothing, so replicas are fine.
-        engine_name, port = tcp(args.engine_postproc_address)
-        assert port == worker_ports[engine_name], name
-        served.add(engine_name)
+        # Workers reach every engine by service name; they bind nothing, so replicas are fine.
+        assert sorted(tcp(a) for a in args.engine_postproc_address) == sorted(
+            worker_ports.items()), name
         assert not services[name].get("ports") and not services[name].get("expose"), name
-        assert engine_name in services[name]["depends_on"], name
-    assert served == set(engines), "every engine has its postproc workers"
+        assert set(engines) <= set(services[name]["depends_on"]), name
     for name, args in frontends.items():
         service = services[name]
         assert sorted(tcp(a) for a in args.engine_address) == sorted(engine_ports.items()), name
