@@ -132,6 +132,9 @@ class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be generated (vLLM's)
+    bad_words: list[str] | None = None  # words that must not be generated (vLLM's)
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

@@ -23,6 +23,7 @@ from shared.param_ranges import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    MAX_BAD_WORD_SEQUENCES,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
@@ -30,6 +31,10 @@ from shared.param_ranges import (
 )
 
 Request = ChatCompletionRequest | CompletionRequest
+
+# bad_words: each word becomes up to two token sequences (shared.param_ranges bounds those).
+MAX_BAD_WORDS = MAX_BAD_WORD_SEQUENCES // 2
+MAX_BAD_WORD_CHARS = 256
 
 # logit_bias keys: a token id in plain ASCII decimal. int() would also take " 5", "1_0",
 # "٣" or 5,000 digits (a ValueError past 4,300); 18 digits is past any vocabulary already.
@@ -105,6 +110,10 @@ def _check_counts(request: Request, limits: RequestLimits) -> None:
                   "max-stop-strings")
     check_at_most(len(request.stop_token_ids or ()), MAX_STOP_TOKEN_IDS, "stop_token_ids",
                   "stop token ids", None)
+    check_at_most(len(request.bad_words or ()), MAX_BAD_WORDS, "bad_words", "bad words", None)
+    if any(len(word) > MAX_BAD_WORD_CHARS for word in request.bad_words or ()):
+        raise bad_request(f"each of bad_words may have at most {MAX_BAD_WORD_CHARS} "
+                          "characters", "bad_words")
     check_at_most(len(request.logit_bias or ()), MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
                   "logit_bias entries", None)
 

@@ -145,8 +145,10 @@ async def start_job(
         if request.echo:
             await add_echo_texts(ctx, prompts)
     constraint = await constraint_for(request, structured_settings(ctx))
+    bad_words = (await ctx.tokenization.bad_word_ids(request.bad_words) if request.bad_words
+                 else None)
     job = build_job(ctx, request, prompts, endpoint, prefix or _ID_PREFIXES[endpoint],
-                    constraint)
+                    constraint, bad_words)
     return job, job_frames(ctx, http, job, await submit(ctx, job))
 
 
@@ -160,9 +162,11 @@ def build_job(
     endpoint: str,
     prefix: str,
     constraint: Constraint | None = None,
+    bad_words: list[list[int]] | None = None,
 ) -> Job:
     """`constraint`: the request's grammar, checked once (`constraint_for`) for all its
-    prompts and candidates. The plan is built once too; only max_tokens is per prompt."""
+    prompts and candidates; `bad_words` its bad words as token sequences. The plan is built
+    once too; only max_tokens is per prompt."""
     request_id = f"{prefix}-{request.request_id or uuid.uuid4().hex}"
     now = time.time()
     # Every prompt's room first: a prompt too long for the context is the likeliest 400.
@@ -170,7 +174,7 @@ def build_job(
     max_tokens = [prompt_max_tokens(request, endpoint, p.num_tokens, limit,
                                     ctx.generation_defaults) for p in prompts]
     plan = request_plan(request, vocab_size=ctx.vocab_size, constraint=constraint,
-                        defaults=ctx.generation_defaults)
+                        defaults=ctx.generation_defaults, bad_words=bad_words)
     job = Job(request_id, int(now), prompts, plan, [], {})
     for p, (prompt, prompt_max) in enumerate(zip(prompts, max_tokens, strict=True)):
         packed = pack_ids(prompt.tokens.ids)
@@ -214,6 +218,8 @@ def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: Pr
                        tool_prefill=prompt.rendered.injected_prefix if prompt.rendered else "")
     # skip_special_tokens stays as the request says: the postproc step keeps the parsers'
     # own delimiters when they are special tokens (postproc.processor.special_ids_to_skip).
+    if settings.return_tokens_as_token_ids:
+        changes["tokens_as_ids"] = True
     if request.stream:
         changes["chunk"] = ChunkFormat(
             kind="chat" if chat else "completion", response_id=job.request_id,

@@ -98,6 +98,7 @@ def run_frontend(config: FrontendConfig) -> None:
             keep_special_tokens=parser_delimiters_are_special(
                 tokenizer, config.reasoning_parser, config.tool_call_parser),
             response_role=config.response_role,
+            return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         ),
     )
     app = build_app(ctx, config)

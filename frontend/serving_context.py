@@ -31,6 +31,8 @@ class OutputSettings(msgspec.Struct, frozen=True):
     # keep special tokens in their text (req O-6); the parsers take the delimiters out.
     keep_special_tokens: bool = False
     response_role: str = "assistant"  # --response-role: the role chat answers carry
+    # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" for every request.
+    return_tokens_as_token_ids: bool = False
 
 
 class ServingContext(msgspec.Struct):

@@ -312,6 +312,22 @@ class Tokenization:
             tokens.text = await self.decode(tokens.ids, skip_special_tokens=False)
         return tokens
 
+    async def bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's bad_words as token sequences: each word as it starts a text and, when
+        that tokenizes differently, after a space, as in mid-text."""
+        return await self._run(self._bad_word_ids, words)
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        sequences: list[list[int]] = []
+        with self.pool.borrow() as tok:
+            for word in words:
+                bare = tok.encode(word.lstrip(), add_special_tokens=False)
+                spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+                for ids in (bare, spaced):
+                    if ids and ids not in sequences:
+                        sequences.append(ids)
+        return sequences
+
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self._run(self._decode, ids, skip_special_tokens)
 

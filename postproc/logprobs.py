@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from shared.protocol import LogprobEntry, TokenLogprobs, TopLogprob
@@ -24,9 +26,15 @@ class TokenTexts:
         return text
 
 
+def token_id_name(token_id: int) -> str:
+    """A token as vLLM's return_tokens_as_token_ids names it."""
+    return f"token_id:{token_id}"
+
+
 def logprob_entries(
-    token_ids: np.ndarray, raw: TokenLogprobs, texts: TokenTexts
+    token_ids: np.ndarray, raw: TokenLogprobs, texts: Callable[[int], str]
 ) -> list[LogprobEntry]:
+    """`texts`: a token id's text (TokenTexts), or its name (token_id_name)."""
     chosen = np.frombuffer(raw.token_logprobs, dtype="<f4")
     count = len(chosen)
     top_ids = np.frombuffer(raw.top_ids, dtype="<i4").reshape(count, -1)

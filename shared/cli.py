@@ -278,6 +278,9 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-log-outputs", action="store_true",
                    help="with --enable-log-requests: also log each finished request's output "
                         "text, token count and finish reason")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens 'token_id:N' instead of their text, for every "
+                        "request (a request's return_tokens_as_token_ids does it for itself)")
     _add_http_arguments(p)
     _add_limit_arguments(p)
 
@@ -598,6 +601,7 @@ def frontend_config(args, engine_address: str | list[str] | None,
         port=args.port, result_address=result_address,
         tokenizer_threads=args.tokenizer_threads, log_level=args.log_level,
         render_timeout_s=args.render_timeout, chat_template=args.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
         trust_request_chat_template=args.trust_request_chat_template,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         reasoning_field=args.reasoning_field, max_stored_responses=args.max_stored_responses,
@@ -606,6 +610,7 @@ def frontend_config(args, engine_address: str | list[str] | None,
         response_role=args.response_role,
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
         log_requests=args.enable_log_requests, log_outputs=args.enable_log_outputs,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         max_logprobs=args.max_logprobs,
         export_engine_metrics=getattr(args, "export_engine_metrics", False),
         http=HttpSettings(root_path=args.root_path, uds=args.uds,
@@ -636,7 +641,6 @@ def _limit_config(args) -> dict:
         api_keys=_api_keys(args), allowed_origins=_listed(args.allowed_origins, []),
         allowed_methods=_listed(args.allowed_methods, ["*"]),
         allowed_headers=_listed(args.allowed_headers, ["*"]),
-        chat_template_content_format=args.chat_template_content_format,
         allow_credentials=args.allow_credentials,
         max_request_body_bytes=args.max_request_body_bytes,
         max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
@@ -755,7 +759,8 @@ def _serve(args) -> int:
         frontend_argv += ["--default-chat-template-kwargs",
                           json.dumps(args.default_chat_template_kwargs)]
     for flag, on in (("--enable-log-requests", args.enable_log_requests),
-                     ("--enable-log-outputs", args.enable_log_outputs)):
+                     ("--enable-log-outputs", args.enable_log_outputs),
+                     ("--return-tokens-as-token-ids", args.return_tokens_as_token_ids)):
         if on:
             frontend_argv.append(flag)
     if args.chat_template is not None:

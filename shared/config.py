@@ -71,6 +71,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     render_timeout_s: float = 30.0  # a chat render running longer fails its request
     chat_template: str | None = None  # --chat-template: a file path or the template itself
     trust_request_chat_template: bool = False  # honour a request's chat_template
+    chat_template_content_format: str = "auto"  # auto | string | openai (frontend.rendering)
     heartbeat_interval_s: float = 1.0
     engine_timeout_s: float = 5.0
     log_level: str = "info"
@@ -79,7 +80,6 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None
     reasoning_field: str = "reasoning_content"  # vLLM now says "reasoning"
     # /v1/responses with store: responses kept in this frontend's memory (LRU); 0: none.
-    chat_template_content_format: str = "auto"  # auto | string | openai (frontend.rendering)
     max_stored_responses: int = 1000
     # --generation-config auto|vllm|FOLDER and --override-generation-config JSON
     # (shared.generation_config): sampling defaults for fields a request leaves out.
@@ -89,6 +89,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     default_chat_template_kwargs: dict = {}  # under each request's chat_template_kwargs
     log_requests: bool = False  # --enable-log-requests (frontend.request_log)
     log_outputs: bool = False  # --enable-log-outputs
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     http: HttpSettings = msgspec.field(default_factory=HttpSettings)
     # --export-engine-metrics: this frontend's /metrics carries its engine's series too, as
     # `sluice serve` (one frontend, one scrape target) wants; see frontend.metrics.

@@ -80,3 +80,52 @@ def test_reasoning_sent_back_under_vllms_name_is_accepted(client):
                {"role": "user", "content": "And Spain?"}]
     answer = client.chat.completions.create(model=MODEL, messages=history, max_tokens=2)
     assert answer.choices[0].message.content
+
+
+FRANCE = "The capital of France is"  # greedy: " Paris.\n\nThe answer is: ..."
+
+
+def _greedy(client, **extra):
+    return client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=6, temperature=0,
+                                     extra_body=extra)
+
+
+def test_bad_words_are_never_generated(client):
+    """Item 17: vLLM's bad_words, at the start of the text or after a space."""
+    assert "Paris" in _greedy(client).choices[0].text
+    text = _greedy(client, bad_words=["Paris"]).choices[0].text
+    assert "Paris" not in text and text
+
+
+def test_allowed_token_ids_and_tokens_as_ids(client, base_url):
+    """Item 17: only allowed ids come out; return_tokens_as_token_ids names tokens by id."""
+    import httpx
+
+    ids = httpx.post(f"{base_url}/tokenize", json={"prompt": " Rome. Rome"}).json()["tokens"]
+    allowed = sorted(set(ids))
+    answer = client.completions.create(
+        model=MODEL, prompt=FRANCE, max_tokens=5, temperature=0, logprobs=2,
+        extra_body={"allowed_token_ids": allowed, "return_tokens_as_token_ids": True})
+    tokens = answer.choices[0].logprobs.tokens
+    assert len(tokens) == 5 and all(t.startswith("token_id:") for t in tokens)
+    assert {int(t.split(":")[1]) for t in tokens} <= set(allowed)
+    for top in answer.choices[0].logprobs.top_logprobs:
+        assert all(k.startswith("token_id:") for k in top)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=PARIS, max_tokens=2, logprobs=True, top_logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True})
+    assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"bad_words": ["x"] * 129}, "bad_words"),
+    ({"bad_words": ["x" * 257]}, "bad_words"),
+    ({"bad_words": ["a " * 100]}, "bad_words"),  # about 100 tokens: over 64
+    ({"best_of": 2, "n": 1, "temperature": 0}, "best_of"),
+])
+def test_request_extras_out_of_bounds_are_a_400(client, extra, field):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=extra)
+    assert refused.value.body["param"] == field

@@ -308,7 +308,8 @@ def test_http_flags_reach_the_frontend_and_serve_forwards_them(tmp_path, monkeyp
     argv = ["--root-path", "/llm", "--uds", str(tmp_path / "s.sock"), "--ssl-keyfile", str(key),
             "--ssl-certfile", str(cert), "--ssl-cert-reqs", "1", "--uvicorn-log-level", "warning",
             "--response-role", "bot", "--enable-log-requests", "--enable-log-outputs",
-            "--default-chat-template-kwargs", '{"enable_thinking": false}']
+            "--default-chat-template-kwargs", '{"enable_thinking": false}',
+            "--return-tokens-as-token-ids"]
     config = cli.frontend_config(cli.parse_args(["frontend", *argv]), "ipc:///tmp/x", None)
     http = config.http
     assert (http.root_path, http.uds, http.ssl_keyfile, http.ssl_certfile) == (
@@ -316,14 +317,15 @@ def test_http_flags_reach_the_frontend_and_serve_forwards_them(tmp_path, monkeyp
     assert http.ssl_cert_reqs == 1 and http.log_level == "warning"
     assert config.response_role == "bot" and config.log_requests and config.log_outputs
     assert config.default_chat_template_kwargs == {"enable_thinking": False}
+    assert config.return_tokens_as_token_ids
     assert cli.frontend_config(cli.parse_args(["frontend", "--log-level", "debug"]),
                                "ipc:///tmp/x", None).http.log_level == "debug"
     _, frontend = _serve_argvs(monkeypatch, argv)
     reparsed = cli.frontend_config(cli.parse_args(frontend), "ipc:///tmp/x", None)
     assert reparsed.http == http
     assert reparsed.default_chat_template_kwargs == config.default_chat_template_kwargs
-    assert (reparsed.response_role, reparsed.log_requests, reparsed.log_outputs) == (
-        "bot", True, True)
+    assert (reparsed.response_role, reparsed.log_requests, reparsed.log_outputs,
+            reparsed.return_tokens_as_token_ids) == ("bot", True, True, True)
 
 
 @pytest.mark.parametrize("flags, message", [
