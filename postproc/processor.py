@@ -189,16 +189,27 @@ class OutputProcessor:
             # The engine stops with "stop" only on EOS or a stop_token_id, the last token:
             # like a stop string, it is left out of the text unless asked for (req O-3).
             text_ids = ids[:-1]
-        text = state.detokenizer.push(text_ids.tolist()) if len(text_ids) else ""
+        # The first min_tokens tokens cannot end the output with a stop string (req P-9:
+        # the min_tokens gate comes first, as for EOS and stop_token_ids in the engine).
+        gated = max(0, min(len(text_ids),
+                           state.params.min_tokens - (output.num_output_tokens - len(ids))))
+        ids_list = text_ids.tolist()
+        early = state.detokenizer.push(ids_list[:gated]) if gated else ""
+        text = state.detokenizer.push(ids_list[gated:]) if len(ids_list) > gated else ""
         if finished:
             text += state.detokenizer.flush()
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         if state.stops is not None and finish_reason != "error":
+            if gated:
+                early, _ = state.stops.feed(early, gated=True)
             text, matched = state.stops.feed(text)
+            text = early + text
             if matched is not None:
                 finish_reason, stop_reason = "stop", matched
             elif finished:
                 text += state.stops.flush()
+        else:
+            text = early + text
         return text, finish_reason, stop_reason
 
     @staticmethod

@@ -101,6 +101,8 @@ class OutputParams(msgspec.Struct, frozen=True, omit_defaults=True):
     skip_special_tokens: bool = True
     stop: list[str] = []  # stop strings, matched on detokenized text
     include_stop_str_in_output: bool = False
+    # The request's min_tokens: no stop string ends it before that many tokens (req P-9).
+    min_tokens: int = 0
     logprobs: bool = False  # attach token strings to the logprobs the engine sends
     # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", not their text
     # (for tokens whose text is not valid UTF-8 on its own).

@@ -129,3 +129,22 @@ def test_tool_call_arguments_stream_as_they_are_generated(client):
     streamed = "".join(d.function.arguments for d in rest)
     assert streamed == call.function.arguments
     assert set(json.loads(streamed)) == {"city", "days"}
+
+
+# ---------------------------------------------------------------- 8: stop strings, min_tokens
+
+
+def test_stop_strings_wait_for_min_tokens(client):
+    """EOS and stop ids wait for min_tokens, and so do stop strings: " " stops this
+    completion at once ("Paris" starts with a space) unless min_tokens holds it."""
+    fields = dict(model=MODEL, prompt="The capital of France is", max_tokens=40,
+                  temperature=0, stop=[" "])
+    bare = client.completions.create(**fields)
+    assert bare.choices[0].text == "" and bare.choices[0].finish_reason == "stop"
+    held = client.completions.create(extra_body={"min_tokens": 20}, **fields)
+    text = held.choices[0].text
+    assert " " in text and held.usage.completion_tokens >= 20, text
+    assert held.choices[0].finish_reason in ("stop", "length")
+    chat = ask(client, "Say a long sentence about Paris.", max_tokens=40, temperature=0,
+               stop=[" "], extra_body={"min_tokens": 15})
+    assert chat.choices[0].message.content.count(" ") >= 3, chat.choices[0].message.content

@@ -80,6 +80,7 @@ ENGINE_INBOUND = {
             skip_special_tokens=False,
             stop=["\n\n", "END"],
             include_stop_str_in_output=True,
+            min_tokens=3,
             logprobs=True,
             reasoning_parser="qwen3",
             starts_in_reasoning=True,

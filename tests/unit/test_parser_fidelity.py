@@ -423,3 +423,44 @@ def test_the_prefill_may_open_the_arguments():
     first = p.feed('{"city"')
     assert [(c.function.name, c.function.arguments) for c in first.calls] == [
         ("get_weather", ""), (None, '{"city"')]
+
+
+# ---------------------------------------------------------------- 8: stop strings, min_tokens
+
+
+def test_a_gated_stop_string_does_not_match_but_one_ending_later_does():
+    from postproc.stop_strings import StopMatcher
+
+    m = StopMatcher(["\n", "END"], include_stop=False)
+    out, matched = m.feed("a\nbE", gated=True)
+    assert matched is None and out == "a\n"  # "bE" is held: it may hold the start of "END"
+    out2, matched = m.feed("ND and\n")  # "END" began in gated text and ends now: it counts
+    assert matched == "END" and out + out2 == "a\nb"
+    m = StopMatcher(["\n"], include_stop=True)
+    assert m.feed("x\ny", gated=True) == ("x\ny", None)
+    assert m.feed("z\nw") == ("z\n", "\n")
+
+
+def test_stop_strings_wait_for_min_tokens_in_the_postproc_step():
+    from shared.protocol import OutputParams
+
+    tokenizer = load_tokenizer("default")
+    ids = tokenizer.encode("one\ntwo\nthree\nfour", add_special_tokens=False)
+    newline_ids = [i for i, t in enumerate(ids) if "\n" in tokenizer.decode([t])]
+    early = run_processor(ids, OutputParams(stop=["\n"]))
+    assert "".join(f.text for f in early) == "one" and early[-1].stop_reason == "\n"
+    # min_tokens past the first newline: the first stop string that counts is the next one.
+    gated = newline_ids[0] + 1
+    later = run_processor(ids, OutputParams(stop=["\n"], min_tokens=gated))
+    assert "".join(f.text for f in later) == "one\ntwo"
+    assert (later[-1].finish_reason, later[-1].stop_reason) == ("stop", "\n")
+    # Several tokens per frame, straddling the gate: the same answer.
+    from postproc.processor import OutputProcessor
+    from shared.protocol import RequestOutput, pack_ids
+
+    processor = OutputProcessor(tokenizer)
+    processor.register("r", [1, 2], OutputParams(stop=["\n"], min_tokens=gated))
+    frame = processor.process([RequestOutput(
+        request_id="r", new_token_ids=pack_ids(ids), num_prompt_tokens=2,
+        num_output_tokens=len(ids))]).frames[0]
+    assert frame.text == "one\ntwo" and frame.stop_reason == "\n"
