@@ -127,6 +127,7 @@ def request_plan(
     vocab_size: int,
     constraint: Constraint | None = None,
     defaults: GenerationDefaults | None = None,
+    bad_words: list[list[int]] | None = None,
 ) -> Plan:
     """Everything but max_tokens, built and checked once per request: the prompts of a
     batched completion share it, so its grammar, logit_bias and ranges are not redone per
@@ -135,7 +136,8 @@ def request_plan(
 
     `constraint`: the request's, checked once (`frontend.structured.constraint_for`).
     `defaults`: the model's generation defaults (`--generation-config`) for the fields the
-    request leaves out; request values win."""
+    request leaves out; request values win. `bad_words`: the request's, as token sequences
+    (`Tokenization.bad_word_ids`)."""
     d = defaults or _NO_DEFAULTS
     asked, _ = _asked_max_tokens(request)
     logprobs, prompt_logprobs = _logprobs(request)
@@ -163,14 +165,22 @@ def request_plan(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         constraint=constraint,
+        allowed_token_ids=request.allowed_token_ids or [],
+        bad_words=bad_words or [],
     )
     _check_ranges(params, vocab_size)
+    if (isinstance(request, CompletionRequest) and (request.best_of or 1) > 1
+            and params.temperature == 0):
+        # Greedy candidates are all the same answer: nothing to pick the best of.
+        raise bad_request("best_of must be 1 when sampling greedily (temperature 0)",
+                          "best_of")
     output = OutputParams(
         skip_special_tokens=request.skip_special_tokens,
         stop=_stop_strings(request.stop),
         include_stop_str_in_output=request.include_stop_str_in_output,
         min_tokens=request.min_tokens,  # stop strings wait for it too (req P-9)
         logprobs=logprobs is not None or prompt_logprobs is not None,
+        tokens_as_ids=bool(request.return_tokens_as_token_ids),
     )
     return Plan(params, output, request.n, candidates)
 
