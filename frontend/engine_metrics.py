@@ -26,3 +26,21 @@ def connection_families(client, model_name: str = ""):
         labels=["model_name"])
     moved.add_metric([model_name], float(client.resubmitted))
     yield moved
+
+
+def every_engine_families(client):
+    """`shared.metrics_export.engine_families` of every engine this frontend has stats from,
+    one family per name with a sample per engine (`sluice serve --data-parallel-size N`
+    exports all N engines on its one frontend's /metrics)."""
+    from shared.metrics_export import engine_families
+
+    merged: dict = {}
+    for conn in sorted(client.engines.values(), key=lambda c: c.address):
+        if conn.stats is None:
+            continue
+        for family in engine_families(conn.stats):
+            if family.name in merged:
+                merged[family.name].samples.extend(family.samples)
+            else:
+                merged[family.name] = family
+    yield from merged.values()

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 
 from frontend.engine_client import EngineClient
-from frontend.engine_metrics import connection_families
+from frontend.engine_metrics import connection_families, every_engine_families
 from frontend.input_metrics import register_input_metrics
 from frontend.request_metrics import register_request_metrics
-from shared.metrics_export import engine_families, with_model_name, with_vllm_names
+from shared.metrics_export import with_model_name, with_vllm_names
 
 # The library chose its storage when it was imported, i.e. by now: read the same setting.
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -45,8 +45,8 @@ class EngineStatsCollector:
         alive.add_metric([self.model_name], 1.0 if self.client.engine_alive else 0.0)
         yield alive
         yield from connection_families(self.client, self.model_name)  # one per engine
-        if stats is not None and self.export_engine:
-            yield from with_vllm_names(engine_families(stats))
+        if stats is not None and self.export_engine:  # every engine's (serve -dp N: N)
+            yield from with_vllm_names(every_engine_families(self.client))
 
 
 class FrontendSeries:

@@ -285,3 +285,26 @@ def test_dns_form_follows_an_injected_resolver(two, tmp_path):
         for e in engines:
             e.stop()
     assert asked.count("engines.test") >= 2  # re-resolved while running
+
+
+def test_serve_data_parallel_starts_engines_behind_its_frontend(tmp_path):
+    """`sluice serve --data-parallel-size 2` (item 6): two engines, each on its share of the
+    CPUs, ids engine-0 and engine-1, behind the one frontend, with a worker on both."""
+    from tests.servers import Stack
+
+    stack = Stack(str(tmp_path), "--data-parallel-size", "2", "--postproc-workers", "1")
+    try:
+        wait_until(lambda: _engines_up(stack.base_url) == 2, 120, "both engines live")
+        text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+        # serve's frontend exports its engines' series: both of them, one family each.
+        pages = [line for line in text.splitlines()
+                 if line.startswith("sluice:kv_cache_total_pages{")]
+        assert len(pages) == 2 and any('engine="engine-0"' in p for p in pages) and any(
+            'engine="engine-1"' in p for p in pages), pages
+        assert text.count("# TYPE sluice:kv_cache_total_pages ") == 1
+        for i in range(4):
+            r = httpx.post(f"{stack.base_url}/v1/chat/completions",
+                           json=_chat(stack.base_url, f"Hi {i}", stream=True), timeout=120)
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+    finally:
+        stack.stop()
