@@ -196,6 +196,7 @@ class TokenizeRequest(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool | None = False  # also each token's own string (vLLM's)
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -198,6 +198,15 @@ def build_job(
     return job
 
 
+def stream_usage(request) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage on every chunk): stream_options.include_usage, and
+    vLLM's continuous_usage_stats, which applies only together with include_usage."""
+    options = request.stream_options
+    if options is None or not options.include_usage:
+        return False, False
+    return True, bool(options.continuous_usage_stats)
+
+
 def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: PromptInput,
                    number: int) -> OutputParams:
     """The plan's output params plus what only the serving layer knows: parsers, and for a
@@ -226,8 +235,7 @@ def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: Pr
             created=job.created, model=ctx.model_name, index=number,
             logprobs=(plan.params.logprobs is not None if chat
                       else request.logprobs is not None),
-            continuous_usage=bool(request.stream_options
-                                  and request.stream_options.continuous_usage_stats),
+            continuous_usage=stream_usage(request)[1],
             echo=(prompt.source_text or "") if not chat and request.echo else "",
             reasoning_field=settings.reasoning_field,
         )

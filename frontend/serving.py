@@ -28,6 +28,7 @@ from frontend.pipeline import (
     collect_candidates,
     sse_stream,
     start_job,
+    stream_usage,
 )
 from frontend.serving_context import (
     ServingContext,
@@ -74,13 +75,6 @@ def _usage(job: Job, candidates: list[Candidate]) -> Usage:
     prompt = job.num_prompt_tokens
     completion = sum(c.last.num_output_tokens for c in candidates)
     return Usage(prompt, completion, prompt + completion)
-
-
-def _stream_options(request) -> tuple[bool, bool]:
-    options = request.stream_options
-    if options is None:
-        return False, False
-    return bool(options.include_usage), bool(options.continuous_usage_stats)
 
 
 # ---------------------------------------------------------------- chat
@@ -131,7 +125,7 @@ def _message(ctx: ServingContext, c: Candidate, role: str) -> AssistantMessage:
 
 
 def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, frames):
-    include_usage, continuous = _stream_options(request)
+    include_usage, continuous = stream_usage(request)
 
     def chunk(choices, usage=None) -> bytes:
         return sse_event(ChatCompletionChunk(job.request_id, job.created, ctx.model_name,
@@ -151,7 +145,7 @@ def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, 
 async def completion(ctx: ServingContext, http: Request, request: CompletionRequest) -> Response:
     job, frames = await start_job(ctx, http, request)
     if request.stream:
-        include_usage, _ = _stream_options(request)
+        include_usage, _ = stream_usage(request)
 
         def usage_chunk(usage: Usage) -> bytes:
             return sse_event(Completion(job.request_id, job.created, ctx.model_name, [], usage))
@@ -207,7 +201,9 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> TokenizeRes
         tokens = await ctx.tokenization.tokenize(text, params)
     except BudgetError as exc:
         raise bad_request(str(exc), exc.param or field) from exc
-    return TokenizeResponse(count=len(tokens.ids), max_model_len=limit, tokens=tokens.ids)
+    strs = await ctx.tokenization.token_strs(tokens.ids) if request.return_token_strs else None
+    return TokenizeResponse(count=len(tokens.ids), max_model_len=limit, tokens=tokens.ids,
+                            token_strs=strs)
 
 
 async def detokenize(ctx: ServingContext, request: DetokenizeRequest) -> DetokenizeResponse:

@@ -328,6 +328,14 @@ class Tokenization:
                         sequences.append(ids)
         return sequences
 
+    async def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token string as the vocabulary spells it (byte-level: "Ġword")."""
+        return await self._run(self._token_strs, ids)
+
+    def _token_strs(self, ids: list[int]) -> list[str]:
+        with self.pool.borrow() as tok:
+            return tok.convert_ids_to_tokens(ids)
+
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self._run(self._decode, ids, skip_special_tokens)
 

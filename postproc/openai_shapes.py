@@ -154,8 +154,11 @@ def completion_logprobs(entries: list[LogprobEntry], start_offset: int) -> Compl
     return CompletionLogprobs(
         tokens=[e.token for e in entries],
         token_logprobs=[_finite(e.logprob) for e in entries],
+        # The sampled token is always there, then the alternatives (as OpenAI's legacy
+        # API and vLLM: logprobs 0 gives the sampled token alone, not {}).
         top_logprobs=[
-            {t.token: t.logprob for t in e.top} if math.isfinite(e.logprob) else None
+            {e.token: e.logprob, **{t.token: t.logprob for t in e.top if t.token != e.token}}
+            if math.isfinite(e.logprob) else None
             for e in entries
         ],
         text_offset=offsets,
@@ -198,6 +201,7 @@ class TokenizeResponse(msgspec.Struct):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs (vLLM's): null otherwise
 
 
 class DetokenizeResponse(msgspec.Struct):

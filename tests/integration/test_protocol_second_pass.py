@@ -3,6 +3,9 @@ HTTP API with the official client, on the session's shared stacks."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
 
@@ -99,8 +102,6 @@ def test_bad_words_are_never_generated(client):
 
 def test_allowed_token_ids_and_tokens_as_ids(client, base_url):
     """Item 17: only allowed ids come out; return_tokens_as_token_ids names tokens by id."""
-    import httpx
-
     ids = httpx.post(f"{base_url}/tokenize", json={"prompt": " Rome. Rome"}).json()["tokens"]
     allowed = sorted(set(ids))
     answer = client.completions.create(
@@ -129,3 +130,49 @@ def test_request_extras_out_of_bounds_are_a_400(client, extra, field):
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=extra)
     assert refused.value.body["param"] == field
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token(client):
+    """Item 2: with logprobs 0 each top_logprobs entry is the sampled token alone (OpenAI's
+    legacy API and vLLM), not {}; with logprobs 1 at temperature 1 the sampled token is
+    there even when it was not the most likely."""
+    zero = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=4, logprobs=0,
+                                     temperature=0).choices[0].logprobs
+    assert [list(top) for top in zero.top_logprobs] == [[t] for t in zero.tokens]
+    assert [top[t] for top, t in zip(zero.top_logprobs, zero.tokens, strict=True)] == \
+        zero.token_logprobs
+    sampled = client.completions.create(model=MODEL, prompt="Once upon a", max_tokens=16,
+                                        logprobs=1, temperature=1.5, seed=7
+                                        ).choices[0].logprobs
+    assert all(t in top and len(top) in (1, 2)
+               for t, top in zip(sampled.tokens, sampled.top_logprobs, strict=True))
+
+
+def test_continuous_usage_needs_include_usage(base_url):
+    """Item 3: vLLM's continuous_usage_stats applies only with include_usage."""
+    def chunks(options):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True,
+                "stream_options": options}
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines()
+                    if line.startswith("data: {")]
+
+    alone = chunks({"continuous_usage_stats": True})
+    assert alone and all(c.get("usage") is None for c in alone)
+    both = chunks({"continuous_usage_stats": True, "include_usage": True})
+    assert all(c.get("usage") for c in both)
+
+
+def test_tokenize_returns_token_strings_on_request(base_url):
+    """Item 4: vLLM's return_token_strs gives token_strs, the vocabulary's spelling of each."""
+    plain = httpx.post(f"{base_url}/tokenize", json={"prompt": "Hello Paris"}).json()
+    assert plain["token_strs"] is None and plain["count"] == len(plain["tokens"])
+    asked = httpx.post(f"{base_url}/tokenize", json={"prompt": "Hello Paris",
+                                                     "return_token_strs": True}).json()
+    assert asked["tokens"] == plain["tokens"] and len(asked["token_strs"]) == asked["count"]
+    assert asked["token_strs"][-1] == "ĠParis"
+    chat = httpx.post(f"{base_url}/tokenize", json={"messages": PARIS,
+                                                    "return_token_strs": True}).json()
+    assert "<|im_start|>" in chat["token_strs"]
+    refused = httpx.post(f"{base_url}/tokenize", json={"prompt": "x", "return_token_strs": 3})
+    assert refused.status_code == 400
