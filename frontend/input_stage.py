@@ -145,7 +145,10 @@ async def _completion_text(ctx: ServingContext, request, text: str,
                            params: TokenizeParams) -> PromptInput:
     tokens = await _tokenize(ctx, text, params, "prompt")
     _record(request, "completions", tokens, rendered=False)
-    return PromptInput(tokens, source_text=text)
+    # A cut prompt echoes as the ids that were sent (pipeline.add_echo_texts decodes them),
+    # so the echo agrees with its logprobs and offsets.
+    cut = tokens.tokens_cut or tokens.chars_cut
+    return PromptInput(tokens, source_text=None if cut else text)
 
 
 # ---------------------------------------------------------------- shared steps

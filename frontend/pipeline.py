@@ -243,7 +243,8 @@ def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: Pr
 
 
 async def add_echo_texts(ctx: ServingContext, prompts: list[PromptInput]) -> None:
-    """Token-id prompts echo as what they decode to; text prompts as the client wrote them."""
+    """Token-id prompts, and text prompts truncation cut, echo as what their ids decode to;
+    other text prompts as the client wrote them."""
     for prompt in prompts:
         if prompt.source_text is None:
             prompt.source_text = await ctx.tokenization.decode(prompt.tokens.ids,

@@ -176,3 +176,17 @@ def test_tokenize_returns_token_strings_on_request(base_url):
     assert "<|im_start|>" in chat["token_strs"]
     refused = httpx.post(f"{base_url}/tokenize", json={"prompt": "x", "return_token_strs": 3})
     assert refused.status_code == 400
+
+
+def test_echo_of_a_truncated_prompt_is_what_was_sent(client):
+    """Item 9: echo with truncate_prompt_tokens echoes the ids actually sent, agreeing with
+    the echoed logprobs, not the prompt as written."""
+    answer = client.completions.create(
+        model=MODEL, prompt=FRANCE, max_tokens=2, temperature=0, echo=True, logprobs=0,
+        extra_body={"truncate_prompt_tokens": 3}).choices[0]
+    assert answer.logprobs.tokens[:3] == [" of", " France", " is"]
+    assert answer.text.startswith(" of France is") and not answer.text.startswith("The")
+    assert "".join(answer.logprobs.tokens) == answer.text
+    whole = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=2,
+                                      temperature=0, echo=True).choices[0]
+    assert whole.text.startswith(FRANCE)
