@@ -20,6 +20,7 @@ from shared.protocol import (
     EngineStats,
     FrameBatch,
     FunctionCallDelta,
+    HistogramCounts,
     LogprobEntry,
     OutputBatch,
     OutputParams,
@@ -58,6 +59,8 @@ def _full_params() -> SamplingParams:
         logprobs=3,
         prompt_logprobs=0,
         constraint=Constraint(kind="json_schema", grammar='{"grammars": []}'),
+        allowed_token_ids=[0, 5, 2**31 - 1],
+        bad_words=[[7], [3, 4, 5]],
     )
 
 
@@ -87,6 +90,7 @@ ENGINE_INBOUND = {
             tool_parser="hermes",
             tools=b'[{"type": "function", "function": {"name": "f"}}]',
             tool_prefill='<tool_call>\n{"name": "f", "arguments": ',
+            tokens_as_ids=True,
             chunk=ChunkFormat(
                 kind="completion", response_id="cmpl-1", created=17, model="m", index=2,
                 logprobs=True, continuous_usage=True, echo="Once upon",
@@ -213,6 +217,8 @@ FRONTEND_INBOUND = {
         num_postproc_workers=3,
         postproc_assigned=50,
         postproc_replayed=7,
+        page_size=16,
+        histograms={"queue_time": HistogramCounts(counts=[1, 0, 3], total=0.75)},
     ),
 }
 
@@ -249,6 +255,8 @@ def _nested_types(value) -> set[type]:
         for field in value.__struct_fields__:
             found |= _nested_types(getattr(value, field))
         return found
+    if isinstance(value, dict):
+        value = list(value.values())
     if isinstance(value, (list, tuple)):
         return set().union(*(_nested_types(v) for v in value)) if value else set()
     return set()
@@ -277,6 +285,8 @@ def test_cases_set_every_field_somewhere():
         value = stack.pop()
         if isinstance(value, (list, tuple)):
             stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
         elif isinstance(value, msgspec.Struct):
             for info in msgspec.structs.fields(value):
                 current = getattr(value, info.name)

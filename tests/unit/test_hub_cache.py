@@ -92,7 +92,7 @@ def test_cli_served_name_is_the_hub_id_and_serve_forwards_the_flags(no_hf_env, t
                                                                     monkeypatch):
     snapshot = make_cached_model(tmp_path)
     args = cli.parse_args(["engine", "tiny-org/tiny-llama", "--download-dir", str(tmp_path)])
-    assert cli._model_names(args) == (str(snapshot), "tiny-org/tiny-llama")
+    assert cli._model_names(args) == (str(snapshot), ["tiny-org/tiny-llama"])
     args = cli.parse_args(["serve", "tiny-org/tiny-llama", "--download_dir", str(tmp_path),
                            "--revision", "main"])
     assert os.fspath(tmp_path) == args.download_dir and args.revision == "main"
