@@ -23,9 +23,9 @@ from frontend.api_models import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from frontend.field_hints import closest_field
 from frontend.auth import AuthMiddleware
 from frontend.errors import APIError, error_response, route_path
+from frontend.field_hints import closest_field
 from frontend.input_bounds import RequestLimits, json_depth_error
 from frontend.json_depth import TooDeep, check_depth
 from frontend.limits import Admission, AdmissionMiddleware, BodyLimitMiddleware
@@ -74,6 +74,7 @@ def _param_of(message: str) -> str | None:
         return f"{path}.{named.group(1)}" if path else named.group(1)
     return path or None
 
+
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `\$([^`]*)`)?")
 
 
@@ -84,7 +85,6 @@ def _hint(body_type, message: str) -> str:
         return ""
     known = closest_field(body_type, (unknown.group(2) or "").lstrip("."), unknown.group(1))
     return f' (did you mean "{known}"?)' if known else ""
-
 
 
 class _InvocationShape(msgspec.Struct):

@@ -19,7 +19,7 @@ import msgspec
 
 from postproc.chunks import ChunkWriter, Piece
 from postproc.detokenizer import IncrementalDetokenizer
-from postproc.logprobs import TokenTexts, logprob_entries
+from postproc.logprobs import TokenTexts, logprob_entries, token_id_name
 from postproc.reasoning import ReasoningParser, get_reasoning_parser
 from postproc.stop_strings import StopMatcher
 from postproc.tool_parsers import ToolDelta, ToolParser, get_tool_parser
@@ -150,8 +150,8 @@ class OutputProcessor:
                                                 truncated=finish_reason == "length")
         if finish_reason == "stop" and state.tools is not None and state.tools.num_calls:
             finish_reason = "tool_calls"  # as OpenAI says when the answer called tools
-        logprobs = self._entries(ids, output.logprobs)
-        prompt_logprobs = self._entries(state.prompt_ids, output.prompt_logprobs)
+        logprobs = self._entries(state, ids, output.logprobs)
+        prompt_logprobs = self._entries(state, state.prompt_ids, output.prompt_logprobs)
         chunk = b""
         if state.writer is not None and finish_reason != "error":
             chunk = state.writer.write(Piece(
@@ -231,10 +231,11 @@ class OutputProcessor:
         return (reasoning, "".join(p.content for p in parts),
                 [c for p in parts for c in p.calls])
 
-    def _entries(self, ids, raw):
+    def _entries(self, state: RequestState, ids, raw):
         if raw is None:
             return None
-        return logprob_entries(ids, raw, self._texts)
+        texts = token_id_name if state.params.tokens_as_ids else self._texts
+        return logprob_entries(ids, raw, texts)
 
 
 def _delimiters(reasoning_parser: str | None, tool_parser: str | None) -> set[str]:
