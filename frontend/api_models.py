@@ -135,10 +135,11 @@ class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     allowed_token_ids: list[int] | None = None  # only these may be generated (vLLM's)
     bad_words: list[str] | None = None  # words that must not be generated (vLLM's)
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
+    return_token_ids: bool | None = False  # answers carry prompt and output ids (vLLM's)
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = []  # required unless prompt_token_ids is given
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None

@@ -56,6 +56,7 @@ from shared.protocol import (
     TextFrame,
     ToolCallDelta,
     pack_ids,
+    unpack_ids,
 )
 
 _DISCONNECTED = object()  # queue sentinel: the client went away
@@ -92,10 +93,12 @@ class Candidate(msgspec.Struct):
     tool_calls: list[ToolCallDelta] = msgspec.field(default_factory=list)
     logprobs: list[LogprobEntry] = msgspec.field(default_factory=list)
     prompt_logprobs: list[LogprobEntry] | None = None
+    token_ids: list[int] = msgspec.field(default_factory=list)
     last: TextFrame | None = None
 
     def add(self, frame: TextFrame) -> None:
         self.texts.append(frame.text)
+        self.token_ids.extend(unpack_ids(frame.token_ids).tolist())
         if frame.reasoning:
             self.reasoning.append(frame.reasoning)
         self.tool_calls.extend(frame.tool_calls)

@@ -65,6 +65,9 @@ def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTU
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if request.cache_salt is not None and not request.cache_salt:
         raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
+    if request.return_token_ids and request.stream:
+        raise bad_request("return_token_ids is not available for streamed answers yet",
+                          "return_token_ids")
     if isinstance(request, ChatCompletionRequest):
         _check_chat(request)
         unsupported = UNSUPPORTED_WHEN_SET + CHAT_UNSUPPORTED_WHEN_SET
@@ -79,6 +82,8 @@ def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTU
 
 
 def _check_chat(request: ChatCompletionRequest) -> None:
+    if not request.messages and request.prompt_token_ids is None:
+        raise bad_request("messages must not be empty (or send prompt_token_ids)", "messages")
     if request.top_logprobs is not None and request.logprobs is not True:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if request.logprobs is not None and not isinstance(request.logprobs, bool):

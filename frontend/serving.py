@@ -9,6 +9,7 @@ candidates as choices.
 from __future__ import annotations
 
 import msgspec
+from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -97,11 +98,14 @@ async def chat_completion(
             finish_reason=c.last.finish_reason,
             stop_reason=c.last.stop_reason,
             logprobs=chat_logprobs(c.logprobs) if want_logprobs else None,
+            token_ids=c.token_ids if request.return_token_ids else UNSET,
         )
         for i, (_, c) in enumerate(_chosen(job, candidates))
     ]
     body = ChatCompletion(job.request_id, job.created, ctx.model_name, choices,
                           _usage(job, candidates))
+    if request.return_token_ids:
+        body.prompt_token_ids = job.prompts[0].tokens.ids
     return Response(_json.encode(body), media_type="application/json")
 
 
@@ -161,8 +165,11 @@ async def completion(ctx: ServingContext, http: Request, request: CompletionRequ
         if job.plan.params.logprobs is not None and request.logprobs is not None:
             entries = (c.prompt_logprobs or []) + c.logprobs
             logprobs = completion_logprobs(entries, start_offset=0)
-        choices.append(CompletionChoice(i, echo + c.text, c.last.finish_reason,
-                                        c.last.stop_reason, logprobs))
+        choice = CompletionChoice(i, echo + c.text, c.last.finish_reason, c.last.stop_reason,
+                                  logprobs)
+        if request.return_token_ids:
+            choice.prompt_token_ids, choice.token_ids = job.prompts[p].tokens.ids, c.token_ids
+        choices.append(choice)
     body = Completion(job.request_id, job.created, ctx.model_name, choices,
                       _usage(job, candidates))
     return Response(_json.encode(body), media_type="application/json")

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from postproc.tool_parsers.base import ToolCall
 from shared.protocol import LogprobEntry, ToolCallDelta
@@ -67,6 +68,7 @@ class ChatChoice(msgspec.Struct):
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: Any = None
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids (vLLM's)
 
 
 class ChatCompletion(msgspec.Struct):
@@ -76,6 +78,7 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids (vLLM's)
 
 
 class CompletionChoice(msgspec.Struct):
@@ -84,6 +87,9 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: Any = None
+    # With return_token_ids (vLLM's); UNSET fields are left out of the JSON.
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class Completion(msgspec.Struct):

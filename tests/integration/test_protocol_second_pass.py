@@ -190,3 +190,33 @@ def test_echo_of_a_truncated_prompt_is_what_was_sent(client):
     whole = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=2,
                                       temperature=0, echo=True).choices[0]
     assert whole.text.startswith(FRANCE)
+
+
+def test_token_ids_pass_through_a_multi_turn_chat(client):
+    """Item 16: chat with prompt_token_ids and no messages; return_token_ids gives the
+    prompt's and the answer's ids, so the next turn can be sent as ids alone."""
+    first = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=4,
+                                           temperature=0,
+                                           extra_body={"return_token_ids": True})
+    prompt_ids, answer_ids = first.prompt_token_ids, first.choices[0].token_ids
+    assert prompt_ids and len(answer_ids) == first.usage.completion_tokens
+    again = client.chat.completions.create(
+        model=MODEL, messages=[], max_tokens=4, temperature=0,
+        extra_body={"prompt_token_ids": prompt_ids, "return_token_ids": True})
+    assert again.choices[0].token_ids == answer_ids  # the same prompt, greedy: the same ids
+    assert again.choices[0].message.content == first.choices[0].message.content
+    plain = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=1)
+    assert "prompt_token_ids" not in plain.model_dump(exclude_unset=True)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
+
+
+def test_completions_return_token_ids_per_prompt(client):
+    answer = client.completions.create(model=MODEL, prompt=["Hi", FRANCE], max_tokens=3,
+                                       temperature=0, extra_body={"return_token_ids": True})
+    texts = {c.index: c for c in answer.choices}
+    assert len(texts[0].prompt_token_ids) < len(texts[1].prompt_token_ids)
+    assert all(len(c.token_ids) == 3 for c in answer.choices)
+    with pytest.raises(openai.BadRequestError, match="return_token_ids"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=True,
+                                  extra_body={"return_token_ids": True})
