@@ -8,8 +8,9 @@ responses; it runs the same machine on the whole text, so a streamed request and
 non-streamed one always agree, however the text was split.
 
 A call opens with a header delta (index, id, type "function", the function name, empty
-arguments). In the JSON formats that write `{"name": ..., "arguments": {...}}` (hermes,
-llama3_json) the arguments then follow in fragments as the model writes them, each a piece
+arguments). In the formats that write the name before a JSON arguments object (hermes and
+llama3_json's `{"name": ..., "arguments": {...}}`, mistral's `name[ARGS]{...}`) the
+arguments then follow in fragments as the model writes them, each a piece
 that can no longer change (`call_head`, `_open_call`, `_call_args`): once the header is out
 the call stays a call, unfinished or not. Other formats, and calls that do not begin with
 their name, are emitted whole when complete, as a header and one arguments delta (then the

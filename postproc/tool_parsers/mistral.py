@@ -28,7 +28,6 @@ from typing import Any, ClassVar
 
 from postproc.tool_parsers.base import (
     ToolParser,
-    arguments_json,
     call_from_object,
     call_json_schema,
     json_layout,
@@ -131,6 +130,9 @@ class MistralToolParser(ToolParser):
         return self._named(buf, final)
 
     def _named(self, buf: str, final: bool) -> bool:
+        """`name[ARGS]{...}`: the header goes out once the name and the arguments' `{` are
+        there, then the arguments as the model writes them (each piece final); an output
+        that ends inside them leaves the call as far as it went."""
         if self._scanner is None:
             header = _header(buf, final)
             if header is _WAIT:
@@ -139,19 +141,19 @@ class MistralToolParser(ToolParser):
                 return self._unfinished(True) if final else self._fallback()
             name, call_id, args_start = header
             self._scanner = JsonValueEnd(args_start)
-            self._pending = (name, call_id, args_start)
+            self._sent = args_start
+            self._open_call(name, call_id)
         end = self._scanner.scan(buf)
-        if end is None:
-            return self._unfinished(final)
-        name, call_id, args_start = self._pending
-        arguments = arguments_json(buf[args_start:end])
-        if arguments is None:
-            return self._fallback()
+        upto = self._scanner.pos if end is None else end
+        self._call_args(buf[self._sent:upto])
+        self._sent = upto
+        if end is None and not final:
+            return False
+        self._close_call()
         self._scanner = None
-        self._call(name, arguments, call_id)
-        self._buf = buf[end:]
+        self._buf = "" if end is None else buf[end:]
         self._mode = _TEXT
-        return True
+        return end is not None
 
 
 @lru_cache(maxsize=16)

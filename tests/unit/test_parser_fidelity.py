@@ -188,7 +188,7 @@ CUT = [  # (parser, output cut by max_tokens inside call markup, content before 
     ("hermes", '<tool_call>\n{"name": "get_weather", "argu', None),
     ("llama3_json", '{"name": "get_weather", "param', None),
     ("llama3_json", "Well <|python", "Well"),
-    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', None),
+    ("mistral", '[TOOL_CALLS]get_weather[ARG', None),
     ("mistral", '[TOOL_CALLS]get_wea', None),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "argu', None),
     ("pythonic", '[get_weather(city="Pa', None),
@@ -391,6 +391,14 @@ STREAM_CASES = [
                     '{"name": "get_weather", "parameters": {"city": "Quito", "n": {"a": 1}}}',
      None, ['{"city": "Lima"}', '{"city": "Quito", "n": {"a": 1}}']),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Li', None, ['{"city": "Li']),
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Par', "Checking.",
+     ['{"city": "Par']),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_weather'
+                '[CALL_ID]a1B2c3D4e[ARGS]{"city": "Rome", "d": [1]} Done.', "Done.",
+     ['{"city": "Oslo"}', '{"city": "Rome", "d": [1]}']),
+    # The older array spelling is still read whole.
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Bern"}}]', None,
+     ['{"city": "Bern"}']),
 ]
 
 
@@ -464,3 +472,12 @@ def test_stop_strings_wait_for_min_tokens_in_the_postproc_step():
         request_id="r", new_token_ids=pack_ids(ids), num_prompt_tokens=2,
         num_output_tokens=len(ids))]).frames[0]
     assert frame.text == "one\ntwo" and frame.stop_reason == "\n"
+
+
+def test_mistral_arguments_stream_after_args_marker():
+    p = get_tool_parser("mistral")([WEATHER])
+    d = p.feed('Ok.[TOOL_CALLS]get_weather[ARGS]{"city": "Pa')
+    assert d.content == "Ok."
+    assert [(c.function.name, c.function.arguments) for c in d.calls] == [
+        ("get_weather", ""), (None, '{"city": "Pa')]
+    assert [c.function.arguments for c in p.feed('ris"}').calls] == ['ris"}']
