@@ -147,7 +147,9 @@ async def start_job(
         endpoint, prompts = "completions", await completion_inputs(ctx, request)
         if request.echo:
             await add_echo_texts(ctx, prompts)
-    constraint = await constraint_for(request, structured_settings(ctx))
+    # A chat's thinking state, read from its rendered prompt, shapes a forced call's grammar.
+    thinking = endpoint == "chat" and starts_in_reasoning(ctx, prompts[0])
+    constraint = await constraint_for(request, structured_settings(ctx), thinking)
     bad_words = (await ctx.tokenization.bad_word_ids(request.bad_words) if request.bad_words
                  else None)
     job = build_job(ctx, request, prompts, endpoint, prefix or _ID_PREFIXES[endpoint],
@@ -210,6 +212,15 @@ def stream_usage(request) -> tuple[bool, bool]:
     return True, bool(options.continuous_usage_stats)
 
 
+def starts_in_reasoning(ctx: ServingContext, prompt: PromptInput) -> bool:
+    """Whether the rendered prompt leaves the output inside a thinking section (the
+    template pre-filled `<think>`), as the reasoning parser reads it."""
+    if ctx.output.reasoning_parser is None:
+        return False
+    template_text = prompt.rendered.template_text if prompt.rendered else ""
+    return get_reasoning_parser(ctx.output.reasoning_parser).initial_thinking(template_text)
+
+
 def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: PromptInput,
                    number: int) -> OutputParams:
     """The plan's output params plus what only the serving layer knows: parsers, and for a
@@ -220,10 +231,8 @@ def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: Pr
     forced_call = bool(prompt.rendered and prompt.rendered.injected_prefix)
     # After a forced call's opening the output is inside the call, not thinking.
     if chat and settings.reasoning_parser and not forced_call:
-        template_text = prompt.rendered.template_text if prompt.rendered else ""
-        parser = get_reasoning_parser(settings.reasoning_parser)
         changes.update(reasoning_parser=settings.reasoning_parser,
-                       starts_in_reasoning=parser.initial_thinking(template_text))
+                       starts_in_reasoning=starts_in_reasoning(ctx, prompt))
     if chat and settings.tool_call_parser and request.tools and request.tool_choice != "none":
         changes.update(tool_parser=settings.tool_call_parser,
                        tools=msgspec.json.encode(request.tools),

@@ -108,6 +108,13 @@ def _check_tools(request: ChatCompletionRequest, settings: StructuredSettings,
         raise bad_request(
             "a forced tool call (tool_choice required or a named function) cannot be combined "
             "with response_format or structured outputs", "tool_choice")
+    strict = any(f.get("strict") is True for f in tools_by_name(request.tools).values())
+    if strict and has_own:
+        # Each needs the whole output's grammar; picking one would silently drop the other.
+        raise bad_request(
+            "strict tools (tools[].function.strict true) cannot be combined with "
+            "response_format or structured outputs: both constrain the whole answer; send "
+            "one of them", "response_format")
     parser = get_tool_parser(settings.tool_call_parser)
     if forced and not parser.begin_lark:
         raise bad_request(
@@ -134,11 +141,13 @@ class Translated(msgspec.Struct, frozen=True):
     grammar: str
 
 
-def translate(request: Request, settings: StructuredSettings) -> Translated | None:
+def translate(request: Request, settings: StructuredSettings,
+              in_reasoning: bool = False) -> Translated | None:
     """The request's grammar (own constraint, else forced or strict tools), held to the
-    limits but not yet checked by llguidance."""
+    limits but not yet checked by llguidance. `in_reasoning`: the rendered prompt leaves the
+    output inside a thinking section (a template that pre-fills `<think>`)."""
     own = _sources(request)
-    source = own[0] if own else _tool_source(request, settings)
+    source = own[0] if own else _tool_source(request, settings, in_reasoning)
     if source is None:
         return None
     try:
@@ -151,10 +160,11 @@ def translate(request: Request, settings: StructuredSettings) -> Translated | No
     return Translated(source.param, source.kind, grammar)
 
 
-async def constraint_for(request: Request, settings: StructuredSettings) -> Constraint | None:
+async def constraint_for(request: Request, settings: StructuredSettings,
+                         in_reasoning: bool = False) -> Constraint | None:
     """The request's constraint, checked by llguidance off the event loop (once per
     request: every prompt and candidate of it shares the result)."""
-    translated = translate(request, settings)
+    translated = translate(request, settings, in_reasoning)
     if translated is None:
         return None
     if settings.checker is None:
@@ -173,9 +183,10 @@ async def constraint_for(request: Request, settings: StructuredSettings) -> Cons
     return _checked(translated, problem)
 
 
-def build_constraint(request: Request, settings: StructuredSettings) -> Constraint | None:
+def build_constraint(request: Request, settings: StructuredSettings,
+                     in_reasoning: bool = False) -> Constraint | None:
     """`constraint_for` for callers without an event loop (tests): checked in this process."""
-    translated = translate(request, settings)
+    translated = translate(request, settings, in_reasoning)
     if translated is None:
         return None
     future = _local_threads().submit(validation_problem, settings.tokenizer, translated.grammar)
@@ -318,7 +329,8 @@ def _lark_string(text: str) -> str:
 # ---------------------------------------------------------------- tools (C-1 to C-3)
 
 
-def _tool_source(request: Request, settings: StructuredSettings) -> _Source | None:
+def _tool_source(request: Request, settings: StructuredSettings,
+                 in_reasoning: bool) -> _Source | None:
     if not isinstance(request, ChatCompletionRequest) or not request.tools:
         return None
     choice = request.tool_choice
@@ -336,7 +348,8 @@ def _tool_source(request: Request, settings: StructuredSettings) -> _Source | No
     if choice == "required":
         once = request.parallel_tool_calls is False
         return _Source("tool_choice", "tools", lambda: _required_grammar(
-            parser, functions, once=once, think_end=_think_end(settings)))
+            parser, functions, once=once, think_end=_think_end(settings),
+            thinking_first=in_reasoning))
     if any(f.get("strict") is True for f in functions.values()):
         return _Source("tools", "tools", lambda: _strict_grammar(parser, functions))
     return None
@@ -369,21 +382,24 @@ def _named_grammar(parser: type[ToolParser], functions: dict[str, dict]) -> str:
 
 
 def _required_grammar(parser: type[ToolParser], functions: dict[str, dict], *, once: bool,
-                      think_end: str | None) -> str:
+                      think_end: str | None, thinking_first: bool = False) -> str:
     """At least one call (exactly one when parallel_tool_calls is false), right away or
-    after a thinking section that stays free."""
+    after a thinking section that stays free. `thinking_first`: the output starts inside
+    thinking (the prompt opened it), so the section must close before the call: a call
+    written inside it would be read as thinking and never reach tool_calls."""
     schemas = {n: _arguments_schema(f, strict_only=False) for n, f in functions.items()}
     rules = parser.call_grammar(schemas, strict=_all_strict(functions))
     more = ("" if once else f" ({parser.next_call_lark} call)*") + _end(parser)
     start = f"start: {parser.begin_lark} call{more}\n"
+    think = "think /\\s*/" if thinking_first else "(think /\\s*/)?"
     if think_end is not None and parser.begin_lark == _lark_string(parser.begin_marker):
         # Thinking ends at its end tag; an output that opens with the call is not thinking.
         marker = _regex_literal(parser.begin_marker)
-        start = (f"start: (think /\\s*/)? {parser.begin_lark} call{more}\n"
+        start = (f"start: {think} {parser.begin_lark} call{more}\n"
                  f"think[lazy]: THINK\n"
                  f"THINK: /(?s:.*){_regex_literal(think_end)}/ & ~/{marker}(?s:.*)/\n")
     elif think_end is not None:
-        start = (f"start: (think /\\s*/)? {parser.begin_lark} call{more}\n"
+        start = (f"start: {think} {parser.begin_lark} call{more}\n"
                  f"think[lazy]: /(?s:.*){_regex_literal(think_end)}/\n")
     return grammar_from("lark", start + rules)
 

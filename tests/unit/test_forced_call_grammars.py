@@ -356,3 +356,29 @@ def test_required_leaves_thinking_free(llt, parser):
     assert accepts(llt, c.grammar, "<think>\nweather [maybe] <tool_call> it\n</think>\n\n" + call)
     assert accepts(llt, c.grammar, call)
     assert not accepts(llt, c.grammar, "<think>\nhm\n</think>\n\nNo call.")
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_required_after_a_prefilled_think_must_close_it_first(llt, parser):
+    """Issue 17 item 10: when the rendered prompt leaves the output inside `<think>`, a call
+    written straight away would be read as thinking and never reach tool_calls, so the
+    grammar makes the thinking section close first."""
+    structured = StructuredSettings(tool_call_parser=parser, reasoning_parser="qwen3",
+                                    tokenizer=llt)
+    request = chat(tools=[WEATHER], tool_choice="required")
+    check_request(request, structured)
+    inside = build_constraint(request, structured, in_reasoning=True)
+    call = spell(parser, "get_weather", {"city": "Oslo"})
+    assert accepts(llt, inside.grammar, "Oslo weather, then.\n</think>\n\n" + call)
+    assert not accepts(llt, inside.grammar, call)
+    assert accepts(llt, build_constraint(request, structured).grammar, call)  # not inside
+
+
+def test_strict_tools_and_a_response_format_are_a_400(llt):
+    """Issue 17 item 11: both constrain the whole answer; neither is silently dropped."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    structured = settings(llt, "mistral")
+    with pytest.raises(APIError) as refused:
+        check_request(chat(tools=[strict], response_format={"type": "json_object"}), structured)
+    assert refused.value.param == "response_format" and "strict tools" in refused.value.message
+    check_request(chat(tools=[WEATHER], response_format={"type": "json_object"}), structured)
