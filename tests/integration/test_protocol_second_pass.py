@@ -220,3 +220,13 @@ def test_completions_return_token_ids_per_prompt(client):
     with pytest.raises(openai.BadRequestError, match="return_token_ids"):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=True,
                                   extra_body={"return_token_ids": True})
+
+
+def test_strict_tools_with_a_response_format_are_refused(edge):
+    """Item 11: the strict-tool grammar and a response_format both hold the whole answer;
+    the server says so instead of dropping one."""
+    strict = {"type": "function", "function": {**TOOL["function"], "strict": True}}
+    with pytest.raises(openai.BadRequestError, match="strict tools") as refused:
+        edge.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2, tools=[strict],
+                                     response_format={"type": "json_object"})
+    assert refused.value.body["param"] == "response_format"
