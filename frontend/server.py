@@ -18,7 +18,7 @@ from frontend.request_log import RequestLog
 from frontend.serving_context import OutputSettings, ServingContext
 from frontend.structured import StructuredSettings
 from frontend.tokenization import InputSettings, Tokenization
-from postproc.processor import OutputProcessor, parser_delimiters_are_special
+from postproc.processor import OutputProcessor
 from shared.config import FrontendConfig
 from shared.generation_config import load_generation_defaults
 from shared.tokenizer import TokenizerFacts, load_tokenizer, tokenizer_facts
@@ -95,8 +95,6 @@ def run_frontend(config: FrontendConfig) -> None:
             reasoning_parser=config.reasoning_parser,
             tool_call_parser=config.tool_call_parser,
             reasoning_field=config.reasoning_field,
-            keep_special_tokens=parser_delimiters_are_special(
-                tokenizer, config.reasoning_parser, config.tool_call_parser),
             response_role=config.response_role,
             return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         ),

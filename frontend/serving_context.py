@@ -27,9 +27,6 @@ class OutputSettings(msgspec.Struct, frozen=True):
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     reasoning_field: str = "reasoning_content"
-    # The parsers' delimiters are special tokens of this tokenizer, so requests they parse
-    # keep special tokens in their text (req O-6); the parsers take the delimiters out.
-    keep_special_tokens: bool = False
     response_role: str = "assistant"  # --response-role: the role chat answers carry
     # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" for every request.
     return_tokens_as_token_ids: bool = False

@@ -248,16 +248,6 @@ def _delimiters(reasoning_parser: str | None, tool_parser: str | None) -> set[st
     return delimiters
 
 
-def parser_delimiters_are_special(
-    tokenizer, reasoning_parser: str | None, tool_parser: str | None
-) -> bool:
-    """Whether a configured parser's delimiters (`<think>`, `[TOOL_CALLS]`, ...) are special
-    tokens of this tokenizer, which skip_special_tokens would take out before the parser saw
-    them (req O-6)."""
-    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    return bool(_delimiters(reasoning_parser, tool_parser) & special)
-
-
 def special_ids_to_skip(
     tokenizer, reasoning_parser: str | None, tool_parser: str | None
 ) -> frozenset[int] | None:
