@@ -140,6 +140,8 @@ class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage] = []  # required unless prompt_token_ids is given
+    # vLLM's: the tokenizer's special tokens (BOS) on top of what the template writes.
+    add_special_tokens: bool | None = False
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None

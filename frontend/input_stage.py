@@ -50,7 +50,8 @@ async def completion_prompt_ids(ctx: ServingContext, request: CompletionRequest)
 
 
 async def chat_input(ctx: ServingContext, request: ChatCompletionRequest) -> PromptInput:
-    params = _tokenize_params(ctx, request, add_special_tokens=False)
+    # The template already writes BOS (req T-4), unless the request asks for more.
+    params = _tokenize_params(ctx, request, add_special_tokens=bool(request.add_special_tokens))
     if request.prompt_token_ids is not None:
         return await _passthrough(ctx, request, request.prompt_token_ids, params, "chat")
     if not request.messages:

@@ -84,6 +84,14 @@ def test_smollm2_bos_is_whatever_the_template_writes(smol_ctx, smol):
     assert smol.bos_token_id not in plain
 
 
+def test_chat_can_opt_into_special_tokens(tiny_ctx):
+    """vLLM's chat add_special_tokens (default false): the tokenizer's BOS on top of the
+    template's, for templates that leave it out."""
+    ids = chat(tiny_ctx, add_special_tokens=True).tokens.ids
+    assert ids[:2] == [BOS_ID, BOS_ID]
+    assert chat(tiny_ctx, add_special_tokens=False).tokens.ids == chat(tiny_ctx).tokens.ids
+
+
 def test_completion_can_opt_out_of_special_tokens(tiny_ctx):
     ids = complete(tiny_ctx, prompt="hello", add_special_tokens=False).tokens.ids
     assert ids == [9]
