@@ -292,8 +292,9 @@ class EngineClient:
                 conn.last_heard = time.monotonic()
                 if conn.orphans:
                     orphans, conn.orphans = sorted(conn.orphans), set()
-                    log.info("engine %s answers again; aborting the %d requests failed or "
-                             "moved while it was silent", conn.engine_id, len(orphans))
+                    log.info("engine %s answers again; aborting the %d requests failed "
+                             "while it was silent (or moved to another engine)",
+                             conn.engine_id, len(orphans))
                     await conn.dealer.send(encode(AbortRequest(orphans)))
                 conn.stats_arrived.set()
                 conn.stats_arrived = asyncio.Event()
@@ -355,12 +356,12 @@ class EngineClient:
                        stream: RequestStream) -> None:
         request = stream.request
         if stream.attempts > 0:
-            # A new id for each further attempt: a late frame of a lost one is dropped.
-            stream.wire_id = f"{request_id}~{stream.attempts}"
+            # A new id for each further attempt: a late frame of a lost one is dropped. The
+            # random part keeps it from being any other request's id (clients choose ids).
+            self.processor.discard(stream.wire_id)
+            stream.wire_id = f"{request_id}~{stream.attempts}-{uuid.uuid4().hex[:8]}"
             self._aliases[stream.wire_id] = request_id
             request = msgspec.structs.replace(request, request_id=stream.wire_id)
-            self.processor.discard(f"{request_id}~{stream.attempts - 1}"
-                                   if stream.attempts > 1 else request_id)
         else:
             stream.wire_id = request_id
         stream.attempts += 1
