@@ -1,8 +1,9 @@
 """Per-request changes to a step's logits before sampling, as tensor ops over the batch.
 
 Order (as vLLM): allowed_token_ids and bad_words (masks), logit_bias, the min_tokens mask
-on stop tokens, then repetition, frequency and presence penalties. Rows that use none of
-these cost nothing: each stage builds tensors only for the rows that need it.
+on stop tokens, repetition, frequency and presence penalties, then the thinking budget.
+Rows that use none of these cost nothing: each stage builds tensors only for the rows that
+need it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.sequence import Sequence
+from engine.thinking import ThinkingTracker
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -19,6 +21,23 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     _logit_bias(logits, seqs)
     _min_tokens(logits, seqs)
     _penalties(logits, seqs)
+    _thinking_budget(logits, seqs)
+
+
+def _thinking_budget(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Past its thinking budget a row can only write the end tag's next token (last, so no
+    other stage brings another token back)."""
+    for i, seq in enumerate(seqs):
+        spec = seq.params.thinking
+        if spec is None:
+            continue
+        if seq.thinking is None:
+            seq.thinking = ThinkingTracker(spec)
+        seq.thinking.observe(seq.token_ids, seq.num_prompt_tokens)
+        token = seq.thinking.forced()
+        if token is not None:
+            logits[i].fill_(float("-inf"))
+            logits[i, token] = 0.0
 
 
 def _allowed_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:

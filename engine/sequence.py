@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+from engine.thinking import ThinkingTracker
 from shared.protocol import SamplingParams
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class Sequence(msgspec.Struct, kw_only=True):
     # Tokens that may not be drawn until min_tokens are out: stop token ids, plus EOS unless
     # ignore_eos. Empty when min_tokens is 0.
     min_tokens_banned: list[int] = []
+    # Follows the thinking sections of a request with a thinking_token_budget.
+    thinking: ThinkingTracker | None = None
     # Logprob bookkeeping, used only when the request asks for logprobs.
     cumulative_logprob: float = 0.0
     # Prompt logprobs by the start position of the prefill chunk that produced them;

@@ -142,6 +142,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage] = []  # required unless prompt_token_ids is given
     # vLLM's: the tokenizer's special tokens (BOS) on top of what the template writes.
     add_special_tokens: bool | None = False
+    # vLLM's: after this many thinking tokens the reasoning parser's end tag is written.
+    thinking_token_budget: int | None = None
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None

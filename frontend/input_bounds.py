@@ -139,6 +139,7 @@ def _check_integers(request: Request) -> None:
     if isinstance(request, ChatCompletionRequest):
         ranges += [
             ("max_completion_tokens", request.max_completion_tokens, 1, INT32_MAX),
+            ("thinking_token_budget", request.thinking_token_budget, 0, INT32_MAX),
         ]
     for field, value, low, high in ranges:
         if value is not None:

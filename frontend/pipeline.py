@@ -54,6 +54,7 @@ from shared.protocol import (
     LogprobEntry,
     OutputParams,
     TextFrame,
+    ThinkingBudget,
     ToolCallDelta,
     pack_ids,
     unpack_ids,
@@ -153,7 +154,7 @@ async def start_job(
     bad_words = (await ctx.tokenization.bad_word_ids(request.bad_words) if request.bad_words
                  else None)
     job = build_job(ctx, request, prompts, endpoint, prefix or _ID_PREFIXES[endpoint],
-                    constraint, bad_words)
+                    constraint, bad_words, thinking_budget(ctx, request, thinking))
     return job, job_frames(ctx, http, job, await submit(ctx, job))
 
 
@@ -168,6 +169,7 @@ def build_job(
     prefix: str,
     constraint: Constraint | None = None,
     bad_words: list[list[int]] | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> Job:
     """`constraint`: the request's grammar, checked once (`constraint_for`) for all its
     prompts and candidates; `bad_words` its bad words as token sequences. The plan is built
@@ -179,7 +181,8 @@ def build_job(
     max_tokens = [prompt_max_tokens(request, endpoint, p.num_tokens, limit,
                                     ctx.generation_defaults) for p in prompts]
     plan = request_plan(request, vocab_size=ctx.vocab_size, constraint=constraint,
-                        defaults=ctx.generation_defaults, bad_words=bad_words)
+                        defaults=ctx.generation_defaults, bad_words=bad_words,
+                        thinking=thinking)
     job = Job(request_id, int(now), prompts, plan, [], {})
     for p, (prompt, prompt_max) in enumerate(zip(prompts, max_tokens, strict=True)):
         packed = pack_ids(prompt.tokens.ids)
@@ -210,6 +213,16 @@ def stream_usage(request) -> tuple[bool, bool]:
     if options is None or not options.include_usage:
         return False, False
     return True, bool(options.continuous_usage_stats)
+
+
+def thinking_budget(ctx: ServingContext, request, inside: bool) -> ThinkingBudget | None:
+    """A chat's thinking_token_budget for the engine: the reasoning parser's tags as ids
+    (read once at start) and whether the prompt left the output inside thinking."""
+    budget = getattr(request, "thinking_token_budget", None)
+    if budget is None:
+        return None
+    tags = ctx.output
+    return ThinkingBudget(budget, list(tags.think_start_ids), list(tags.think_end_ids), inside)
 
 
 def starts_in_reasoning(ctx: ServingContext, prompt: PromptInput) -> bool:

@@ -33,7 +33,7 @@ from shared.param_ranges import (
     RangeProblem,
     check_sampling_params,
 )
-from shared.protocol import Constraint, OutputParams, SamplingParams
+from shared.protocol import Constraint, OutputParams, SamplingParams, ThinkingBudget
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -70,6 +70,9 @@ def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTU
                           "return_token_ids")
     if isinstance(request, ChatCompletionRequest):
         _check_chat(request)
+        if request.thinking_token_budget is not None and structured.reasoning_parser is None:
+            raise bad_request("thinking_token_budget needs a reasoning parser, and this "
+                              "server has none (--reasoning-parser)", "thinking_token_budget")
         unsupported = UNSUPPORTED_WHEN_SET + CHAT_UNSUPPORTED_WHEN_SET
     else:
         _check_completion(request)
@@ -133,6 +136,7 @@ def request_plan(
     constraint: Constraint | None = None,
     defaults: GenerationDefaults | None = None,
     bad_words: list[list[int]] | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> Plan:
     """Everything but max_tokens, built and checked once per request: the prompts of a
     batched completion share it, so its grammar, logit_bias and ranges are not redone per
@@ -142,7 +146,8 @@ def request_plan(
     `constraint`: the request's, checked once (`frontend.structured.constraint_for`).
     `defaults`: the model's generation defaults (`--generation-config`) for the fields the
     request leaves out; request values win. `bad_words`: the request's, as token sequences
-    (`Tokenization.bad_word_ids`)."""
+    (`Tokenization.bad_word_ids`); `thinking`: its thinking_token_budget, with the parser's
+    tags and the prompt's thinking state (`pipeline.thinking_budget`)."""
     d = defaults or _NO_DEFAULTS
     asked, _ = _asked_max_tokens(request)
     logprobs, prompt_logprobs = _logprobs(request)
@@ -172,6 +177,7 @@ def request_plan(
         constraint=constraint,
         allowed_token_ids=request.allowed_token_ids or [],
         bad_words=bad_words or [],
+        thinking=thinking,
     )
     _check_ranges(params, vocab_size)
     if (isinstance(request, CompletionRequest) and (request.best_of or 1) > 1

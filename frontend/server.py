@@ -19,6 +19,7 @@ from frontend.serving_context import OutputSettings, ServingContext
 from frontend.structured import StructuredSettings
 from frontend.tokenization import InputSettings, Tokenization
 from postproc.processor import OutputProcessor
+from postproc.reasoning import get_reasoning_parser
 from shared.config import FrontendConfig
 from shared.generation_config import load_generation_defaults
 from shared.tokenizer import TokenizerFacts, load_tokenizer, tokenizer_facts
@@ -63,6 +64,15 @@ def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) ->
     )
 
 
+def _think_tag_ids(tokenizer, reasoning_parser: str | None) -> dict:
+    """The reasoning parser's tags as token ids, for thinking_token_budget."""
+    if reasoning_parser is None:
+        return {}
+    parser = get_reasoning_parser(reasoning_parser)
+    return {"think_start_ids": tuple(tokenizer.encode(parser.start_tag, add_special_tokens=False)),
+            "think_end_ids": tuple(tokenizer.encode(parser.end_tag, add_special_tokens=False))}
+
+
 def run_frontend(config: FrontendConfig) -> None:
     tokenizer_path = config.tokenizer or config.model
     tokenizer = load_tokenizer(tokenizer_path)
@@ -96,6 +106,7 @@ def run_frontend(config: FrontendConfig) -> None:
             tool_call_parser=config.tool_call_parser,
             reasoning_field=config.reasoning_field,
             response_role=config.response_role,
+            **_think_tag_ids(tokenizer, config.reasoning_parser),
             return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         ),
     )

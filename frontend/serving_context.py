@@ -28,6 +28,9 @@ class OutputSettings(msgspec.Struct, frozen=True):
     tool_call_parser: str | None = None
     reasoning_field: str = "reasoning_content"
     response_role: str = "assistant"  # --response-role: the role chat answers carry
+    # The reasoning parser's start and end tags as token ids (thinking_token_budget).
+    think_start_ids: tuple[int, ...] = ()
+    think_end_ids: tuple[int, ...] = ()
     # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" for every request.
     return_tokens_as_token_ids: bool = False
 

@@ -34,6 +34,7 @@ MAX_STOP_TOKEN_IDS = 128
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_BAD_WORD_SEQUENCES = 256  # token sequences (the frontend sends 2 per word: with and
 MAX_BAD_WORD_TOKENS = 64  # without a leading space), each at most this long
+MAX_TAG_TOKENS = 16  # a thinking budget's start and end tags
 
 
 class RangeProblem(Exception):
@@ -89,6 +90,17 @@ def check_sampling_params(p: SamplingParams, vocab_size: int,
 
 
 def _check_token_ids(p: SamplingParams, vocab_size: int) -> None:
+    thinking = p.thinking
+    if thinking is not None:
+        if not 0 <= thinking.budget <= INT32_MAX:
+            raise RangeProblem("thinking_token_budget",
+                               f"thinking_token_budget must lie in [0, {INT32_MAX}]")
+        for ids in (thinking.start_ids, thinking.end_ids):
+            if not 1 <= len(ids) <= MAX_TAG_TOKENS or any(
+                    not 0 <= t < vocab_size for t in ids):
+                raise RangeProblem("thinking_token_budget",
+                                   f"thinking tags must be 1 to {MAX_TAG_TOKENS} token ids "
+                                   f"in [0, {vocab_size})")
     if len(p.allowed_token_ids) > vocab_size:
         raise RangeProblem("allowed_token_ids",
                            f"allowed_token_ids may hold at most {vocab_size} ids")

@@ -34,6 +34,16 @@ class Constraint(msgspec.Struct, frozen=True):
     grammar: str  # llguidance's grammar format (a JSON document or a Lark grammar)
 
 
+class ThinkingBudget(msgspec.Struct, frozen=True):
+    """vLLM's thinking_token_budget: after `budget` thinking tokens the engine writes
+    `end_ids` (the reasoning parser's end tag) to close the section (engine.thinking)."""
+
+    budget: int
+    start_ids: list[int]  # the parser's start tag, which opens a section
+    end_ids: list[int]
+    starts_inside: bool = False  # the rendered prompt already opened one
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the engine needs to pick and stop tokens; the frontend pins every default."""
 
@@ -65,6 +75,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # vLLM's bad_words, tokenized by the frontend: the last token of each sequence is
     # banned wherever the output so far ends with the ones before it.
     bad_words: list[list[int]] = []
+    thinking: ThinkingBudget | None = None
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):

@@ -230,3 +230,27 @@ def test_strict_tools_with_a_response_format_are_refused(edge):
         edge.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2, tools=[strict],
                                      response_format={"type": "json_object"})
     assert refused.value.body["param"] == "response_format"
+
+
+def test_thinking_token_budget_closes_thinking(edge, client):
+    """Item 17: vLLM's thinking_token_budget. The prompt opens thinking (a continued
+    assistant turn that starts with <think>); after 3 thinking tokens the engine writes
+    </think> and the rest is the answer."""
+    messages = [*PARIS, {"role": "assistant", "content": "<think>\n"}]
+    body = {"add_generation_prompt": False, "continue_final_message": True,
+            "thinking_token_budget": 3}
+    answer = edge.chat.completions.create(model=MODEL, messages=messages, max_tokens=30,
+                                          temperature=0, extra_body=body)
+    reasoning = answer.choices[0].message.model_extra["reasoning_content"]
+    unbounded = edge.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=30, temperature=0,
+        extra_body={k: v for k, v in body.items() if k != "thinking_token_budget"})
+    assert reasoning and len(reasoning) < len(
+        unbounded.choices[0].message.model_extra.get("reasoning_content") or "x" * 1000)
+    assert answer.usage.completion_tokens > 3
+    with pytest.raises(openai.BadRequestError, match="reasoning parser"):
+        client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2,
+                                       extra_body={"thinking_token_budget": 3})
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        edge.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2,
+                                     extra_body={"thinking_token_budget": -1})

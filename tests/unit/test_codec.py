@@ -28,6 +28,7 @@ from shared.protocol import (
     RequestOutput,
     SamplingParams,
     TextFrame,
+    ThinkingBudget,
     TokenLogprobs,
     ToolCallDelta,
     TopLogprob,
@@ -61,6 +62,7 @@ def _full_params() -> SamplingParams:
         constraint=Constraint(kind="json_schema", grammar='{"grammars": []}'),
         allowed_token_ids=[0, 5, 2**31 - 1],
         bad_words=[[7], [3, 4, 5]],
+        thinking=ThinkingBudget(budget=64, start_ids=[10], end_ids=[11, 12], starts_inside=True),
     )
 
 

@@ -67,3 +67,59 @@ def test_the_engine_refuses_out_of_range_masks(weights, params, field):
     result = run(core, [request("bad", PROMPT, **params)])["bad"]
     assert result.finish_reason == "error" and result.error_status == 400
     assert field in result.error
+
+
+def _budget(budget: int, inside: bool = True, start=(50,), end=(51, 52)):
+    from shared.protocol import ThinkingBudget
+
+    return ThinkingBudget(budget=budget, start_ids=list(start), end_ids=list(end),
+                          starts_inside=inside)
+
+
+def test_a_thinking_budget_writes_the_end_tag_when_spent(weights):
+    """vLLM's thinking_token_budget: inside a thinking section the row thinks `budget`
+    tokens, then the end tag comes, one token a step."""
+    free = _tokens(weights)
+    tokens = _tokens(weights, thinking=_budget(3))
+    assert tokens[:3] == free[:3] and tokens[3:5] == [51, 52]
+    assert _tokens(weights, thinking=_budget(0))[:2] == [51, 52]
+    # Outside thinking (the prompt did not open it) nothing is forced until a start tag.
+    outside = _tokens(weights, thinking=_budget(0, inside=False, start=(120, 121)))
+    if 120 not in free:
+        assert outside == free
+
+
+def test_the_tracker_follows_sections_and_partial_tags():
+    from engine.thinking import ThinkingTracker
+
+    tracker = ThinkingTracker(_budget(2, inside=False, start=(7,), end=(8, 9)))
+    prompt = [1, 2]
+    tokens = prompt + [3, 7, 4]  # opens a section, thinks one token
+    tracker.observe(tokens, len(prompt))
+    assert tracker.inside and tracker.forced() is None
+    tokens += [5]  # two thinking tokens: the budget is spent
+    tracker.observe(tokens, len(prompt))
+    assert tracker.forced() == 8
+    tokens += [8]  # half the end tag is written: the next token completes it
+    tracker.observe(tokens, len(prompt))
+    assert tracker.forced() == 9
+    tokens += [9]
+    tracker.observe(tokens, len(prompt))
+    assert not tracker.inside and tracker.forced() is None
+    tokens += [7]  # a second section: the budget is already spent
+    tracker.observe(tokens, len(prompt))
+    assert tracker.forced() == 8
+
+
+@pytest.mark.parametrize("spec", [
+    {"budget": -1, "start_ids": [1], "end_ids": [2]},
+    {"budget": 1, "start_ids": [], "end_ids": [2]},
+    {"budget": 1, "start_ids": [1], "end_ids": [VOCAB]},
+    {"budget": 1, "start_ids": [1], "end_ids": [2] * 17},
+])
+def test_the_engine_refuses_bad_thinking_budgets(weights, spec):
+    from shared.protocol import ThinkingBudget
+
+    core, _ = build_core(weights)
+    result = run(core, [request("bad", PROMPT, thinking=ThinkingBudget(**spec))])["bad"]
+    assert result.error_status == 400 and "thinking" in result.error
