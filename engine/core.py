@@ -410,4 +410,6 @@ def prompt_logprobs(seq: Sequence) -> TokenLogprobs | None:
     chosen = np.concatenate([[np.nan], *(p.chosen for p in parts)]).astype("<f4")
     top_ids = np.concatenate([np.zeros((1, n)), *(p.top_ids for p in parts)]).astype("<i4")
     top_lps = np.concatenate([np.full((1, n), np.nan), *(p.top_logprobs for p in parts)])
-    return TokenLogprobs(chosen.tobytes(), top_ids.tobytes(), top_lps.astype("<f4").tobytes())
+    ranks = np.concatenate([[0], *(p.ranks for p in parts)]).astype("<i4")
+    return TokenLogprobs(chosen.tobytes(), top_ids.tobytes(), top_lps.astype("<f4").tobytes(),
+                         ranks.tobytes())

@@ -13,7 +13,7 @@ from engine.batch import ScheduledChunk
 from engine.grammar import GrammarMasks, step_masks
 from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
-from engine.sampler import SamplingRows, sample, token_logprobs
+from engine.sampler import SamplingRows, sample, token_logprobs, token_ranks
 from shared.protocol import TokenLogprobs
 
 log = logging.getLogger("sluice.engine")
@@ -33,6 +33,7 @@ class PromptLogprobs(msgspec.Struct):
     chosen: np.ndarray  # float32[k]
     top_ids: np.ndarray  # int32[k, n]
     top_logprobs: np.ndarray  # float32[k, n]
+    ranks: np.ndarray  # int32[k]: each prompt token's rank (1: the likeliest)
 
 
 class StepResult(msgspec.Struct):
@@ -165,7 +166,8 @@ class ModelRunner:
         logits = self.model.logits(hidden[: last - chunk.start])
         targets = torch.tensor(seq.token_ids[chunk.start + 1 : last + 1], device=self.device)
         chosen, top_ids, top_lps = (t.cpu().numpy() for t in token_logprobs(logits, targets, n))
-        return PromptLogprobs(chunk.start, chosen, top_ids.astype(np.int32), top_lps)
+        ranks = token_ranks(logits, targets).cpu().numpy().astype(np.int32)
+        return PromptLogprobs(chunk.start, chosen, top_ids.astype(np.int32), top_lps, ranks)
 
     def _flatten(self, chunks: list[ScheduledChunk]):
         ids: list[int] = []

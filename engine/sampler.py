@@ -124,6 +124,17 @@ def token_logprobs(
     temperature): the chosen tokens' [R], and the num_top best ids and logprobs [R, num_top]."""
     logprobs = logits.log_softmax(dim=-1)
     picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return (picked, *_top(logprobs, num_top))
+
+
+def token_ranks(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Each chosen token's rank in its row [R]: 1 + how many tokens are likelier."""
+    picked = logits.gather(1, chosen.unsqueeze(1))
+    return (logits > picked).sum(dim=-1) + 1
+
+
+def _top(logprobs: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
     top_lps, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (
-        logprobs[:, :0], torch.zeros((len(logits), 0), dtype=torch.long, device=logits.device))
-    return picked, top_ids, top_lps
+        logprobs[:, :0], torch.zeros((len(logprobs), 0), dtype=torch.long,
+                                     device=logprobs.device))
+    return top_ids, top_lps

@@ -136,6 +136,7 @@ class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     bad_words: list[str] | None = None  # words that must not be generated (vLLM's)
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
     return_token_ids: bool | None = False  # answers carry prompt and output ids (vLLM's)
+    prompt_logprobs: int | None = None  # logprobs of the prompt's tokens too (vLLM's)
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

@@ -160,6 +160,8 @@ def _check_logprobs(request: Request, cap: int) -> None:
             raise bad_request("logprobs must be an integer for completions", "logprobs")
     if value is not None:
         _check_range(field, value, 0, cap, "--max-logprobs")
+    if request.prompt_logprobs is not None:
+        _check_range("prompt_logprobs", request.prompt_logprobs, 0, cap, "--max-logprobs")
 
 
 def _check_range(field: str, value: int, low: int, high: int, flag: str | None = None) -> None:

@@ -65,9 +65,9 @@ def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTU
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if request.cache_salt is not None and not request.cache_salt:
         raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
-    if request.return_token_ids and request.stream:
-        raise bad_request("return_token_ids is not available for streamed answers yet",
-                          "return_token_ids")
+    for field in ("return_token_ids", "prompt_logprobs"):
+        if request.stream and getattr(request, field) not in (None, False):
+            raise bad_request(f"{field} is not available for streamed answers yet", field)
     if isinstance(request, ChatCompletionRequest):
         _check_chat(request)
         if request.thinking_token_budget is not None and structured.reasoning_parser is None:
@@ -254,14 +254,15 @@ def _asked_max_tokens(request: Request) -> tuple[int | None, str]:
 
 
 def _logprobs(request: Request) -> tuple[int | None, int | None]:
-    """(logprobs per generated token, logprobs per prompt token) for the engine."""
+    """(logprobs per generated token, logprobs per prompt token) for the engine: the prompt's
+    for vLLM's prompt_logprobs and for a completion's echo with logprobs."""
+    asked = request.prompt_logprobs
     if isinstance(request, ChatCompletionRequest):
-        if request.logprobs is not True:
-            return None, None
-        return request.top_logprobs or 0, None
+        return (request.top_logprobs or 0) if request.logprobs is True else None, asked
     logprobs = request.logprobs
-    prompt = logprobs if request.echo and logprobs is not None else None
-    return logprobs, prompt
+    echoed = logprobs if request.echo and logprobs is not None else None
+    wanted = [n for n in (asked, echoed) if n is not None]
+    return logprobs, max(wanted) if wanted else None
 
 
 def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> list[tuple[int, float]]:

@@ -52,6 +52,7 @@ from postproc.openai_shapes import (
     Usage,
     chat_logprobs,
     completion_logprobs,
+    prompt_logprobs,
     reasoning_delta,
 )
 from postproc.tool_parsers import ToolDelta, collect
@@ -106,6 +107,8 @@ async def chat_completion(
                           _usage(job, candidates))
     if request.return_token_ids:
         body.prompt_token_ids = job.prompts[0].tokens.ids
+    if request.prompt_logprobs is not None:
+        body.prompt_logprobs = prompt_logprobs(candidates[0].prompt_logprobs or [])
     return Response(_json.encode(body), media_type="application/json")
 
 
@@ -163,12 +166,16 @@ async def completion(ctx: ServingContext, http: Request, request: CompletionRequ
         echo = (job.prompts[p].source_text or "") if request.echo else ""
         logprobs = None
         if job.plan.params.logprobs is not None and request.logprobs is not None:
-            entries = (c.prompt_logprobs or []) + c.logprobs
-            logprobs = completion_logprobs(entries, start_offset=0)
+            # prompt_logprobs may have asked the engine for more alternatives than echo.
+            echoed = [msgspec.structs.replace(e, top=e.top[:request.logprobs])
+                      for e in c.prompt_logprobs or []] if request.echo else []
+            logprobs = completion_logprobs(echoed + c.logprobs, start_offset=0)
         choice = CompletionChoice(i, echo + c.text, c.last.finish_reason, c.last.stop_reason,
                                   logprobs)
         if request.return_token_ids:
             choice.prompt_token_ids, choice.token_ids = job.prompts[p].tokens.ids, c.token_ids
+        if request.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs(c.prompt_logprobs or [])
         choices.append(choice)
     body = Completion(job.request_id, job.created, ctx.model_name, choices,
                       _usage(job, candidates))

@@ -42,6 +42,7 @@ def logprob_entries(
     # null); report it as -9999.0, as vLLM does.
     top_lps = np.maximum(np.frombuffer(raw.top_logprobs, dtype="<f4").reshape(count, -1),
                          FORBIDDEN_LOGPROB)
+    ranks = np.frombuffer(raw.ranks, dtype="<i4") if raw.ranks else np.zeros(count, "<i4")
     entries = []
     for i in range(count):
         token_id = int(token_ids[i])
@@ -49,5 +50,6 @@ def logprob_entries(
             TopLogprob(int(t), texts(int(t)), float(lp))
             for t, lp in zip(top_ids[i], top_lps[i], strict=True)
         ]
-        entries.append(LogprobEntry(token_id, texts(token_id), float(chosen[i]), top))
+        entries.append(LogprobEntry(token_id, texts(token_id), float(chosen[i]), top,
+                                    int(ranks[i])))
     return entries

@@ -79,6 +79,7 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
     object: str = "chat.completion"
     prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids (vLLM's)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class CompletionChoice(msgspec.Struct):
@@ -90,6 +91,7 @@ class CompletionChoice(msgspec.Struct):
     # With return_token_ids (vLLM's); UNSET fields are left out of the JSON.
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class Completion(msgspec.Struct):
@@ -169,6 +171,29 @@ def completion_logprobs(entries: list[LogprobEntry], start_offset: int) -> Compl
         ],
         text_offset=offsets,
     )
+
+
+class PromptLogprob(msgspec.Struct):
+    """One token of vLLM's prompt_logprobs: its logprob, rank and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+def prompt_logprobs(entries: list[LogprobEntry]) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's prompt_logprobs: None for the first token (nothing predicts it), then each
+    token's own logprob and rank, and the most likely alternatives (ranks 1, 2, ...)."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for e in entries:
+        if not math.isfinite(e.logprob):
+            out.append(None)
+            continue
+        position = {str(t.token_id): PromptLogprob(t.logprob, rank, t.token)
+                    for rank, t in enumerate(e.top, start=1)}
+        position[str(e.token_id)] = PromptLogprob(e.logprob, e.rank, e.token)
+        out.append(position)
+    return out
 
 
 def reasoning_delta(field: str, text: str) -> dict[str, str]:

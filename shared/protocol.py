@@ -89,6 +89,7 @@ class TokenLogprobs(msgspec.Struct, frozen=True):
     token_logprobs: bytes
     top_ids: bytes = b""
     top_logprobs: bytes = b""
+    ranks: bytes = b""  # int32[k], prompt logprobs only: each token's rank (0: none)
 
 
 class ChunkFormat(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -291,6 +292,7 @@ class LogprobEntry(msgspec.Struct, frozen=True, array_like=True):
     token: str
     logprob: float  # NaN for a prompt's first token, which has no logprob
     top: list[TopLogprob]
+    rank: int = 0  # prompt logprobs: the token's rank (1: the likeliest); 0: not known
 
 
 class TextFrame(msgspec.Struct, frozen=True, omit_defaults=True):

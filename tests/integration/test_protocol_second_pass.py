@@ -254,3 +254,42 @@ def test_thinking_token_budget_closes_thinking(edge, client):
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
         edge.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2,
                                      extra_body={"thinking_token_budget": -1})
+
+
+def test_prompt_logprobs_in_vllms_shape(client):
+    """Item 17: vLLM's prompt_logprobs: null for the first prompt token, then the token
+    itself (its logprob and rank) and the n most likely alternatives."""
+    answer = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=1,
+                                       extra_body={"prompt_logprobs": 2,
+                                                   "return_token_ids": True})
+    choice = answer.choices[0]
+    ids, positions = choice.prompt_token_ids, choice.prompt_logprobs
+    assert len(positions) == len(ids) and positions[0] is None
+    for token_id, position in zip(ids[1:], positions[1:], strict=True):
+        own = position[str(token_id)]
+        assert own["rank"] >= 1 and own["decoded_token"]
+        ranked = sorted(position.values(), key=lambda p: p["rank"])
+        assert 2 <= len(position) <= 3 and [p["rank"] for p in ranked][:2] == [1, 2]
+        assert ranked[0]["logprob"] >= own["logprob"]
+        # Rank 1 is the likeliest: the token's own rank agrees with the alternatives.
+        assert (own["rank"] == 1) == (own["logprob"] >= ranked[0]["logprob"])
+        assert own["rank"] > 2 or own in ranked[:2]
+    assert choice.logprobs is None  # the answer's own logprobs were not asked for
+    chat = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None
+    assert all(len(p) == 1 and next(iter(p.values()))["rank"] >= 1
+               for p in chat.prompt_logprobs[1:])
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1},
+                {"prompt_logprobs": 1, "stream": True}):
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=1,
+                                      extra_body=bad)
+
+
+def test_echo_logprobs_keep_their_count_beside_prompt_logprobs(client):
+    answer = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=2, echo=True,
+                                       logprobs=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 3}).choices[0]
+    assert all(top is None or len(top) <= 2 for top in answer.logprobs.top_logprobs)
+    assert all(p is None or len(p) >= 3 for p in answer.prompt_logprobs)

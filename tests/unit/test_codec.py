@@ -66,11 +66,12 @@ def _full_params() -> SamplingParams:
     )
 
 
-def _token_logprobs(k: int, n: int) -> TokenLogprobs:
+def _token_logprobs(k: int, n: int, ranked: bool = False) -> TokenLogprobs:
     return TokenLogprobs(
         token_logprobs=np.linspace(-3, 0, k, dtype="<f4").tobytes(),
         top_ids=pack_ids(range(k * n)),
         top_logprobs=np.full(k * n, -1.5, dtype="<f4").tobytes(),
+        ranks=pack_ids(range(1, k + 1)) if ranked else b"",
     )
 
 
@@ -124,7 +125,7 @@ FRONTEND_INBOUND = {
                 num_output_tokens=2,
                 first_token_time=12.5,
                 logprobs=_token_logprobs(2, 3),
-                prompt_logprobs=_token_logprobs(6, 0),
+                prompt_logprobs=_token_logprobs(6, 0, ranked=True),
                 cumulative_logprob=-2.75,
             ),
             RequestOutput(
@@ -164,7 +165,7 @@ FRONTEND_INBOUND = {
                     ),
                     LogprobEntry(2, "", -1.0, []),
                 ],
-                prompt_logprobs=[LogprobEntry(7, "<s>", -4.0, [TopLogprob(3, "x", -0.1)])],
+                prompt_logprobs=[LogprobEntry(7, "<s>", -4.0, [TopLogprob(3, "x", -0.1)], 12)],
                 cumulative_logprob=-1.5,
                 reasoning="hmm ✓",
                 tool_calls=[
