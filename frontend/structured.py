@@ -391,7 +391,10 @@ def _required_grammar(parser: type[ToolParser], functions: dict[str, dict], *, o
     rules = parser.call_grammar(schemas, strict=_all_strict(functions))
     more = ("" if once else f" ({parser.next_call_lark} call)*") + _end(parser)
     start = f"start: {parser.begin_lark} call{more}\n"
-    think = "think /\\s*/" if thinking_first else "(think /\\s*/)?"
+    # A few blank characters between thinking and the call: unbounded whitespace let a
+    # small model write blanks (Unicode ones too) until max_tokens instead of the call.
+    gap = "/[ \\t\\r\\n]{0,8}/"
+    think = f"think {gap}" if thinking_first else f"(think {gap})?"
     if think_end is not None and parser.begin_lark == _lark_string(parser.begin_marker):
         # Thinking ends at its end tag; an output that opens with the call is not thinking.
         marker = _regex_literal(parser.begin_marker)

@@ -293,3 +293,20 @@ def test_echo_logprobs_keep_their_count_beside_prompt_logprobs(client):
                                        extra_body={"prompt_logprobs": 3}).choices[0]
     assert all(top is None or len(top) <= 2 for top in answer.logprobs.top_logprobs)
     assert all(p is None or len(p) >= 3 for p in answer.prompt_logprobs)
+
+
+def test_required_tool_call_after_a_prefilled_think(edge):
+    """Item 10: the prompt leaves the output inside <think> (a continued assistant turn);
+    tool_choice required must let thinking close first, so the call reaches tool_calls
+    instead of being filed as thinking. The thinking budget keeps the section short."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": "<think>\n"}]
+    answer = edge.chat.completions.create(
+        model=MODEL, messages=messages, tools=[TOOL], tool_choice="required", max_tokens=120,
+        temperature=0, extra_body={"add_generation_prompt": False,
+                                   "continue_final_message": True,
+                                   "thinking_token_budget": 4})
+    message = answer.choices[0].message
+    assert message.tool_calls and message.tool_calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(message.tool_calls[0].function.arguments), dict)
+    assert message.model_extra["reasoning_content"]
