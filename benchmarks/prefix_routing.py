@@ -3,8 +3,9 @@
 Starts two engines (`sluice engine`, over tcp) and one frontend per policy, both connected
 to both engines. Then, for each policy in turn (engines restarted between, so both start
 cold), runs the same shared-prefix workload: `--conversations` chats, each with its own
-system prompt of a few hundred tokens, `--turns` turns each, every turn re-sending the whole
-history (the previous answers included), `--concurrency` chats at a time. Reports per policy
+system prompt of about 150 tokens (or one for all, `--shared-system`), `--turns` turns
+each, every turn re-sending the whole history (the previous answers included),
+`--concurrency` chats at a time. Reports per policy
 the engines' prefix-cache hit rate (prompt tokens found cached / looked up, summed over both
 engines) and the TTFT of every turn after the first (mean, p50, p90), side by side.
 
@@ -40,7 +41,12 @@ TOPICS = ["shipping", "banking", "gardening", "astronomy", "cooking", "chess", "
           "painting"]
 
 
+SHARED = False  # --shared-system: every chat has the same system prompt
+
+
 def system_prompt(i: int) -> str:
+    if SHARED:
+        i = 0
     topic = TOPICS[i % len(TOPICS)]
     rules = " ".join(f"Rule {k}: when asked about {topic} topic {k}, answer plainly, cite no "
                      f"sources, keep it under three sentences, and stay polite." for k in
@@ -51,7 +57,9 @@ def system_prompt(i: int) -> str:
 def conversation(url: str, i: int, turns: int, max_tokens: int, ttfts: list) -> None:
     messages = [{"role": "system", "content": system_prompt(i)}]
     for turn in range(turns):
-        messages.append({"role": "user", "content": f"Question {turn}: tell me more."})
+        # With one system prompt for all, the chats must still differ: each asks its own.
+        asker = f" I am customer {i}." if SHARED else ""
+        messages.append({"role": "user", "content": f"Question {turn}:{asker} tell me more."})
         started = time.perf_counter()
         first, text = None, []
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -158,16 +166,21 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--policies", default="prefix,round-robin")
+    p.add_argument("--shared-system", action="store_true",
+                   help="every chat begins with the same system prompt (one affinity key)")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    global SHARED
+    SHARED = args.shared_system
     overhead = routing_overhead()
     print(f"routing over 4 engines: {overhead['route_us']:.1f} us per request; tokenizing "
           f"the same {overhead['prompt_tokens']}-token prompt: {overhead['tokenize_us']:.0f} us")
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_policy(tmp, policy, args, extra) for policy in args.policies.split(",")]
     print(f"{args.conversations} conversations x {args.turns} turns, concurrency "
-          f"{args.concurrency}, {args.max_tokens} tokens a turn, 2 engines")
+          f"{args.concurrency}, {args.max_tokens} tokens a turn, 2 engines"
+          f"{', one system prompt for all' if SHARED else ''}")
     print("| routing | prefix-cache hit rate | TTFT mean | p50 | p90 | requests per engine "
           "| wall |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

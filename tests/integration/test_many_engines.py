@@ -134,6 +134,11 @@ def test_two_engines_two_frontends_serve_concurrent_streams(two):
 
 
 def test_identical_prefixes_land_on_one_engine(two):
+    # Idle engines, and heartbeats that say so (load from the last test would bend the
+    # first placement: the load bound is part of the policy).
+    wait_until(lambda: all(s.num_running + s.num_waiting == 0 for s in two.stats()), 60,
+               "idle engines")
+    time.sleep(2.5)
     before = two.stats()
     for i in range(6):  # a shared system prompt, each time another question, both frontends
         url = two.urls[i % 2]
