@@ -474,6 +474,11 @@ class EngineClient:
                         status: int) -> None:
         self._forget(request_id)
         self.processor.discard(stream.wire_id)
+        self._deliver_error(request_id, stream, message, status)
+
+    def _deliver_error(self, request_id: str, stream: RequestStream, message: str,
+                       status: int) -> None:
+        """The request's last frame: an error its response reports."""
         frame = TextFrame(
             request_id=request_id, seq=stream.next_seq, text="", token_ids=b"",
             num_prompt_tokens=0, num_output_tokens=0, finish_reason="error",
@@ -493,11 +498,5 @@ class EngineClient:
         stream = self._streams.get(request_id)
         if stream is None:
             return  # finished meanwhile
-        frame = TextFrame(
-            request_id=request_id, seq=stream.next_seq, text="", token_ids=b"",
-            num_prompt_tokens=0, num_output_tokens=0, finish_reason="error",
-            error=message, error_status=status,
-        )
-        self.tracker.delivered(frame)
-        stream.queue.put_nowait(frame)
+        self._deliver_error(request_id, stream, message, status)
         await self.abort(request_id)
