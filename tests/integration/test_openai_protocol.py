@@ -116,7 +116,8 @@ def test_tokenize_and_detokenize_round_trip(http):
     renders them, so the count equals a chat request's prompt_tokens."""
     text = "Hello world, how are you?"
     body = ok(http.post("/tokenize", json={"model": MODEL, "prompt": text}))
-    assert set(body) == {"count", "max_model_len", "tokens"}
+    assert set(body) == {"count", "max_model_len", "tokens", "token_strs"}  # vLLM's body
+    assert body["token_strs"] is None  # only with return_token_strs
     assert body["count"] == len(body["tokens"]) > 1
     assert body["max_model_len"] == ok(http.get("/v1/models"))["data"][0]["max_model_len"]
     assert ok(http.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]})) == {
