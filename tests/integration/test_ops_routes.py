@@ -48,7 +48,8 @@ def test_load_counts_requests_in_flight(http, base_url):
     body = {"model": MODEL, "prompt": "Count to a hundred:", "max_tokens": 200,
             "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as r:
-        next(r.iter_lines())  # the request is running
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream (client gone)
+        next(lines)  # the request is running
         assert http.get("/load").json() == {"server_load": 1}
     # The client left: the request ends (its abort takes a moment). Probes are not load.
     wait_until(lambda: http.get("/load").json()["server_load"] == 0, 30, "the load to drop")

@@ -168,9 +168,10 @@ def test_strict_tools_trigger_on_the_begin_marker(llt, hermes):
     assert accepts(llt, c.grammar, "Just text, no call.")
     assert accepts(llt, c.grammar, good)
     assert not accepts(llt, c.grammar, good.replace('"city"', '"zip"'))
-    # C-2: with a response_format of its own, the request's format wins.
-    own = constraint(chat(tools=[strict], response_format={"type": "json_object"}), hermes)
-    assert own.kind == "json_object"
+    # With a response_format of its own both would hold the whole answer: a 400 naming it,
+    # never one of them dropped (issue 17 item 11).
+    error = refused(chat(tools=[strict], response_format={"type": "json_object"}), hermes)
+    assert error.param == "response_format" and "strict tools" in error.message
 
 
 @pytest.mark.parametrize("fields, message", [
