@@ -101,12 +101,7 @@ def _check_token_ids(p: SamplingParams, vocab_size: int) -> None:
                 raise RangeProblem("thinking_token_budget",
                                    f"thinking tags must be 1 to {MAX_TAG_TOKENS} token ids "
                                    f"in [0, {vocab_size})")
-    if len(p.allowed_token_ids) > vocab_size:
-        raise RangeProblem("allowed_token_ids",
-                           f"allowed_token_ids may hold at most {vocab_size} ids")
-    if any(not 0 <= t < vocab_size for t in p.allowed_token_ids):
-        raise RangeProblem("allowed_token_ids",
-                           f"allowed_token_ids entries must lie in [0, {vocab_size})")
+    _check_id_list("allowed_token_ids", p.allowed_token_ids, vocab_size, vocab_size)
     if len(p.bad_words) > MAX_BAD_WORD_SEQUENCES:
         raise RangeProblem("bad_words",
                            f"at most {MAX_BAD_WORD_SEQUENCES} bad_words token sequences")
@@ -116,12 +111,7 @@ def _check_token_ids(p: SamplingParams, vocab_size: int) -> None:
                                f"{MAX_BAD_WORD_TOKENS} tokens long")
         if any(not 0 <= t < vocab_size for t in ids):
             raise RangeProblem("bad_words", f"bad_words token ids must lie in [0, {vocab_size})")
-    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise RangeProblem("stop_token_ids",
-                           f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")
-    if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
-        raise RangeProblem("stop_token_ids",
-                           f"stop_token_ids entries must lie in [0, {vocab_size})")
+    _check_id_list("stop_token_ids", p.stop_token_ids, MAX_STOP_TOKEN_IDS, vocab_size)
     if len(p.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise RangeProblem("logit_bias",
                            f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries")
@@ -132,6 +122,13 @@ def _check_token_ids(p: SamplingParams, vocab_size: int) -> None:
             raise RangeProblem("logit_bias",
                                f"logit_bias values must be finite, in [-{LOGIT_BIAS_LIMIT:g}, "
                                f"{LOGIT_BIAS_LIMIT:g}]")
+
+
+def _check_id_list(field: str, ids: list[int], most: int, vocab_size: int) -> None:
+    if len(ids) > most:
+        raise RangeProblem(field, f"{field} may hold at most {most} token ids")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise RangeProblem(field, f"{field} entries must lie in [0, {vocab_size})")
 
 
 def check_priority(priority: int) -> None:
