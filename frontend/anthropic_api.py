@@ -278,7 +278,8 @@ def _message(ctx: ServingContext, request: MessagesRequest, message_id: str, pro
 
 
 async def create(ctx: ServingContext, http: Request, request: MessagesRequest) -> Response:
-    hex_id = uuid.uuid4().hex
+    # vLLM's X-Request-Id names the request here too (the body has no request_id field).
+    hex_id = http.headers.get("x-request-id") or uuid.uuid4().hex
     chat = to_chat(request, hex_id)
     try:
         job, frames = await pipeline.start_job(ctx, http, chat, prefix="msg")

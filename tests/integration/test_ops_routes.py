@@ -105,3 +105,9 @@ def test_x_request_id_is_the_request_id_and_is_echoed(http, base_url):
         model=MODEL, prompt="Hi", max_tokens=2, extra_headers={"X-Request-Id": "from-client"})
     assert raw.headers["x-request-id"] == "from-client"
     assert raw.parse().id == "cmpl-from-client"
+    # The Messages API, whose body has no request_id, takes it from the header too.
+    message = http.post("/v1/messages", headers=headers, json={
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+    assert message.status_code == 200, message.text
+    assert message.json()["id"] == "msg_trace-abc-123"
+    assert message.headers["x-request-id"] == "trace-abc-123"
