@@ -25,6 +25,7 @@ from typing import TypeVar
 import msgspec
 from starlette.requests import Request
 
+from frontend import request_metrics
 from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.engine_client import EngineUnavailable
 from frontend.errors import APIError, error_body
@@ -289,6 +290,9 @@ async def submit(ctx: ServingContext, job: Job) -> asyncio.Queue:
         for candidate in job.candidates:
             prompt = job.prompts[job.index_of[candidate.request_id] // job.plan.candidates]
             await ctx.client.submit(candidate, prompt.tokens.ids, queue)
+        for first in job.candidates[::job.plan.candidates]:  # one per prompt
+            request_metrics.PARAMS_N.observe(job.plan.n)
+            request_metrics.PARAMS_MAX_TOKENS.observe(first.params.max_tokens)
     except EngineUnavailable as exc:
         for candidate in job.candidates:
             await ctx.client.abort(candidate.request_id)
@@ -310,14 +314,23 @@ async def job_frames(ctx: ServingContext, http: Request, job: Job, queue: asynci
     client leaves first."""
     watcher = asyncio.create_task(_watch_disconnect(http, queue))
     unfinished = set(job.index_of)
+    most = [0] * len(job.prompts)  # the longest answer of each prompt, for vLLM's metric
+    failed = False
     try:
         while unfinished:
             frame = await queue.get()
             if frame is _DISCONNECTED:
                 return
+            number = job.index_of[frame.request_id]
             if frame.finish_reason is not None:
                 unfinished.discard(frame.request_id)
-            yield job.index_of[frame.request_id], frame
+                prompt = number // job.plan.candidates
+                most[prompt] = max(most[prompt], frame.num_output_tokens)
+                failed = failed or frame.finish_reason == "error"
+            yield number, frame
+        if not failed:
+            for tokens in most:
+                request_metrics.MAX_NUM_GENERATION_TOKENS.observe(tokens)
     finally:
         watcher.cancel()
         for request_id in unfinished:

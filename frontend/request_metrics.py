@@ -65,6 +65,20 @@ REJECTED = Counter(
     "queue_full, draining).",
     ["reason"], registry=None,
 )
+# vLLM's per-request parameter histograms: one observation per prompt (vLLM's request).
+PARAMS_N = Histogram(
+    "sluice:request_params_n", "The n of each request (answers per prompt).",
+    buckets=(1, 2, 5, 10, 20), registry=None,
+)
+PARAMS_MAX_TOKENS = Histogram(
+    "sluice:request_params_max_tokens", "The max_tokens each prompt ran with.",
+    buckets=_TOKEN_BUCKETS, registry=None,
+)
+MAX_NUM_GENERATION_TOKENS = Histogram(
+    "sluice:request_max_num_generation_tokens",
+    "The most tokens any answer of a finished prompt generated (its n answers and best_of).",
+    buckets=_TOKEN_BUCKETS, registry=None,
+)
 QUEUED = Gauge(
     "sluice:frontend_queued_requests",
     "Requests this frontend accepted that have no generated token yet (--max-queued-requests).",
@@ -77,7 +91,7 @@ IN_FLIGHT = Gauge(
 
 _ALL = (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_LATENCY, PROMPT_TOKENS, GENERATION_TOKENS,
         PROMPT_TOKENS_TOTAL, GENERATION_TOKENS_TOTAL, REQUEST_SUCCESS, REQUEST_ERRORS, REJECTED,
-        QUEUED, IN_FLIGHT)
+        PARAMS_N, PARAMS_MAX_TOKENS, MAX_NUM_GENERATION_TOKENS, QUEUED, IN_FLIGHT)
 
 
 def register_request_metrics(registry: CollectorRegistry) -> None:

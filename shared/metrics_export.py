@@ -54,6 +54,9 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "sluice:prompt_tokens": ("vllm:prompt_tokens",),
     "sluice:generation_tokens": ("vllm:generation_tokens",),
     "sluice:request_success": ("vllm:request_success",),
+    "sluice:request_params_n": ("vllm:request_params_n",),
+    "sluice:request_params_max_tokens": ("vllm:request_params_max_tokens",),
+    "sluice:request_max_num_generation_tokens": ("vllm:request_max_num_generation_tokens",),
 }
 
 _GAUGES = (

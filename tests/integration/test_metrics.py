@@ -129,3 +129,10 @@ def test_metrics_follow_the_load(base_url):
     assert 0 < decode < inference <= e2e
     assert delta("vllm:iteration_tokens_total_count", engine="engine-0") >= TOKENS
     assert engine(after, "vllm:num_requests_running") == 0
+    # vLLM's request parameter histograms: n 1 and max_tokens TOKENS for each request, and
+    # its longest answer TOKENS long.
+    assert delta("vllm:request_params_n_count") == N
+    assert delta("vllm:request_params_n_sum") == N
+    assert delta("vllm:request_params_max_tokens_sum") == N * TOKENS
+    assert delta("vllm:request_max_num_generation_tokens_count") == N
+    assert delta("vllm:request_max_num_generation_tokens_sum") == N * TOKENS
