@@ -142,7 +142,7 @@ def test_engine_killed_under_load_fails_requests_then_recovers(faults):
 def test_sigterm_drains_a_running_stream(faults):
     proc, url = faults.frontends[1], faults.urls[1]
     out: dict = {}
-    body = {**LONG, "max_tokens": 24, "stream": True,
+    body = {**LONG, "max_tokens": 200, "stream": True,
             "stream_options": {"include_usage": True}}
 
     def stream() -> None:
@@ -165,7 +165,7 @@ def test_sigterm_drains_a_running_stream(faults):
     t.join(timeout=180)
     events = out["events"]
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["usage"]["completion_tokens"] == 24
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 200
     assert all("error" not in json.loads(e) for e in events[:-1])
     assert proc.popen.wait(timeout=30) == 0  # then it exits, cleanly
 
