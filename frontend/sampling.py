@@ -85,8 +85,6 @@ def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTU
 
 
 def _check_chat(request: ChatCompletionRequest) -> None:
-    if not request.messages and request.prompt_token_ids is None:
-        raise bad_request("messages must not be empty (or send prompt_token_ids)", "messages")
     if request.top_logprobs is not None and request.logprobs is not True:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if request.logprobs is not None and not isinstance(request.logprobs, bool):
