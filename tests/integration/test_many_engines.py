@@ -166,8 +166,9 @@ def test_an_engine_killed_under_load_loses_no_unstarted_request(two):
     for t in threads:
         t.start()
     wait_until(lambda: sum(len(e) >= 2 for e in out.values()) >= 4, 120, "streams started")
-    stats = two.stats()
-    assert all(s.num_waiting > 0 for s in stats), stats  # both hold unstarted requests
+    # Both hold unstarted requests, as their heartbeats say (a snapshot could be a beat old).
+    wait_until(lambda: all(s.num_waiting > 0 for s in two.stats()), 30,
+               "both engines holding unstarted requests")
     victim = 0
     two.engines[victim].popen.kill()  # SIGKILL: no goodbye on any socket
     for t in threads:
