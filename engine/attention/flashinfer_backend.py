@@ -21,6 +21,7 @@ this module import without it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import msgspec
@@ -64,28 +65,42 @@ def _empty_table() -> PageTable:
     return PageTable([], [0], [0], [], [])
 
 
-def build_step_plan(chunks: Sequence[ScheduledChunk], page_size: int) -> StepPlan:
+def _add_entry(table: PageTable, pages: list[int], rows: range, end: int, page_size: int
+               ) -> None:
+    """Query rows `rows` attending to the first `end` tokens of a sequence's pages."""
+    used = -(-end // page_size)  # pages holding tokens 0..end-1
+    table.rows.extend(rows)
+    table.qo_indptr.append(table.qo_indptr[-1] + len(rows))
+    table.kv_indices.extend(pages[:used])
+    table.kv_indptr.append(len(table.kv_indices))
+    table.kv_last_page_len.append(end - (used - 1) * page_size)
+
+
+def build_step_plan(chunks: Sequence[ScheduledChunk], page_size: int,
+                    per_token: bool = False) -> StepPlan:
     """The step's page tables, from the chunks alone (their sequences' page lists and
-    positions). Each chunk attends to its sequence's first start + num_tokens tokens."""
+    positions). Each chunk attends to its sequence's first start + num_tokens tokens.
+    per_token (the batch-invariant mode): every token is a decode entry of its own over its
+    context so far, so one kernel, planned alike, attends every row of every step."""
     slots: list[int] = []
     prefill, decode = _empty_table(), _empty_table()
     row = 0
     for chunk in chunks:
         pages = chunk.seq.pages
         end = chunk.start + chunk.num_tokens
-        used = -(-end // page_size)  # pages holding tokens 0..end-1
-        if len(pages) < used:
+        if len(pages) < -(-end // page_size):
             raise ValueError(
                 f"sequence {chunk.seq.request_id} has {len(pages)} pages for {end} tokens"
             )
         for pos in range(chunk.start, end):
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
-        table = decode if chunk.num_tokens == 1 else prefill
-        table.rows.extend(range(row, row + chunk.num_tokens))
-        table.qo_indptr.append(table.qo_indptr[-1] + chunk.num_tokens)
-        table.kv_indices.extend(pages[:used])
-        table.kv_indptr.append(len(table.kv_indices))
-        table.kv_last_page_len.append(end - (used - 1) * page_size)
+        if per_token:
+            for i in range(chunk.num_tokens):
+                _add_entry(decode, pages, range(row + i, row + i + 1), chunk.start + i + 1,
+                           page_size)
+        else:
+            table = decode if chunk.num_tokens == 1 else prefill
+            _add_entry(table, pages, range(row, row + chunk.num_tokens), end, page_size)
         row += chunk.num_tokens
     return StepPlan(
         slot_mapping=slots,
@@ -164,7 +179,11 @@ class FlashInferAttentionBackend:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        batch_invariant: bool = False,
     ) -> None:
+        """batch_invariant: every row through the decode kernel, one entry per token
+        (build_step_plan's per_token), with the split of the KV sequence over thread blocks
+        turned off, since FlashInfer sizes that split by the batch."""
         import flashinfer
 
         # The device is the selector's to check (engine.attention.selector); the kernels run
@@ -192,11 +211,18 @@ class FlashInferAttentionBackend:
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
         )
         self._graph_meta: dict[int, FlashInferMetadata] = {}
+        self.batch_invariant = batch_invariant
+        self._decode_plan_options = {}
+        if batch_invariant:
+            if "disable_split_kv" not in inspect.signature(self.decode_wrapper.plan).parameters:
+                raise ValueError("--batch-invariant needs a FlashInfer whose decode plan takes "
+                                 "disable_split_kv (0.3 or newer)")
+            self._decode_plan_options = {"disable_split_kv": True}
 
     # ---------------------------------------------------------------- planning
 
     def prepare(self, chunks: list[ScheduledChunk]) -> FlashInferMetadata:
-        plan = build_step_plan(chunks, self.page_size)
+        plan = build_step_plan(chunks, self.page_size, per_token=self.batch_invariant)
         if plan.prefill is None and plan.decode is not None and self._graph_meta:
             size = self.graph_size_for(plan.decode.num_seqs)
             if size:
@@ -228,7 +254,7 @@ class FlashInferAttentionBackend:
         wrapper.plan(
             _i32(table.kv_indptr), _i32(table.kv_indices), _i32(table.kv_last_page_len),
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            q_data_type=self.dtype, kv_data_type=self.dtype,
+            q_data_type=self.dtype, kv_data_type=self.dtype, **self._decode_plan_options,
         )
 
     # ---------------------------------------------------------------- CUDA graphs

@@ -73,18 +73,19 @@ def create_attention_backend(
     page_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    batch_invariant: bool = False,
 ):
     if name == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(
             model.num_layers, num_pages, page_size, model.num_heads, model.num_kv_heads,
-            model.head_dim, dtype, device,
+            model.head_dim, dtype, device, batch_invariant=batch_invariant,
         )
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.cpu_kernels import kernels
 
     return TorchAttentionBackend(
         model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim, dtype, device,
-        kernels=kernels() if device.type == "cpu" else None,
+        kernels=kernels() if device.type == "cpu" else None, batch_invariant=batch_invariant,
     )

@@ -12,6 +12,12 @@ work every layer waits for.
 
 Given the engine's compiled CPU kernels (`engine.cpu_kernels`), the decode batch skips the
 gather altogether: `decode_attention` reads each sequence's pages where they lie.
+
+In the batch-invariant mode every token of the step is attended as a decode row of its own
+(context: its sequence's tokens up to and including it), by that one kernel, which sums
+each (token, head) over the keys in order. A prefill chunk's tokens then get exactly the
+numbers they would get decoded one by one, or prefilled in other chunks, or after a
+prefix-cache hit; SDPA's blocking, which follows the chunk's length, never enters.
 """
 
 from __future__ import annotations
@@ -55,12 +61,18 @@ class TorchAttentionBackend:
         dtype: torch.dtype,
         device: torch.device,
         kernels=None,
+        batch_invariant: bool = False,
     ) -> None:
         """kernels: the compiled CPU kernels module, or None for plain torch. They take
-        float32 and bfloat16 caches; float16 stays on the torch path."""
+        float32 and bfloat16 caches; float16 stays on the torch path. batch_invariant needs
+        them (ValueError)."""
         self.page_size = page_size
         self.device = device
         self.kernels = kernels if dtype in (torch.float32, torch.bfloat16) else None
+        if batch_invariant and self.kernels is None:
+            raise ValueError("--batch-invariant needs the engine's CPU kernels and a float32 "
+                             "or bfloat16 KV cache")
+        self.batch_invariant = batch_invariant
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -78,7 +90,13 @@ class TorchAttentionBackend:
         row = 0
         for chunk in chunks:
             pages, start, n = chunk.seq.pages, chunk.start, chunk.num_tokens
-            if n == 1 and start > 0:
+            if self.batch_invariant:  # each token a decode row: see the module's docstring
+                pos = np.arange(start, start + n)
+                slots[row : row + n] = np.asarray(pages)[pos // size] * size + pos % size
+                decode_rows.extend(range(row, row + n))
+                decode_pages.extend([pages] * n)
+                decode_lens.extend(range(start + 1, start + n + 1))
+            elif n == 1 and start > 0:
                 slots[row] = pages[start // size] * size + start % size
                 decode_rows.append(row)
                 decode_pages.append(pages)

@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
 
@@ -587,22 +587,37 @@ torch::Tensor pack_blocks(const torch::Tensor& gguf, int64_t kind) {
   return packed;
 }
 
-// The scalar definition: one packed weight row against rows of x (float32 [rows, K]).
-void quantized_dot_scalar(const float* x, int64_t rows, int64_t k, const uint8_t* wrow,
-                          int64_t kind, float* result) {
-  const int64_t nb = k / kBlock, bytes = packed_block_bytes(kind);
+// Where a linear's weights come from, as one "weight row" policy per layout, so the packed
+// GGUF blocks and a dense bfloat16 or float32 weight share one set of dot products and one
+// driver: a row's sum is the same code, in the same order, whichever layout feeds it.
+//   Quant<KIND>: a pack_blocks row (packed_block_bytes per block of 32 weights)
+//   Dense<T>:    a dense row of T (32 weights a block)
+template <int64_t KIND> struct Quant {
+  static constexpr int64_t block_bytes = KIND == kQ4_1 ? 24 : 36;
+  static inline float weight(const uint8_t* blk, int j) {
+    return KIND == kQ4_1 ? float_at(blk) * q4_1_index(blk + 8, j) + float_at(blk + 4)
+                         : float_at(blk) * static_cast<int8_t>(blk[4 + j]);
+  }
+};
+
+template <typename T> struct Dense {
+  static constexpr int64_t block_bytes = kBlock * sizeof(T);
+  static inline float weight(const uint8_t* blk, int j) {
+    return Elem<T>::load(reinterpret_cast<const T*>(blk)[j]);
+  }
+};
+
+// The scalar definition: one weight row against rows of x (float32 [rows, K]).
+template <typename W>
+void dot_scalar(const float* x, int64_t rows, int64_t k, const uint8_t* wrow, float* result) {
+  const int64_t nb = k / kBlock;
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * k;
     float total = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = wrow + b * bytes;
-      const float d = float_at(blk);
+      const uint8_t* blk = wrow + b * W::block_bytes;
       float part = 0.f;
-      for (int j = 0; j < kBlock; ++j) {
-        const float w = kind == kQ4_1 ? d * q4_1_index(blk + 8, j) + float_at(blk + 4)
-                                      : d * static_cast<int8_t>(blk[4 + j]);
-        part += xr[b * kBlock + j] * w;
-      }
+      for (int j = 0; j < kBlock; ++j) part += xr[b * kBlock + j] * W::weight(blk, j);
       total += part;
     }
     result[r] = total;
@@ -622,36 +637,60 @@ inline __m512i q4_1_nibbles(const uint8_t* blk) {
   return _mm512_srlv_epi16(words, q4_1_lane_shifts());
 }
 
-// float32 path: exact weights, ROWS rows of x against one weight row, the block unpacked
-// once for all rows and their accumulators in registers.
-template <int64_t KIND, int ROWS>
-void quantized_dot_f32(const float* x, int64_t k, const uint8_t* wrow, float* result) {
-  const int64_t nb = k / kBlock, bytes = KIND == kQ4_1 ? 24 : 36;
-  __m512 acc[ROWS], acc_hi[ROWS];  // two dependency chains: the low and high 16 weights
-  for (int r = 0; r < ROWS; ++r) acc[r] = acc_hi[r] = _mm512_setzero_ps();
+// A block's 32 weights as float32, low and high 16 (exact: see the layouts above).
+template <int64_t KIND>
+inline void block_f32(const uint8_t* blk, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(float_at(blk));
+  if constexpr (KIND == kQ4_1) {
+    const __m512 m = _mm512_set1_ps(float_at(blk + 4));
+    const __m512i q = _mm512_and_si512(q4_1_nibbles(blk), _mm512_set1_epi16(0xF));
+    // d * q exact, then one rounding for + m: the reference's d * q + m.
+    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q))), m);
+    hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1))), m);
+  } else {
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)))));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 20)))));
+  }
+}
+
+template <typename W> struct BlockF32;
+template <int64_t KIND> struct BlockF32<Quant<KIND>> {
+  static inline void load(const uint8_t* blk, __m512& lo, __m512& hi) { block_f32<KIND>(blk, lo, hi); }
+};
+template <typename T> struct BlockF32<Dense<T>> {
+  static inline void load(const uint8_t* blk, __m512& lo, __m512& hi) {
+    const T* w = reinterpret_cast<const T*>(blk);
+    lo = load16(w);
+    hi = load16(w + 16);
+  }
+};
+
+// float32 path: exact weights. A tile of R rows of x against C weight rows: each weight
+// block is unpacked once for the R rows, each x block loaded once for the C weight rows,
+// and every output has one accumulator, fed block by block in order (low then high half).
+template <typename W, int R, int C>
+void tile_f32(const float* x, int64_t k, const uint8_t* wrow, int64_t row_bytes, float* result,
+              int64_t result_stride) {
+  const int64_t nb = k / kBlock;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wrow + b * bytes;
-    const __m512 d = _mm512_set1_ps(float_at(blk));
-    __m512 lo, hi;
-    if constexpr (KIND == kQ4_1) {
-      const __m512 m = _mm512_set1_ps(float_at(blk + 4));
-      const __m512i q = _mm512_and_si512(q4_1_nibbles(blk), _mm512_set1_epi16(0xF));
-      // d * q exact, then one rounding for + m: the reference's d * q + m.
-      lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q))), m);
-      hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1))), m);
-    } else {
-      lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)))));
-      hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 20)))));
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      const float* xr = x + r * k + b * kBlock;
-      acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
-      acc_hi[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc_hi[r]);
+    __m512 lo[C], hi[C];
+    for (int c = 0; c < C; ++c) BlockF32<W>::load(wrow + c * row_bytes + b * W::block_bytes, lo[c], hi[c]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xlo = _mm512_loadu_ps(x + r * k + b * kBlock);
+      const __m512 xhi = _mm512_loadu_ps(x + r * k + b * kBlock + 16);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(lo[c], xlo, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(hi[c], xhi, acc[r][c]);
+      }
     }
   }
-  for (int r = 0; r < ROWS; ++r) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc_hi[r]));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) result[r * result_stride + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 #endif
 
@@ -661,7 +700,7 @@ void quantized_dot_f32(const float* x, int64_t k, const uint8_t* wrow, float* re
 // summation order; vdpbf16ps takes 32 exact bf16 x bf16 products per instruction. A Q4_1
 // block has 16 distinct weights: round(d * i + m), i = 0..15, is a table that vpermw
 // indexes with the nibbles (it reads 5 index bits, so the table is there twice).
-constexpr bool kHasBf16Quantized = true;
+constexpr bool kHasBf16Dot = true;
 
 inline __m512i q4_1_weights_bf16(const uint8_t* blk) {
   const __m512 steps = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -672,126 +711,163 @@ inline __m512i q4_1_weights_bf16(const uint8_t* blk) {
 }
 
 inline __m512i q8_0_weights_bf16(const uint8_t* blk) {
-  const __m512 d = _mm512_set1_ps(float_at(blk));
-  const __m512 lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)))));
-  const __m512 hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 20)))));
+  __m512 lo, hi;
+  block_f32<kQ8_0>(blk, lo, hi);
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-template <int64_t KIND, int ROWS>
-void quantized_dot_bf16(const uint16_t* x, int64_t k, const uint8_t* wrow, float* result) {
-  const int64_t nb = k / kBlock, bytes = KIND == kQ4_1 ? 24 : 36;
-  // Even and odd blocks go to separate accumulators: two dependency chains, not one.
-  __m512 even[ROWS], odd[ROWS];
-  for (int r = 0; r < ROWS; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  const auto weights = [&](int64_t b) {
-    const uint8_t* blk = wrow + b * bytes;
+template <typename W> struct BlockBf16;
+template <int64_t KIND> struct BlockBf16<Quant<KIND>> {
+  static inline __m512i load(const uint8_t* blk) {
     return KIND == kQ4_1 ? q4_1_weights_bf16(blk) : q8_0_weights_bf16(blk);
-  };
-  const auto dot = [&](int64_t b, __m512i w, __m512* acc) {
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512i xv = _mm512_loadu_si512(x + r * k + b * kBlock);
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)xv, (__m512bh)w);
-    }
-  };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    dot(b, weights(b), even);
-    dot(b + 1, weights(b + 1), odd);
   }
-  if (b < nb) dot(b, weights(b), even);
-  for (int r = 0; r < ROWS; ++r) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+};
+template <> struct BlockBf16<Dense<uint16_t>> {
+  static inline __m512i load(const uint8_t* blk) { return _mm512_loadu_si512(blk); }
+};
+
+// The tile_f32 scheme with 32 bf16 x bf16 products per instruction.
+template <typename W, int R, int C>
+void tile_bf16(const uint16_t* x, int64_t k, const uint8_t* wrow, int64_t row_bytes,
+               float* result, int64_t result_stride) {
+  const int64_t nb = k / kBlock;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i w[C];
+    for (int c = 0; c < C; ++c) w[c] = BlockBf16<W>::load(wrow + c * row_bytes + b * W::block_bytes);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + b * kBlock);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, (__m512bh)w[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) result[r * result_stride + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 #else
-constexpr bool kHasBf16Quantized = false;
+constexpr bool kHasBf16Dot = false;
 #endif
 
-// rows of x [rows, k] against one packed weight row, in register-sized groups of rows.
-template <typename X, typename Dot>
-void in_row_groups(const X* x, int64_t rows, int64_t k, float* result, Dot dot) {
-  // One pass over the weight row per 8 rows: every pass unpacks all its blocks again.
-  int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) dot(std::integral_constant<int, 8>{}, x + r * k, result + r);
-  const X* rest = x + r * k;
-  float* out = result + r;
-  switch (rows - r) {
-    case 7: return dot(std::integral_constant<int, 7>{}, rest, out);
-    case 6: return dot(std::integral_constant<int, 6>{}, rest, out);
-    case 5: return dot(std::integral_constant<int, 5>{}, rest, out);
-    case 4: return dot(std::integral_constant<int, 4>{}, rest, out);
-    case 3: return dot(std::integral_constant<int, 3>{}, rest, out);
-    case 2: return dot(std::integral_constant<int, 2>{}, rest, out);
-    case 1: return dot(std::integral_constant<int, 1>{}, rest, out);
-    default: return;
+// Register tiles: up to kTileRows rows of x by kTileCols weight rows (24 accumulators).
+constexpr int kTileRows = 4;
+constexpr int kTileCols = 6;
+
+// Calls tile<R, C>() with R = rows and C = cols known at compile time (1..4, 1..6).
+template <typename Tile>
+void with_tile_shape(int64_t rows, int64_t cols, Tile tile) {
+  const auto by_cols = [&](auto r) {
+    switch (cols) {
+      case 6: return tile(r, std::integral_constant<int, 6>{});
+      case 5: return tile(r, std::integral_constant<int, 5>{});
+      case 4: return tile(r, std::integral_constant<int, 4>{});
+      case 3: return tile(r, std::integral_constant<int, 3>{});
+      case 2: return tile(r, std::integral_constant<int, 2>{});
+      default: return tile(r, std::integral_constant<int, 1>{});
+    }
+  };
+  switch (rows) {
+    case 4: return by_cols(std::integral_constant<int, 4>{});
+    case 3: return by_cols(std::integral_constant<int, 3>{});
+    case 2: return by_cols(std::integral_constant<int, 2>{});
+    default: return by_cols(std::integral_constant<int, 1>{});
   }
 }
 
-constexpr int64_t kPrefetchRows = 4;
+// Rows of x taken per pass over the weights: they stay in L2 while the weights stream by.
+constexpr int64_t kRowTile = 64;
 
-template <typename T, int64_t KIND>
-void quantized_linear_rows(const torch::Tensor& x, const torch::Tensor& packed,
-                           torch::Tensor& out) {
-  const int64_t rows = x.size(0), k = x.size(1), n_out = packed.size(0);
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t row_bytes = packed.size(1);
+// y = x @ W^T, W's rows in layout W. Each output is one dot product in a fixed order, the
+// same in every tile shape, so a row of y depends on its row of x alone, never on how many
+// rows came with it; the work is split over outputs (never over the sum) for the same reason.
+template <typename T, typename W>
+void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, int64_t n_out,
+                 torch::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1);
   T* op = ptr<T>(out);
   // float32 x for the float32 path (a copy only when x is bfloat16 and no bf16 kernel).
   std::vector<float> xf;
-  constexpr bool bf16_dot = std::is_same_v<T, uint16_t> && kHasBf16Quantized;
+  constexpr bool bf16_dot = std::is_same_v<T, uint16_t> && kHasBf16Dot;
   if constexpr (!bf16_dot) {
     xf.resize(rows * k);
     const T* xp = ptr<T>(x);
     for (int64_t i = 0; i < rows * k; ++i) xf[i] = Elem<T>::load(xp[i]);
   }
-  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> result(rows);
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wrow = wp + n * row_bytes;
-      // Ask for the weight rows a few ahead now, so memory streams while this one computes.
-      if (n + kPrefetchRows < end) {
-        const char* ahead = reinterpret_cast<const char*>(wrow + kPrefetchRows * row_bytes);
-        for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-      }
+  const int64_t col_tiles = (n_out + kTileCols - 1) / kTileCols;
+  for (int64_t tile = 0; tile < rows; tile += kRowTile) {
+    const int64_t tile_rows = std::min(kRowTile, rows - tile);
+    at::parallel_for(0, col_tiles, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> result(tile_rows * kTileCols);
+      for (int64_t ct = begin; ct < end; ++ct) {
+        const int64_t n = ct * kTileCols, cols = std::min<int64_t>(kTileCols, n_out - n);
+        const uint8_t* wrow = wp + n * row_bytes;
+        for (int64_t r = 0; r < tile_rows; r += kTileRows) {
+          const int64_t rs = std::min<int64_t>(kTileRows, tile_rows - r);
+          float* res = result.data() + r * kTileCols;
+          with_tile_shape(rs, cols, [&](auto R, auto C) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if constexpr (bf16_dot) {
-        in_row_groups(ptr<uint16_t>(x), rows, k, result.data(), [&](auto g, auto* xr, float* res) {
-          quantized_dot_bf16<KIND, decltype(g)::value>(xr, k, wrow, res);
-        });
-      } else
+            if constexpr (bf16_dot) {
+              tile_bf16<W, R.value, C.value>(ptr<uint16_t>(x) + (tile + r) * k, k, wrow,
+                                             row_bytes, res, kTileCols);
+              return;
+            }
 #endif
-      {
+            const float* xr = xf.data() + (tile + r) * k;
 #ifdef __AVX512F__
-        in_row_groups(xf.data(), rows, k, result.data(), [&](auto g, auto* xr, float* res) {
-          quantized_dot_f32<KIND, decltype(g)::value>(xr, k, wrow, res);
-        });
+            if constexpr (!bf16_dot) tile_f32<W, R.value, C.value>(xr, k, wrow, row_bytes, res, kTileCols);
 #else
-        quantized_dot_scalar(xf.data(), rows, k, wrow, KIND, result.data());
+            for (int c = 0; c < C.value; ++c)
+              for (int i = 0; i < R.value; ++i)
+                dot_scalar<W>(xr + i * k, 1, k, wrow + c * row_bytes, res + i * kTileCols + c);
 #endif
+          });
+        }
+        for (int64_t r = 0; r < tile_rows; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            op[(tile + r) * n_out + n + c] = Elem<T>::store(result[r * kTileCols + c]);
       }
-      for (int64_t r = 0; r < rows; ++r) op[r * n_out + n] = Elem<T>::store(result[r]);
-    }
-  });
+    });
+  }
+}
+
+void check_linear_input(const torch::Tensor& x) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] tensor");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "in_features must be a multiple of 32");
 }
 
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t kind) {
-  check_cpu_float(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] tensor");
+  check_linear_input(x);
   TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "kind must be 0 (Q4_1) or 1 (Q8_0)");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "in_features must be a multiple of 32");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                   packed.dim() == 2 &&
                   packed.size(1) == x.size(1) / kBlock * packed_block_bytes(kind),
               "weights must be pack_blocks' contiguous uint8 [out, in / 32 * packed bytes]");
   auto out = torch::empty({x.size(0), packed.size(0)}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     if (kind == kQ4_1) {
-      quantized_linear_rows<T, kQ4_1>(x, packed, out);
+      linear_rows<T, Quant<kQ4_1>>(x, wp, packed.size(1), packed.size(0), out);
     } else {
-      quantized_linear_rows<T, kQ8_0>(x, packed, out);
+      linear_rows<T, Quant<kQ8_0>>(x, wp, packed.size(1), packed.size(0), out);
     }
+  });
+  return out;
+}
+
+// The batch-invariant mode's linear over a dense weight of x's dtype: the quantized
+// linear's arithmetic with weights read as they are.
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  check_linear_input(x);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.dim() == 2 && weight.size(1) == x.size(1),
+              "weight must be a contiguous [out, in] tensor of x's dtype");
+  auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
+  const auto* wp = static_cast<const uint8_t*>(weight.data_ptr());
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    linear_rows<T, Dense<T>>(x, wp, weight.size(1) * sizeof(T), weight.size(0), out);
   });
   return out;
 }
@@ -806,7 +882,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_blocks", &pack_blocks,
         "GGUF Q4_1 (kind 0) or Q8_0 (kind 1) weight rows into quantized_linear's layout");
   m.def("quantized_linear", &quantized_linear, "x @ W^T with W from pack_blocks");
-  m.attr("bf16_quantized") = kHasBf16Quantized;
+  m.attr("bf16_quantized") = kHasBf16Dot;
+  m.def("dense_linear", &dense_linear,
+        "x @ W^T over a dense W of x's dtype, each row summed alone in a fixed order");
   m.def("decode_attention", &decode_attention,
         "One-token attention per sequence over its pages of the KV cache, read in place");
 }

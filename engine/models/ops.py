@@ -114,14 +114,30 @@ class CpuKernelOps(TorchOps):
     (alone and fused with the residual add), RoPE and SiLU-and-mul in one call each instead
     of two to eight torch ops, with the same roundings (tests/unit/test_cpu_kernels.py), and
     small-batch linears over the checkpoint's quantized blocks. Falls back to TorchOps for
-    tensors the kernels do not take (another device, float16)."""
+    tensors the kernels do not take (another device, float16).
 
-    name = "torch+cpu-kernels"
+    batch_invariant (--batch-invariant): every linear, whatever its row count, runs the
+    engine's own kernel (over the quantized blocks where the checkpoint has them, else over
+    the dense weight), which sums each output alone in one fixed order, so a row's result
+    never depends on what else is in the step. oneDNN, which picks its blocking by the row
+    count, is never called. The norms, RoPE and SiLU-and-mul kernels are per row already."""
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, batch_invariant: bool = False) -> None:
         super().__init__()
         self._k = kernels
         self._quantized: dict[int, object] = {}  # id(weight) -> QuantizedWeight
+        self.batch_invariant = batch_invariant
+        self.name = "torch+cpu-kernels" + (" (batch-invariant)" if batch_invariant else "")
+
+    def prepack(self, weight: torch.Tensor) -> None:
+        if not self.batch_invariant:
+            return super().prepack(weight)
+        # No oneDNN copy to make; instead refuse, at load, a weight the kernel cannot take.
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.shape[1] % 32:
+            raise ValueError(
+                f"--batch-invariant runs float32 or bfloat16 linears whose input width is a "
+                f"multiple of 32; this model has a {str(weight.dtype).removeprefix('torch.')} "
+                f"weight of shape {tuple(weight.shape)}")
 
     def attach_quantized(self, weight: torch.Tensor, quantized) -> None:
         """Multiply small batches by the checkpoint's blocks (6 or 9 bits a weight once
@@ -141,9 +157,14 @@ class CpuKernelOps(TorchOps):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         quantized = self._quantized.get(id(weight))
-        if quantized is None or x.dim() != 2 or x.shape[0] > QUANTIZED_MAX_ROWS:
+        if self.batch_invariant:
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+            out = (self._k.dense_linear(x, weight) if quantized is None else
+                   self._k.quantized_linear(x, quantized.blocks, quantized.kind))
+        elif quantized is None or x.dim() != 2 or x.shape[0] > QUANTIZED_MAX_ROWS:
             return super().linear(x, weight, bias)
-        out = self._k.quantized_linear(x.contiguous(), quantized.blocks, quantized.kind)
+        else:
+            out = self._k.quantized_linear(x.contiguous(), quantized.blocks, quantized.kind)
         return out if bias is None else out + bias
 
     @staticmethod
@@ -179,6 +200,22 @@ class CpuKernelOps(TorchOps):
         return self._k.silu_and_mul(x.contiguous())
 
 
+# Rows per cuBLAS call in the CUDA batch-invariant mode: a decode batch pays for this many
+# rows at least, which on a GPU costs about what one row costs (the weights' read dominates).
+CUDA_INVARIANT_ROWS = 64
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 tile: int) -> torch.Tensor:
+    """F.linear over x in row tiles of exactly `tile` rows (the last one zero-padded), so
+    every matmul has one shape."""
+    rows = x.shape[0]
+    padded = x.new_zeros((-(-rows // tile) * tile, x.shape[1]))
+    padded[:rows] = x
+    out = torch.cat([F.linear(part, weight, bias) for part in padded.split(tile)])
+    return out[:rows]
+
+
 @functools.cache
 def flashinfer_import_error() -> str | None:
     """None when `import flashinfer` works here, else why it does not (asked once)."""
@@ -196,12 +233,24 @@ class FlashInferOps(TorchOps):
 
     name = "flashinfer"
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
         import flashinfer
 
         super().__init__()
         self._fi = flashinfer
         self._cos_sin: dict[int, torch.Tensor] = {}
+        self.batch_invariant = batch_invariant
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """In the batch-invariant mode, in tiles of exactly CUDA_INVARIANT_ROWS rows: cuBLAS
+        picks its kernel (and any split of the sum) by the shape, so one shape for every
+        call gives every row the same kernel whatever the step's row count (unverified on a
+        GPU so far: docs/gpu.md)."""
+        if not self.batch_invariant or x.dim() != 2:
+            return super().linear(x, weight, bias)
+        return tiled_linear(x, weight, bias, CUDA_INVARIANT_ROWS)
 
     @staticmethod
     def _fits(x: torch.Tensor) -> bool:
@@ -247,17 +296,24 @@ class FlashInferOps(TorchOps):
         return self._fi.silu_and_mul(x.contiguous())
 
 
-def make_ops(name: str, device: torch.device) -> TorchOps:
+def make_ops(name: str, device: torch.device, batch_invariant: bool = False) -> TorchOps:
     """The ops that go with an attention backend: flashinfer's with flashinfer, the compiled
-    CPU kernels on a CPU where they build, plain torch otherwise."""
+    CPU kernels on a CPU where they build, plain torch otherwise. batch_invariant: see
+    CpuKernelOps and FlashInferOps; on a CPU it needs the compiled kernels (ValueError)."""
     if name == "flashinfer":
-        return FlashInferOps()
+        return FlashInferOps(batch_invariant)
     if device.type == "cpu":
         from engine.cpu_kernels import kernels
 
         compiled = kernels()
         if compiled is not None:
-            return CpuKernelOps(compiled)
+            return CpuKernelOps(compiled, batch_invariant)
+        if batch_invariant:
+            raise ValueError("--batch-invariant needs the engine's CPU kernels, which are not "
+                             "available here (see the log; `python -m engine.cpu_kernels` "
+                             "builds them)")
+    elif batch_invariant:
+        raise ValueError(f"--batch-invariant runs on a CPU or with flashinfer, not {device}")
     return TorchOps()
 
 
