@@ -135,6 +135,58 @@ class OutputParams(msgspec.Struct, frozen=True, omit_defaults=True):
 # ---------------------------------------------------------------- frontend -> engine
 
 
+# Element types a RawTensor may carry, with their sizes (numpy has no bfloat16).
+TENSOR_DTYPES = {"float32": 4, "float16": 2, "bool": 1}
+
+
+class RawTensor(msgspec.Struct, frozen=True, array_like=True):
+    """An array as raw little-endian bytes with its shape and dtype: never pickled (a peer's
+    pickle could run code) and never a JSON-style list (megabytes of floats). Receivers
+    check it with `unpack_tensor` before use."""
+
+    data: bytes
+    shape: list[int]
+    dtype: str  # a TENSOR_DTYPES key
+
+
+def pack_tensor(array: np.ndarray) -> RawTensor:
+    array = np.ascontiguousarray(array)
+    dtype = "bool" if array.dtype == np.bool_ else array.dtype.name
+    if dtype not in TENSOR_DTYPES:
+        raise ValueError(f"cannot send a {dtype} tensor")
+    return RawTensor(array.astype(array.dtype.newbyteorder("<")).tobytes(), list(array.shape),
+                     dtype)
+
+
+def unpack_tensor(tensor: RawTensor) -> np.ndarray:
+    """The array a RawTensor holds; ValueError when dtype, shape and byte count disagree."""
+    size = TENSOR_DTYPES.get(tensor.dtype)
+    if size is None:
+        raise ValueError(f"tensor dtype must be one of {sorted(TENSOR_DTYPES)}")
+    if not tensor.shape or any(d < 1 for d in tensor.shape):
+        raise ValueError("tensor dimensions must be positive")
+    count = 1
+    for d in tensor.shape:
+        count *= d
+    if count * size != len(tensor.data):
+        raise ValueError(f"tensor of shape {tensor.shape} and dtype {tensor.dtype} needs "
+                         f"{count * size} bytes, not {len(tensor.data)}")
+    kind = np.bool_ if tensor.dtype == "bool" else np.dtype(tensor.dtype).newbyteorder("<")
+    return np.frombuffer(tensor.data, dtype=kind).reshape(tensor.shape)
+
+
+class ImageInput(msgspec.Struct, frozen=True):
+    """One image of a prompt, as the model's image processor left it (Idefics3: the tiles
+    and the global view), and where its placeholder tokens sit in the prompt: the span
+    [offset, offset + length) from its first to its last token, whose image-token
+    positions take the vision encoder's outputs in order."""
+
+    pixel_values: RawTensor  # [patches, channels, height, width]
+    pixel_attention_mask: RawTensor  # [patches, height, width] bool: real pixels
+    offset: int
+    length: int
+
+
 class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     request_id: str
     prompt_token_ids: TokenIds
@@ -150,6 +202,8 @@ class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     # priority orders the waiting queue under a priority scheduler (lower runs first, as vLLM).
     cache_salt: str | None = None
     priority: int = 0
+    # A multimodal prompt's images, in prompt order (req T-13); the engine checks them.
+    images: list[ImageInput] = []
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):

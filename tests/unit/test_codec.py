@@ -21,6 +21,7 @@ from shared.protocol import (
     FrameBatch,
     FunctionCallDelta,
     HistogramCounts,
+    ImageInput,
     LogprobEntry,
     OutputBatch,
     OutputParams,
@@ -36,7 +37,9 @@ from shared.protocol import (
     WorkerDone,
     WorkerHeartbeat,
     pack_ids,
+    pack_tensor,
     unpack_ids,
+    unpack_tensor,
 )
 
 PROMPT = [1, 0, 2**31 - 1, 128000, 7, -1]
@@ -102,6 +105,8 @@ ENGINE_INBOUND = {
         ),
         cache_salt="tenant-ünïcode-salt",
         priority=-7,
+        images=[ImageInput(pack_tensor(np.full((2, 3, 4, 4), 0.5, np.float32)),
+                           pack_tensor(np.ones((2, 4, 4), bool)), offset=3, length=9)],
     ),
     "request-defaults": EngineRequest(
         request_id="req-2",
@@ -392,6 +397,32 @@ def test_token_ids_travel_as_raw_bytes():
     decoded = engine_inbound_decoder().decode(data)
     assert isinstance(decoded.prompt_token_ids, bytes)
     assert unpack_ids(decoded.prompt_token_ids).tolist() == ids
+
+
+def test_image_tensors_travel_as_raw_bytes():
+    pixels = np.arange(2 * 3 * 4 * 4, dtype=np.float32).reshape(2, 3, 4, 4)
+    image = ImageInput(pack_tensor(pixels), pack_tensor(np.ones((2, 4, 4), bool)), 1, 5)
+    message = EngineRequest(request_id="r", prompt_token_ids=pack_ids([1]),
+                            params=SamplingParams(max_tokens=1), reply_to="x",
+                            arrival_time=0.0, images=[image])
+    data = encode(message)
+    assert pixels.tobytes() in data  # verbatim, not pickled, not a list of floats
+    decoded = engine_inbound_decoder().decode(data).images[0]
+    assert (unpack_tensor(decoded.pixel_values) == pixels).all()
+    assert unpack_tensor(decoded.pixel_attention_mask).dtype == np.bool_
+
+
+@pytest.mark.parametrize("tensor", [
+    protocol.RawTensor(b"\0" * 8, [3], "float32"),  # 12 bytes wanted
+    protocol.RawTensor(b"\0" * 4, [1], "float64"),
+    protocol.RawTensor(b"\0" * 4, [1], "object"),
+    protocol.RawTensor(b"", [0], "float32"),
+    protocol.RawTensor(b"\0" * 4, [-1, -1], "float32"),
+    protocol.RawTensor(b"", [], "float32"),
+])
+def test_bad_tensors_are_refused(tensor):
+    with pytest.raises(ValueError):
+        unpack_tensor(tensor)
 
 
 def test_output_token_ids_travel_as_raw_bytes():
