@@ -50,6 +50,7 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     file: Any = None
     refusal: str | None = None
     prompt_cache_breakpoint: Any = None  # a caching hint: changes nothing about the tokens
+    image_embeds: Any = None  # vLLM's precomputed embeddings: refused (frontend.multimodal)
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):

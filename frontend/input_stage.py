@@ -9,6 +9,7 @@ worker threads, never on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import uuid
 
@@ -19,10 +20,19 @@ from frontend import input_metrics
 from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
 from frontend.errors import APIError, bad_request
+from frontend.media import MediaError
+from frontend.multimodal import (
+    ImagePart,
+    MultimodalError,
+    expand_placeholders,
+    image_inputs,
+    image_parts,
+)
 from frontend.rendering import RenderedPrompt, RenderError, RenderParams, check_render_params
 from frontend.serving_context import ServingContext, max_model_len
 from frontend.structured import forced_call_prefix
 from frontend.tokenization import RenderQueueTimeout, RenderTimeout
+from shared.protocol import ImageInput
 
 Request = ChatCompletionRequest | CompletionRequest
 
@@ -31,6 +41,7 @@ class PromptInput(msgspec.Struct):
     tokens: PromptTokens
     rendered: RenderedPrompt | None = None  # None when the client sent token ids
     source_text: str | None = None  # a completions prompt as the client wrote it (echo)
+    images: list[ImageInput] = []  # a multimodal chat prompt's images, in prompt order
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +67,9 @@ async def chat_input(ctx: ServingContext, request: ChatCompletionRequest) -> Pro
         return await _passthrough(ctx, request, request.prompt_token_ids, params, "chat")
     if not request.messages:
         raise bad_request("messages must not be empty", "messages")
+    parts = _image_parts(ctx, request)
+    if parts:
+        return await _multimodal_input(ctx, request, params, parts)
     rendered = await _render(ctx, request)
     tokens = await _tokenize(ctx, rendered.text, params, "messages")
     _record(request, "chat", tokens, rendered=True)
@@ -71,7 +85,54 @@ def _template_kwargs(request: ChatCompletionRequest, settings) -> dict:
     return {**kwargs, **(request.chat_template_kwargs or {})}
 
 
-async def _render(ctx: ServingContext, request: ChatCompletionRequest) -> RenderedPrompt:
+def _image_parts(ctx: ServingContext, request: ChatCompletionRequest) -> list[ImagePart]:
+    """The request's image parts, counted at parse time (req T-13), before any loading."""
+    try:
+        parts = image_parts(request.messages)
+    except MultimodalError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    if not parts:
+        return parts
+    if ctx.vision is None:
+        raise bad_request(f"the model {ctx.model_name!r} takes no images (text only)",
+                          parts[0].param)
+    limit = ctx.media.max_images_per_prompt
+    if len(parts) > limit:
+        raise bad_request(f"at most {limit} images per prompt (--limit-mm-per-prompt); this "
+                          f"request has {len(parts)}", parts[limit].param)
+    return parts
+
+
+async def _multimodal_input(ctx: ServingContext, request: ChatCompletionRequest,
+                            params: TokenizeParams, parts: list[ImagePart]) -> PromptInput:
+    """Images load (fetch, decode, the model's processor) while the template renders, not
+    after it; then each placeholder becomes its image's exact tokens, and the budgets apply
+    to the expanded prompt, which truncation may not cut through an image of."""
+    vision = ctx.vision
+    loads = [asyncio.ensure_future(vision.prepare(p)) for p in parts]
+    try:
+        rendered = await _render(ctx, request, vision.placeholder)
+        images = await asyncio.gather(*loads)
+    except MediaError as exc:
+        input_metrics.REJECTED.labels("bad_media").inc()
+        raise bad_request(f"{exc.param}: {exc}", exc.param) from exc
+    finally:
+        for load in loads:  # after a failure the others are not worth finishing
+            load.cancel()
+    try:
+        text, spans = expand_placeholders(rendered.text, vision.placeholder, images)
+        params = msgspec.structs.replace(params, return_offsets=True)
+        tokens = await _tokenize(ctx, text, params, "messages")
+        inputs = image_inputs(tokens, spans, images, vision.image_token_id)
+    except MultimodalError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    tokens.offsets = None  # only the image spans needed them
+    _record(request, "chat", tokens, rendered=True)
+    return PromptInput(tokens, rendered, images=inputs)
+
+
+async def _render(ctx: ServingContext, request: ChatCompletionRequest,
+                  image_placeholder: str | None = None) -> RenderedPrompt:
     settings = ctx.tokenization.settings.templates
     structured = ctx.tokenization.settings.structured
     if request.chat_template is not None and not settings.trust_request_chat_template:
@@ -89,6 +150,7 @@ async def _render(ctx: ServingContext, request: ChatCompletionRequest) -> Render
         template_kwargs=_template_kwargs(request, settings),
         # A named tool_choice: the output starts inside the call (req C-3).
         injected_prefix=forced_call_prefix(request, structured),
+        image_placeholder=image_placeholder,
     )
     try:
         check_render_params(params, request.messages)

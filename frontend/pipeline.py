@@ -202,6 +202,7 @@ def build_job(
                 reply_to=ctx.client.result_address, arrival_time=now,
                 output=output_params(ctx, request, job, plan, prompt, number),
                 cache_salt=request.cache_salt, priority=request.priority,  # req P-12
+                images=prompt.images,
             ))
     job.index_of = {c.request_id: i for i, c in enumerate(job.candidates)}
     return job

@@ -54,6 +54,10 @@ class RenderParams(msgspec.Struct, frozen=True, kw_only=True):
     template_kwargs: dict[str, Any] = {}
     # Text the server appends after the template's output (e.g. a forced tool-call opening).
     injected_prefix: str = ""
+    # The model's image placeholder, set when the messages hold image parts (req T-13):
+    # "openai" templates get {"type": "image"} parts and write it themselves; "string"
+    # ones get it in the joined text.
+    image_placeholder: str | None = None
 
 
 class RenderedPrompt(msgspec.Struct, frozen=True):
@@ -121,12 +125,20 @@ def resolve_template(tok, params: RenderParams, settings: TemplateSettings) -> s
 # ---------------------------------------------------------------- messages
 
 
-def _text_parts(message: ChatMessage) -> str | list[dict[str, str]] | None:
-    """The content as sent, with parts as {"type": "text", "text": ...} (a refusal is text)."""
+_IMAGE_PARTS = ("image_url", "input_image")
+
+
+def _text_parts(message: ChatMessage, image_placeholder: str | None = None
+                ) -> str | list[dict[str, str]] | None:
+    """The content as sent, with parts as {"type": "text", "text": ...} (a refusal is text)
+    and images, when the model takes them, as {"type": "image"}, as HF templates expect."""
     if message.content is None or isinstance(message.content, str):
         return message.content
     parts = []
     for part in message.content:
+        if part.type in _IMAGE_PARTS and image_placeholder is not None:
+            parts.append({"type": "image"})
+            continue
         if part.type not in ("text", "refusal"):
             raise RenderError(f"content parts of type {part.type!r} are not supported")
         text = (part.text if part.type == "text" else part.refusal) or ""
@@ -172,21 +184,22 @@ def _tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def template_messages(messages: list[ChatMessage], parts: bool = False
-                      ) -> list[dict[str, Any]]:
+def template_messages(messages: list[ChatMessage], parts: bool = False,
+                      image_placeholder: str | None = None) -> list[dict[str, Any]]:
     """Messages as HF templates read them; `parts`: content as a list of text parts (for
-    "openai" templates), else one string."""
+    "openai" templates), else one string (an image as the model's placeholder)."""
     out = []
     for m in messages:
         # OpenAI's tool loop sends an assistant's calls back with content null; templates
         # that use the content as text (SmolLM2's) fail on it, and "" means the same.
-        content = _text_parts(m)
+        content = _text_parts(m, image_placeholder)
         if content is None:
             content = [] if parts else ""
         elif parts and isinstance(content, str):
             content = [{"type": "text", "text": content}]
         elif not parts and not isinstance(content, str):
-            content = "\n".join(p["text"] for p in content)
+            content = "\n".join(p["text"] if p["type"] == "text" else image_placeholder
+                                for p in content)
         entry: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             entry["name"] = m.name
@@ -229,7 +242,8 @@ def render(
     template = resolve_template(tok, params, settings)
     wanted = settings.content_format
     parts = (content_format(template) if wanted == "auto" else wanted) == "openai"
-    conversation = developer_as_system(template_messages(messages, parts), template)
+    conversation = developer_as_system(
+        template_messages(messages, parts, params.image_placeholder), template)
     try:
         text = tok.apply_chat_template(
             conversation,

@@ -12,7 +12,9 @@ from frontend.app import build_app
 from frontend.engine_client import EngineClient
 from frontend.grammar_check import GrammarChecker, TokenizerSpec
 from frontend.limits import Admission, drain
+from frontend.media import MediaSettings
 from frontend.metrics import process_exiting
+from frontend.multimodal import load_vision_processor
 from frontend.rendering import TemplateSettings, load_chat_template
 from frontend.request_log import RequestLog
 from frontend.serving_context import OutputSettings, ServingContext
@@ -94,6 +96,8 @@ def run_frontend(config: FrontendConfig) -> None:
                                         config.override_generation_config)
     log.info("generation defaults in force (--generation-config %s): %s",
              config.generation_config, defaults.in_force() or "none (the OpenAI defaults)")
+    media = MediaSettings(allowed_local_media_path=config.allowed_local_media_path,
+                          max_images_per_prompt=config.limit_mm_per_prompt)
     ctx = ServingContext(
         client=client,
         tokenization=Tokenization(tokenizer, _input_settings(config, tokenizer, facts)),
@@ -101,6 +105,8 @@ def run_frontend(config: FrontendConfig) -> None:
         model_aliases=tuple(config.served_model_aliases),
         vocab_size=facts.max_token_id + 1,
         generation_defaults=defaults,
+        vision=load_vision_processor(config.model, tokenizer, media),
+        media=media,
         output=OutputSettings(
             reasoning_parser=config.reasoning_parser,
             tool_call_parser=config.tool_call_parser,

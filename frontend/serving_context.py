@@ -15,6 +15,8 @@ from starlette.responses import StreamingResponse
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError
 from frontend.input_bounds import RequestLimits
+from frontend.media import MediaSettings
+from frontend.multimodal import VisionProcessor
 from frontend.structured import StructuredSettings
 from frontend.tokenization import Tokenization
 from shared.generation_config import GenerationDefaults
@@ -45,6 +47,9 @@ class ServingContext(msgspec.Struct):
     limits: RequestLimits = RequestLimits()  # the server's maxima per request (flags)
     # --generation-config's defaults for fields a request leaves out (request values win).
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    # The model's image processor (req T-13); None: a text-only model, images are a 400.
+    vision: VisionProcessor | None = None
+    media: MediaSettings = MediaSettings()
 
 
 def structured_settings(ctx: ServingContext) -> StructuredSettings:
