@@ -72,6 +72,10 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     chat_template: str | None = None  # --chat-template: a file path or the template itself
     trust_request_chat_template: bool = False  # honour a request's chat_template
     chat_template_content_format: str = "auto"  # auto | string | openai (frontend.rendering)
+    # Image parts (frontend.media): the folder file:// URLs may read (None: none), and the
+    # most images one prompt may carry (--limit-mm-per-prompt).
+    allowed_local_media_path: str | None = None
+    limit_mm_per_prompt: int = 8
     heartbeat_interval_s: float = 1.0
     engine_timeout_s: float = 5.0
     log_level: str = "info"
