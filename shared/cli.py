@@ -113,6 +113,20 @@ def vllm_compat_notes(parser: argparse.ArgumentParser, args) -> list[str]:
             if getattr(args, flag[2:].replace("-", "_"), False)]
 
 
+def _mm_limit(value: str) -> int:
+    """--limit-mm-per-prompt: vLLM's JSON ({"image": N}); only images are taken here."""
+    try:
+        limits = json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected JSON such as '{\"image\": 4}'") from None
+    if not isinstance(limits, dict) or set(limits) - {"image"}:
+        raise argparse.ArgumentTypeError("only an 'image' limit is supported")
+    n = limits.get("image", 8)
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64:
+        raise argparse.ArgumentTypeError("the image limit must be an integer in [0, 64]")
+    return n
+
+
 def _add_model_tag(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `vllm serve MODEL`: the same as --model")
@@ -240,6 +254,12 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    help="how chat templates get message content: string (parts joined), "
                         "openai (a list of {type, text} parts), or auto: openai when the "
                         "template loops over a message's content (default: auto)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let image parts name local files (file:// URLs) inside DIR; off by "
+                        "default, as in vLLM: any file the server can read would be readable")
+    g.add_argument("--limit-mm-per-prompt", type=_mm_limit, default=8, metavar="JSON",
+                   help="most images one prompt may carry, as vLLM: '{\"image\": N}' "
+                        "(default: 8)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a request's template runs "
                         "on this server's CPU; off by default)")
@@ -603,6 +623,8 @@ def frontend_config(args, engine_address: str | list[str] | None,
         render_timeout_s=args.render_timeout, chat_template=args.chat_template,
         chat_template_content_format=args.chat_template_content_format,
         trust_request_chat_template=args.trust_request_chat_template,
+        allowed_local_media_path=args.allowed_local_media_path,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         reasoning_field=args.reasoning_field, max_stored_responses=args.max_stored_responses,
         generation_config=args.generation_config,
@@ -697,6 +719,9 @@ def check_frontend_flags(args) -> None:
     if reserved:
         raise SystemExit(f"sluice: --default-chat-template-kwargs may not set "
                          f"{', '.join(reserved)}: the server passes those itself")
+    media = args.allowed_local_media_path
+    if media is not None and not os.path.isdir(media):
+        raise SystemExit(f"sluice: --allowed-local-media-path {media}: no such folder")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise SystemExit("sluice: TLS needs both --ssl-keyfile and --ssl-certfile")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
@@ -767,7 +792,10 @@ def _serve(args) -> int:
         frontend_argv += ["--chat-template", args.chat_template]
     if args.trust_request_chat_template:
         frontend_argv.append("--trust-request-chat-template")
-    frontend_argv += ["--chat-template-content-format", args.chat_template_content_format]
+    frontend_argv += ["--chat-template-content-format", args.chat_template_content_format,
+                      "--limit-mm-per-prompt", json.dumps({"image": args.limit_mm_per_prompt})]
+    if args.allowed_local_media_path is not None:
+        frontend_argv += ["--allowed-local-media-path", args.allowed_local_media_path]
     for flag, value in (("--reasoning-parser", args.reasoning_parser),
                         ("--tool-call-parser", args.tool_call_parser)):
         if value is not None:
