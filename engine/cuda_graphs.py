@@ -80,10 +80,11 @@ class DecodeGraphModel:
         log.info("captured decode CUDA graphs for batch sizes %s in %.1fs",
                  self.batch_sizes, time.monotonic() - started)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, meta):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, meta,
+                embeds=None):
         size = getattr(meta, "graph_batch_size", 0)
-        if not size:
-            return self.model.forward(input_ids, positions, backend, meta)
+        if not size or embeds is not None:  # image embeddings come with prefills only
+            return self.model.forward(input_ids, positions, backend, meta, embeds)
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:size].zero_()

@@ -180,7 +180,9 @@ class EngineServer:
                 sock.send_multipart([identity, encode(self._stats())])
                 continue
             if isinstance(message, EngineRequest):
-                self.outbox.put(message)  # the router learns of it before its first output
+                # The router learns of it before its first output; postproc needs no pixels.
+                self.outbox.put(msgspec.structs.replace(message, images=[]) if message.images
+                                else message)
                 message = Submitted(message, identity.bytes)
             self.inbox.put(message)
         sock.close(linger=0)

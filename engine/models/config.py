@@ -58,6 +58,14 @@ class ModelConfig(msgspec.Struct, frozen=True):
     attention_bias: bool = False  # qwen2: bias on q/k/v projections
     qk_norm: bool = False  # qwen3: RMSNorm on q and k per head
     rope_scaling: RopeScaling | None = None
+    # A vision-language model (req T-13): its family ("idefics3") and the token id whose
+    # positions take the vision encoder's outputs; None for a text-only model.
+    multimodal: str | None = None
+    image_token_id: int | None = None
+
+
+# Vision-language model types -> the text model their config.json nests (text_config).
+_MULTIMODAL_MODEL_TYPES = ("idefics3",)
 
 
 def load_model_config(model_path: str) -> ModelConfig:
@@ -68,7 +76,37 @@ def load_model_config(model_path: str) -> ModelConfig:
     if not os.path.isfile(config_file):
         raise ValueError(f"{model_path!r} is neither a .gguf file nor a folder with config.json")
     with open(config_file, "rb") as f:
-        return _config_from_hf(msgspec.json.decode(f.read(), type=_HFConfig))
+        raw = f.read()
+    outer = msgspec.json.decode(raw, type=_HFOuterConfig)
+    if outer.model_type in _MULTIMODAL_MODEL_TYPES:
+        return _multimodal_config(outer)
+    return _config_from_hf(msgspec.json.decode(raw, type=_HFConfig))
+
+
+class _HFOuterConfig(msgspec.Struct):
+    """A config.json's top: enough to tell a vision-language model and find its text side."""
+
+    model_type: str = ""
+    text_config: dict | None = None
+    image_token_id: int | None = None
+    tie_word_embeddings: bool | None = None
+
+
+def _multimodal_config(outer: _HFOuterConfig) -> ModelConfig:
+    """Idefics3 / SmolVLM: a Llama text model (ours) behind a vision encoder (engine.models
+    .idefics3); the text side is read from text_config."""
+    if outer.text_config is None or outer.image_token_id is None:
+        raise ValueError(f"{outer.model_type} config.json lacks text_config or image_token_id")
+    text = dict(outer.text_config)
+    text.setdefault("model_type", "llama")
+    if outer.tie_word_embeddings is not None:  # the top-level flag is the one HF ties by
+        text["tie_word_embeddings"] = outer.tie_word_embeddings
+    config = _config_from_hf(msgspec.convert(text, _HFConfig))
+    if config.architecture != "llama":
+        raise ValueError(f"{outer.model_type} with a {text['model_type']} text model is not "
+                         "supported")
+    return msgspec.structs.replace(config, multimodal=outer.model_type,
+                                   image_token_id=outer.image_token_id)
 
 
 @functools.lru_cache(maxsize=1)

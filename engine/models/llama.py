@@ -172,9 +172,13 @@ class LlamaModel:
         positions: torch.Tensor,
         backend: AttentionBackend,
         meta: object,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states of every fed token, before the final norm: [T, hidden]."""
+        """Hidden states of every fed token, before the final norm: [T, hidden]. `embeds`:
+        (rows, vectors) that replace those rows' token embeddings (a VLM's image tokens)."""
         h = F.embedding(input_ids, self.embed)
+        if embeds is not None:
+            h[embeds[0]] = embeds[1].to(h.dtype)
         rope_tables = self.ops.rope_tables(self.rope, positions)
         eps, last = self.config.rms_norm_eps, len(self.layers) - 1
         # x: the normed input of the next block; each residual add is fused with the norm

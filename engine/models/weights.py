@@ -85,7 +85,7 @@ def load_weights(
     if model_path.endswith(".gguf"):
         weights = _load_gguf(model_path, config, expected, dtype)
     else:
-        weights = _load_safetensors(model_path, expected, dtype)
+        weights = _load_safetensors(model_path, expected, dtype, _text_name_of(config))
     _check_complete(weights, expected)
     return weights
 
@@ -185,13 +185,32 @@ def _to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 # --- safetensors ------------------------------------------------------------------------------
 
 
-def _load_safetensors(folder, expected, dtype) -> dict[str, torch.Tensor]:
+def _text_name_of(config: ModelConfig):
+    """Checkpoint name -> the text model's HF name, or None for a tensor it does not use.
+    Idefics3 nests the text model under model.text_model; its vision encoder and connector
+    load separately (engine.models.idefics3)."""
+    if config.multimodal != "idefics3":
+        return lambda name: name
+    vision = ("model.vision_model.", "model.connector.")
+
+    def rename(name: str) -> str | None:
+        if name.startswith(vision):
+            return None
+        return name.replace("model.text_model.", "model.", 1)
+
+    return rename
+
+
+def _load_safetensors(folder, expected, dtype, rename=lambda n: n) -> dict[str, torch.Tensor]:
     weights = {}
     for shard in _safetensors_shards(folder):
         with safe_open(shard, framework="pt") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = rename(stored)
+                if name is None:
+                    continue
                 if name in expected:
-                    weights[name] = f.get_tensor(name).to(dtype)
+                    weights[name] = f.get_tensor(stored).to(dtype)
                 elif not _ignorable(name):
                     raise ValueError(f"unexpected tensor {name!r} in {shard}")
     return weights
