@@ -127,6 +127,11 @@ def build_engine(config: EngineConfig) -> EngineCore:
     model = LlamaModel(model_config, weights, max_model_len, dtype, device, ops=ops,
                        quantized=quantized)
     del weights
+    vision = None
+    if model_config.multimodal == "idefics3":  # the vision half; the text half is ours
+        from engine.models.idefics3 import Idefics3Vision
+
+        vision = Idefics3Vision(config.model, dtype, device)
     log.info("loaded %s (%s, %s ops) in %.1fs", config.served_model_name, dtype,
              model.ops.name, time.monotonic() - started)
     if on_gpu:
@@ -147,7 +152,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     facts = tokenizer_facts(tokenizer, config.model)
     return EngineCore(
-        ModelRunner(model, backend, model_config.vocab_size),
+        ModelRunner(model, backend, model_config.vocab_size, vision),
         allocator,
         Scheduler(allocator, config.max_num_batched_tokens, config.max_num_seqs,
                   config.scheduling_policy, config.long_prefill_token_threshold),

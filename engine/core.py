@@ -14,6 +14,7 @@ import torch
 from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
+from engine.multimodal import ImageProblem, parse_images
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from shared import histograms as h
@@ -70,6 +71,9 @@ class EngineCore:
         self.engine_id = engine_id
         self.model_name = model_name
         self.sequences: dict[str, Sequence] = {}
+        # What a VLM takes as an image (engine.multimodal); None: text only, images refused.
+        vision = getattr(runner, "vision", None)
+        self.image_spec = vision.spec if vision is not None else None
         # Structured output (llguidance); None: constrained requests are refused.
         self.grammar = grammar
         self._compiling: dict[str, Sequence] = {}  # requests whose grammar is not ready yet
@@ -110,6 +114,11 @@ class EngineCore:
         if problem is not None:
             self._reject(request, len(prompt), problem)
             return
+        try:
+            images = parse_images(request.images, prompt, self.image_spec)
+        except ImageProblem as exc:
+            self._reject(request, len(prompt), str(exc))
+            return
         params = request.params
         generator = None
         if params.seed is not None:
@@ -128,6 +137,7 @@ class EngineCore:
             cache_salt=request.cache_salt,
             priority=request.priority,
             peer=peer,
+            images=images,
         )
         if params.constraint is not None:
             seq.grammar = self.grammar.compile(params.constraint)

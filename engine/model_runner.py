@@ -13,6 +13,7 @@ from engine.batch import ScheduledChunk
 from engine.grammar import GrammarMasks, step_masks
 from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
+from engine.multimodal import step_embeddings
 from engine.sampler import SamplingRows, sample, token_logprobs, token_ranks
 from shared.protocol import TokenLogprobs
 
@@ -51,10 +52,12 @@ class ModelRunner:
         model: LlamaModel,
         backend: AttentionBackend,
         vocab_size: int,
+        vision=None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.vocab_size = vocab_size
+        self.vision = vision  # a VLM's encoder (engine.models.idefics3); None: text only
         self.device = model.device
         self.stage = ""  # what the sampling phase ran last (see _sample)
 
@@ -65,7 +68,8 @@ class ModelRunner:
         only the requests that cause it (`StepResult.failed`)."""
         input_ids, positions, sample_rows = self._flatten(chunks)
         meta = self.backend.prepare(chunks)
-        hidden = self.model.forward(input_ids, positions, self.backend, meta)
+        embeds = step_embeddings(chunks, self.vision)  # image tokens' inputs (req T-13)
+        hidden = self.model.forward(input_ids, positions, self.backend, meta, embeds)
         seqs = [c.seq for c in chunks if c.samples]
         masks, mask_error = None, None
         try:

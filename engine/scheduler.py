@@ -29,6 +29,7 @@ import itertools
 
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.kv_cache import OutOfPages, PageAllocator, chain_hash, root_hash
+from engine.multimodal import cache_key
 from engine.sequence import Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "priority")
@@ -185,6 +186,8 @@ class Scheduler:
         while len(seq.page_hashes) < num_pages:
             i = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if i else root_hash(seq.cache_salt)
+            if seq.images:  # the images a page's tokens show are part of what it holds
+                parent += cache_key(seq.images, i * size, (i + 1) * size)
             seq.page_hashes.append(chain_hash(parent, seq.token_ids[i * size : (i + 1) * size]))
 
     def _register_pages(self, seq: Sequence, num_filled: int) -> None:
