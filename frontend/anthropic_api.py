@@ -51,6 +51,7 @@ from frontend.anthropic_models import (
 from frontend.api_models import (
     ChatCompletionRequest,
     ChatMessage,
+    ContentPart,
     JsonSchemaFormat,
     ResponseFormat,
 )
@@ -98,10 +99,32 @@ def _texts(content: str | list[ContentBlock] | None, param: str) -> str:
     return "\n".join(_block_text(b, f"{param}[{i}]") for i, b in enumerate(content))
 
 
+def _image_url(block: ContentBlock, param: str) -> str:
+    """An image block's source as a URL the media loader reads (a base64 one as data:)."""
+    source = block.source if isinstance(block.source, dict) else {}
+    if source.get("type") == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise bad_request("a base64 image source needs media_type and data",
+                              param + ".source")
+        return f"data:{media_type};base64,{data}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad_request("an image block needs a source of type base64 or url", param + ".source")
+
+
+def _user_content(parts: list[ContentPart]) -> str | list[ContentPart]:
+    """Text only: one string, as before images; with images, the parts in order."""
+    if all(p.type == "text" for p in parts):
+        return "\n".join(p.text or "" for p in parts)
+    return parts
+
+
 def _user(blocks: list[ContentBlock], param: str) -> list[ChatMessage]:
-    """A user turn's blocks: its tool results (one tool message each), then its text."""
+    """A user turn's blocks: its tool results (one tool message each), then its text and
+    images (as OpenAI image_url parts, in order)."""
     out: list[ChatMessage] = []
-    texts: list[str] = []
+    texts: list[ContentPart] = []
     for i, block in enumerate(blocks):
         where = f"{param}[{i}]"
         if block.type == "tool_result":
@@ -111,10 +134,13 @@ def _user(blocks: list[ContentBlock], param: str) -> list[ChatMessage]:
             if block.is_error:
                 result = f"Error: {result}"
             out.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=result))
+        elif block.type == "image":
+            texts.append(ContentPart(type="image_url",
+                                     image_url={"url": _image_url(block, where)}))
         else:
-            texts.append(_block_text(block, where))
+            texts.append(ContentPart(type="text", text=_block_text(block, where)))
     if texts:
-        out.append(ChatMessage(role="user", content="\n".join(texts)))
+        out.append(ChatMessage(role="user", content=_user_content(texts)))
     return out
 
 

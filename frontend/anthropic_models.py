@@ -35,6 +35,7 @@ class ContentBlock(msgspec.Struct, kw_only=True):
     tool_use_id: str | None = None  # tool_result
     content: str | list[ContentBlock] | None = None
     is_error: bool | None = None
+    source: Any = None  # image: {type: base64, media_type, data} or {type: url, url}
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

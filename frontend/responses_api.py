@@ -29,6 +29,7 @@ from frontend import pipeline
 from frontend.api_models import (
     ChatCompletionRequest,
     ChatMessage,
+    ContentPart,
     JsonSchemaFormat,
     ResponseFormat,
 )
@@ -165,6 +166,25 @@ def _text(content: str | list[InputPart] | None, param: str) -> str:
     return "\n".join(_part_text(p, param) for p in content)
 
 
+def _input_content(content: str | list[InputPart] | None, param: str
+                   ) -> str | list[ContentPart]:
+    """A user or system message's content: its text, or with input_image parts the parts
+    in order, as chat image_url parts (frontend.multimodal takes them from there)."""
+    if not isinstance(content, list) or all(p.type != "input_image" for p in content):
+        return _text(content, param)
+    parts = []
+    for i, part in enumerate(content):
+        if part.type != "input_image":
+            parts.append(ContentPart(type="text", text=_part_text(part, param)))
+        elif part.image_url is None:
+            raise bad_request("input_image needs image_url (file_id is not supported)",
+                              f"{param}[{i}].image_url")
+        else:
+            parts.append(ContentPart(type="image_url", image_url={
+                "url": part.image_url, "detail": part.detail or "auto"}))
+    return parts
+
+
 def input_messages(items: str | list[InputItem] | None) -> list[ChatMessage]:
     """Input items -> chat messages. A function_call joins the assistant message before it
     (or starts one); a reasoning item goes with the assistant message that follows it."""
@@ -189,12 +209,13 @@ def input_messages(items: str | list[InputItem] | None) -> list[ChatMessage]:
         if item.type == "message":
             if item.role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"unknown message role {item.role!r}", param + ".role")
-            text = _text(item.content, param + ".content")
             if item.role == "assistant":
                 message = assistant()
-                message.content = (message.content or "") + text
+                message.content = (message.content or "") + _text(item.content,
+                                                                  param + ".content")
             else:
-                out.append(ChatMessage(role=item.role, content=text))
+                out.append(ChatMessage(role=item.role,
+                                       content=_input_content(item.content, param + ".content")))
         elif item.type == "function_call":
             if not item.call_id or not item.name:
                 raise bad_request("a function_call item needs call_id and name", param)

@@ -29,6 +29,9 @@ class InputPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: str | None = None  # input_image: a data:, http(s): or file: URL
+    detail: str | None = None  # input_image: auto | low | high (changes nothing here)
+    file_id: str | None = None  # input_image by uploaded file: refused (no file store)
 
 
 class InputItem(msgspec.Struct, kw_only=True):

@@ -177,8 +177,11 @@ def test_errors_in_openai_shape(client, edge_url):
 
     assert error(input="x", temprature=0)["param"] == "temprature"
     assert error(input="x", background=True)["param"] == "background"
+    # An image for a text-only model (tests/integration/test_multimodal.py serves a VLM).
+    assert "takes no images" in error(input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x"}]}])["message"]
     assert error(input=[{"role": "user", "content": [
-        {"type": "input_image", "image_url": "http://x"}]}])["param"] == "input[0].content"
+        {"type": "input_file", "file_id": "f"}]}])["param"] == "input[0].content"
     assert error(input="x", tools=[{"type": "web_search"}])["param"] == "tools[0]"
     assert error(input="x", tool_choice="required")["param"] == "tool_choice"
     with pytest.raises(openai.NotFoundError):
