@@ -196,6 +196,17 @@ def test_truncation_never_splits_an_image(vlm):
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
 
 
+def test_max_tokens_room_counts_the_image_tokens(vlm):
+    """The room left for output is the context less the expanded prompt: a max_tokens the
+    text alone (one placeholder token) would leave room for is a 400."""
+    parts = [{"type": "text", "text": "hello"}, _image(data_url(png_bytes()))]
+    _, prompt = _answer(_image_request(vlm, parts))
+    assert prompt > 31
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 512 - prompt + 1}
+    r = httpx.post(f"{vlm['url']}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 def _huge_png() -> bytes:
     from PIL import Image
 

@@ -321,3 +321,27 @@ def test_images_load_while_the_template_renders():
         prompt = asyncio.run(chat_input(ctx, request))
     [image] = prompt.images
     assert prompt.tokens.ids[image.offset] == 9 and image.length == 1
+
+
+def test_other_apis_translate_image_parts():
+    from frontend import anthropic_api, responses_api
+    from frontend.anthropic_models import ContentBlock
+    from frontend.responses_models import InputItem, InputPart
+
+    [message] = responses_api.input_messages([InputItem(role="user", content=[
+        InputPart(type="input_text", text="look"),
+        InputPart(type="input_image", image_url="data:x", detail="low")])])
+    assert [p.type for p in message.content] == ["text", "image_url"]
+    assert message.content[1].image_url == {"url": "data:x", "detail": "low"}
+    with pytest.raises(APIError, match="file_id"):
+        responses_api.input_messages([InputItem(role="user", content=[
+            InputPart(type="input_image", file_id="f")])])
+    source = {"type": "base64", "media_type": "image/png", "data": "AAAA"}
+    [message] = anthropic_api._user([ContentBlock(type="image", source=source),
+                                     ContentBlock(type="text", text="what")], "messages[0]")
+    assert message.content[0].image_url == {"url": "data:image/png;base64,AAAA"}
+    [message] = anthropic_api._user([ContentBlock(type="text", text="a"),
+                                     ContentBlock(type="text", text="b")], "messages[0]")
+    assert message.content == "a\nb"  # text only: one string, as before images
+    with pytest.raises(APIError, match="base64 image source"):
+        anthropic_api._user([ContentBlock(type="image", source={"type": "base64"})], "m")
