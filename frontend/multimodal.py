@@ -131,11 +131,11 @@ class VisionProcessor:
         """Pixel tensors and placeholder text of one decoded image; synchronous."""
         try:
             out = self.images(images=[[image]], return_row_col_info=True, return_tensors="np")
+            pixels = np.asarray(out["pixel_values"][0], dtype=np.float32)
+            mask = np.asarray(out["pixel_attention_mask"][0]).astype(bool)
+            pixels, mask = self._pad(pixels, mask)
         except Exception as exc:  # the processor's own refusal of an image it cannot take
             raise MediaError(f"the image processor rejected the image: {exc}", param) from None
-        pixels = np.asarray(out["pixel_values"][0], dtype=np.float32)
-        mask = np.asarray(out["pixel_attention_mask"][0]).astype(bool)
-        pixels, mask = self._pad(pixels, mask)
         prompt = self._layout.replace_image_token(
             {"rows": out["rows"], "cols": out["cols"]}, 0)
         return PreparedImage(pixels, mask, prompt, len(pixels) * self.tokens_per_patch)
