@@ -345,3 +345,21 @@ def test_other_apis_translate_image_parts():
     assert message.content == "a\nb"  # text only: one string, as before images
     with pytest.raises(APIError, match="base64 image source"):
         anthropic_api._user([ContentBlock(type="image", source={"type": "base64"})], "m")
+
+
+@pytest.mark.parametrize(("config", "reason"), [
+    ({"model_type": "idefics3", "image_token_id": 3}, "text_config"),
+    ({"model_type": "idefics3", "text_config": {"model_type": "llama"}}, "text_config"),
+    ({"model_type": "idefics3", "image_token_id": 3,
+      "text_config": {"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8,
+                      "intermediate_size": 8, "num_hidden_layers": 1,
+                      "num_attention_heads": 1}}, "not supported"),
+])
+def test_vision_configs_the_engine_cannot_serve_are_refused(tmp_path, config, reason):
+    import json
+
+    from engine.models.config import load_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=reason):
+        load_model_config(str(tmp_path))
