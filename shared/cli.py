@@ -16,9 +16,18 @@ import subprocess
 import sys
 import time
 
+import msgspec
+
 from shared.config import EngineConfig, FrontendConfig, HttpSettings
 from shared.param_ranges import MAX_LOGPROBS, UNBOUNDED_LOGPROBS
 from shared.prometheus_dir import prepare_prometheus_dir
+from shared.speculative import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    SpeculativeConfig,
+    SpeculativeConfigError,
+    parse_speculative_config,
+)
+from shared.speculative import FLAG as SPEC_FLAG
 from shared.transport import free_tcp_port, new_ipc_address
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5555"
@@ -78,7 +87,6 @@ VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
                                  "device)"),
     "--quantization": (str, None, "quantization methods (awq, gptq, fp8, ...): weights load "
                        "as GGUF or safetensors and compute in --dtype"),
-    "--speculative-config": (str, None, "speculative decoding"),
     "--enable-lora": (bool, False, "LoRA adapters"),
     "--kv-cache-dtype": (str, "auto", "a KV cache dtype other than --dtype's"),
     "--cpu-offload-gb": (float, 0.0, "offloading weights to CPU memory"),
@@ -180,6 +188,14 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=_seed, default=None,
                    help="seed the engine's random generators at start, so requests without "
                         "a seed of their own repeat from run to run (default: not seeded)")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON; only model-free prompt lookup: '
+                        '{"method": "ngram", "num_speculative_tokens": K, '
+                        '"prompt_lookup_max": N, "prompt_lookup_min": M} (optional: '
+                        f'"disable_by_batch_size", default {DEFAULT_DISABLE_BY_BATCH_SIZE}: '
+                        "no drafts with more sequences than that in the engine). "
+                        "Default: off")
 
 
 # vLLM's attention backend names that mean one of ours.
@@ -197,6 +213,14 @@ def _attention_backend(text: str) -> str:
 def _max_logprobs(text: str) -> int:
     value = _int_at_least(-1)(text)
     return UNBOUNDED_LOGPROBS if value == -1 else value
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
+    except SpeculativeConfigError as exc:
+        # argparse names the flag already.
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{SPEC_FLAG}: ")) from None
 
 
 def _seed(text: str) -> int:
@@ -601,6 +625,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         frontend_timeout_s=args.frontend_timeout, seed=args.seed,
         max_logprobs=args.max_logprobs, metrics_port=getattr(args, "metrics_port", None),
+        speculative=args.speculative_config,
         engine_id=getattr(args, "engine_id", None) or f"{socket.gethostname()}@{address}",
         metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
     )
@@ -765,6 +790,9 @@ def _serve(args) -> int:
             engine_argv += [flag, str(value)]
     if args.enforce_eager:
         engine_argv.append("--enforce-eager")
+    if args.speculative_config is not None:
+        engine_argv += ["--speculative-config",
+                        msgspec.json.encode(args.speculative_config).decode()]
     frontend_argv = [
         "frontend", *common, "--engine-address", address, "--host", args.host,
         "--port", str(args.port), "--tokenizer-threads", str(args.tokenizer_threads),

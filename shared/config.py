@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.speculative import SpeculativeConfig
+
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # resolved path: a .gguf file or an HF folder
@@ -32,6 +34,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # seed draw from, so a run repeats (vLLM's --seed). None: not seeded.
     seed: int | None = None
     max_logprobs: int = 20  # --max-logprobs; -1: up to the vocabulary
+    # --speculative-config (shared.speculative, engine.spec_decode); None: no drafts.
+    speculative: SpeculativeConfig | None = None
     engine_id: str = "engine-0"
     # --metrics-port: the engine's own Prometheus /metrics (its series once per engine, not
     # once per frontend); None: not served.

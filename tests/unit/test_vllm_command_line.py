@@ -131,7 +131,6 @@ def test_noop_flags_are_logged_once_at_start(monkeypatch, caplog):
     (["--pipeline_parallel_size", "2"], "--pipeline-parallel-size 2"),
     (["--enable-lora"], "--enable-lora True: sluice has no LoRA"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
-    (["--speculative-config", "{}"], "speculative decoding"),
 ])
 def test_flags_for_missing_features_fail_at_start(argv, message, capsys):
     with pytest.raises(SystemExit):
