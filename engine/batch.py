@@ -13,12 +13,14 @@ from engine.sequence import Sequence
 class ScheduledChunk(msgspec.Struct):
     seq: Sequence
     start: int  # position of the first token fed this step
-    num_tokens: int
+    num_tokens: int  # including the draft
+    # Speculative tokens fed after the known ones, to be verified (engine.spec_decode).
+    draft: list[int] = []
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so a new token is drawn."""
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+        return self.start + self.num_tokens - len(self.draft) == len(self.seq.token_ids)
 
 
 class SchedulerOutput(msgspec.Struct):

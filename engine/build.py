@@ -23,9 +23,10 @@ from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, load_model_config
 from engine.models.llama import LlamaModel
-from engine.models.ops import make_ops
+from engine.models.ops import QUANTIZED_MAX_ROWS, make_ops
 from engine.models.weights import load_quantized_weights, load_weights
 from engine.scheduler import Scheduler
+from engine.spec_decode import Drafter
 from shared.config import EngineConfig
 from shared.tokenizer import load_tokenizer, tokenizer_facts
 
@@ -97,6 +98,25 @@ def _check_cache_holds(num_pages: int, config: EngineConfig, max_model_len: int)
         )
 
 
+# ---------------------------------------------------------------- speculative decoding
+
+# Rows a step may hold, drafts included, before drafting stops paying: on the CPU the
+# quantized kernels' small-batch path (past it a step reads the dense bfloat16 weights, 3 to
+# 4 times the bytes), else a guess, measured in docs/benchmarks.md only for the default.
+CPU_DENSE_DRAFT_STEP_TOKENS = 8
+GPU_DRAFT_STEP_TOKENS = 64
+
+
+def _drafter(config: EngineConfig, device: torch.device, quantized: dict) -> Drafter | None:
+    if config.speculative is None:
+        return None
+    if device.type == "cuda":
+        step = GPU_DRAFT_STEP_TOKENS
+    else:
+        step = QUANTIZED_MAX_ROWS if quantized else CPU_DENSE_DRAFT_STEP_TOKENS
+    return Drafter(config.speculative, step_tokens=step)
+
+
 # ---------------------------------------------------------------- the engine
 
 
@@ -155,7 +175,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
         ModelRunner(model, backend, model_config.vocab_size, vision),
         allocator,
         Scheduler(allocator, config.max_num_batched_tokens, config.max_num_seqs,
-                  config.scheduling_policy, config.long_prefill_token_threshold),
+                  config.scheduling_policy, config.long_prefill_token_threshold,
+                  drafter=_drafter(config, device, quantized)),
         eos_token_ids=facts.eos_token_ids,
         max_model_len=max_model_len,
         vocab_size=model_config.vocab_size,

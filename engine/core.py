@@ -247,13 +247,16 @@ class EngineCore:
         sampled = iter(result.sampled)
         for chunk in plan.chunks:
             seq = chunk.seq
-            seq.num_computed += chunk.num_tokens
+            seq.num_computed += chunk.num_tokens - len(chunk.draft)
             self.scheduler.computed(seq)
             token = next(sampled) if chunk.samples else None
             problem = result.failed.get(seq.request_id)
             if problem is None:
                 try:
                     self._take_step_result(seq, result, token, now, outputs)
+                    if chunk.draft:
+                        self._take_verified(chunk, result.verified.get(seq.request_id, []),
+                                            now, outputs)
                     continue
                 except Exception as exc:  # its own bookkeeping (grammar, stops) broke
                     log.exception("request %s failed after sampling", seq.request_id)
@@ -268,6 +271,24 @@ class EngineCore:
             seq.prompt_logprob_parts[part.start] = part
         if token is None:
             return  # a prefill chunk short of the prompt's end
+        self._take_token(seq, token, now, outputs)
+
+    def _take_verified(self, chunk, tokens: list, now: float, outputs) -> None:
+        """The tokens verifying a draft gave after the first: each one's draft token before
+        it was accepted, so its K/V is in the cache. They go one by one through the path of
+        any sampled token, and a finish on the way drops the rest."""
+        seq = chunk.seq
+        self.scheduler.drafter.record(seq, len(chunk.draft), len(tokens))
+        for token in tokens:
+            if seq.finish_reason is not None:
+                return
+            seq.num_computed += 1
+            self._take_token(seq, token, now, outputs)
+        if seq.finish_reason is None:
+            self.scheduler.computed(seq)
+            self.scheduler.drop_unused_pages(seq)
+
+    def _take_token(self, seq: Sequence, token, now: float, outputs) -> None:
         seq.token_ids.append(token.token)
         if token.logprob is not None:
             seq.cumulative_logprob += token.logprob
@@ -387,6 +408,10 @@ class EngineCore:
 
     # ---------------------------------------------------------------- stats
 
+    def _histograms(self) -> dict[str, h.Buckets]:
+        drafter = self.scheduler.drafter
+        return self.histograms if drafter is None else self.histograms | drafter.histograms
+
     def stats(self) -> EngineStats:
         return EngineStats(
             engine_id=self.engine_id,
@@ -407,7 +432,7 @@ class EngineCore:
             prefix_cache_hits=self.allocator.prefix_hits,
             step_time_total_s=self.step_time_total_s,
             page_size=self.allocator.page_size,
-            histograms={name: b.snapshot() for name, b in self.histograms.items()},
+            histograms={name: b.snapshot() for name, b in self._histograms().items()},
         )
 
 

@@ -15,6 +15,7 @@ from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
 from engine.multimodal import step_embeddings
 from engine.sampler import SamplingRows, sample, token_logprobs, token_ranks
+from engine.spec_decode import DraftCheck, verify
 from shared.protocol import TokenLogprobs
 
 log = logging.getLogger("sluice.engine")
@@ -44,6 +45,8 @@ class StepResult(msgspec.Struct):
     # Requests whose own part of the step (grammar mask, logits processors, sampling,
     # logprobs) raised, with what failed; the rest of the batch was sampled normally.
     failed: dict[str, str] = msgspec.field(default_factory=dict)
+    # By request id: the tokens verifying its draft gave after its sampled one, in order.
+    verified: dict[str, list[SampledToken]] = msgspec.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -80,21 +83,47 @@ class ModelRunner:
         failed: dict[str, str] = {}
         result = StepResult([], self._prompt_logprobs(chunks, hidden, failed), failed)
         if seqs:
-            result.sampled = self._sample_isolated(seqs, hidden[sample_rows], masks,
-                                                   mask_error, failed)
+            sampling = [c for c in chunks if c.samples]
+            checks, draft_rows = _draft_rows(sampling, sample_rows.tolist())
+            logits = None
+            if checks:
+                # One pass over the LM head for the sampled rows and the draft rows.
+                rows = torch.cat([sample_rows, torch.tensor(draft_rows, device=self.device)])
+                logits = self.model.logits(hidden[rows])
+            result.sampled = self._sample_isolated(
+                seqs, hidden[sample_rows], masks, mask_error, failed,
+                None if logits is None else logits[: len(seqs)])
+            if checks:
+                result.verified = self._verify(checks, sampling, logits[len(seqs):], result)
         return result
 
+    def _verify(self, checks: list[DraftCheck], sampling: list[ScheduledChunk],
+                draft_logits: torch.Tensor, result: StepResult
+                ) -> dict[str, list[SampledToken]]:
+        """Draft positions, scored in the same forward pass, into the tokens they give
+        (engine.spec_decode.verify), for the rows whose first token came out."""
+        first = dict(zip((c.seq.request_id for c in sampling), result.sampled, strict=True))
+        kept = [c for c in checks if first[c.seq.request_id] is not None
+                and c.seq.request_id not in result.failed]
+        if not kept:
+            return {}
+        return verify(kept, [first[c.seq.request_id] for c in kept], draft_logits,
+                      self._sample)
+
     def _sample_isolated(self, seqs, hidden: torch.Tensor, masks: GrammarMasks | None,
-                         mask_error: Exception | None, failed: dict[str, str]
-                         ) -> list[SampledToken | None]:
+                         mask_error: Exception | None, failed: dict[str, str],
+                         logits: torch.Tensor | None = None) -> list[SampledToken | None]:
         """The batch at once, as always; only if that raises, row by row, so the requests at
         fault fail and the others get the tokens they would have got anyway (their seeded
-        generators rewound to where this step started)."""
+        generators rewound to where this step started). `logits`: of `hidden`, when the
+        caller has them already."""
         states = {i: s.generator.get_state() for i, s in enumerate(seqs)
                   if s.generator is not None}
         if mask_error is None:
             try:
-                return self._sample(seqs, self.model.logits(hidden), masks)
+                if logits is None:
+                    logits = self.model.logits(hidden)
+                return self._sample(seqs, logits, masks)
             except Exception as exc:
                 _reraise_device_fault(exc)
                 log.warning("batched sampling failed (%s: %s); sampling row by row",
@@ -179,12 +208,26 @@ class ModelRunner:
         sample_rows: list[int] = []
         for chunk in chunks:
             end = chunk.start + chunk.num_tokens
-            ids.extend(chunk.seq.token_ids[chunk.start : end])
-            positions.extend(range(chunk.start, end))
+            known = end - len(chunk.draft)
+            ids.extend(chunk.seq.token_ids[chunk.start : known])
             if chunk.samples:
                 sample_rows.append(len(ids) - 1)
+            ids.extend(chunk.draft)  # its rows follow the sampled one (verified there)
+            positions.extend(range(chunk.start, end))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), as_tensor(sample_rows)
+
+
+def _draft_rows(sampling: list[ScheduledChunk], sample_rows: list[int]
+                ) -> tuple[list[DraftCheck], list[int]]:
+    """A check per drafting chunk, and the rows of every draft token in the step: a draft
+    follows its chunk's sampled row, and its check's `row` indexes this list."""
+    checks, rows = [], []
+    for chunk, row in zip(sampling, sample_rows, strict=True):
+        if chunk.draft:
+            checks.append(DraftCheck(chunk.seq, chunk.draft, len(rows)))
+            rows.extend(range(row + 1, row + 1 + len(chunk.draft)))
+    return checks, rows
 
 
 def _reraise_device_fault(exc: Exception) -> None:

@@ -20,6 +20,13 @@ later in the same step (the n candidates of one request, or the same system prom
 together) reads pages another sequence fills in that very step, and the prompt is prefilled
 once. Such a reader is always scheduled in the same step as the writer, since a lookup happens
 only on admission.
+
+With speculative decoding (`drafter`), a decoding sequence may feed a draft after its last
+token: the chunk is 1 + len(draft) tokens of the budget, like a prefill, with pages for all
+of them. Draft pages are never registered (their tokens are not known yet); the core
+registers what verification accepted and hands back the pages past the need
+(`drop_unused_pages`). A draft never preempts anything: without free pages for it, the
+sequence decodes plainly.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.kv_cache import OutOfPages, PageAllocator, chain_hash, root_hash
 from engine.multimodal import cache_key
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode import Drafter
 
 POLICIES = ("fcfs", "priority")
 
@@ -70,6 +78,7 @@ class Scheduler:
         max_num_seqs: int,
         policy: str = "fcfs",
         long_prefill_token_threshold: int | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}")
@@ -81,6 +90,7 @@ class Scheduler:
             long_prefill_token_threshold = default_long_prefill_threshold(max_num_batched_tokens)
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = policy
+        self.drafter = drafter  # None: no speculative decoding
         self.waiting: list[Sequence] = []  # kept sorted by _key
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
@@ -104,6 +114,8 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         longs = _LongPrefills(self._long_cap())
+        room = (0 if self.drafter is None else  # draft tokens this step may still take
+                self.drafter.room(len(self.running), len(self.waiting)))
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -112,11 +124,13 @@ class Scheduler:
             if n == 0:
                 i += 1  # a long prefill waits for the one this step already has
                 continue
+            draft = self._draft(seq, n, min(budget - 1, room)) if room else []
+            room -= len(draft)
             if not self._reserve_pages(seq, n, preempted):
                 break  # seq itself was preempted; everything after it is gone too
             self._register_pages(seq, seq.num_computed + n)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
-            budget -= n
+            chunks.append(ScheduledChunk(seq, seq.num_computed, n + len(draft), draft))
+            budget -= n + len(draft)
             i += 1
 
         j = 0  # the first waiting sequence not passed over
@@ -164,6 +178,26 @@ class Scheduler:
         if any(s.num_uncomputed <= threshold for s in others):
             return threshold
         return None
+
+    def _draft(self, seq: Sequence, n: int, room: int) -> list[int]:
+        """A decoding sequence's draft of at most `room` tokens, with its pages already
+        taken; [] when it has none or no free page can hold it (a draft preempts nobody)."""
+        if n != 1 or seq.num_output_tokens == 0:
+            return []  # a prefill chunk: its last row is the first to sample
+        # The token drawn after the draft must still fit in max_tokens.
+        limit = min(room, seq.max_output_tokens - seq.num_output_tokens - 1)
+        draft = self.drafter.propose(seq, limit) if limit > 0 else []
+        if draft and not self._try_grow(seq, 1 + len(draft)):
+            return []
+        return draft
+
+    def drop_unused_pages(self, seq: Sequence) -> None:
+        """After verifying a draft: pages past the known tokens (the rejected part of the
+        draft) go back; none of them is in the prefix cache."""
+        keep = self.allocator.pages_needed(len(seq.token_ids))
+        if len(seq.pages) > keep:
+            self.allocator.release(seq.pages[keep:])
+            del seq.pages[keep:]
 
     def computed(self, seq: Sequence) -> None:
         """After a step: make sure every filled full page is in the prefix cache (they were

@@ -13,6 +13,7 @@ from shared.protocol import SamplingParams
 
 if TYPE_CHECKING:
     from engine.grammar import RequestGrammar
+    from engine.spec_decode import DraftState
 
 
 class SequenceStatus(enum.Enum):
@@ -68,6 +69,8 @@ class Sequence(msgspec.Struct, kw_only=True):
     # Set with finish_reason "error": what went wrong, and whose fault (HTTP-style status).
     error: str | None = None
     error_status: int = 0
+    # How its speculative drafts fare, once it has drafted (engine.spec_decode).
+    draft_state: DraftState | None = None
 
     @property
     def awaiting_grammar(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from shared.protocol import HistogramCounts
+from shared.speculative import MAX_SPECULATIVE_TOKENS
 
 # vLLM's request_latency_buckets: queue, prefill, decode, inference (and e2e) time.
 REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
@@ -33,6 +34,15 @@ BOUNDS = {
     INFERENCE_TIME: REQUEST_TIME_BUCKETS,
 }
 
+# Speculative decoding (--speculative-config), one observation per verified draft: its
+# length, and how many of its tokens were accepted. vLLM's spec_decode counters all follow
+# from these (drafts: the count; draft and accepted tokens: the sums; accepted per position:
+# the drafts that accepted more than that many). Only an engine that drafts has them.
+SPEC_DRAFT_TOKENS = "spec_decode_draft_tokens"
+SPEC_ACCEPTED_TOKENS = "spec_decode_accepted_tokens"
+SPEC_TOKEN_BUCKETS = tuple(float(i) for i in range(MAX_SPECULATIVE_TOKENS + 1))
+SPEC_BOUNDS = {SPEC_DRAFT_TOKENS: SPEC_TOKEN_BUCKETS, SPEC_ACCEPTED_TOKENS: SPEC_TOKEN_BUCKETS}
+
 
 class Buckets:
     """Counts per bucket (le semantics: a value equal to a bound falls in that bound's)."""
@@ -54,3 +64,7 @@ class Buckets:
 
 def engine_histograms() -> dict[str, Buckets]:
     return {name: Buckets(bounds) for name, bounds in BOUNDS.items()}
+
+
+def spec_decode_histograms() -> dict[str, Buckets]:
+    return {name: Buckets(bounds) for name, bounds in SPEC_BOUNDS.items()}
