@@ -57,6 +57,12 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "sluice:request_params_n": ("vllm:request_params_n",),
     "sluice:request_params_max_tokens": ("vllm:request_params_max_tokens",),
     "sluice:request_max_num_generation_tokens": ("vllm:request_max_num_generation_tokens",),
+    # Speculative decoding (only an engine started with --speculative-config has them).
+    "sluice:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "sluice:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "sluice:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "sluice:spec_decode_num_accepted_tokens_per_pos": (
+        "vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 
 _GAUGES = (
@@ -132,6 +138,7 @@ def engine_families(stats: EngineStats) -> Iterator[Metric]:
             buckets.append((bound, float(cumulative)))
         family.add_metric(labels, buckets, counts.total)
         yield family
+    yield from _spec_decode_families(stats, labels)
     # vLLM's cache_config_info: 1, with the KV cache's settings as labels.
     info = {"block_size": str(stats.page_size), "num_gpu_blocks": str(stats.num_total_pages),
             "enable_prefix_caching": "True", "cache_dtype": "auto"}
@@ -140,6 +147,43 @@ def engine_families(stats: EngineStats) -> Iterator[Metric]:
                                labels=[*ENGINE_LABELS, *info])
     config.add_metric([*labels, *info.values()], 1.0)
     yield config
+
+
+def _spec_decode_families(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+    """vLLM's spec_decode counters and our acceptance-length histogram, from the two
+    per-draft histograms (shared.histograms); nothing from an engine that never drafts."""
+    drafts = stats.histograms.get(h.SPEC_DRAFT_TOKENS)
+    accepted = stats.histograms.get(h.SPEC_ACCEPTED_TOKENS)
+    size = len(h.SPEC_TOKEN_BUCKETS) + 1
+    if drafts is None or accepted is None or {len(drafts.counts), len(accepted.counts)} != {size}:
+        return  # not drafting, or an engine of another version
+    for name, doc, value in (
+        ("sluice:spec_decode_num_drafts", "Speculative drafts verified.", sum(drafts.counts)),
+        ("sluice:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+         drafts.total),
+        ("sluice:spec_decode_num_accepted_tokens", "Draft tokens accepted.", accepted.total),
+    ):
+        family = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
+        family.add_metric(labels, float(value))
+        yield family
+    # Position i: the drafts that accepted more than i tokens, for every position drafted.
+    longest = max((i for i, c in enumerate(drafts.counts) if c), default=0)
+    per_pos = CounterMetricFamily("sluice:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each position of a draft.",
+                                  labels=[*ENGINE_LABELS, "position"])
+    for pos in range(longest):
+        per_pos.add_metric([*labels, str(pos)], float(sum(accepted.counts[pos + 1:])))
+    yield per_pos
+    family = HistogramMetricFamily("sluice:spec_decode_acceptance_length",
+                                   "Draft tokens accepted per verified draft.",
+                                   labels=ENGINE_LABELS)
+    cumulative, buckets = 0, []
+    for bound, count in zip([*map(repr, h.SPEC_TOKEN_BUCKETS), "+Inf"], accepted.counts,
+                            strict=True):
+        cumulative += count
+        buckets.append((bound, float(cumulative)))
+    family.add_metric(labels, buckets, accepted.total)
+    yield family
 
 
 def with_model_name(families: Iterable[Metric], model_name: str) -> Iterator[Metric]:
