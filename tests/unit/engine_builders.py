@@ -16,7 +16,9 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaModel
 from engine.models.weights import expected_shapes
 from engine.scheduler import Scheduler
+from engine.spec_decode import Drafter
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
+from shared.speculative import SpeculativeConfig
 
 CONFIG = ModelConfig(
     architecture="llama",
@@ -83,6 +85,7 @@ def build_core(
     max_model_len: int = 256,
     eos: tuple[int, ...] = (),
     policy: str = "fcfs",
+    speculative: SpeculativeConfig | None = None,
 ) -> tuple[EngineCore, Recorder]:
     rec = Recorder()
     model = LlamaModel(CONFIG, weights, max_model_len, torch.float32, CPU)
@@ -97,13 +100,16 @@ def build_core(
     )
     runner = ModelRunner(model, backend, VOCAB)
     allocator = PageAllocator(num_pages, page_size)
-    scheduler = Scheduler(allocator, budget, max_num_seqs, policy)
+    drafter = Drafter(speculative) if speculative is not None else None
+    scheduler = Scheduler(allocator, budget, max_num_seqs, policy, drafter=drafter)
 
     pending_ids: list[str] = []
     model_logits = model.logits
 
     def logits(hidden):
         out = model_logits(hidden)
+        if drafter is not None and out.shape[0] != len(pending_ids):
+            return out  # the draft rows of a verifying step (engine.spec_decode)
         assert out.shape[0] == len(pending_ids)
         for request_id, row in zip(pending_ids, out, strict=True):
             rec.logits[request_id].append(row.clone())
@@ -142,7 +148,8 @@ def build_core(
     return core, rec
 
 
-def request(request_id: str, prompt, reply_to: str = "tcp://frontend", **params) -> EngineRequest:
+def request(request_id: str, prompt, reply_to: str = "tcp://frontend",
+            cache_salt: str | None = None, **params) -> EngineRequest:
     params.setdefault("temperature", 0.0)
     params.setdefault("max_tokens", 12)
     return EngineRequest(
@@ -151,6 +158,7 @@ def request(request_id: str, prompt, reply_to: str = "tcp://frontend", **params)
         params=SamplingParams(**params),
         reply_to=reply_to,
         arrival_time=0.0,
+        cache_salt=cache_salt,
     )
 
 
