@@ -667,6 +667,43 @@ template <typename T> struct BlockF32<Dense<T>> {
   }
 };
 
+// The lane sums of n <= 16 vectors at once: out[i] = the sum of v[i]'s 16 lanes. Every
+// vector goes through the same tree, whatever n and its place among them (lanes i and i+8,
+// then +4, +2, +1, as pairs of shuffles and one add per level), so a sum's bits do not
+// depend on the tile it came from; a quarter of the work of n separate reductions.
+inline void lane_sums(const __m512* v, int n, float* out) {
+  __m512 t[8], u[4], w[2];
+  const __m512 zero = _mm512_setzero_ps();
+  const auto at = [&](int i) { return i < n ? v[i] : zero; };
+  for (int i = 0; i < 8; ++i) {  // [a.q0+a.q2, a.q1+a.q3, b.q0+b.q2, b.q1+b.q3]
+    const __m512 a = at(2 * i), b = at(2 * i + 1);
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)  // quarter q: vector 4i + q's four partial sums
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, z);
+  // Lane 4q + l of z holds vector 4l + q's sum.
+  for (int i = 0; i < n; ++i) out[i] = sums[4 * (i % 4) + i / 4];
+}
+
+// The R x C accumulators' sums into result [R, result_stride].
+template <int R, int C>
+inline void store_sums(__m512 (&acc)[R][C], float* result, int64_t result_stride) {
+  constexpr int n = R * C;
+  float sums[n];
+  const __m512* flat = &acc[0][0];
+  for (int i = 0; i < n; i += 16) lane_sums(flat + i, std::min(16, n - i), sums + i);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) result[r * result_stride + c] = sums[r * C + c];
+}
+
 // float32 path: exact weights. A tile of R rows of x against C weight rows: each weight
 // block is unpacked once for the R rows, each x block loaded once for the C weight rows,
 // and every output has one accumulator, fed block by block in order (low then high half).
@@ -689,8 +726,7 @@ void tile_f32(const float* x, int64_t k, const uint8_t* wrow, int64_t row_bytes,
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) result[r * result_stride + c] = _mm512_reduce_add_ps(acc[r][c]);
+  store_sums(acc, result, result_stride);
 }
 #endif
 
@@ -742,12 +778,35 @@ void tile_bf16(const uint16_t* x, int64_t k, const uint8_t* wrow, int64_t row_by
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, (__m512bh)w[c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) result[r * result_stride + c] = _mm512_reduce_add_ps(acc[r][c]);
+  store_sums(acc, result, result_stride);
 }
 #else
 constexpr bool kHasBf16Dot = false;
 #endif
+
+// A column tile's weights [cols, k] unpacked into `out` in the type the dot products take
+// (bfloat16 bits, or float32): the values the tile kernels read block by block.
+template <typename W, typename U>
+void unpack_cols(const uint8_t* wrow, int64_t row_bytes, int64_t cols, int64_t k, U* out) {
+#ifdef __AVX512F__
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      const uint8_t* blk = wrow + c * row_bytes + b * W::block_bytes;
+      U* dst = out + c * k + b * kBlock;
+      if constexpr (std::is_same_v<U, uint16_t>) {
+#if defined(__AVX512BF16__)
+        _mm512_storeu_si512(dst, BlockBf16<W>::load(blk));
+#endif
+      } else {
+        __m512 lo, hi;
+        BlockF32<W>::load(blk, lo, hi);
+        _mm512_storeu_ps(dst, lo);
+        _mm512_storeu_ps(dst + 16, hi);
+      }
+    }
+  }
+#endif
+}
 
 // Register tiles: up to kTileRows rows of x by kTileCols weight rows (24 accumulators).
 constexpr int kTileRows = 4;
@@ -793,34 +852,57 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
     const T* xp = ptr<T>(x);
     for (int64_t i = 0; i < rows * k; ++i) xf[i] = Elem<T>::load(xp[i]);
   }
+  // One column tile (up to kTileCols weight rows, layout L at wrow) against every row of
+  // the row tile, into result [tile_rows, kTileCols].
+  const auto col_tile = [&](auto layout, const uint8_t* wrow, int64_t rb, int64_t cols,
+                            int64_t tile, int64_t tile_rows, float* result) {
+    using L = decltype(layout);
+    for (int64_t r = 0; r < tile_rows; r += kTileRows) {
+      const int64_t rs = std::min<int64_t>(kTileRows, tile_rows - r);
+      float* res = result + r * kTileCols;
+      with_tile_shape(rs, cols, [&](auto R, auto C) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if constexpr (bf16_dot) {
+          tile_bf16<L, R.value, C.value>(ptr<uint16_t>(x) + (tile + r) * k, k, wrow, rb, res,
+                                         kTileCols);
+          return;
+        }
+#endif
+        const float* xr = xf.data() + (tile + r) * k;
+#ifdef __AVX512F__
+        if constexpr (!bf16_dot) tile_f32<L, R.value, C.value>(xr, k, wrow, rb, res, kTileCols);
+#else
+        for (int c = 0; c < C.value; ++c)
+          for (int i = 0; i < R.value; ++i)
+            dot_scalar<L>(xr + i * k, 1, k, wrow + c * rb, res + i * kTileCols + c);
+#endif
+      });
+    }
+  };
+  // Quantized weights are unpacked once per column tile when more than one register tile of
+  // rows reuses them; the dot products then read the very values they would have unpacked.
+  using Unpacked = std::conditional_t<bf16_dot, uint16_t, float>;
+#ifdef __AVX512F__
+  constexpr bool unpack = !std::is_same_v<W, Dense<T>>;
+#else
+  constexpr bool unpack = false;
+#endif
   const int64_t col_tiles = (n_out + kTileCols - 1) / kTileCols;
   for (int64_t tile = 0; tile < rows; tile += kRowTile) {
     const int64_t tile_rows = std::min(kRowTile, rows - tile);
     at::parallel_for(0, col_tiles, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> result(tile_rows * kTileCols);
+      std::vector<Unpacked> scratch;
       for (int64_t ct = begin; ct < end; ++ct) {
         const int64_t n = ct * kTileCols, cols = std::min<int64_t>(kTileCols, n_out - n);
         const uint8_t* wrow = wp + n * row_bytes;
-        for (int64_t r = 0; r < tile_rows; r += kTileRows) {
-          const int64_t rs = std::min<int64_t>(kTileRows, tile_rows - r);
-          float* res = result.data() + r * kTileCols;
-          with_tile_shape(rs, cols, [&](auto R, auto C) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-            if constexpr (bf16_dot) {
-              tile_bf16<W, R.value, C.value>(ptr<uint16_t>(x) + (tile + r) * k, k, wrow,
-                                             row_bytes, res, kTileCols);
-              return;
-            }
-#endif
-            const float* xr = xf.data() + (tile + r) * k;
-#ifdef __AVX512F__
-            if constexpr (!bf16_dot) tile_f32<W, R.value, C.value>(xr, k, wrow, row_bytes, res, kTileCols);
-#else
-            for (int c = 0; c < C.value; ++c)
-              for (int i = 0; i < R.value; ++i)
-                dot_scalar<W>(xr + i * k, 1, k, wrow + c * row_bytes, res + i * kTileCols + c);
-#endif
-          });
+        if (unpack && tile_rows > kTileRows) {
+          scratch.resize(kTileCols * k);
+          unpack_cols<W>(wrow, row_bytes, cols, k, scratch.data());
+          col_tile(Dense<Unpacked>{}, reinterpret_cast<const uint8_t*>(scratch.data()),
+                   k * sizeof(Unpacked), cols, tile, tile_rows, result.data());
+        } else {
+          col_tile(W{}, wrow, row_bytes, cols, tile, tile_rows, result.data());
         }
         for (int64_t r = 0; r < tile_rows; ++r)
           for (int64_t c = 0; c < cols; ++c)
