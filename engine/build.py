@@ -142,10 +142,16 @@ def build_engine(config: EngineConfig) -> EngineCore:
         _check_cache_holds(num_pages, config, max_model_len)
     started = time.monotonic()
     weights = load_weights(config.model, model_config, torch.float32)
-    ops = make_ops(choice.name, device)
+    try:
+        ops = make_ops(choice.name, device, config.batch_invariant)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     quantized = load_quantized_weights(config.model, model_config) if device.type == "cpu" else {}
-    model = LlamaModel(model_config, weights, max_model_len, dtype, device, ops=ops,
-                       quantized=quantized)
+    try:
+        model = LlamaModel(model_config, weights, max_model_len, dtype, device, ops=ops,
+                           quantized=quantized)
+    except ValueError as exc:  # a weight the batch-invariant kernels cannot take
+        raise SystemExit(str(exc)) from None
     del weights
     vision = None
     if model_config.multimodal == "idefics3":  # the vision half; the text half is ours
@@ -158,10 +164,15 @@ def build_engine(config: EngineConfig) -> EngineCore:
         num_pages = gpu_kv_pages(config, model_config, dtype, device)
         _check_cache_holds(num_pages, config, max_model_len)
         log.info("KV cache: %d pages of %d tokens", num_pages, config.page_size)
-    backend = create_attention_backend(
-        choice.name, model_config, num_pages, config.page_size, dtype, device
-    )
-    if choice.name == "flashinfer" and not config.enforce_eager:
+    try:
+        backend = create_attention_backend(choice.name, model_config, num_pages,
+                                           config.page_size, dtype, device,
+                                           config.batch_invariant)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    # Graphs replay decode batches padded to captured sizes through the decode-only plan;
+    # the batch-invariant mode plans every row alike and runs eagerly.
+    if choice.name == "flashinfer" and not (config.enforce_eager or config.batch_invariant):
         from engine.cuda_graphs import DecodeGraphModel, graph_batch_sizes
 
         model = DecodeGraphModel(

@@ -164,6 +164,13 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "cache, which gets what the others leave (default: 0.9)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--batch-invariant", action="store_true",
+                   default=os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1",
+                   help="a request's tokens do not depend on what else shares its steps: "
+                        "greedy and seeded answers repeat exactly under any load, chunking "
+                        "or prefix-cache hit (kernels with one fixed sum order per row; CPU "
+                        "float32/bfloat16; see docs/batch-invariance.md for the cost; "
+                        "default: on when VLLM_BATCH_INVARIANT=1, as vLLM)")
     g.add_argument("--num-kv-pages", "--num-gpu-blocks-override", type=int, default=None,
                    help="exact number of KV pages (overrides --kv-cache-memory-gb; "
                         "--num-gpu-blocks-override: vLLM's name)")
@@ -619,6 +626,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         page_size=args.page_size,
         kv_cache_memory_gb=_kv_cache_memory_gb(args), num_pages=args.num_kv_pages,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, threads=args.threads,
         scheduling_policy=args.scheduling_policy, postproc_address=postproc_address,
@@ -790,6 +798,8 @@ def _serve(args) -> int:
             engine_argv += [flag, str(value)]
     if args.enforce_eager:
         engine_argv.append("--enforce-eager")
+    if args.batch_invariant:
+        engine_argv.append("--batch-invariant")
     if args.speculative_config is not None:
         engine_argv += ["--speculative-config",
                         msgspec.json.encode(args.speculative_config).decode()]

@@ -19,6 +19,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_memory_gb: float = 1.0  # on CPU; on CUDA gpu_memory_utilization sizes the cache
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory: weights, KV, activations
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    # --batch-invariant: a request's logits do not depend on what shares its step (kernels
+    # with one fixed sum order per row; see docs/batch-invariance.md).
+    batch_invariant: bool = False
     num_pages: int | None = None  # overrides kv_cache_memory_gb (tests use it to starve memory)
     max_model_len: int | None = None  # default: the model's context length
     max_num_batched_tokens: int = 512

@@ -6,7 +6,6 @@ paged decode attention the float64 answer over the same context, read through a 
 page table; and the block-quantized linear the product with the weights the dense model
 holds."""
 
-import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +15,6 @@ import torch.nn.functional as F
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.batch import ScheduledChunk
-from engine.cpu_kernels import kernels
 from engine.models.config import load_model_config
 from engine.models.llama import LlamaModel, RotaryEmbedding
 from engine.models.ops import QUANTIZED_MAX_ROWS, CpuKernelOps, TorchOps, make_ops, rms_norm
@@ -30,16 +28,6 @@ from shared.model_source import default_model_path
 from tests.unit.engine_builders import CONFIG
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    module = kernels()
-    if module is None:
-        # Where a compiler exists (this project's machines and CI) they must build.
-        assert shutil.which("c++") is None, "a C++ compiler is here but the kernels failed"
-        pytest.skip("no C++ compiler: the engine runs plain torch ops")
-    return module
 
 
 def test_the_engine_uses_them_on_cpu(compiled):
