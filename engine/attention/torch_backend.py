@@ -90,7 +90,10 @@ class TorchAttentionBackend:
         row = 0
         for chunk in chunks:
             pages, start, n = chunk.seq.pages, chunk.start, chunk.num_tokens
-            if self.batch_invariant:  # each token a decode row: see the module's docstring
+            # Each token a decode row: see the module's docstring. A speculative draft's
+            # too: a few decode rows cost less than a masked prefill over the whole context,
+            # and get the numbers plain decoding would (engine.spec_decode).
+            if self.batch_invariant or chunk.draft:
                 pos = np.arange(start, start + n)
                 slots[row : row + n] = np.asarray(pages)[pos // size] * size + pos % size
                 decode_rows.extend(range(row, row + n))

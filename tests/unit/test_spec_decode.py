@@ -13,6 +13,7 @@ import torch
 from llguidance import grammar_from
 
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.batch import ScheduledChunk
 from engine.core import EngineCore
 from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
@@ -404,3 +405,19 @@ def test_json_schema_answers_are_the_same_with_drafts(grammar_backend):
     got, core = answers(spec(), [prompt + t for t in expected.values()])
     assert got == expected
     assert counts(core)[2] > 0
+
+
+def test_a_verifying_chunk_is_attended_as_decode_rows(weights):
+    """Each draft position is a decode row with its own context (the decode kernel, the
+    numbers plain decoding gets), not a masked prefill over the gathered context."""
+    core, _ = build_core(weights)
+    core.add(request("r", prompts([9])[0], max_tokens=8))
+    core.step()
+    seq = core.sequences["r"]
+    core.scheduler._try_grow(seq, 4)
+    chunk = ScheduledChunk(seq, seq.num_computed, 4, [1, 2, 3])
+    meta = core.runner.backend.prepare([chunk])
+    assert not meta.prefills and meta.decode_rows.tolist() == [0, 1, 2, 3]
+    start = seq.num_computed
+    keys = meta.decode_mask.sum(-1).flatten().tolist()  # the plain torch path: a key mask
+    assert keys == [start + 1, start + 2, start + 3, start + 4]
