@@ -74,10 +74,11 @@ def probe_requests(prompts, tag: str) -> list:
     """The greedy probes and a seeded one. Each has a cache salt of its own, shared only by
     its "cached" twin, which thus finds the "alone" run's pages and nothing else does."""
     salt = "alone" if tag == "cached" else tag
-    greedy = [request(f"{tag}{i}", p, max_tokens=16, cache_salt=f"{salt}{i}")
+    # ignore_eos: every probe runs its 16 steps, so every step's logits are compared.
+    greedy = [request(f"{tag}{i}", p, max_tokens=16, ignore_eos=True, cache_salt=f"{salt}{i}")
               for i, p in enumerate(prompts)]
-    seeded = request(f"{tag}seeded", prompts[0], max_tokens=16, temperature=1.0, seed=11,
-                     cache_salt=f"{salt}seeded")
+    seeded = request(f"{tag}seeded", prompts[0], max_tokens=16, ignore_eos=True,
+                     temperature=1.0, seed=11, cache_salt=f"{salt}seeded")
     return [*greedy, seeded]
 
 
