@@ -313,6 +313,11 @@ class BenchResult(msgspec.Struct):
     # With --cpu-pid: CPU time those processes spent during the timed run, per output token.
     process_cpu_s: float | None = None
     cpu_ms_per_token: float | None = None
+    # From the server's /metrics around the timed run, where it has vLLM's spec_decode
+    # series (sluice with --speculative-config, vLLM with a speculative config).
+    spec_drafts: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -381,6 +386,12 @@ def format_report(result: BenchResult, base_url: str) -> str:
         per_token = ("-" if result.cpu_ms_per_token is None
                      else f"{result.cpu_ms_per_token:.3f} ms")
         rows.append(("server CPU", f"{result.process_cpu_s:.2f} s, {per_token} per output token"))
+    if result.spec_draft_tokens is not None:
+        drafted, accepted = result.spec_draft_tokens, result.spec_accepted_tokens
+        share = f"{accepted / drafted:.1%}" if drafted else "-"
+        per_draft = f"{accepted / result.spec_drafts:.2f}" if result.spec_drafts else "-"
+        rows.append(("speculative", f"{result.spec_drafts} drafts, {accepted}/{drafted} draft "
+                                    f"tokens accepted ({share}), {per_draft} per draft"))
     rows += [("error", sample) for sample in result.error_samples]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
@@ -533,15 +544,47 @@ async def bench(config: BenchConfig) -> BenchResult:
                 print(f"warmup request failed: {failure}", file=sys.stderr)
         bodies = build_bodies(config, model, config.num_requests)
         cpu_before = processes_cpu_s(config.cpu_pids)
+        spec_before = await spec_decode_counts(client, config.base_url)
         start = time.perf_counter()
         stats = await run_requests(client, url, bodies, config.concurrency)
         duration = time.perf_counter() - start
         cpu = processes_cpu_s(config.cpu_pids) - cpu_before if config.cpu_pids else None
+        spec_after = await spec_decode_counts(client, config.base_url)
     result = summarize(stats, model, config.concurrency, duration)
+    if spec_before is not None and spec_after is not None:
+        drafts, drafted, accepted = (int(b - a) for a, b in zip(spec_before, spec_after,
+                                                                 strict=True))
+        result = msgspec.structs.replace(result, spec_drafts=drafts, spec_draft_tokens=drafted,
+                                         spec_accepted_tokens=accepted)
     if cpu is not None:
         per_token = cpu * 1000 / result.output_tokens if result.output_tokens else None
         result = msgspec.structs.replace(result, process_cpu_s=cpu, cpu_ms_per_token=per_token)
     return result
+
+
+SPEC_SERIES = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+               "vllm:spec_decode_num_accepted_tokens_total")
+
+
+async def spec_decode_counts(client: httpx.AsyncClient, base_url: str
+                             ) -> tuple[float, float, float] | None:
+    """(drafts, draft tokens, accepted tokens) so far from the server's /metrics (summed
+    over label sets); None when it has no such series or no /metrics."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        response = await client.get(f"{root}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    totals = dict.fromkeys(SPEC_SERIES, 0.0)
+    found = set()
+    for line in response.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+            found.add(name)
+    return tuple(totals.values()) if found == set(SPEC_SERIES) else None
 
 
 def processes_cpu_s(pids: Sequence[int]) -> float:

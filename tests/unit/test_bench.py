@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from shared.bench import (
@@ -140,6 +140,7 @@ class FakeServer(msgspec.Struct):
     delay_s: float = 0.002
     bodies: list[dict[str, Any]] = []
     client_ports: set[int] = set()  # one per TCP connection the bench opened
+    spec_metrics: bool = False  # /metrics with vLLM's spec_decode series (3 drafted, 2 taken)
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -178,7 +179,17 @@ def make_app(server: FakeServer) -> Starlette:
         include_usage = body.get("stream_options", {}).get("include_usage", False)
         return StreamingResponse(_stream(server, include_usage), media_type="text/event-stream")
 
-    routes = [Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])]
+    async def prometheus(_: Request) -> Any:
+        if not server.spec_metrics:
+            return JSONResponse({}, status_code=404)
+        n = len(server.bodies)
+        return PlainTextResponse(
+            f"vllm:spec_decode_num_drafts_total{{engine=\"0\"}} {n}.0\n"
+            f"vllm:spec_decode_num_draft_tokens_total{{engine=\"0\"}} {3 * n}.0\n"
+            f"vllm:spec_decode_num_accepted_tokens_total{{engine=\"0\"}} {2 * n}.0\n")
+
+    routes = [Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/metrics", prometheus)]
     return Starlette(routes=routes)
 
 
@@ -247,6 +258,21 @@ def test_end_to_end_counts_tokens_from_usage(fake_server, capsys):
     assert "ignore_eos" not in body  # only sent when asked for
     report = capsys.readouterr().out
     assert "16 ok, 0 errors" in report and "TTFT p50 / p99" in report
+
+
+def test_speculative_decoding_counts_of_the_timed_run_are_reported(fake_server, capsys):
+    _, url = fake_server(spec_metrics=True)
+    result = run_bench(bench_args("--base-url", url, "--concurrency", "2", "--num-requests",
+                                  "4"))
+    # The warmup request's drafts were before the timed run.
+    assert (result.spec_drafts, result.spec_draft_tokens, result.spec_accepted_tokens) == (
+        4, 12, 8)
+    assert "4 drafts, 8/12 draft tokens accepted (66.7%), 2.00 per draft" in (
+        capsys.readouterr().out)
+    _, plain = fake_server()
+    result = run_bench(bench_args("--base-url", plain, "--num-requests", "2"))
+    assert result.spec_draft_tokens is None
+    assert "speculative" not in capsys.readouterr().out
 
 
 def test_end_to_end_without_usage_counts_content_chunks(fake_server):
