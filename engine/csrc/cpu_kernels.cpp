@@ -133,6 +133,32 @@ inline __m512 exp16(__m512 x) {
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
+
+// The lane sums of n <= 16 vectors at once: out[i] = the sum of v[i]'s 16 lanes. Every
+// vector goes through the same tree, whatever n and its place among them (lanes i and i+8,
+// then +4, +2, +1, as pairs of shuffles and one add per level), so a sum's bits do not
+// depend on the tile it came from; a quarter of the work of n separate reductions.
+inline void lane_sums(const __m512* v, int n, float* out) {
+  __m512 t[8], u[4], w[2];
+  const __m512 zero = _mm512_setzero_ps();
+  const auto at = [&](int i) { return i < n ? v[i] : zero; };
+  for (int i = 0; i < 8; ++i) {  // [a.q0+a.q2, a.q1+a.q3, b.q0+b.q2, b.q1+b.q3]
+    const __m512 a = at(2 * i), b = at(2 * i + 1);
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)  // quarter q: vector 4i + q's four partial sums
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, z);
+  // Lane 4q + l of z holds vector 4l + q's sum.
+  for (int i = 0; i < n; ++i) out[i] = sums[4 * (i % 4) + i / 4];
+}
 #endif
 
 void check_cpu_float(const torch::Tensor& t, const char* name) {
@@ -402,11 +428,18 @@ void attend_task_avx512(const float* qf, const T* kp, const T* vp, const int64_t
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t v = 0; v < nv; ++v) reg[v] = _mm512_loadu_ps(qf + g * dim + 16 * v);
     float* sg = scores + g * len;
-    for (int64_t t = 0; t < len; ++t) {
-      const T* key = kp + (slot_of(pages, t, page_size) * kv_heads + kvh) * dim;
-      __m512 s = _mm512_mul_ps(reg[0], load16(key));
-      for (int64_t v = 1; v < nv; ++v) s = _mm512_fmadd_ps(reg[v], load16(key + 16 * v), s);
-      sg[t] = _mm512_reduce_add_ps(s);
+    // Sixteen keys' products at a time, their lanes summed together (lane_sums): each
+    // score's sum is the same tree wherever the key falls among the sixteen.
+    for (int64_t t = 0; t < len; t += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, len - t));
+      __m512 part[16];
+      for (int j = 0; j < n; ++j) {
+        const T* key = kp + (slot_of(pages, t + j, page_size) * kv_heads + kvh) * dim;
+        __m512 s = _mm512_mul_ps(reg[0], load16(key));
+        for (int64_t v = 1; v < nv; ++v) s = _mm512_fmadd_ps(reg[v], load16(key + 16 * v), s);
+        part[j] = s;
+      }
+      lane_sums(part, n, sg + t);
     }
     float top = sg[0];
     for (int64_t t = 1; t < len; ++t) top = std::max(top, sg[t]);
@@ -666,32 +699,6 @@ template <typename T> struct BlockF32<Dense<T>> {
     hi = load16(w + 16);
   }
 };
-
-// The lane sums of n <= 16 vectors at once: out[i] = the sum of v[i]'s 16 lanes. Every
-// vector goes through the same tree, whatever n and its place among them (lanes i and i+8,
-// then +4, +2, +1, as pairs of shuffles and one add per level), so a sum's bits do not
-// depend on the tile it came from; a quarter of the work of n separate reductions.
-inline void lane_sums(const __m512* v, int n, float* out) {
-  __m512 t[8], u[4], w[2];
-  const __m512 zero = _mm512_setzero_ps();
-  const auto at = [&](int i) { return i < n ? v[i] : zero; };
-  for (int i = 0; i < 8; ++i) {  // [a.q0+a.q2, a.q1+a.q3, b.q0+b.q2, b.q1+b.q3]
-    const __m512 a = at(2 * i), b = at(2 * i + 1);
-    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  for (int i = 0; i < 4; ++i)  // quarter q: vector 4i + q's four partial sums
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, z);
-  // Lane 4q + l of z holds vector 4l + q's sum.
-  for (int i = 0; i < n; ++i) out[i] = sums[4 * (i % 4) + i / 4];
-}
 
 // The R x C accumulators' sums into result [R, result_stride].
 template <int R, int C>
