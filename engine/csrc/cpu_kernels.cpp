@@ -903,6 +903,13 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
       for (int64_t ct = begin; ct < end; ++ct) {
         const int64_t n = ct * kTileCols, cols = std::min<int64_t>(kTileCols, n_out - n);
         const uint8_t* wrow = wp + n * row_bytes;
+        // Ask for the next column tile's weights now, so memory streams while this one
+        // computes (a decode step is bound by reading the weights).
+        if (ct + 1 < end) {
+          const char* ahead = reinterpret_cast<const char*>(wrow + kTileCols * row_bytes);
+          const int64_t next = std::min<int64_t>(kTileCols, n_out - n - kTileCols) * row_bytes;
+          for (int64_t off = 0; off < next; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        }
         if (unpack && tile_rows > kTileRows) {
           scratch.resize(kTileCols * k);
           unpack_cols<W>(wrow, row_bytes, cols, k, scratch.data());
