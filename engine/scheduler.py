@@ -186,7 +186,8 @@ class Scheduler:
             return []  # a prefill chunk: its last row is the first to sample
         # The token drawn after the draft must still fit in max_tokens.
         limit = min(room, seq.max_output_tokens - seq.num_output_tokens - 1)
-        draft = self.drafter.propose(seq, limit) if limit > 0 else []
+        batched = len(self.running) > 1
+        draft = self.drafter.propose(seq, limit, batched) if limit > 0 else []
         if draft and not self._try_grow(seq, 1 + len(draft)):
             return []
         return draft

@@ -9,7 +9,8 @@ verified in the step that feeds them.
   as keep the step within the rows that cost about what one costs (`step_tokens`: on the
   CPU, the quantized kernels' small-batch path; past it the step reads dense weights), and
   per sequence only while its drafts are accepted: one that keeps failing pauses, then
-  probes again.
+  probes again; its drafts are as long as the run of accepted tokens its rate predicts, and
+  beside other sequences it needs a higher rate (their rows compete with its draft's).
 - Verifying: the scheduler gives a drafting sequence a chunk of 1 + k tokens (its last real
   token, then the draft); the model scores every position in one pass, and `verify` turns the
   k + 1 rows into 1 .. k + 1 tokens. Row j is sampled exactly as a decode step would sample
@@ -51,6 +52,9 @@ LOOKUP_WINDOW = 8192
 MIN_ACCEPTANCE = 0.3
 PAUSE_STEPS = 16
 PROBE_RATE = 0.5
+# Beside other sequences a draft row is not free (it competes with their rows for compute),
+# so there a sequence drafts only at this acceptance rate or better.
+BATCHED_MIN_ACCEPTANCE = 0.6
 _EMA_WEIGHT = 0.3  # of the newest draft in the moving average
 
 
@@ -119,8 +123,9 @@ class Drafter:
             return self.config.num_speculative_tokens * num_running
         return max(0, self.step_tokens - num_running)
 
-    def propose(self, seq: Sequence, limit: int) -> list[int]:
-        """The draft for a decoding sequence (at most `limit` tokens), or []."""
+    def propose(self, seq: Sequence, limit: int, batched: bool = False) -> list[int]:
+        """The draft for a decoding sequence (at most `limit` tokens), or []. `batched`:
+        other sequences share the step."""
         if seq.params.thinking is not None:
             return []  # its tracker reads each token once; drafts would need a rewind
         state = seq.draft_state
@@ -131,7 +136,9 @@ class Drafter:
             if state.paused == 0:
                 state.rate = PROBE_RATE
             return []
-        return self.proposer.propose(seq.token_ids, limit)
+        if batched and state.rate < BATCHED_MIN_ACCEPTANCE:
+            return []
+        return self.proposer.propose(seq.token_ids, min(limit, _worth(state.rate)))
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """After verifying: vLLM's spec_decode counts, and the sequence's own record."""
@@ -141,6 +148,12 @@ class Drafter:
         state.rate = (1 - _EMA_WEIGHT) * state.rate + _EMA_WEIGHT * accepted / proposed
         if state.rate < MIN_ACCEPTANCE:
             state.paused = PAUSE_STEPS
+
+
+def _worth(rate: float) -> int:
+    """Draft tokens worth their rows at this acceptance rate: about the run of accepted
+    tokens a draft gets, rate / (1 - rate), and at least one."""
+    return max(1, round(rate / max(1e-6, 1 - rate)))
 
 
 # ---------------------------------------------------------------- verifying

@@ -421,3 +421,24 @@ def test_a_verifying_chunk_is_attended_as_decode_rows(weights):
     start = seq.num_computed
     keys = meta.decode_mask.sum(-1).flatten().tolist()  # the plain torch path: a key mask
     assert keys == [start + 1, start + 2, start + 3, start + 4]
+
+
+def test_draft_length_follows_the_acceptance_rate_and_the_batch():
+    from engine.sequence import Sequence
+    from engine.spec_decode import DraftState
+    from shared.protocol import SamplingParams
+
+    drafter = Drafter(spec(k=6, low=1, high=2))
+    seq = Sequence(request_id="s", token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 1], num_prompt_tokens=9,
+                   params=SamplingParams(max_tokens=20), reply_to="inproc://x",
+                   arrival_time=0.0, max_output_tokens=20)
+    assert drafter.propose(seq, 10) == [2, 3, 4, 5, 6, 7]  # no record yet: k tokens
+    seq.draft_state = DraftState(rate=0.5)
+    assert drafter.propose(seq, 10) == [2]  # about one accepted token expected
+    assert drafter.propose(seq, 10, batched=True) == []  # beside others: not worth a row
+    seq.draft_state = DraftState(rate=0.8)
+    assert drafter.propose(seq, 10, batched=True) == [2, 3, 4, 5]
+    assert drafter.room(num_running=3, num_waiting=0) == 18  # no step bound here
+    bounded = Drafter(spec(batch=8), step_tokens=4)
+    assert [bounded.room(n, 0) for n in (1, 3, 4, 6)] == [3, 1, 0, 0]
+    assert bounded.room(2, 7) == 0  # more than disable_by_batch_size in the engine
