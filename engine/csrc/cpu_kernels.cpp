@@ -376,9 +376,21 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
 // share each loaded key and value row. Scores, softmax and the weighted sum of values are
 // float32; the output is rounded once.
 // The cache slot of a sequence's t-th token.
-inline int64_t slot_of(const int64_t* pages, int64_t t, int64_t page_size) {
-  return pages[t / page_size] * page_size + t % page_size;
-}
+// The cache slots of a sequence's tokens 0, 1, 2, ... in turn, without a division per
+// token (a 64-bit divide costs more than the token's dot product).
+struct SlotWalk {
+  const int64_t* pages;
+  int64_t page_size;
+  int64_t page = 0, offset = 0;
+  inline int64_t next() {
+    const int64_t slot = pages[page] * page_size + offset;
+    if (++offset == page_size) {
+      offset = 0;
+      ++page;
+    }
+    return slot;
+  }
+};
 
 // One (sequence, kv head) task: qf holds the group's q heads, already scaled, as float32
 // [group, dim]. Leaves each head's unnormalised output in acc [group, dim] and its softmax
@@ -387,8 +399,9 @@ template <typename T>
 void attend_task(const float* qf, const T* kp, const T* vp, const int64_t* pages, int64_t len,
                  int64_t page_size, int64_t kv_heads, int64_t kvh, int64_t group, int64_t dim,
                  float* scores, float* acc, float* total) {
+  SlotWalk keys{pages, page_size};
   for (int64_t t = 0; t < len; ++t) {
-    const T* key = kp + (slot_of(pages, t, page_size) * kv_heads + kvh) * dim;
+    const T* key = kp + (keys.next() * kv_heads + kvh) * dim;
     for (int64_t g = 0; g < group; ++g) {
       float s = 0.f;
       for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * Elem<T>::load(key[d]);
@@ -406,8 +419,9 @@ void attend_task(const float* qf, const T* kp, const T* vp, const int64_t* pages
     total[g] = sum;
   }
   std::fill(acc, acc + group * dim, 0.f);
+  SlotWalk values{pages, page_size};
   for (int64_t t = 0; t < len; ++t) {
-    const T* value = vp + (slot_of(pages, t, page_size) * kv_heads + kvh) * dim;
+    const T* value = vp + (values.next() * kv_heads + kvh) * dim;
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * len + t];
       for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * Elem<T>::load(value[d]);
@@ -416,6 +430,98 @@ void attend_task(const float* qf, const T* kp, const T* vp, const int64_t* pages
 }
 
 #ifdef __AVX512F__
+// One head's scores -> exp(score - max) in place; returns their sum.
+inline float softmax_numerators(float* sg, int64_t len) {
+  float top = sg[0];
+  for (int64_t t = 1; t < len; ++t) top = std::max(top, sg[t]);
+  __m512 sum16 = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), _mm512_set1_ps(top)));
+    _mm512_storeu_ps(sg + t, e);
+    sum16 = _mm512_add_ps(sum16, e);
+  }
+  float sum = _mm512_reduce_add_ps(sum16);
+  for (; t < len; ++t) {
+    sg[t] = exp_approx(sg[t] - top);
+    sum += sg[t];
+  }
+  return sum;
+}
+
+// attend_task_avx512 for a group of G heads of dim 16 * NV known at compile time: each key
+// and value row is loaded and widened once for the whole group instead of once per head.
+// Every head's arithmetic is attend_task_avx512's, step for step, so are its bits.
+template <typename T, int G, int NV>
+void attend_group_avx512(const float* qf, const T* kp, const T* vp, const int64_t* pages,
+                         int64_t len, int64_t page_size, int64_t kv_heads, int64_t kvh,
+                         float* scores, float* acc, float* total) {
+  constexpr int64_t dim = 16 * NV;
+  {
+    __m512 q[G][NV];
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < NV; ++v) q[g][v] = _mm512_loadu_ps(qf + g * dim + 16 * v);
+    SlotWalk keys{pages, page_size};
+    for (int64_t t = 0; t < len; t += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, len - t));
+      __m512 part[G][16];
+      for (int j = 0; j < n; ++j) {
+        const T* key = kp + (keys.next() * kv_heads + kvh) * dim;
+        __m512 k[NV];
+        for (int v = 0; v < NV; ++v) k[v] = load16(key + 16 * v);
+        for (int g = 0; g < G; ++g) {
+          __m512 s = _mm512_mul_ps(q[g][0], k[0]);
+          for (int v = 1; v < NV; ++v) s = _mm512_fmadd_ps(q[g][v], k[v], s);
+          part[g][j] = s;
+        }
+      }
+      for (int g = 0; g < G; ++g) lane_sums(part[g], n, scores + g * len + t);
+    }
+  }
+  for (int g = 0; g < G; ++g) total[g] = softmax_numerators(scores + g * len, len);
+  __m512 o[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) o[g][v] = _mm512_setzero_ps();
+  SlotWalk values{pages, page_size};
+  for (int64_t t = 0; t < len; ++t) {
+    const T* value = vp + (values.next() * kv_heads + kvh) * dim;
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load16(value + 16 * v);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int v = 0; v < NV; ++v) o[g][v] = _mm512_fmadd_ps(p, x[v], o[g][v]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * dim + 16 * v, o[g][v]);
+}
+
+// attend_group_avx512 where (group, dim) is one it is compiled for; false otherwise.
+template <typename T>
+bool attend_group(const float* qf, const T* kp, const T* vp, const int64_t* pages, int64_t len,
+                  int64_t page_size, int64_t kv_heads, int64_t kvh, int64_t group, int64_t dim,
+                  float* scores, float* acc, float* total) {
+  const auto run = [&](auto g, auto nv) {
+    attend_group_avx512<T, decltype(g)::value, decltype(nv)::value>(
+        qf, kp, vp, pages, len, page_size, kv_heads, kvh, scores, acc, total);
+    return true;
+  };
+  const auto by_group = [&](auto nv) {
+    switch (group) {
+      case 1: return run(std::integral_constant<int, 1>{}, nv);
+      case 2: return run(std::integral_constant<int, 2>{}, nv);
+      case 3: return run(std::integral_constant<int, 3>{}, nv);
+      case 4: return run(std::integral_constant<int, 4>{}, nv);
+      case 6: return run(std::integral_constant<int, 6>{}, nv);
+      case 8: return run(std::integral_constant<int, 8>{}, nv);
+      default: return false;
+    }
+  };
+  if (dim == 64) return by_group(std::integral_constant<int, 4>{});
+  if (dim == 128) return by_group(std::integral_constant<int, 8>{});
+  return false;
+}
+
 // attend_task with the head in registers (dim a multiple of 16, at most 256): one head of
 // the group at a time over all keys, so its q and its output accumulators stay in zmm
 // registers and the keys and values it re-reads come from L1/L2.
@@ -430,35 +536,23 @@ void attend_task_avx512(const float* qf, const T* kp, const T* vp, const int64_t
     float* sg = scores + g * len;
     // Sixteen keys' products at a time, their lanes summed together (lane_sums): each
     // score's sum is the same tree wherever the key falls among the sixteen.
+    SlotWalk keys{pages, page_size};
     for (int64_t t = 0; t < len; t += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, len - t));
       __m512 part[16];
       for (int j = 0; j < n; ++j) {
-        const T* key = kp + (slot_of(pages, t + j, page_size) * kv_heads + kvh) * dim;
+        const T* key = kp + (keys.next() * kv_heads + kvh) * dim;
         __m512 s = _mm512_mul_ps(reg[0], load16(key));
         for (int64_t v = 1; v < nv; ++v) s = _mm512_fmadd_ps(reg[v], load16(key + 16 * v), s);
         part[j] = s;
       }
       lane_sums(part, n, sg + t);
     }
-    float top = sg[0];
-    for (int64_t t = 1; t < len; ++t) top = std::max(top, sg[t]);
-    __m512 sum16 = _mm512_setzero_ps();
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16) {
-      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), _mm512_set1_ps(top)));
-      _mm512_storeu_ps(sg + t, e);
-      sum16 = _mm512_add_ps(sum16, e);
-    }
-    float sum = _mm512_reduce_add_ps(sum16);
-    for (; t < len; ++t) {
-      sg[t] = exp_approx(sg[t] - top);
-      sum += sg[t];
-    }
-    total[g] = sum;
+    total[g] = softmax_numerators(sg, len);
     for (int64_t v = 0; v < nv; ++v) reg[v] = _mm512_setzero_ps();
-    for (t = 0; t < len; ++t) {
-      const T* value = vp + (slot_of(pages, t, page_size) * kv_heads + kvh) * dim;
+    SlotWalk values{pages, page_size};
+    for (int64_t t = 0; t < len; ++t) {
+      const T* value = vp + (values.next() * kv_heads + kvh) * dim;
       const __m512 p = _mm512_set1_ps(sg[t]);
       for (int64_t v = 0; v < nv; ++v) reg[v] = _mm512_fmadd_ps(p, load16(value + 16 * v), reg[v]);
     }
@@ -495,7 +589,10 @@ void decode_attention_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t* pages = table + b * max_pages;
       float* total = sums.data();
 #ifdef __AVX512F__
-      if (dim % 16 == 0 && dim <= 256) {
+      if (attend_group<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group, dim,
+                          scores.data(), acc.data(), total)) {
+        // done: the whole group at once
+      } else if (dim % 16 == 0 && dim <= 256) {
         attend_task_avx512<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
                               dim, scores.data(), acc.data(), total);
       } else

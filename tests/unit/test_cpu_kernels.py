@@ -137,7 +137,9 @@ def _float64_attention(q, k_cache, v_cache, table, lengths, page_size):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "heads,kv_heads,dim",
-    [(9, 3, 64), (4, 4, 128), (8, 2, 24)],  # SmolLM2; no grouping; a dim with no 16-wide path
+    # SmolLM2 and no grouping (whole groups at once); a group of 5 (one head at a time);
+    # a dim with no 16-wide path (scalar)
+    [(9, 3, 64), (4, 4, 128), (10, 2, 64), (8, 2, 24)],
 )
 def test_decode_attention_reads_pages_in_place(compiled, dtype, heads, kv_heads, dim):
     lengths = [1, 15, 16, 17, 100, 333]
