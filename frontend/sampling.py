@@ -178,6 +178,10 @@ def request_plan(
         thinking=thinking,
     )
     _check_ranges(params, vocab_size)
+    if request.allowed_token_ids == []:
+        # Nothing allowed could never be sampled; the engine's [] means "no restriction".
+        raise bad_request("allowed_token_ids may not be empty (leave it out for no "
+                          "restriction)", "allowed_token_ids")
     if (isinstance(request, CompletionRequest) and (request.best_of or 1) > 1
             and params.temperature == 0):
         # Greedy candidates are all the same answer: nothing to pick the best of.

@@ -121,6 +121,7 @@ def test_allowed_token_ids_and_tokens_as_ids(client, base_url):
 @pytest.mark.parametrize("extra, field", [
     ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),  # vLLM refuses it too
     ({"bad_words": ["x"] * 129}, "bad_words"),
     ({"bad_words": ["x" * 257]}, "bad_words"),
     ({"bad_words": ["a " * 100]}, "bad_words"),  # about 100 tokens: over 64
