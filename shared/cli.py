@@ -230,6 +230,13 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{SPEC_FLAG}: ")) from None
 
 
+def _role(text: str) -> str:
+    """--response-role: a role name; empty or blank would give messages no role at all."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the role may not be empty")
+    return text
+
+
 def _seed(text: str) -> int:
     try:
         value = int(text)
@@ -316,7 +323,7 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSON laid over those defaults, e.g. '{\"temperature\": 0.5}' "
                         "(fields: temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens)")
-    g.add_argument("--response-role", default="assistant",
+    g.add_argument("--response-role", default="assistant", type=_role,
                    help="the role of chat completion messages when the request's "
                         "add_generation_prompt is true (default: assistant)")
     g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,

@@ -17,6 +17,7 @@ from engine.models.ops import CpuKernelOps, make_ops, tiled_linear
 from engine.models.weights import load_quantized_weights
 from shared.cli import engine_config, parse_args
 from shared.model_source import default_model_path
+from tests.unit.cli_builders import serve_argvs
 from tests.unit.engine_builders import CONFIG, random_weights
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -191,3 +192,10 @@ def test_vllms_environment_variable_turns_it_on(monkeypatch):
     assert engine_config(parse_args(["engine"]), "ipc:///x").batch_invariant
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
     assert not engine_config(parse_args(["engine"]), "ipc:///x").batch_invariant
+
+
+def test_serve_passes_the_mode_to_its_engine(monkeypatch):
+    for flags in ([], ["--batch-invariant"]):
+        engine_argv, _ = serve_argvs(monkeypatch, flags)
+        config = engine_config(parse_args(engine_argv), "ipc:///x")
+        assert config.batch_invariant == bool(flags)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shared import cli
+from tests.unit.cli_builders import serve_argvs as _serve_argvs
 
 
 def test_positional_model_on_serve_and_engine():
@@ -209,16 +210,6 @@ def test_good_generation_config_passes(tmp_path):
     cli.check_generation_config(args)  # no SystemExit
 
 
-def _serve_argvs(monkeypatch, argv: list[str]) -> tuple[list[str], list[str]]:
-    """The engine and frontend command lines `sluice serve argv` would start."""
-    started = []
-    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv: started.append(argv))
-    monkeypatch.setattr(cli, "_supervise", lambda *a, **k: 0)
-    monkeypatch.setattr(cli, "prepare_prometheus_dir", lambda: None)
-    cli._serve(cli.parse_args(["serve", *argv]))
-    return started[0][3:], started[1][3:]  # after `python -m shared.cli`
-
-
 def _after(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
@@ -335,6 +326,8 @@ def test_http_flags_reach_the_frontend_and_serve_forwards_them(tmp_path, monkeyp
     (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", "/no/c.pem"], "no such file"),
     (["--root-path", "llm"], "must start with /"),
     (["--root-path", "/llm/"], "must start with /"),
+    (["--response-role", ""], "may not be empty"),
+    (["--response-role", "  "], "may not be empty"),
 ])
 def test_bad_frontend_flags_fail_at_start(flags, message, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_serve", lambda args: 0)
