@@ -188,7 +188,15 @@ class Scheduler:
         limit = min(room, seq.max_output_tokens - seq.num_output_tokens - 1)
         batched = len(self.running) > 1
         draft = self.drafter.propose(seq, limit, batched) if limit > 0 else []
-        if draft and not self._try_grow(seq, 1 + len(draft)):
+        if not draft:
+            return []
+        alloc = self.allocator
+        extra = alloc.pages_needed(seq.num_computed + 1 + len(draft)) - len(seq.pages)
+        # A page left for every running sequence's next token, so that no one is preempted
+        # later in this step for pages a draft took.
+        if extra > 0 and alloc.num_free - extra < len(self.running):
+            return []
+        if not self._try_grow(seq, 1 + len(draft)):
             return []
         return draft
 

@@ -442,3 +442,23 @@ def test_draft_length_follows_the_acceptance_rate_and_the_batch():
     bounded = Drafter(spec(batch=8), step_tokens=4)
     assert [bounded.room(n, 0) for n in (1, 3, 4, 6)] == [3, 1, 0, 0]
     assert bounded.room(2, 7) == 0  # more than disable_by_batch_size in the engine
+
+
+def test_drafts_take_no_page_another_sequence_needs(weights):
+    """One page left, two decoding sequences: the first one's draft would take it and the
+    second, whose next token starts a page, would be preempted; the draft gives way."""
+    core, _ = build_core(weights, num_pages=5, page_size=4, speculative=spec())
+    a, b = prompts([6, 8], seed=21)
+
+    class DraftForA:
+        def propose(self, tokens, limit):
+            return [1, 2] if tokens[:6] == a else []
+
+    core.scheduler.drafter.proposer = DraftForA()
+    core.add(request("a", a, max_tokens=20))
+    core.add(request("b", b, max_tokens=20))
+    core.step()  # both prefilled: 2 pages each, one left
+    assert core.allocator.num_free == 1
+    plan = core.scheduler.schedule()
+    assert not plan.preempted
+    assert [(c.seq.request_id, c.draft) for c in plan.chunks] == [("a", []), ("b", [])]
