@@ -10,7 +10,9 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-N, TOKENS = 4, 12
+# 20 tokens (the top of the 10-20 token bucket): a stream's server side cannot be held
+# (the socket buffers its events), so it must outlast the other streams' start.
+N, TOKENS = 4, 20
 MODEL = "SmolLM2-135M-Instruct"  # every series carries the served name as model_name
 
 
@@ -32,7 +34,8 @@ def engine(samples: dict, name: str) -> float:
     return value(samples, name, engine="engine-0")
 
 
-def _stream(base_url: str, i: int, out: dict) -> None:
+def _stream(base_url: str, i: int, out: dict, barrier: threading.Barrier) -> None:
+    barrier.wait()  # all N requests leave together, so all run in the same steps
     body = {"messages": [{"role": "user", "content": f"Tell me about the number {i}."}],
             "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -53,7 +56,9 @@ def _stream(base_url: str, i: int, out: dict) -> None:
 def test_metrics_follow_the_load(base_url):
     before = scrape(base_url)
     out: dict = {}
-    threads = [threading.Thread(target=_stream, args=(base_url, i, out)) for i in range(N)]
+    barrier = threading.Barrier(N)
+    threads = [threading.Thread(target=_stream, args=(base_url, i, out, barrier))
+               for i in range(N)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
