@@ -65,6 +65,22 @@ def random_weights() -> dict[str, torch.Tensor]:
     return out
 
 
+# A one-layer model over SmolLM2's real vocabulary, for tests that need its tokenizer (grammars
+# compiled against it): its EOS, config, and weights that keep every logit finite.
+SMOLLM2_EOS = 2  # <|im_end|>
+SMOLLM2_VOCAB_CONFIG = ModelConfig(
+    architecture="llama", vocab_size=49152, hidden_size=32, intermediate_size=64,
+    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5,
+    rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
+)
+
+
+def smollm2_vocab_weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=gen) * (0.5 if len(shape) == 2 else 0.0) + (
+        1.0 if len(shape) == 1 else 0.0)
+        for name, shape in expected_shapes(SMOLLM2_VOCAB_CONFIG).items()}
+
 class Recorder:
     """Logits of every sampled row and every scheduler plan, per request id."""
 

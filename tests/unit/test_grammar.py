@@ -17,20 +17,15 @@ from engine.core import EngineCore
 from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
-from engine.models.config import ModelConfig
 from engine.models.llama import LlamaModel
-from engine.models.weights import expected_shapes
 from engine.scheduler import Scheduler
 from shared.model_source import default_model_path
 from shared.protocol import Constraint, EngineRequest, SamplingParams, pack_ids, unpack_ids
 from shared.tokenizer import load_tokenizer
+from tests.unit.engine_builders import SMOLLM2_EOS, SMOLLM2_VOCAB_CONFIG, smollm2_vocab_weights
 
-EOS = 2  # SmolLM2's <|im_end|>
-CONFIG = ModelConfig(
-    architecture="llama", vocab_size=49152, hidden_size=32, intermediate_size=64,
-    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5,
-    rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
-)
+EOS = SMOLLM2_EOS
+CONFIG = SMOLLM2_VOCAB_CONFIG
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +40,7 @@ def backend(tokenizer):
 
 @pytest.fixture(scope="module")
 def weights():
-    gen = torch.Generator().manual_seed(0)
-    return {name: torch.randn(shape, generator=gen) * (0.5 if len(shape) == 2 else 0.0) + (
-        1.0 if len(shape) == 1 else 0.0) for name, shape in expected_shapes(CONFIG).items()}
+    return smollm2_vocab_weights()
 
 
 def regex(pattern: str) -> Constraint:

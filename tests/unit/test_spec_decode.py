@@ -18,9 +18,7 @@ from engine.core import EngineCore
 from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
-from engine.models.config import ModelConfig
 from engine.models.llama import LlamaModel
-from engine.models.weights import expected_shapes
 from engine.scheduler import Scheduler
 from engine.spec_decode import Drafter, NgramProposer
 from shared import cli
@@ -31,6 +29,8 @@ from shared.protocol import Constraint, unpack_ids
 from shared.speculative import SpeculativeConfigError, parse_speculative_config
 from shared.tokenizer import load_tokenizer
 from tests.unit.engine_builders import (
+    SMOLLM2_EOS,
+    SMOLLM2_VOCAB_CONFIG,
     VOCAB,
     assert_all_free,
     build_core,
@@ -38,6 +38,7 @@ from tests.unit.engine_builders import (
     random_weights,
     request,
     run,
+    smollm2_vocab_weights,
 )
 
 
@@ -351,12 +352,8 @@ def test_metrics_carry_vllms_spec_decode_series(weights):
 
 # ---------------------------------------------------------------- grammars
 
-EOS = 2  # SmolLM2's <|im_end|>
-BIG = ModelConfig(
-    architecture="llama", vocab_size=49152, hidden_size=32, intermediate_size=64,
-    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5,
-    rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
-)
+EOS = SMOLLM2_EOS
+BIG = SMOLLM2_VOCAB_CONFIG
 
 
 @pytest.fixture(scope="module")
@@ -366,10 +363,7 @@ def grammar_backend():
 
 
 def grammar_core(backend, config):
-    gen = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(shape, generator=gen) * (0.5 if len(shape) == 2 else 0.0) + (
-        1.0 if len(shape) == 1 else 0.0) for name, shape in expected_shapes(BIG).items()}
-    model = LlamaModel(BIG, weights, 256, torch.float32, torch.device("cpu"))
+    model = LlamaModel(BIG, smollm2_vocab_weights(), 256, torch.float32, torch.device("cpu"))
     attn = TorchAttentionBackend(1, 256, 4, 1, 16, torch.float32, torch.device("cpu"))
     allocator = PageAllocator(256, 4)
     drafter = Drafter(config) if config is not None else None
