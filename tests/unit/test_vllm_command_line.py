@@ -328,6 +328,14 @@ def test_http_flags_reach_the_frontend_and_serve_forwards_them(tmp_path, monkeyp
     (["--root-path", "/llm/"], "must start with /"),
     (["--response-role", ""], "may not be empty"),
     (["--response-role", "  "], "may not be empty"),
+    (["--limit-mm-per-prompt", "{image"], "expected JSON"),
+    (["--limit-mm-per-prompt", "[1]"], "only an 'image' limit"),
+    (["--limit-mm-per-prompt", '{"video": 1}'], "only an 'image' limit"),
+    (["--limit-mm-per-prompt", '{"image": -1}'], "integer in [0, 64]"),
+    (["--limit-mm-per-prompt", '{"image": 65}'], "integer in [0, 64]"),
+    (["--limit-mm-per-prompt", '{"image": true}'], "integer in [0, 64]"),
+    (["--limit-mm-per-prompt", '{"image": "2"}'], "integer in [0, 64]"),
+    (["--allowed-local-media-path", "/no/such/folder"], "no such folder"),
 ])
 def test_bad_frontend_flags_fail_at_start(flags, message, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_serve", lambda args: 0)
