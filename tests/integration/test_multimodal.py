@@ -160,7 +160,11 @@ def test_official_anthropic_client(vlm):
     message = client.messages.create(model="model", max_tokens=4, messages=[
         {"role": "user", "content": [{"type": "image", "source": source},
                                      {"type": "text", "text": "what is this"}]}])
-    assert message.content[0].text
+    # A random model may end at once or say only skipped special tokens: then the message
+    # has no text block. It answered, with tokens generated and the image counted.
+    assert message.role == "assistant" and message.stop_reason in ("max_tokens", "end_turn")
+    assert message.usage.output_tokens >= 1
+    assert all(block.type == "text" for block in message.content)
     assert message.usage.input_tokens > 31
 
 
