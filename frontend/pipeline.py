@@ -265,6 +265,7 @@ def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: Pr
             continuous_usage=stream_usage(request)[1],
             echo=(prompt.source_text or "") if not chat and request.echo else "",
             reasoning_field=settings.reasoning_field,
+            token_ids=bool(request.return_token_ids),
         )
     return msgspec.structs.replace(plan.output, **changes)
 

@@ -65,9 +65,10 @@ def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTU
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if request.cache_salt is not None and not request.cache_salt:
         raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
-    for field in ("return_token_ids", "prompt_logprobs"):
-        if request.stream and getattr(request, field) not in (None, False):
-            raise bad_request(f"{field} is not available for streamed answers yet", field)
+    if request.stream and request.prompt_logprobs:
+        # As vLLM: prompt logprobs come with the whole answer only (0 asks for none).
+        raise bad_request("prompt_logprobs is not available when stream is true",
+                          "prompt_logprobs")
     if isinstance(request, ChatCompletionRequest):
         _check_chat(request)
         if request.thinking_token_budget is not None and structured.reasoning_parser is None:

@@ -99,7 +99,7 @@ async def chat_completion(
             finish_reason=c.last.finish_reason,
             stop_reason=c.last.stop_reason,
             logprobs=chat_logprobs(c.logprobs) if want_logprobs else None,
-            token_ids=c.token_ids if request.return_token_ids else UNSET,
+            token_ids=c.token_ids if request.return_token_ids else None,
         )
         for i, (_, c) in enumerate(_chosen(job, candidates))
     ]
@@ -134,14 +134,16 @@ def _message(ctx: ServingContext, c: Candidate, role: str) -> AssistantMessage:
 def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, frames):
     include_usage, continuous = stream_usage(request)
 
-    def chunk(choices, usage=None) -> bytes:
+    def chunk(choices, usage=None, prompt_ids=UNSET) -> bytes:
         return sse_event(ChatCompletionChunk(job.request_id, job.created, ctx.model_name,
-                                             choices, usage))
+                                             choices, usage, prompt_token_ids=prompt_ids))
 
     prompt_tokens = job.num_prompt_tokens
     opening_usage = Usage(prompt_tokens, 0, prompt_tokens) if continuous else None
     role = answer_role(ctx, request)
-    opening = [chunk([ChatChunkChoice(i, Delta(role=role))], opening_usage)
+    # With return_token_ids each choice's opening chunk names the prompt's ids, as vLLM.
+    prompt_ids = job.prompts[0].tokens.ids if request.return_token_ids else UNSET
+    opening = [chunk([ChatChunkChoice(i, Delta(role=role))], opening_usage, prompt_ids)
                for i in range(job.plan.n)]
     return sse_stream(job, frames, opening, include_usage, lambda usage: chunk([], usage))
 

@@ -43,6 +43,8 @@ class ChatChunkChoice(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: Any = None
+    # With return_token_ids (vLLM's): this chunk's tokens; UNSET fields are left out.
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -52,6 +54,8 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
+    # With return_token_ids, on a choice's opening chunk only, as vLLM.
+    prompt_token_ids: list[int] | UnsetType = UNSET
 
 
 class AssistantMessage(msgspec.Struct, omit_defaults=True):
@@ -68,7 +72,9 @@ class ChatChoice(msgspec.Struct):
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: Any = None
-    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids (vLLM's)
+    # vLLM's fields are always there, null unless asked for (return_token_ids,
+    # prompt_logprobs), so a client written for vLLM can read them unconditionally.
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -78,8 +84,8 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
-    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids (vLLM's)
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionChoice(msgspec.Struct):
@@ -88,10 +94,11 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: Any = None
-    # With return_token_ids (vLLM's); UNSET fields are left out of the JSON.
-    prompt_token_ids: list[int] | UnsetType = UNSET
-    token_ids: list[int] | UnsetType = UNSET
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
+    # vLLM's fields, null unless asked for (return_token_ids, prompt_logprobs), in answers
+    # and chunks alike: a stream's first chunk per choice has the prompt's ids.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(msgspec.Struct):

@@ -121,7 +121,8 @@ class OutputProcessor:
                    if params.stop else None),
             reasoning=reasoning,
             tools=tools,
-            writer=ChunkWriter(params.chunk) if params.chunk is not None else None,
+            writer=(ChunkWriter(params.chunk, spec.prompt_ids)
+                    if params.chunk is not None else None),
         )
 
     def _detokenizer(self, prompt_ids, params: OutputParams, reasoning: bool,
@@ -154,9 +155,10 @@ class OutputProcessor:
         prompt_logprobs = self._entries(state, state.prompt_ids, output.prompt_logprobs)
         chunk = b""
         if state.writer is not None and finish_reason != "error":
+            ids_list = ids.tolist() if state.writer.fmt.token_ids else []
             chunk = state.writer.write(Piece(
-                content, reasoning, calls, logprobs or [], prompt_logprobs, finish_reason,
-                stop_reason, output.num_prompt_tokens, output.num_output_tokens,
+                content, reasoning, calls, logprobs or [], prompt_logprobs, ids_list,
+                finish_reason, stop_reason, output.num_prompt_tokens, output.num_output_tokens,
             ))
         frame = TextFrame(
             request_id=request_id,

@@ -105,6 +105,9 @@ class ChunkFormat(msgspec.Struct, frozen=True, omit_defaults=True):
     continuous_usage: bool = False  # usage in every chunk (stream_options)
     echo: str = ""  # completions: the prompt text, before the first chunk's text
     reasoning_field: str = "reasoning_content"
+    # vLLM's return_token_ids: each chunk names its tokens' ids; a completion's first chunk
+    # also the prompt's (a chat stream's opening chunk, written by the frontend, has those).
+    token_ids: bool = False
 
 
 class OutputParams(msgspec.Struct, frozen=True, omit_defaults=True):

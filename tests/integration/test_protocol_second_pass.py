@@ -207,7 +207,7 @@ def test_token_ids_pass_through_a_multi_turn_chat(client):
     assert again.choices[0].token_ids == answer_ids  # the same prompt, greedy: the same ids
     assert again.choices[0].message.content == first.choices[0].message.content
     plain = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=1)
-    assert "prompt_token_ids" not in plain.model_dump(exclude_unset=True)
+    assert plain.prompt_token_ids is None  # present and null, as vLLM, unless asked for
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
 
@@ -218,9 +218,6 @@ def test_completions_return_token_ids_per_prompt(client):
     texts = {c.index: c for c in answer.choices}
     assert len(texts[0].prompt_token_ids) < len(texts[1].prompt_token_ids)
     assert all(len(c.token_ids) == 3 for c in answer.choices)
-    with pytest.raises(openai.BadRequestError, match="return_token_ids"):
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=True,
-                                  extra_body={"return_token_ids": True})
 
 
 def test_strict_tools_with_a_response_format_are_refused(edge):

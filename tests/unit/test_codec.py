@@ -100,7 +100,7 @@ ENGINE_INBOUND = {
             chunk=ChunkFormat(
                 kind="completion", response_id="cmpl-1", created=17, model="m", index=2,
                 logprobs=True, continuous_usage=True, echo="Once upon",
-                reasoning_field="reasoning",
+                reasoning_field="reasoning", token_ids=True,
             ),
         ),
         cache_salt="tenant-ünïcode-salt",

@@ -1,0 +1,110 @@
+"""vLLM's return_token_ids in streams, and its always-present id fields, through the HTTP API
+with the official client on the session's shared stack (float32, greedy: streamed and whole
+answers agree token for token)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from shared.model_source import default_model_path
+from shared.tokenizer import load_tokenizer
+
+MODEL = "SmolLM2-135M-Instruct"
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = "The capital of France is"
+IDS = {"return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+def test_a_chat_stream_names_the_prompt_once_and_every_token(client, tokenizer):
+    whole = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=40,
+                                           temperature=0, extra_body=IDS)
+    stream = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=40,
+                                            temperature=0, stream=True, extra_body=IDS)
+    chunks = list(stream)
+    assert chunks[0].prompt_token_ids == whole.prompt_token_ids
+    assert all("prompt_token_ids" not in c.model_dump(exclude_unset=True) for c in chunks[1:])
+    ids = [t for c in chunks[1:] for t in c.choices[0].token_ids]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert ids == whole.choices[0].token_ids and len(ids) == whole.usage.completion_tokens
+    assert content == whole.choices[0].message.content
+    ending = "" if whole.choices[0].finish_reason == "length" else tokenizer.eos_token
+    assert tokenizer.decode(ids) == content + ending  # the stop token is named too
+
+
+def test_a_completion_stream_names_the_prompt_in_its_first_chunk(client, tokenizer):
+    """As vLLM's own test: with return_tokens_as_token_ids, each chunk's token ids are the
+    ones its logprobs name, also while a stop string holds text back."""
+    body = {**IDS, "return_tokens_as_token_ids": True}
+    stream = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=16,
+                                       temperature=0, stream=True, logprobs=1,
+                                       stop=["answer is"], extra_body=body)
+    chunks = list(stream)
+    first = chunks[0].choices[0]
+    assert first.prompt_token_ids == tokenizer.encode(FRANCE)
+    assert all(c.choices[0].prompt_token_ids is None for c in chunks[1:])
+    named = [int(t.removeprefix("token_id:")) for c in chunks for t in c.choices[0].logprobs.tokens]
+    ids = [t for c in chunks for t in c.choices[0].token_ids]
+    assert ids == named and ids
+    whole = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=16, temperature=0,
+                                      stop=["answer is"], extra_body=IDS).choices[0]
+    assert ids == whole.token_ids
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+
+
+def test_each_streamed_choice_names_its_own_tokens(client):
+    stream = client.completions.create(model=MODEL, prompt=["Hi", FRANCE], max_tokens=5,
+                                       temperature=0, stream=True, extra_body=IDS)
+    prompts: dict[int, list[int]] = {}
+    ids: dict[int, list[int]] = {}
+    for chunk in stream:
+        choice = chunk.choices[0]
+        if choice.prompt_token_ids is not None:
+            assert choice.index not in prompts  # once per choice
+            prompts[choice.index] = choice.prompt_token_ids
+        ids.setdefault(choice.index, []).extend(choice.token_ids)
+    assert len(prompts[0]) < len(prompts[1])
+    assert all(len(v) == 5 for v in ids.values())
+
+
+def test_id_fields_are_null_unless_asked_for(client):
+    """vLLM's answers always carry its id fields, so code written against vLLM can read
+    `answer.prompt_token_ids` and `choice.token_ids` whether it asked or not."""
+    chat = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2)
+    assert chat.prompt_token_ids is None and chat.choices[0].token_ids is None
+    assert chat.prompt_logprobs is None
+    text = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=2).choices[0]
+    assert text.prompt_token_ids is None and text.token_ids is None
+    assert text.prompt_logprobs is None
+    for chunk in client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2,
+                                                stream=True):
+        dumped = chunk.model_dump(exclude_unset=True)
+        assert "prompt_token_ids" not in dumped
+        assert all("token_ids" not in c for c in dumped["choices"])
+
+
+@pytest.mark.parametrize("value", ["yes", 1, [True], {"a": 1}])
+def test_return_token_ids_must_be_a_bool(client, value):
+    with pytest.raises(openai.BadRequestError, match="return_token_ids"):
+        client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=1, stream=True,
+                                       extra_body={"return_token_ids": value})
+
+
+def test_prompt_logprobs_stay_refused_in_streams(client):
+    """As vLLM: a stream cannot carry prompt logprobs; 0 asks for none and is fine."""
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    chunks = list(client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=1,
+                                            stream=True, extra_body={"prompt_logprobs": 0}))
+    assert chunks[-1].choices[0].finish_reason == "length"
