@@ -12,6 +12,7 @@ produces the same frames, and the frontend drops the ones it already has.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -24,6 +25,8 @@ from postproc.reasoning import ReasoningParser, get_reasoning_parser
 from postproc.stop_strings import StopMatcher
 from postproc.tool_parsers import ToolDelta, ToolParser, get_tool_parser
 from shared.protocol import OutputParams, RequestOutput, TextFrame, unpack_ids
+
+_log = logging.getLogger(__name__)
 
 
 class Registration(msgspec.Struct):
@@ -82,10 +85,14 @@ class OutputProcessor:
     def process(self, outputs: Sequence[RequestOutput]) -> Processed:
         result = Processed([], [])
         for output in outputs:
-            state = self._state(output.request_id)
-            if state is None:
-                continue  # the frontend gave up on it, or a stop string already ended it
-            frame = self._frame(state, output, output.request_id)
+            state = None
+            try:
+                state = self._state(output.request_id)
+                if state is None:
+                    continue  # the frontend gave up on it, or a stop string already ended it
+                frame = self._frame(state, output, output.request_id)
+            except Exception as exc:  # noqa: BLE001 - one request's output must not stop the rest
+                frame = _failed_frame(state.next_seq if state else 0, output, exc)
             if frame.finish_reason is not None:
                 self.discard(output.request_id)
                 if output.finish_reason is None:
@@ -261,3 +268,17 @@ def special_ids_to_skip(
     if not delimiters & set(special.values()):
         return None
     return frozenset(i for i, content in special.items() if content not in delimiters)
+
+
+def _failed_frame(seq: int, output: RequestOutput, exc: Exception) -> TextFrame:
+    """The last frame of a request whose output could not be processed (a bug or output no
+    parser survives): it ends with an error, and the engine stops generating it, while every
+    other request in the batch goes on."""
+    _log.exception("processing the output of %s failed", output.request_id)
+    return TextFrame(
+        request_id=output.request_id, seq=seq, text="",
+        token_ids=output.new_token_ids, num_prompt_tokens=output.num_prompt_tokens,
+        num_output_tokens=output.num_output_tokens, finish_reason="error",
+        error=f"the server could not process this request's output ({type(exc).__name__})",
+        error_status=500,
+    )

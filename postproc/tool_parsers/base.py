@@ -98,6 +98,16 @@ def tools_by_name(tools: list[Any] | None) -> dict[str, dict]:
     return out
 
 
+def parse_json(text: str) -> Any:
+    """`json.loads` for model output. Python's decoder recurses once per level and raises
+    RecursionError (not a ValueError) near 1,000 levels, which model output can reach, so
+    that is a ValueError here like any other text that is not JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply to read") from exc
+
+
 def arguments_json(value: Any) -> str | None:
     """A call's arguments as a JSON object string, or None when they are not an object.
 
@@ -105,14 +115,14 @@ def arguments_json(value: Any) -> str | None:
     """
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = parse_json(value)
         except ValueError:
             return None
     if not isinstance(value, dict):
         return None
     try:
         return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # the encoder recurses per level too
         return None
 
 
@@ -179,7 +189,7 @@ def call_head(text: str, start: int, stop: int | None = None,
         if end is None:
             return None
         try:
-            value = json.loads(text[i:end])
+            value = parse_json(text[i:end])
         except ValueError:
             return False
         if what == "key:name" and value != "name":

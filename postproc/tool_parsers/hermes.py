@@ -14,6 +14,7 @@ from postproc.tool_parsers.base import (
     call_head,
     call_json_schema,
     find_first,
+    parse_json,
     partial_suffix_len,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
@@ -89,7 +90,7 @@ class HermesToolParser(TaggedBlockParser):
 
     def _block_calls(self, body: str, terminated: bool) -> list[tuple[str, str]] | None:
         try:
-            obj = json.loads(body)
+            obj = parse_json(body)
         except ValueError:
             return None
         call = call_from_object(obj)

@@ -19,6 +19,7 @@ from postproc.tool_parsers.base import (
     call_from_object,
     call_head,
     call_json_schema,
+    parse_json,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
 
@@ -115,7 +116,7 @@ class Llama3JsonToolParser(ToolParser):
             return False
         self._scanner = None
         try:
-            call = call_from_object(json.loads(buf[:end]))
+            call = call_from_object(parse_json(buf[:end]))
         except ValueError:
             call = None
         if call is None:

@@ -31,6 +31,7 @@ from postproc.tool_parsers.base import (
     call_from_object,
     call_json_schema,
     json_layout,
+    parse_json,
     partial_suffix_len,
     special_token_lark,
 )
@@ -207,7 +208,7 @@ def _header(buf: str, final: bool):
 
 def _array_calls(text: str) -> list[tuple[str, str]] | None:
     try:
-        value = json.loads(text)
+        value = parse_json(text)
     except ValueError:
         return None
     if isinstance(value, dict):

@@ -24,7 +24,7 @@ import ast
 import json
 from typing import Any
 
-from postproc.tool_parsers.base import json_layout
+from postproc.tool_parsers.base import json_layout, parse_json
 from postproc.tool_parsers.tagged import TaggedBlockParser
 
 _FUNCTION = "<function="
@@ -161,7 +161,7 @@ def convert_value(value: str, schema: Any) -> Any:
                 pass
         elif kind == "number":
             try:
-                number = json.loads(text)
+                number = parse_json(text)
             except ValueError:
                 number = None
             if isinstance(number, int | float) and not isinstance(number, bool):
@@ -178,7 +178,7 @@ def convert_value(value: str, schema: Any) -> Any:
 
 def _container(text: str) -> Any:
     try:
-        return json.loads(text)
+        return parse_json(text)
     except ValueError:
         pass
     try:  # Python literal spelling: single quotes, True/False/None

@@ -147,3 +147,62 @@ def test_completion_chunks_echo_and_count_usage(tokenizer):
     usage = [c["usage"]["completion_tokens"] for c in chunks]
     assert usage == sorted(usage) and usage[-1] == len(frames)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_held_back_tokens_keep_their_ids_for_the_next_chunk(tokenizer):
+    """return_token_ids: ids ride with logprobs while a stop string holds text back, and a
+    completion's first written chunk names the prompt, however many frames were held."""
+    answer = "one two three four"
+    fmt = ChunkFormat(kind="completion", response_id="cmpl-1", created=7, model="m", index=0,
+                      token_ids=True)
+    frames = feed(tokenizer, answer, OutputParams(stop=["one two three four five"], chunk=fmt),
+                  finish="length")
+    chunks = events(frames)
+    assert len(chunks) < len(frames)  # the first frames were held back
+    choices = [c["choices"][0] for c in chunks]
+    assert choices[0]["prompt_token_ids"] == tokenizer.encode("Hi", add_special_tokens=False)
+    assert all(c["prompt_token_ids"] is None for c in choices[1:])
+    assert [t for c in choices for t in c["token_ids"]] == tokenizer.encode(
+        answer, add_special_tokens=False)
+    # Without return_token_ids, chat chunks have no such field at all.
+    chat = events(feed(tokenizer, answer, OutputParams(chunk=chat_format()), finish="length"))
+    assert all("token_ids" not in c["choices"][0] for c in chat)
+
+
+def test_a_tool_call_nested_past_pythons_recursion_limit_is_content(tokenizer):
+    """Model output can nest deeper than json.loads can recurse (RecursionError, not a
+    ValueError); such a call is not a call, and its text comes back as content."""
+    deep = "[" * 3000 + "]" * 3000
+    answer = '<tool_call>\n{"name": "get_weather", "arguments": ' + deep + "}\n</tool_call>"
+    for chunk in (chat_format(), None):
+        params = OutputParams(tool_parser="hermes", tools=msgspec.json.encode(TOOLS),
+                              chunk=chunk)
+        frames = feed(tokenizer, answer, params)
+        assert frames[-1].finish_reason == "stop" and not any(f.tool_calls for f in frames)
+        assert deep in "".join(f.text for f in frames)
+
+
+def test_a_request_whose_output_fails_to_process_ends_alone(tokenizer, monkeypatch):
+    """A fault in one request's output processing (here a parser that raises) ends that
+    request with an error, tells the engine to stop it, and leaves the batch's other
+    requests going: the worker or receiver thread does not die with it."""
+    from postproc.tool_parsers.hermes import HermesToolParser
+
+    def broken(self, text):
+        raise KeyError("parser bug")
+
+    monkeypatch.setattr(HermesToolParser, "feed", broken)
+    processor = OutputProcessor(tokenizer)
+    processor.register("bad", [1], OutputParams(tool_parser="hermes",
+                                                tools=msgspec.json.encode(TOOLS)))
+    processor.register("good", [1], OutputParams())
+    token = tokenizer.encode("Hello", add_special_tokens=False)
+    result = processor.process([RequestOutput("bad", pack_ids(token), 1, 1),
+                                RequestOutput("good", pack_ids(token), 1, 1)])
+    bad, good = result.frames
+    assert bad.finish_reason == "error" and bad.error_status == 500 and "KeyError" in bad.error
+    assert result.stopped_early == ["bad"] and len(processor) == 1
+    assert good.finish_reason is None and good.text == "Hello"
+    more = processor.process([RequestOutput("good", pack_ids(token), 1, 2,
+                                            finish_reason="length")])
+    assert more.frames[0].text == "Hello" and len(processor) == 0
