@@ -166,7 +166,8 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
 
     def model_card(name: str) -> ModelCard:
         stats = ctx.client.stats
-        return ModelCard(id=name, created=0, max_model_len=stats.max_model_len if stats else 0)
+        return ModelCard(id=name, created=ctx.started, root=ctx.model_source,
+                         max_model_len=stats.max_model_len if stats else 0)
 
     async def models(request: Request) -> Response:
         # One card per served name, as vLLM lists them.

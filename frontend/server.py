@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 import uvicorn
 
@@ -103,6 +104,8 @@ def run_frontend(config: FrontendConfig) -> None:
         tokenization=Tokenization(tokenizer, _input_settings(config, tokenizer, facts)),
         model_name=config.served_model_name,
         model_aliases=tuple(config.served_model_aliases),
+        model_source=config.model,
+        started=int(time.time()),
         vocab_size=facts.max_token_id + 1,
         generation_defaults=defaults,
         vision=load_vision_processor(config.model, tokenizer, media),

@@ -43,6 +43,8 @@ class ServingContext(msgspec.Struct):
     model_name: str  # the name responses carry (the first --served-model-name)
     vocab_size: int
     model_aliases: tuple[str, ...] = ()  # further names requests may send as `model`
+    model_source: str = ""  # what --model named: the model cards' `root`
+    started: int = 0  # when the server started (epoch seconds): the model cards' `created`
     output: OutputSettings = OutputSettings()
     limits: RequestLimits = RequestLimits()  # the server's maxima per request (flags)
     # --generation-config's defaults for fields a request leaves out (request values win).

@@ -54,6 +54,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
+    system_fingerprint: str | None = None  # OpenAI's field; null, as vLLM's
     # With return_token_ids, on a choice's opening chunk only, as vLLM.
     prompt_token_ids: list[int] | UnsetType = UNSET
 
@@ -84,6 +85,7 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    system_fingerprint: str | None = None  # OpenAI's field; null, as vLLM's
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
@@ -110,6 +112,7 @@ class Completion(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     object: str = "text_completion"
+    system_fingerprint: str | None = None  # OpenAI's field; null, as vLLM's
 
 
 # ---------------------------------------------------------------- logprobs
@@ -223,11 +226,16 @@ class ErrorResponse(msgspec.Struct):
 
 
 class ModelCard(msgspec.Struct):
+    """vLLM's model card: `root` is the model the server loaded (what --model named),
+    `parent` a base model (LoRA adapters; none here)."""
+
     id: str
-    created: int
+    created: int  # when this server started, in seconds
     max_model_len: int
+    root: str
     object: str = "model"
     owned_by: str = "sluice"
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct):

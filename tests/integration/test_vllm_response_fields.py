@@ -1,9 +1,13 @@
-"""vLLM's return_token_ids in streams, and its always-present id fields, through the HTTP API
-with the official client on the session's shared stack (float32, greedy: streamed and whole
-answers agree token for token)."""
+"""The fields vLLM's answers carry beyond OpenAI's core: return_token_ids whole and streamed,
+the always-present null fields, the model card's root, through the HTTP API with the official
+client on the session's shared stack (float32, greedy: streamed and whole answers agree token
+for token)."""
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import openai
 import pytest
 
@@ -108,3 +112,29 @@ def test_prompt_logprobs_stay_refused_in_streams(client):
     chunks = list(client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=1,
                                             stream=True, extra_body={"prompt_logprobs": 0}))
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_answers_and_chunks_carry_a_null_system_fingerprint(base_url):
+    """OpenAI's field, null as vLLM's (no fingerprint to name): present in whole answers and
+    in every chunk, so a client reads it without a KeyError."""
+    body = {"model": MODEL, "max_tokens": 2}
+    for path, extra in (("chat/completions", {"messages": PARIS}),
+                        ("completions", {"prompt": FRANCE})):
+        answer = httpx.post(f"{base_url}/v1/{path}", json={**body, **extra}, timeout=60).json()
+        assert "system_fingerprint" in answer and answer["system_fingerprint"] is None
+        with httpx.stream("POST", f"{base_url}/v1/{path}", timeout=60,
+                          json={**body, **extra, "stream": True,
+                                "stream_options": {"include_usage": True}}) as r:
+            chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+        assert chunks and all('"system_fingerprint":null' in c for c in chunks)
+
+
+def test_the_model_card_names_its_root_and_start(base_url):
+    """vLLM's card: `root` is the model loaded, `parent` null, `created` the server's start
+    (not 0: a client sorting or caching by it sees a real time)."""
+    listed = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]
+    one = httpx.get(f"{base_url}/v1/models/{MODEL}", timeout=10).json()
+    assert listed == one
+    assert one["root"] == default_model_path() and one["parent"] is None
+    assert 0 < time.time() - one["created"] < 24 * 3600
+    assert isinstance(one["max_model_len"], int) and one["owned_by"] == "sluice"
