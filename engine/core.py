@@ -381,6 +381,7 @@ class EngineCore:
             error=seq.error,
             error_status=seq.error_status,
             first_token_time=seq.first_token_time if is_first else None,
+            num_cached_tokens=seq.num_cached_tokens if is_first else None,
             logprobs=logprobs if new else None,
             prompt_logprobs=prompt_logprobs(seq) if is_first else None,
             cumulative_logprob=seq.cumulative_logprob if wants else None,

@@ -251,6 +251,8 @@ class Scheduler:
         seq.pages = pages
         seq.num_computed = len(pages) * self.allocator.page_size
         seq.num_registered_pages = len(pages)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed
 
     # ---------------------------------------------------------------- pages
 

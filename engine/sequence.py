@@ -43,6 +43,9 @@ class Sequence(msgspec.Struct, kw_only=True):
     # Prefix-cache hashes of the full pages of token_ids, computed as pages fill.
     page_hashes: list[bytes] = []
     num_registered_pages: int = 0  # leading pages already recorded in the prefix cache
+    # Prompt tokens the prefix cache held when the request was first scheduled (usage's
+    # prompt_tokens_details.cached_tokens); a preempted request's recompute does not count.
+    num_cached_tokens: int | None = None
     # Outputs already reported to the frontend, so a step reports only what is new.
     num_reported: int = 0
     generator: torch.Generator | None = None

@@ -46,7 +46,7 @@ from frontend.serving_context import (
 )
 from frontend.structured import constraint_for
 from postproc.chunks import sse_event
-from postproc.openai_shapes import Usage
+from postproc.openai_shapes import PromptTokensDetails, Usage
 from postproc.reasoning import get_reasoning_parser
 from shared.protocol import (
     ChunkFormat,
@@ -96,6 +96,7 @@ class Candidate(msgspec.Struct):
     logprobs: list[LogprobEntry] = msgspec.field(default_factory=list)
     prompt_logprobs: list[LogprobEntry] | None = None
     token_ids: list[int] = msgspec.field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held (first frame says)
     last: TextFrame | None = None
 
     def add(self, frame: TextFrame) -> None:
@@ -107,6 +108,8 @@ class Candidate(msgspec.Struct):
         self.logprobs.extend(frame.logprobs or ())
         if frame.prompt_logprobs is not None:
             self.prompt_logprobs = frame.prompt_logprobs
+        if frame.num_cached_tokens is not None:
+            self.num_cached_tokens = frame.num_cached_tokens
         self.last = frame
 
     @property
@@ -208,13 +211,28 @@ def build_job(
     return job
 
 
-def stream_usage(request) -> tuple[bool, bool]:
-    """(usage chunk at the end, usage on every chunk): stream_options.include_usage, and
-    vLLM's continuous_usage_stats, which applies only together with include_usage."""
+def stream_usage(ctx: ServingContext, request) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage on every chunk): stream_options.include_usage (or the
+    server's --enable-force-include-usage), and vLLM's continuous_usage_stats, which applies
+    only together with include_usage."""
     options = request.stream_options
     if options is None or not options.include_usage:
-        return False, False
+        return ctx.output.force_include_usage, False
     return True, bool(options.continuous_usage_stats)
+
+
+def job_usage(ctx: ServingContext, job: Job, completion_tokens: int,
+              cached: dict[int, int]) -> Usage:
+    """A job's usage. `cached`: candidate number -> prompt tokens found in the prefix cache;
+    a prompt counts once in prompt_tokens, so its cached tokens count once too (its first
+    candidate's), given only with --enable-prompt-tokens-details."""
+    prompt = job.num_prompt_tokens
+    usage = Usage(prompt, completion_tokens, prompt + completion_tokens)
+    if ctx.output.prompt_tokens_details:
+        per_prompt = job.plan.candidates
+        usage.prompt_tokens_details = PromptTokensDetails(
+            sum(n for number, n in cached.items() if number % per_prompt == 0))
+    return usage
 
 
 def thinking_budget(ctx: ServingContext, request, inside: bool) -> ThinkingBudget | None:
@@ -262,7 +280,7 @@ def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: Pr
             created=job.created, model=ctx.model_name, index=number,
             logprobs=(plan.params.logprobs is not None if chat
                       else request.logprobs is not None),
-            continuous_usage=stream_usage(request)[1],
+            continuous_usage=stream_usage(ctx, request)[1],
             echo=(prompt.source_text or "") if not chat and request.echo else "",
             reasoning_field=settings.reasoning_field,
             token_ids=bool(request.return_token_ids),
@@ -379,29 +397,27 @@ async def collect_candidates(frames: Frames) -> list[Candidate] | None:
 
 
 class StreamUsage(msgspec.Struct):
-    """Running token counts of a streamed job."""
+    """Running token counts of a streamed job, per candidate number."""
 
-    prompt_tokens: int
     completion_tokens: dict[int, int] = msgspec.field(default_factory=dict)
+    cached_tokens: dict[int, int] = msgspec.field(default_factory=dict)
 
     def forward(self, number: int, frame: TextFrame) -> list[bytes]:
         """`frame_loop`'s on_frame for OpenAI streams: counts the candidate's tokens and
         passes on the chunk postproc wrote for the frame."""
         self.completion_tokens[number] = frame.num_output_tokens
+        if frame.num_cached_tokens is not None:
+            self.cached_tokens[number] = frame.num_cached_tokens
         return [frame.chunk] if frame.chunk else []
 
-    def total(self) -> Usage:
-        completion = sum(self.completion_tokens.values())
-        return Usage(self.prompt_tokens, completion, self.prompt_tokens + completion)
 
-
-async def sse_stream(job: Job, frames: Frames, opening: list[bytes], include_usage: bool,
-                     usage_chunk):
+async def sse_stream(ctx: ServingContext, job: Job, frames: Frames, opening: list[bytes],
+                     include_usage: bool, usage_chunk):
     """SSE bytes of a streamed job: the opening chunks, each frame's ready-made chunk (written
     by postproc), an error event if a candidate fails, the usage chunk, `[DONE]` (O-1)."""
     for chunk in opening:
         yield chunk
-    usage = StreamUsage(job.num_prompt_tokens)
+    usage = StreamUsage()
     try:
         async with aclosing(frame_loop(frames, usage.forward)) as chunks:
             async for chunk in chunks:
@@ -409,5 +425,6 @@ async def sse_stream(job: Job, frames: Frames, opening: list[bytes], include_usa
     except APIError as error:  # an error frame: the stream ends with an error event
         yield sse_event(error_body(error.status, error.message))
     if include_usage:
-        yield usage_chunk(usage.total())
+        completion = sum(usage.completion_tokens.values())
+        yield usage_chunk(job_usage(ctx, job, completion, usage.cached_tokens))
     yield b"data: [DONE]\n\n"

@@ -117,6 +117,8 @@ def run_frontend(config: FrontendConfig) -> None:
             response_role=config.response_role,
             **_think_tag_ids(tokenizer, config.reasoning_parser),
             return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+            prompt_tokens_details=config.prompt_tokens_details,
+            force_include_usage=config.force_include_usage,
         ),
     )
     app = build_app(ctx, config)

@@ -27,6 +27,7 @@ from frontend.pipeline import (
     Candidate,
     Job,
     collect_candidates,
+    job_usage,
     sse_stream,
     start_job,
     stream_usage,
@@ -73,10 +74,10 @@ def _chosen(job: Job, candidates: list[Candidate]) -> list[tuple[int, Candidate]
     return chosen
 
 
-def _usage(job: Job, candidates: list[Candidate]) -> Usage:
-    prompt = job.num_prompt_tokens
+def _usage(ctx: ServingContext, job: Job, candidates: list[Candidate]) -> Usage:
     completion = sum(c.last.num_output_tokens for c in candidates)
-    return Usage(prompt, completion, prompt + completion)
+    return job_usage(ctx, job, completion,
+                     {i: c.num_cached_tokens for i, c in enumerate(candidates)})
 
 
 # ---------------------------------------------------------------- chat
@@ -104,7 +105,7 @@ async def chat_completion(
         for i, (_, c) in enumerate(_chosen(job, candidates))
     ]
     body = ChatCompletion(job.request_id, job.created, ctx.model_name, choices,
-                          _usage(job, candidates))
+                          _usage(ctx, job, candidates))
     if request.return_token_ids:
         body.prompt_token_ids = job.prompts[0].tokens.ids
     if request.prompt_logprobs is not None:
@@ -132,7 +133,7 @@ def _message(ctx: ServingContext, c: Candidate, role: str) -> AssistantMessage:
 
 
 def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, frames):
-    include_usage, continuous = stream_usage(request)
+    include_usage, continuous = stream_usage(ctx, request)
 
     def chunk(choices, usage=None, prompt_ids=UNSET) -> bytes:
         return sse_event(ChatCompletionChunk(job.request_id, job.created, ctx.model_name,
@@ -145,7 +146,8 @@ def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, 
     prompt_ids = job.prompts[0].tokens.ids if request.return_token_ids else UNSET
     opening = [chunk([ChatChunkChoice(i, Delta(role=role))], opening_usage, prompt_ids)
                for i in range(job.plan.n)]
-    return sse_stream(job, frames, opening, include_usage, lambda usage: chunk([], usage))
+    return sse_stream(ctx, job, frames, opening, include_usage,
+                      lambda usage: chunk([], usage))
 
 
 # ---------------------------------------------------------------- completions
@@ -154,12 +156,12 @@ def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, 
 async def completion(ctx: ServingContext, http: Request, request: CompletionRequest) -> Response:
     job, frames = await start_job(ctx, http, request)
     if request.stream:
-        include_usage, _ = stream_usage(request)
+        include_usage, _ = stream_usage(ctx, request)
 
         def usage_chunk(usage: Usage) -> bytes:
             return sse_event(Completion(job.request_id, job.created, ctx.model_name, [], usage))
 
-        return sse_response(sse_stream(job, frames, [], include_usage, usage_chunk))
+        return sse_response(sse_stream(ctx, job, frames, [], include_usage, usage_chunk))
     candidates = await collect_candidates(frames)
     if candidates is None:
         return Response(status_code=499)
@@ -180,7 +182,7 @@ async def completion(ctx: ServingContext, http: Request, request: CompletionRequ
             choice.prompt_logprobs = prompt_logprobs(c.prompt_logprobs or [])
         choices.append(choice)
     body = Completion(job.request_id, job.created, ctx.model_name, choices,
-                      _usage(job, candidates))
+                      _usage(ctx, job, candidates))
     return Response(_json.encode(body), media_type="application/json")
 
 

@@ -35,6 +35,10 @@ class OutputSettings(msgspec.Struct, frozen=True):
     think_end_ids: tuple[int, ...] = ()
     # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" for every request.
     return_tokens_as_token_ids: bool = False
+    # --enable-prompt-tokens-details: usage says how many prompt tokens were found cached.
+    prompt_tokens_details: bool = False
+    # --enable-force-include-usage: every stream ends with a usage chunk, asked for or not.
+    force_include_usage: bool = False
 
 
 class ServingContext(msgspec.Struct):

@@ -21,10 +21,16 @@ from shared.protocol import LogprobEntry, ToolCallDelta
 # ---------------------------------------------------------------- chunks and whole answers
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens the prefix cache already held
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # With --enable-prompt-tokens-details (vLLM's), in whole answers and final usage chunks.
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
 
 
 class Delta(msgspec.Struct, omit_defaults=True):

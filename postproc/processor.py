@@ -179,6 +179,7 @@ class OutputProcessor:
             error=output.error,
             error_status=output.error_status,
             first_token_time=output.first_token_time,
+            num_cached_tokens=output.num_cached_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             cumulative_logprob=output.cumulative_logprob,

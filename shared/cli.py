@@ -339,6 +339,12 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens 'token_id:N' instead of their text, for every "
                         "request (a request's return_tokens_as_token_ids does it for itself)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="chat and completion usage carry prompt_tokens_details.cached_tokens: "
+                        "the prompt tokens found in the prefix cache")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed answer ends with a usage chunk, as if its "
+                        "stream_options.include_usage were true")
     _add_http_arguments(p)
     _add_limit_arguments(p)
 
@@ -673,6 +679,8 @@ def frontend_config(args, engine_address: str | list[str] | None,
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
         log_requests=args.enable_log_requests, log_outputs=args.enable_log_outputs,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        force_include_usage=args.enable_force_include_usage,
         max_logprobs=args.max_logprobs,
         export_engine_metrics=getattr(args, "export_engine_metrics", False),
         http=HttpSettings(root_path=args.root_path, uds=args.uds,
@@ -830,7 +838,9 @@ def _serve(args) -> int:
                           json.dumps(args.default_chat_template_kwargs)]
     for flag, on in (("--enable-log-requests", args.enable_log_requests),
                      ("--enable-log-outputs", args.enable_log_outputs),
-                     ("--return-tokens-as-token-ids", args.return_tokens_as_token_ids)):
+                     ("--return-tokens-as-token-ids", args.return_tokens_as_token_ids),
+                     ("--enable-prompt-tokens-details", args.enable_prompt_tokens_details),
+                     ("--enable-force-include-usage", args.enable_force_include_usage)):
         if on:
             frontend_argv.append(flag)
     if args.chat_template is not None:

@@ -101,6 +101,8 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     log_requests: bool = False  # --enable-log-requests (frontend.request_log)
     log_outputs: bool = False  # --enable-log-outputs
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
+    force_include_usage: bool = False  # --enable-force-include-usage
     http: HttpSettings = msgspec.field(default_factory=HttpSettings)
     # --export-engine-metrics: this frontend's /metrics carries its engine's series too, as
     # `sluice serve` (one frontend, one scrape target) wants; see frontend.metrics.

@@ -276,6 +276,8 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     error_status: int = 0  # HTTP-style: 400 the request was at fault, 500/503 we were
     # Set on the first output of a request: when the engine produced its first token.
     first_token_time: float | None = None
+    # Also on the first output: prompt tokens the prefix cache already held.
+    num_cached_tokens: int | None = None
     # With logprobs requested: one entry per token in new_token_ids.
     logprobs: TokenLogprobs | None = None
     # With prompt_logprobs requested, on the first output only: one entry per prompt token.
@@ -370,6 +372,7 @@ class TextFrame(msgspec.Struct, frozen=True, omit_defaults=True):
     error: str | None = None
     error_status: int = 0
     first_token_time: float | None = None
+    num_cached_tokens: int | None = None  # on the first frame: prompt tokens found cached
     logprobs: list[LogprobEntry] | None = None
     prompt_logprobs: list[LogprobEntry] | None = None
     cumulative_logprob: float | None = None

@@ -13,6 +13,7 @@ import pytest
 
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
+from tests.servers import Stack
 
 MODEL = "SmolLM2-135M-Instruct"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -138,3 +139,59 @@ def test_the_model_card_names_its_root_and_start(base_url):
     assert one["root"] == default_model_path() and one["parent"] is None
     assert 0 < time.time() - one["created"] < 24 * 3600
     assert isinstance(one["max_model_len"], int) and one["owned_by"] == "sluice"
+
+
+@pytest.fixture(scope="module")
+def detailed(tmp_path_factory):
+    """`sluice serve --enable-prompt-tokens-details --enable-force-include-usage`."""
+    s = Stack(str(tmp_path_factory.mktemp("details")), "--enable-prompt-tokens-details",
+              "--enable-force-include-usage", "--dtype", "float32")
+    yield openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0)
+    s.stop()
+
+
+LONG = [{"role": "user", "content": "Tell me about rivers. " * 20 + "Which is longest?"}]
+
+
+def test_usage_says_how_many_prompt_tokens_were_cached(detailed):
+    """vLLM's --enable-prompt-tokens-details: the first request with a salt finds nothing
+    cached; the same prompt again finds all its full pages but the last token's."""
+    salt = {"cache_salt": f"details-{time.time()}"}
+    first = detailed.chat.completions.create(model=MODEL, messages=LONG, max_tokens=1,
+                                             extra_body=salt).usage
+    again = detailed.chat.completions.create(model=MODEL, messages=LONG, max_tokens=1,
+                                             extra_body=salt).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = again.prompt_tokens_details.cached_tokens
+    assert again.prompt_tokens == first.prompt_tokens > 100
+    assert again.prompt_tokens - 32 < cached < again.prompt_tokens  # whole pages, not the last
+    # n candidates share one prompt, counted once in prompt_tokens and in cached_tokens.
+    many = detailed.chat.completions.create(model=MODEL, messages=LONG, max_tokens=1, n=3,
+                                            extra_body=salt).usage
+    assert many.prompt_tokens == first.prompt_tokens
+    assert many.prompt_tokens_details.cached_tokens == cached
+    text = detailed.completions.create(model=MODEL, prompt=["Hi there", FRANCE * 12],
+                                       max_tokens=1, extra_body={"cache_salt": "t"}).usage
+    assert 0 <= text.prompt_tokens_details.cached_tokens < text.prompt_tokens
+
+
+def test_forced_usage_ends_every_stream(detailed, client):
+    """--enable-force-include-usage: a stream without stream_options still ends with the
+    usage chunk (details included); the shared stack, without the flag, sends none."""
+    salt = {"cache_salt": f"forced-{time.time()}"}
+    for _ in range(2):
+        chunks = list(detailed.chat.completions.create(model=MODEL, messages=LONG,
+                                                       max_tokens=3, stream=True,
+                                                       extra_body=salt))
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == 3
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])  # not continuous: only the last
+    chunks = list(detailed.completions.create(model=MODEL, prompt=FRANCE, max_tokens=2,
+                                              stream=True))
+    assert chunks[-1].usage.completion_tokens == 2
+    plain = list(client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2,
+                                                stream=True))
+    assert all(c.usage is None for c in plain)
+    whole = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2).usage
+    assert whole.prompt_tokens_details is None  # not asked for at start: left out

@@ -128,7 +128,7 @@ FRONTEND_INBOUND = {
                 new_token_ids=pack_ids([9, 8]),
                 num_prompt_tokens=6,
                 num_output_tokens=2,
-                first_token_time=12.5,
+                first_token_time=12.5, num_cached_tokens=32,
                 logprobs=_token_logprobs(2, 3),
                 prompt_logprobs=_token_logprobs(6, 0, ranked=True),
                 cumulative_logprob=-2.75,
@@ -163,7 +163,7 @@ FRONTEND_INBOUND = {
                 token_ids=pack_ids([1, 2, 3]),
                 num_prompt_tokens=4,
                 num_output_tokens=3,
-                first_token_time=1.0,
+                first_token_time=1.0, num_cached_tokens=16,
                 logprobs=[
                     LogprobEntry(
                         1, "a", -0.5, [TopLogprob(1, "a", -0.5), TopLogprob(9, "é", -2.0)]

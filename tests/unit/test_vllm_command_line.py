@@ -299,7 +299,8 @@ def test_http_flags_reach_the_frontend_and_serve_forwards_them(tmp_path, monkeyp
             "--ssl-certfile", str(cert), "--ssl-cert-reqs", "1", "--uvicorn-log-level", "warning",
             "--response-role", "bot", "--enable-log-requests", "--enable-log-outputs",
             "--default-chat-template-kwargs", '{"enable_thinking": false}',
-            "--return-tokens-as-token-ids"]
+            "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
+            "--enable-force-include-usage"]
     config = cli.frontend_config(cli.parse_args(["frontend", *argv]), "ipc:///tmp/x", None)
     http = config.http
     assert (http.root_path, http.uds, http.ssl_keyfile, http.ssl_certfile) == (
@@ -308,6 +309,9 @@ def test_http_flags_reach_the_frontend_and_serve_forwards_them(tmp_path, monkeyp
     assert config.response_role == "bot" and config.log_requests and config.log_outputs
     assert config.default_chat_template_kwargs == {"enable_thinking": False}
     assert config.return_tokens_as_token_ids
+    assert config.prompt_tokens_details and config.force_include_usage
+    plain = cli.frontend_config(cli.parse_args(["frontend"]), "ipc:///tmp/x", None)
+    assert not plain.prompt_tokens_details and not plain.force_include_usage
     assert cli.frontend_config(cli.parse_args(["frontend", "--log-level", "debug"]),
                                "ipc:///tmp/x", None).http.log_level == "debug"
     _, frontend = _serve_argvs(monkeypatch, argv)
@@ -316,6 +320,7 @@ def test_http_flags_reach_the_frontend_and_serve_forwards_them(tmp_path, monkeyp
     assert reparsed.default_chat_template_kwargs == config.default_chat_template_kwargs
     assert (reparsed.response_role, reparsed.log_requests, reparsed.log_outputs,
             reparsed.return_tokens_as_token_ids) == ("bot", True, True, True)
+    assert reparsed.prompt_tokens_details and reparsed.force_include_usage
 
 
 @pytest.mark.parametrize("flags, message", [
