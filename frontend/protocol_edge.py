@@ -45,6 +45,7 @@ class Blocks:
     def __init__(self) -> None:
         self.blocks: list[Block] = []
         self.last: TextFrame | None = None  # the last frame fed
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache (first frame)
         self._open: Block | None = None
         self._calls: dict[int, Block] = {}  # the parser's call index -> its block
 
@@ -52,6 +53,8 @@ class Blocks:
         # Within one frame the parsers' order holds: thinking ends before content starts, and
         # content a call follows comes before it.
         self.last = frame
+        if frame.num_cached_tokens is not None:
+            self.num_cached_tokens = frame.num_cached_tokens
         events: list[BlockEvent] = []
         if frame.reasoning:
             self._grow("reasoning", frame.reasoning, events)
@@ -74,7 +77,7 @@ class Blocks:
         return events
 
     def outcome(self) -> Outcome:
-        return Outcome(self.blocks, self.last)
+        return Outcome(self.blocks, self.last, self.num_cached_tokens)
 
     def _grow(self, kind: BlockKind, piece: str, events: list[BlockEvent]) -> None:
         block = self._open
@@ -102,6 +105,7 @@ class Outcome(msgspec.Struct):
 
     blocks: list[Block]
     last: TextFrame | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -58,6 +58,7 @@ from frontend.responses_models import (
     InputItem,
     InputPart,
     InputTokens,
+    InputTokensDetails,
     InputTokensRequest,
     LifecycleEvent,
     MessageItem,
@@ -361,7 +362,8 @@ class _Shaper(msgspec.Struct):
             changes.update(status="completed", completed_at=int(time.time()))
         output_tokens = last.num_output_tokens
         usage = ResponseUsage(self.prompt_tokens, output_tokens,
-                              self.prompt_tokens + output_tokens)
+                              self.prompt_tokens + output_tokens,
+                              InputTokensDetails(outcome.num_cached_tokens))
         return msgspec.structs.replace(self.base, output=items, usage=usage, **changes)
 
     # ------------------------------------------------------------ stream events

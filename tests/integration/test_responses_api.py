@@ -49,6 +49,8 @@ def test_create_stream_and_chat_agree(client, edge_url):
     assert r.output_text
     assert r.usage.output_tokens == 12
     assert r.usage.total_tokens == r.usage.input_tokens + 12
+    # The warm-up left the prompt's whole pages in the prefix cache; the usage says so.
+    assert 0 < r.usage.input_tokens_details.cached_tokens < r.usage.input_tokens
     chat = httpx.post(f"{edge_url}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 12,
         "temperature": 0}).json()
