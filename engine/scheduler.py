@@ -246,6 +246,11 @@ class Scheduler:
     def _take_cached_prefix(self, seq: Sequence) -> None:
         # At least one token must still be computed: its logits give the next token.
         cacheable = (len(seq.token_ids) - 1) // self.allocator.page_size
+        if seq.params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt token's logits, which cached pages do not
+            # keep: such a prompt is computed whole (as vLLM does); its pages still fill
+            # the cache for others.
+            cacheable = 0
         self._extend_hashes(seq, cacheable)
         pages = self.allocator.cached_prefix(seq.page_hashes[:cacheable])
         seq.pages = pages

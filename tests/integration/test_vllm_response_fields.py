@@ -195,3 +195,29 @@ def test_forced_usage_ends_every_stream(detailed, client):
     assert all(c.usage is None for c in plain)
     whole = client.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2).usage
     assert whole.prompt_tokens_details is None  # not asked for at start: left out
+
+
+def test_prompt_logprobs_are_whole_when_the_prompt_is_cached(detailed):
+    """A prompt whose pages sit in the prefix cache still gets a logprob for every prompt
+    token, the same ones as when it was computed fresh: such a request skips the cache
+    (the cached pages hold no logits), and still fills it for the requests after it."""
+    prompt = "Once upon a time in a small village there lived a baker " * 4
+    salt = {"cache_salt": f"plp-{time.time()}"}
+
+    def ask(**extra):
+        return detailed.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                           temperature=0, extra_body={**salt, **extra})
+
+    first = ask(prompt_logprobs=1)
+    warm = ask()  # reads the pages the prompt_logprobs request left in the cache
+    again = ask(prompt_logprobs=1)
+    echoed = detailed.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                         temperature=0, echo=True, logprobs=0, extra_body=salt)
+    n = first.usage.prompt_tokens
+    assert warm.usage.prompt_tokens_details.cached_tokens > n // 2
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert len(first.choices[0].prompt_logprobs) == len(again.choices[0].prompt_logprobs) == n
+    assert again.choices[0].prompt_logprobs == first.choices[0].prompt_logprobs
+    assert len(echoed.choices[0].logprobs.tokens) == n + 1  # the prompt's and the answer's
+    assert echoed.choices[0].logprobs.token_logprobs[0] is None
+    assert all(isinstance(v, float) for v in echoed.choices[0].logprobs.token_logprobs[1:])
