@@ -261,8 +261,13 @@ def _decode_ids(ids: list[int] | str, vocab_size: int) -> list[int]:
             raise bad_request("prompt_token_ids is not valid base64 int32", "prompt") from exc
     if not ids:
         raise bad_request("the prompt must not be empty", "prompt")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise bad_request(f"token ids must lie in [0, {vocab_size})", "prompt")
+    low, high = min(ids), max(ids)
+    if low < 0:  # the wording of vLLM's errors, which clients' tests match
+        raise bad_request(f"token id {low} is negative: token ids must be greater than or "
+                          f"equal to 0 and less than {vocab_size}", "prompt")
+    if high >= vocab_size:
+        raise bad_request(f"token id {high} is out of vocabulary: token ids must lie in "
+                          f"[0, {vocab_size})", "prompt")
     return list(ids)
 
 

@@ -119,6 +119,11 @@ def test_token_ids_are_budgeted_too(smol_ctx):
 def test_bad_token_ids(smol_ctx):
     assert "base64" in error_of(complete, smol_ctx, prompt_token_ids="not base64!").message
     assert "lie in" in error_of(complete, smol_ctx, prompt=[10**7]).message
+    # vLLM's wording, which clients' tests match: out of vocabulary, and >= 0.
+    for prompt, words in (([5, 10**7], "10000000 is out of vocabulary"),
+                          ([-1], "greater than or equal to 0"), ([[-1]], "-1 is negative")):
+        error = error_of(complete, smol_ctx, prompt=prompt)
+        assert error.status == 400 and error.param == "prompt" and words in error.message
 
 
 # ---------------------------------------------------------------- errors become 400s
