@@ -40,7 +40,20 @@ _json = msgspec.json.Encoder()
 VERSION = "0.1.0"
 
 
+def _check_media_type(request: Request) -> None:
+    """A body sent as something other than JSON (curl -d's form encoding, say) is a 415, as
+    in vLLM; with no Content-Type at all the body is read as JSON."""
+    given = request.headers.get("content-type")
+    if given is None:
+        return
+    media_type = given.split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(415, f"Unsupported Media Type {media_type!r}: send the body as "
+                            "application/json")
+
+
 async def _decode(request: Request, body_type, max_json_depth: int):
+    _check_media_type(request)
     body = await request.body()
     try:
         # Before msgspec, which recurses per level (and every walk after it): a flat scan.

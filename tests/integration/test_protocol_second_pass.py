@@ -308,3 +308,23 @@ def test_required_tool_call_after_a_prefilled_think(edge):
     assert message.tool_calls and message.tool_calls[0].function.name == "get_weather"
     assert isinstance(json.loads(message.tool_calls[0].function.arguments), dict)
     assert message.model_extra["reasoning_content"]
+
+
+@pytest.mark.parametrize("content_type, status", [
+    ("application/x-www-form-urlencoded", 415), ("text/plain", 415),
+    ("multipart/form-data; boundary=x", 415), ("application/json; charset=utf-8", 200),
+    ("Application/JSON", 200), ("application/vnd.api+json", 200), (None, 200)])
+def test_a_body_must_be_sent_as_json(base_url, content_type, status):
+    """As vLLM: a JSON body labelled as another media type (curl -d without -H) is a 415
+    with the usual error shape, on every JSON route; no Content-Type reads as JSON."""
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}).encode()
+    headers = {"Content-Type": content_type} if content_type else {}
+    r = httpx.post(f"{base_url}/v1/completions", content=body, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    if status == 415:
+        error = r.json()["error"]
+        assert error["code"] == 415 and error["type"] == "invalid_request_error"
+        assert "application/json" in error["message"]
+        chat = httpx.post(f"{base_url}/v1/chat/completions", content=b"{}", headers=headers)
+        tokenize = httpx.post(f"{base_url}/tokenize", content=b"{}", headers=headers)
+        assert chat.status_code == tokenize.status_code == 415
