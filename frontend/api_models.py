@@ -130,6 +130,8 @@ class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # OpenAI's chat field; vLLM takes it on completions too.
+    response_format: ResponseFormat | None = None
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
@@ -151,7 +153,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     functions: Any = None
     function_call: Any = None
     # Accepted and ignored (ACCEPTED_AND_IGNORED) or rejected when set (the UNSUPPORTED lists).

@@ -168,6 +168,29 @@ def test_json_object_parses(url):
         assert isinstance(json.loads(choice["message"]["content"]), dict)
 
 
+def test_completions_take_response_format_too(url):
+    """vLLM's completions accept chat's response_format: json_object and a json_schema
+    constrain the text; a json_schema without its schema, or an unknown type, is a 400."""
+    def complete(fmt, **extra):
+        body = {"prompt": 'A JSON object like {"a": 1}:', "max_tokens": 60, "temperature": 0,
+                "response_format": fmt, **extra}
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+    text = complete({"type": "json_object"}).json()["choices"][0]["text"]
+    assert isinstance(json.loads(text), dict)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = complete({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert isinstance(json.loads(r.json()["choices"][0]["text"])["a"], int)
+    assert complete({"type": "text"}).status_code == 200
+    for bad, words in (({"type": "json_schema"}, "needs a json_schema"),
+                       ({"type": "sound"}, "response_format.type")):
+        r = complete(bad)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    r = complete({"type": "json_object"}, guided_regex="a+")
+    assert r.status_code == 400 and "guided_regex" in r.json()["error"]["message"]
+
+
 # ---------------------------------------------------------------- regex, choice, grammar
 
 
