@@ -54,7 +54,9 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # OpenAI's roles (system, developer, user, assistant, tool, function), or a custom one,
+    # as vLLM takes: the chat template renders it (`input_bounds` bounds its size).
+    role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None

@@ -35,6 +35,7 @@ Request = ChatCompletionRequest | CompletionRequest
 # bad_words: each word becomes up to two token sequences (shared.param_ranges bounds those).
 MAX_BAD_WORDS = MAX_BAD_WORD_SEQUENCES // 2
 MAX_BAD_WORD_CHARS = 256
+MAX_ROLE_CHARS = 64  # a custom role is a name, not a second message
 
 # logit_bias keys: a token id in plain ASCII decimal. int() would also take " 5", "1_0",
 # "٣" or 5,000 digits (a ValueError past 4,300); 18 digits is past any vocabulary already.
@@ -99,6 +100,7 @@ def _check_counts(request: Request, limits: RequestLimits) -> None:
     else:
         check_at_most(len(request.messages), limits.max_messages, "messages", "messages",
                       "max-messages")
+        _check_roles(request.messages)
         if request.tools is not None and not request.tools:
             # As OpenAI and vLLM: leave tools out rather than send none.
             raise bad_request("tools must hold at least one tool when given; leave it out "
@@ -116,6 +118,16 @@ def _check_counts(request: Request, limits: RequestLimits) -> None:
                           "characters", "bad_words")
     check_at_most(len(request.logit_bias or ()), MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
                   "logit_bias entries", None)
+
+
+def _check_roles(messages) -> None:
+    """A role is OpenAI's or a custom one (vLLM's): a short printable name, which the
+    chat template writes into the prompt."""
+    for i, message in enumerate(messages):
+        role = message.role
+        if not 0 < len(role) <= MAX_ROLE_CHARS or not role.isprintable():
+            raise bad_request(f"messages[{i}].role must be 1 to {MAX_ROLE_CHARS} printable "
+                              "characters", f"messages[{i}].role")
 
 
 def _num_prompts(request: CompletionRequest) -> int:

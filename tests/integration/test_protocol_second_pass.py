@@ -328,3 +328,35 @@ def test_a_body_must_be_sent_as_json(base_url, content_type, status):
         chat = httpx.post(f"{base_url}/v1/chat/completions", content=b"{}", headers=headers)
         tokenize = httpx.post(f"{base_url}/tokenize", content=b"{}", headers=headers)
         assert chat.status_code == tokenize.status_code == 415
+
+
+def test_a_custom_role_is_rendered_by_the_template(client):
+    """As vLLM: a role beyond OpenAI's is passed to the chat template, which writes it; the
+    same text as a string or as a text part gives the same greedy answer."""
+    answers = [client.chat.completions.create(
+        model=MODEL, max_tokens=5, temperature=0,
+        messages=[{"role": "my-custom-role", "content": content}]).choices[0].message.content
+        for content in ("what is 1+1?", [{"type": "text", "text": "what is 1+1?"}])]
+    assert answers[0] and answers[0] == answers[1]
+
+
+
+def test_the_template_writes_a_custom_role(base_url):
+    ids = httpx.post(f"{base_url}/tokenize", timeout=30, json={
+        "messages": [{"role": "my-custom-role", "content": "hi"}]}).json()["tokens"]
+    text = httpx.post(f"{base_url}/detokenize", json={"tokens": ids}, timeout=30).json()
+    assert "<|im_start|>my-custom-role\nhi<|im_end|>" in text["prompt"]
+
+
+@pytest.mark.parametrize("role, ok", [("r" * 64, True), ("r" * 65, False), ("", False),
+                                      ("two\nlines", False), ("tab\there", False)])
+def test_a_role_is_a_short_printable_name(base_url, role, ok):
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": role, "content": "hi"}]}
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == (200 if ok else 400), r.text
+    if not ok:
+        assert r.json()["error"]["param"] == "messages[0].role"
+    for bad in (123, None, ["user"], {"a": 1}):
+        r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60,
+                       json={**body, "messages": [{"role": bad, "content": "hi"}]})
+        assert r.status_code == 400 and "role" in r.json()["error"]["message"]
