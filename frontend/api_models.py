@@ -221,7 +221,6 @@ UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = ()
 CHAT_UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
     ("functions", None),
     ("function_call", None),
-    ("echo", False),
     ("audio", None),
     ("modalities", None),
     ("moderation", None),

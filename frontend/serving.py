@@ -93,10 +93,12 @@ async def chat_completion(
     if candidates is None:
         return Response(status_code=499)  # the client left; nobody reads this
     want_logprobs = job.plan.params.logprobs is not None
+    role = answer_role(ctx, request)
+    echo = _echoed(request, role)
     choices = [
         ChatChoice(
             index=i,
-            message=_message(ctx, c, answer_role(ctx, request)),
+            message=_message(ctx, c, role, echo),
             finish_reason=c.last.finish_reason,
             stop_reason=c.last.stop_reason,
             logprobs=chat_logprobs(c.logprobs) if want_logprobs else None,
@@ -121,9 +123,20 @@ def answer_role(ctx: ServingContext, request: ChatCompletionRequest) -> str:
     return request.messages[-1].role
 
 
-def _message(ctx: ServingContext, c: Candidate, role: str) -> AssistantMessage:
+def _echoed(request: ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat `echo`: the last message's text goes before the answer when the answer
+    continues it (the message has the answer's role, as with continue_final_message)."""
+    if not request.echo or not request.messages or request.messages[-1].role != role:
+        return ""
+    content = request.messages[-1].content
+    if isinstance(content, list):
+        return "\n".join(part.text or "" for part in content if part.type == "text")
+    return content or ""
+
+
+def _message(ctx: ServingContext, c: Candidate, role: str, echo: str) -> AssistantMessage:
     calls = collect([ToolDelta("", c.tool_calls)]).calls if c.tool_calls else []
-    text = c.text
+    text = echo + c.text
     return AssistantMessage(
         role=role,
         content=(text or None) if calls else text,
@@ -146,6 +159,9 @@ def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, 
     prompt_ids = job.prompts[0].tokens.ids if request.return_token_ids else UNSET
     opening = [chunk([ChatChunkChoice(i, Delta(role=role))], opening_usage, prompt_ids)
                for i in range(job.plan.n)]
+    if echo := _echoed(request, role):  # each choice's echoed text, before its answer
+        opening += [chunk([ChatChunkChoice(i, Delta(content=echo))], opening_usage)
+                    for i in range(job.plan.n)]
     return sse_stream(ctx, job, frames, opening, include_usage,
                       lambda usage: chunk([], usage))
 

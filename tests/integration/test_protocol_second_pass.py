@@ -360,3 +360,35 @@ def test_a_role_is_a_short_printable_name(base_url, role, ok):
         r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60,
                        json={**body, "messages": [{"role": bad, "content": "hi"}]})
         assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+
+
+SAYING = [{"role": "user", "content": "tell me a common saying"},
+          {"role": "assistant", "content": "An apple a day, keeps"}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+def test_chat_echo_puts_the_continued_message_first(client):
+    """vLLM's chat echo (its test_chat_echo): the continued assistant text comes before the
+    answer, whole and streamed; with a generation prompt there is nothing to continue."""
+    def ask(echo, **extra):
+        return client.chat.completions.create(model=MODEL, messages=SAYING, max_tokens=6,
+                                              temperature=0,
+                                              extra_body={**CONTINUE, "echo": echo}, **extra)
+
+    plain, echoed = ask(False).choices[0].message, ask(True).choices[0].message
+    assert echoed.content == "An apple a day, keeps" + plain.content
+    chunks = list(ask(True, stream=True, n=2))
+    echo_chunks = [c for c in chunks[2:4]]
+    assert {c.choices[0].index for c in echo_chunks} == {0, 1}
+    assert all(c.choices[0].delta.content == "An apple a day, keeps" for c in echo_chunks)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks
+                       if c.choices and c.choices[0].index == 0)
+    assert streamed == echoed.content
+    fresh = client.chat.completions.create(model=MODEL, messages=SAYING[:1], max_tokens=4,
+                                           temperature=0, extra_body={"echo": True})
+    again = client.chat.completions.create(model=MODEL, messages=SAYING[:1], max_tokens=4,
+                                           temperature=0)
+    assert fresh.choices[0].message.content == again.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.chat.completions.create(model=MODEL, messages=SAYING, max_tokens=1,
+                                       extra_body={**CONTINUE, "echo": "yes"})

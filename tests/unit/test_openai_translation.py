@@ -88,7 +88,6 @@ def test_ignored_and_neutral_fields_pass(fields):
 @pytest.mark.parametrize("field, value", [
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("web_search_options", {}), ("moderation", {"model": "omni-moderation-latest"}),
-    ("echo", True),
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
 ])
 def test_unsupported_chat_fields_are_named(field, value):
