@@ -143,6 +143,8 @@ def test_a_json_string_is_checked_on_its_own():
 
 def test_the_body_decoder_answers_400_for_deep_json():
     class Body:
+        headers = {"content-type": "application/json"}
+
         def __init__(self, data: bytes) -> None:
             self.data = data
 
