@@ -206,3 +206,17 @@ def test_a_request_whose_output_fails_to_process_ends_alone(tokenizer, monkeypat
     more = processor.process([RequestOutput("good", pack_ids(token), 1, 2,
                                             finish_reason="length")])
     assert more.frames[0].text == "Hello" and len(processor) == 0
+
+
+def test_an_echoed_completion_stream_names_only_generated_ids(tokenizer):
+    """As vLLM: with echo the first chunk's text starts with the prompt, and it names the
+    prompt's ids in prompt_token_ids, never among its token_ids."""
+    fmt = ChunkFormat(kind="completion", response_id="cmpl-1", created=7, model="m", index=0,
+                      echo="Hi", token_ids=True)
+    answer = " there, friend."
+    choices = [c["choices"][0] for c in events(feed(tokenizer, answer, OutputParams(chunk=fmt),
+                                                    finish="length"))]
+    assert choices[0]["text"].startswith("Hi")
+    assert choices[0]["prompt_token_ids"] == tokenizer.encode("Hi", add_special_tokens=False)
+    assert [t for c in choices for t in c["token_ids"]] == tokenizer.encode(
+        answer, add_special_tokens=False)
