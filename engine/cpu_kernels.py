@@ -6,11 +6,16 @@ They are compiled for the CPU they run on, once (`make install` does it; otherwi
 engine that wants them does, under a file lock), with the system C++ compiler and the
 `ninja` package, into `<venv>/sluice-kernels` (or `~/.cache/sluice/kernels` where the venv
 is read-only, as in the container images). The module name carries a fingerprint of the
-CPU's features, so a venv shared by machines with other CPUs never loads code built for
-instructions they lack. Where the kernels cannot be built or loaded (no compiler) the engine
-runs the plain torch ops and says so in its log: `kernels()` answers None and callers keep
-their torch path. SLUICE_CPU_KERNELS=0 turns them off, to measure the difference or to rule
-them out.
+CPU's features, of the source and of the ISA it targets, so a venv shared by machines with
+other CPUs (or checkouts with other sources) never loads code built for something else.
+Where the kernels cannot be built or loaded (no compiler) the engine runs the plain torch
+ops and says so in its log: `kernels()` answers None and callers keep their torch path.
+SLUICE_CPU_KERNELS=0 turns them off, to measure the difference or to rule them out.
+
+SLUICE_CPU_ISA=avx2 makes this machine behave as an AVX2-only CPU (AMD Zen 3, older Intel):
+the kernels are built for x86-64-v3 (AVX2, FMA, F16C; no AVX-512), and `--dtype auto` picks
+float32 as it does there (engine/device.py). Every machine can so run the path that machine
+kind runs; `native` (the default) targets the CPU itself.
 
     python -m engine.cpu_kernels     # build now (what `make install` runs)
 """
@@ -30,8 +35,22 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-# -march=native: built on the machine that runs it. fp-contract off: see the source's header.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# Built for the machine that runs it (or, with SLUICE_CPU_ISA=avx2, for the AVX2-only subset
+# of it). fp-contract off: see the source's header.
+BASE_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+ISA_MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
+
+
+def target_isa() -> str:
+    """The instruction set the kernels are built for: `native` or `avx2` (SLUICE_CPU_ISA)."""
+    isa = os.environ.get("SLUICE_CPU_ISA", "native").strip().lower() or "native"
+    if isa not in ISA_MARCH:
+        raise ValueError(f"SLUICE_CPU_ISA={isa!r}: expected one of {', '.join(ISA_MARCH)}")
+    return isa
+
+
+def cflags() -> list[str]:
+    return [*BASE_CFLAGS, ISA_MARCH[target_isa()]]
 
 
 def build_directory() -> Path:
@@ -49,6 +68,12 @@ def cpu_fingerprint() -> str:
         return "generic"
     wanted = [line for line in lines if line.startswith(("flags", "model name"))][:2]
     return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:10]
+
+
+def module_name() -> str:
+    """One name per (CPU, source, ISA): builds for other sources or targets never collide."""
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
+    return f"sluice_cpu_kernels_{cpu_fingerprint()}_{target_isa()}_{source}"
 
 
 def enabled() -> bool:
@@ -76,10 +101,10 @@ STALE_LOCK_S = 900
 def _load() -> ModuleType:
     import torch  # noqa: F401  (the module links libtorch: load it first)
 
-    name = f"sluice_cpu_kernels_{cpu_fingerprint()}"
+    name = module_name()
     directory = build_directory()
     built = directory / f"{name}.so"
-    if built.is_file() and built.stat().st_mtime >= SOURCE.stat().st_mtime:
+    if built.is_file():
         # Up to date: import it directly. torch's loader would take the build lock and run
         # ninja in every engine process that starts.
         spec = importlib.util.spec_from_file_location(name, built)
@@ -104,7 +129,7 @@ def _build(name: str, directory: Path) -> ModuleType:
     return load(
         name=name,
         sources=[str(SOURCE)],
-        extra_cflags=CFLAGS,
+        extra_cflags=cflags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
     )
@@ -112,5 +137,5 @@ def _build(name: str, directory: Path) -> ModuleType:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    module = _build(f"sluice_cpu_kernels_{cpu_fingerprint()}", build_directory())
+    module = _build(module_name(), build_directory())
     print(f"CPU kernels built: {module.__file__}")
