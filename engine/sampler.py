@@ -12,9 +12,7 @@ import msgspec
 import torch
 
 from engine.models.ops import top_k_top_p_sample
-from shared.protocol import SamplingParams
-
-_GREEDY_EPSILON = 1e-5
+from shared.protocol import GREEDY_TEMPERATURE, SamplingParams
 
 
 class SamplingRows(msgspec.Struct):
@@ -36,7 +34,7 @@ class SamplingRows(msgspec.Struct):
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]),
             generators=generators,
-            all_greedy=all(p.temperature < _GREEDY_EPSILON for p in params),
+            all_greedy=all(p.greedy for p in params),
             min_p=(
                 torch.tensor([p.min_p for p in params], dtype=torch.float32)
                 if any(p.min_p > 0 for p in params) else None
@@ -49,7 +47,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     tokens = _argmax(logits)
     if rows.all_greedy:
         return tokens
-    random_rows = (rows.temperature >= _GREEDY_EPSILON).nonzero().squeeze(1)
+    random_rows = (rows.temperature >= GREEDY_TEMPERATURE).nonzero().squeeze(1)
     scaled = logits[random_rows] / rows.temperature[random_rows].unsqueeze(1).to(logits.device)
     picked = _sample_filtered(
         scaled,

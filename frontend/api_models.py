@@ -36,7 +36,9 @@ class _NullMeansDefault(msgspec.Struct):
 
 
 class StreamOptions(_NullMeansDefault, forbid_unknown_fields=True):
-    include_usage: bool | None = False
+    # vLLM's default: once stream_options is sent at all, the usage chunk comes unless
+    # include_usage is false.
+    include_usage: bool | None = True
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
     # Newer OpenAI clients send it; we never add obfuscation padding, so it changes nothing.
     include_obfuscation: bool | None = None

@@ -33,7 +33,13 @@ from shared.param_ranges import (
     RangeProblem,
     check_sampling_params,
 )
-from shared.protocol import Constraint, OutputParams, SamplingParams, ThinkingBudget
+from shared.protocol import (
+    GREEDY_TEMPERATURE,
+    Constraint,
+    OutputParams,
+    SamplingParams,
+    ThinkingBudget,
+)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -184,10 +190,11 @@ def request_plan(
         raise bad_request("allowed_token_ids may not be empty (leave it out for no "
                           "restriction)", "allowed_token_ids")
     if (isinstance(request, CompletionRequest) and (request.best_of or 1) > 1
-            and params.temperature == 0):
-        # Greedy candidates are all the same answer: nothing to pick the best of.
-        raise bad_request("best_of must be 1 when sampling greedily (temperature 0)",
-                          "best_of")
+            and params.greedy):
+        # Greedy candidates are all the same answer: nothing to pick the best of. Greedy is
+        # the engine's own definition (shared.protocol), so 1e-6 counts as 0 here too.
+        raise bad_request("best_of must be 1 when sampling greedily (temperature below "
+                          f"{GREEDY_TEMPERATURE:g})", "best_of")
     output = OutputParams(
         skip_special_tokens=request.skip_special_tokens,
         stop=_stop_strings(request.stop),

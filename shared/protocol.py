@@ -44,6 +44,11 @@ class ThinkingBudget(msgspec.Struct, frozen=True):
     starts_inside: bool = False  # the rendered prompt already opened one
 
 
+# One definition of greedy for every tier: a temperature below this takes the argmax (as
+# vLLM's _SAMPLING_EPS); dividing logits by it would only overflow float32 anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the engine needs to pick and stop tokens; the frontend pins every default."""
 
@@ -76,6 +81,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # banned wherever the output so far ends with the ones before it.
     bad_words: list[list[int]] = []
     thinking: ThinkingBudget | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):

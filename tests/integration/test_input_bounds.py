@@ -162,6 +162,11 @@ def test_n(http, path):
 def test_best_of(http):
     passes(http, COMPLETIONS, n=1, best_of=2)
     refused(http, COMPLETIONS, "best_of", best_of=3)
+    # Greedy is one definition across tiers (below 1e-5, as the sampler's): 1e-6 would run
+    # identical candidates, so it is refused as temperature 0 is; 1e-4 samples.
+    refused(http, COMPLETIONS, "best_of", best_of=2, temperature=1e-6)
+    refused(http, COMPLETIONS, "best_of", best_of=2, temperature=0)
+    passes(http, COMPLETIONS, best_of=2, temperature=1e-4)
 
 
 def test_prompts_per_completions_request(http):

@@ -673,6 +673,24 @@ def test_chat_stream_shape(http, client):
         streamed_text(plain))
 
 
+def test_stream_options_defaults_as_vllm(http):
+    """Once stream_options is present include_usage defaults to true (vLLM's StreamOptions):
+    `{}` ends with the usage chunk, continuous_usage_stats alone puts usage on every chunk,
+    and include_usage false turns both off."""
+    body = {"messages": PARIS, "temperature": 0, "max_tokens": 3}
+    empty, continuous, off = parallel(
+        lambda options: stream(http, "/v1/chat/completions",
+                               {**body, "stream_options": options}),
+        ({},), ({"continuous_usage_stats": True},),
+        ({"include_usage": False, "continuous_usage_stats": True},),
+    )
+    assert empty[-1]["choices"] == [] and empty[-1]["usage"]["completion_tokens"] == 3
+    assert all(e["usage"] is None for e in empty[:-1])
+    assert all(e["usage"] is not None for e in continuous)
+    assert continuous[-1]["choices"] == [] and continuous[-1]["usage"]["completion_tokens"] == 3
+    assert all(e["usage"] is None for e in off) and all(e["choices"] for e in off)
+
+
 def test_completion_stream_shape(http):
     """O-1 for completions: text chunks, one finish at the end, usage only when asked."""
     events = stream(http, "/v1/completions", {
