@@ -14,17 +14,12 @@ from engine.grammar import GrammarMasks, step_masks
 from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
 from engine.multimodal import step_embeddings
+from engine.records import SampledToken
 from engine.sampler import SamplingRows, sample, token_logprobs, token_ranks
 from engine.spec_decode import DraftCheck, verify
 from shared.protocol import TokenLogprobs
 
 log = logging.getLogger("sluice.engine")
-
-
-class SampledToken(msgspec.Struct):
-    token: int
-    logprob: float | None = None  # the chosen token's, when the request wants logprobs
-    logprobs: TokenLogprobs | None = None
 
 
 class PromptLogprobs(msgspec.Struct):

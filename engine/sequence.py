@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+from engine.records import DraftState
 from engine.thinking import ThinkingTracker
 from shared.protocol import SamplingParams
 
 if TYPE_CHECKING:
     from engine.grammar import RequestGrammar
-    from engine.spec_decode import DraftState
 
 
 class SequenceStatus(enum.Enum):

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from engine.grammar import step_masks
+from engine.records import DraftState, SampledToken
 from shared import histograms as h
 from shared.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from engine.model_runner import SampledToken
     from engine.sequence import Sequence
 
 log = logging.getLogger("sluice.engine")
@@ -91,13 +91,6 @@ class NgramProposer:
             return []
         end = int(ends[int(np.argmax(length == best))])  # the latest of the longest
         return a[end + 1 : end + 1 + limit].tolist()
-
-
-class DraftState(msgspec.Struct):
-    """One sequence's record: how well its drafts do, and how long it sits out."""
-
-    rate: float = 1.0  # moving average of accepted / proposed
-    paused: int = 0  # steps left without drafting
 
 
 class Drafter:

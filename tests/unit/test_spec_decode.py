@@ -418,8 +418,8 @@ def test_a_verifying_chunk_is_attended_as_decode_rows(weights):
 
 
 def test_draft_length_follows_the_acceptance_rate_and_the_batch():
+    from engine.records import DraftState
     from engine.sequence import Sequence
-    from engine.spec_decode import DraftState
     from shared.protocol import SamplingParams
 
     drafter = Drafter(spec(k=6, low=1, high=2))
