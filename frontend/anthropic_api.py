@@ -203,8 +203,8 @@ def _tools(request: MessagesRequest | CountTokensRequest) -> list[ChatTool] | No
     tools = []
     for i, tool in enumerate(request.tools):
         if tool.type not in (None, "custom"):
-            raise bad_request(f"server tools ({tool.type!r}) are not supported; client tools "
-                              "only", f"tools[{i}].type")
+            raise bad_request(f"tools[{i}].type: server tools ({tool.type!r}) are not "
+                              "supported; client tools only", f"tools[{i}].type")
         tools.append(function_tool(tool.name, tool.input_schema, tool.description, tool.strict))
     check_tool_names([t.function.name for t in tools], "tools[{}].name")
     return tools

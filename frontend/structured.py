@@ -125,8 +125,8 @@ def check_tool_names(names: list[str], field: str) -> None:
     with one name. `field` is the name's path with `{}` for the tool's index."""
     i = repeated_name(names)
     if i is not None:
-        raise bad_request(f"tool names must be unique; {names[i]!r} is given twice",
-                          field.format(i))
+        raise bad_request(f"{field.format(i)}: {names[i]!r} is the name of an earlier tool; "
+                          "tool names must be unique", field.format(i))
 
 
 def forces_call(request: Request) -> bool:
