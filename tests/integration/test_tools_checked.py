@@ -223,25 +223,35 @@ def test_when_the_prompt_opened_thinking_it_closes_then_the_call_is_made(reasoni
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
                                                                 max_size=3),
     max_leaves=6,
 )
-names = st.sampled_from(["f", "g", "a.b", "", "x" * 64, "x" * 65]) | json_values
+# Mostly well-formed, so that most requests get past the decoder to the checks, the
+# grammars and the template; one field in four of any JSON value, and now and then
+# `tools` or `tool_choice` as a whole.
+valid_names = st.sampled_from(["f", "g", "a.b", "x" * 64])
 schemas = st.fixed_dictionaries(
     {"type": st.sampled_from(["object", "string", "integer", "array"]) | json_values},
     optional={"properties": st.dictionaries(st.sampled_from(["a", "b"]), json_values,
                                             max_size=2),
               "required": json_values, "additionalProperties": json_values},
-) | json_values
-functions = st.fixed_dictionaries(
-    {"name": names}, optional={"description": st.text(max_size=8) | json_values,
-                               "parameters": schemas, "strict": st.booleans() | json_values})
-choices = (st.sampled_from(["none", "auto", "required", "any", "tool"])
-           | st.builds(lambda n: {"type": "function", "function": {"name": n}}, names)
-           | json_values)
+)
+
+
+@st.composite
+def functions(draw) -> dict:
+    function = {"name": draw(valid_names)}
+    for field, values in (("description", st.text(max_size=8)), ("parameters", schemas),
+                          ("strict", st.booleans())):
+        if draw(st.booleans()):
+            function[field] = draw(values)
+    if draw(st.integers(0, 3)) == 0:
+        field = draw(st.sampled_from(["name", "description", "parameters", "strict"]))
+        function[field] = draw(json_values | st.sampled_from(["", "x" * 65]))
+    return function
 
 
 @st.composite
@@ -254,10 +264,19 @@ def tool_requests(draw) -> tuple[str, dict]:
         MESSAGES: lambda f: {k if k != "parameters" else "input_schema": v
                              for k, v in f.items() if k != "strict"},
     }[path]
-    tools = draw(st.lists(functions.map(spelled), max_size=3) | json_values)
-    choice = draw(choices)
-    if path == MESSAGES and isinstance(choice, str):
-        choice = {"type": choice, **({"name": "f"} if choice == "tool" else {})}
+    tool_lists = st.lists(functions().map(spelled), min_size=1, max_size=3)
+    tools = draw(st.one_of(tool_lists, tool_lists, tool_lists, json_values))
+    kind = draw(st.sampled_from(["keyword", "named", "any JSON"]))
+    if kind == "keyword":  # each API's keywords, the others' too
+        word = draw(st.sampled_from(["none", "auto", "required", "any", "tool"]))
+        choice = {"type": word} if path == MESSAGES else word
+    elif kind == "named":
+        name = draw(valid_names)
+        choice = {CHAT: {"type": "function", "function": {"name": name}},
+                  RESPONSES: {"type": "function", "name": name},
+                  MESSAGES: {"type": "tool", "name": name}}[path]
+    else:
+        choice = draw(json_values)
     body = {CHAT: {"messages": ASK, "max_tokens": 2},
             RESPONSES: {"input": "Hi", "max_output_tokens": 2},
             MESSAGES: {"model": MODEL, "messages": ASK, "max_tokens": 2}}[path]
