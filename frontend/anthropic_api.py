@@ -53,6 +53,8 @@ from frontend.api_models import (
     ChatMessage,
     ContentPart,
     JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
     ResponseFormat,
 )
 from frontend.errors import APIError, anthropic_error_body, bad_request
@@ -76,11 +78,14 @@ from frontend.serving_context import (
     sse_response,
     structured_settings,
 )
+from frontend.structured import check_tool_names
 from shared.protocol import TextFrame
+from shared.tool_specs import ChatTool
 
 _json = msgspec.json.Encoder()
 # Chat fields whose checks (after translation) name them as this API does.
-_FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+_FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
+                "tool_choice.function.name": "tool_choice.name"}
 
 
 # ---------------------------------------------------------------- request -> chat request
@@ -192,15 +197,16 @@ def chat_messages(request: MessagesRequest | CountTokensRequest) -> list[ChatMes
     return out
 
 
-def _tools(request: MessagesRequest | CountTokensRequest) -> list[dict] | None:
+def _tools(request: MessagesRequest | CountTokensRequest) -> list[ChatTool] | None:
     if not request.tools:
         return None
     tools = []
     for i, tool in enumerate(request.tools):
         if tool.type not in (None, "custom"):
-            raise bad_request(f"server tools ({tool.type!r}) are not supported; client tools "
-                              "only", f"tools[{i}]")
+            raise bad_request(f"tools[{i}].type: server tools ({tool.type!r}) are not "
+                              "supported; client tools only", f"tools[{i}].type")
         tools.append(function_tool(tool.name, tool.input_schema, tool.description, tool.strict))
+    check_tool_names([t.function.name for t in tools], "tools[{}].name")
     return tools
 
 
@@ -211,7 +217,7 @@ def _tool_choice(request: MessagesRequest | CountTokensRequest):
     if choice.type == "tool":
         if not choice.name:
             raise bad_request("tool_choice of type 'tool' needs a name", "tool_choice.name")
-        return {"type": "function", "function": {"name": choice.name}}
+        return NamedToolChoice(type="function", function=NamedFunction(choice.name))
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 

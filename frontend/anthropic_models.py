@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from shared.param_ranges import INT32_MAX
+from shared.tool_specs import ToolName
 
 # ---------------------------------------------------------------- requests
 
@@ -45,9 +46,10 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class Tool(msgspec.Struct, kw_only=True):
     """A client tool ({name, description, input_schema}); server tools have a versioned
-    `type` (e.g. "web_search_20250305") and are refused."""
+    `type` (e.g. "web_search_20250305") and are refused. Name, description and schema follow
+    the chat tools' rules (`shared.tool_specs`)."""
 
-    name: str
+    name: ToolName
     type: str | None = None
     description: str | None = None
     input_schema: dict[str, Any] | None = None
@@ -56,7 +58,7 @@ class Tool(msgspec.Struct, kw_only=True):
 
 class ToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
+    name: ToolName | None = None
     disable_parallel_tool_use: bool | None = None
 
 

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from shared.tool_specs import ChatTool, ToolName
+
 _NULL_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
 
 
@@ -99,6 +101,17 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: ToolName
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`tool_choice` naming the function to call: `{"type": "function", "function": {...}}`."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share (OpenAI's plus vLLM's extensions)."""
 
@@ -154,8 +167,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     thinking_token_budget: int | None = None
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" when there are tools (after the checks), as OpenAI's default.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
@@ -207,7 +221,7 @@ class TokenizeRequest(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     continue_final_message: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     return_token_strs: bool | None = False  # also each token's own string (vLLM's)
 
 

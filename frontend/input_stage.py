@@ -33,6 +33,7 @@ from frontend.serving_context import ServingContext, max_model_len
 from frontend.structured import forced_call_prefix
 from frontend.tokenization import RenderQueueTimeout, RenderTimeout
 from shared.protocol import ImageInput
+from shared.tool_specs import template_tools
 
 Request = ChatCompletionRequest | CompletionRequest
 
@@ -145,7 +146,7 @@ async def _render(ctx: ServingContext, request: ChatCompletionRequest,
         request_template=request.chat_template,
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
-        tools=request.tools,
+        tools=template_tools(request.tools),
         documents=request.documents,
         template_kwargs=_template_kwargs(request, settings),
         # A named tool_choice: the output starts inside the call (req C-3).

@@ -44,7 +44,7 @@ from frontend.serving_context import (
     max_model_len,
     structured_settings,
 )
-from frontend.structured import constraint_for
+from frontend.structured import constraint_for, forces_call
 from postproc.chunks import sse_event
 from postproc.openai_shapes import PromptTokensDetails, Usage
 from postproc.reasoning import get_reasoning_parser
@@ -153,7 +153,7 @@ async def start_job(
         if request.echo:
             await add_echo_texts(ctx, prompts)
     # A chat's thinking state, read from its rendered prompt, shapes a forced call's grammar.
-    thinking = endpoint == "chat" and starts_in_reasoning(ctx, prompts[0])
+    thinking = endpoint == "chat" and starts_in_reasoning(ctx, request, prompts[0])
     constraint = await constraint_for(request, structured_settings(ctx), thinking)
     bad_words = (await ctx.tokenization.bad_word_ids(request.bad_words) if request.bad_words
                  else None)
@@ -245,13 +245,18 @@ def thinking_budget(ctx: ServingContext, request, inside: bool) -> ThinkingBudge
     return ThinkingBudget(budget, list(tags.think_start_ids), list(tags.think_end_ids), inside)
 
 
-def starts_in_reasoning(ctx: ServingContext, prompt: PromptInput) -> bool:
-    """Whether the rendered prompt leaves the output inside a thinking section (the
-    template pre-filled `<think>`), as the reasoning parser reads it."""
-    if ctx.output.reasoning_parser is None:
+def starts_in_reasoning(ctx: ServingContext, request: ChatCompletionRequest,
+                        prompt: PromptInput) -> bool:
+    """Whether the output starts inside a thinking section, as the reasoning parser reads
+    the rendered prompt (the template pre-filled `<think>`): one answer for the forced
+    call's grammar, the thinking budget and the parser. A named tool_choice's output starts
+    inside the call its injected opening began."""
+    if ctx.output.reasoning_parser is None or (prompt.rendered and
+                                                prompt.rendered.injected_prefix):
         return False
     template_text = prompt.rendered.template_text if prompt.rendered else ""
-    return get_reasoning_parser(ctx.output.reasoning_parser).initial_thinking(template_text)
+    return get_reasoning_parser(ctx.output.reasoning_parser).initial_thinking(
+        template_text, forced_call=forces_call(request))
 
 
 def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: PromptInput,
@@ -265,7 +270,7 @@ def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: Pr
     # After a forced call's opening the output is inside the call, not thinking.
     if chat and settings.reasoning_parser and not forced_call:
         changes.update(reasoning_parser=settings.reasoning_parser,
-                       starts_in_reasoning=starts_in_reasoning(ctx, prompt))
+                       starts_in_reasoning=starts_in_reasoning(ctx, request, prompt))
     if chat and settings.tool_call_parser and request.tools and request.tool_choice != "none":
         changes.update(tool_parser=settings.tool_call_parser,
                        tools=msgspec.json.encode(request.tools),

@@ -21,6 +21,7 @@ import msgspec
 from frontend.errors import APIError
 from frontend.pipeline import Frames, frame_loop, run_frames
 from shared.protocol import TextFrame
+from shared.tool_specs import ChatTool, FunctionDefinition
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
 
@@ -140,15 +141,11 @@ def call_arguments(block: Block) -> dict[str, Any]:
 
 
 def function_tool(name: str, parameters: dict | None, description: str | None,
-                  strict: bool | None) -> dict[str, Any]:
+                  strict: bool | None) -> ChatTool:
     """One OpenAI chat `tools[]` entry from another API's description of a client tool."""
-    function: dict[str, Any] = {
-        "name": name, "parameters": parameters or {"type": "object", "properties": {}}}
-    if description is not None:
-        function["description"] = description
-    if strict is not None:
-        function["strict"] = strict
-    return {"type": "function", "function": function}
+    return ChatTool(function=FunctionDefinition(
+        name=name, description=description, strict=strict,
+        parameters=parameters or {"type": "object", "properties": {}}))
 
 
 def renamed(error: APIError, names: dict[str, str]) -> APIError:

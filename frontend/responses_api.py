@@ -31,6 +31,8 @@ from frontend.api_models import (
     ChatMessage,
     ContentPart,
     JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
     ResponseFormat,
 )
 from frontend.errors import APIError, bad_request
@@ -84,12 +86,15 @@ from frontend.serving_context import (
     sse_response,
     structured_settings,
 )
+from frontend.structured import check_tool_names
+from shared.tool_specs import ChatTool
 
 _json = msgspec.json.Encoder()
 DEFAULT_MAX_STORED = 1000
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Chat fields whose checks (after translation) name them as this API does.
-_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input"}
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input",
+                "tool_choice.function.name": "tool_choice.name"}
 
 
 # ---------------------------------------------------------------- the store
@@ -237,28 +242,29 @@ def input_messages(items: str | list[InputItem] | None) -> list[ChatMessage]:
     return out
 
 
-def chat_tools(request: ResponsesRequest | InputTokensRequest) -> list[dict] | None:
+def chat_tools(request: ResponsesRequest | InputTokensRequest) -> list[ChatTool] | None:
     if not request.tools:
         return None
     tools = []
     for i, tool in enumerate(request.tools):
         if tool.type != "function":
             raise bad_request(f"tools of type {tool.type!r} are not supported (function "
-                              "tools only)", f"tools[{i}]")
-        if not tool.name:
+                              "tools only)", f"tools[{i}].type")
+        if tool.name is None:
             raise bad_request("a function tool needs a name", f"tools[{i}].name")
         tools.append(function_tool(tool.name, tool.parameters, tool.description, tool.strict))
+    check_tool_names([t.function.name for t in tools], "tools[{}].name")
     return tools
 
 
-def chat_tool_choice(choice):
+def chat_tool_choice(choice) -> str | NamedToolChoice | None:
     if choice is None or choice in ("none", "auto", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = choice.get("name")
         if not isinstance(name, str) or not name:
-            raise bad_request("a function tool_choice needs a name", "tool_choice")
-        return {"type": "function", "function": {"name": name}}
+            raise bad_request("a function tool_choice needs a name", "tool_choice.name")
+        return NamedToolChoice(type="function", function=NamedFunction(name))
     raise bad_request('tool_choice must be "none", "auto", "required" or '
                       '{"type": "function", "name": ...}', "tool_choice")
 

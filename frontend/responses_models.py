@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from shared.param_ranges import INT32_MAX
+from shared.tool_specs import ToolName
 
 # ---------------------------------------------------------------- requests
 
@@ -49,8 +50,11 @@ class InputItem(msgspec.Struct, kw_only=True):
 
 
 class FunctionTool(msgspec.Struct, kw_only=True):
+    """A tool; only `type` "function" is served. Name, description and parameters follow
+    the chat tools' rules (`shared.tool_specs`)."""
+
     type: str
-    name: str | None = None
+    name: ToolName | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

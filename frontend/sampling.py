@@ -20,6 +20,7 @@ from frontend.api_models import (
     UNSUPPORTED_WHEN_SET,
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
 )
 from frontend.errors import bad_request
 from frontend.input_bounds import RequestLimits, check_bounds
@@ -98,7 +99,7 @@ def _check_chat(request: ChatCompletionRequest) -> None:
         raise bad_request("logprobs must be a boolean for chat completions", "logprobs")
     if request.tool_choice not in (None, "none") and not request.tools:
         raise bad_request("tool_choice requires tools", "tool_choice")
-    named = isinstance(request.tool_choice, dict)
+    named = isinstance(request.tool_choice, NamedToolChoice)
     if named and request.response_format is not None:
         raise bad_request(
             "a named tool_choice cannot be combined with response_format", "response_format"

@@ -27,11 +27,11 @@ from typing import Any
 import msgspec
 from llguidance import LLMatcher, grammar_from
 
-from frontend.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.api_models import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from frontend.errors import APIError, bad_request
 from postproc.reasoning import get_reasoning_parser
 from postproc.tool_parsers import ToolParser, get_tool_parser
-from postproc.tool_parsers.base import bounded_schema, tools_by_name
+from postproc.tool_parsers.base import bounded_schema, regex_literal, tools_by_name
 from shared.grammar_limits import (
     MAX_GRAMMAR_CHARS,
     MAX_REGEX_CHARS,
@@ -41,6 +41,7 @@ from shared.grammar_limits import (
     validation_problem,
 )
 from shared.protocol import Constraint
+from shared.tool_specs import FunctionDefinition, repeated_name
 
 Request = ChatCompletionRequest | CompletionRequest
 
@@ -88,27 +89,24 @@ def check_structured(request: Request, settings: StructuredSettings) -> None:
 
 def _check_tools(request: ChatCompletionRequest, settings: StructuredSettings,
                  *, has_own: bool) -> None:
+    check_tool_names([t.function.name for t in request.tools or ()], "tools[{}].function.name")
     choice = request.tool_choice
     if choice == "none" or not request.tools:
         return  # tool_choice without tools is refused with the other P-6 checks
-    named = _named_function(choice)
-    if choice not in (None, "auto", "required") and named is None:
-        raise bad_request(
-            'tool_choice must be "none", "auto", "required" or '
-            '{"type": "function", "function": {"name": ...}}', "tool_choice")
     if settings.tool_call_parser is None:
         raise bad_request(
             "tools need a tool-call parser, and this server has none: start it with "
             "--tool-call-parser (e.g. hermes), or send tool_choice \"none\"", "tools")
+    named = _named_function(choice)
     if named is not None and named not in tools_by_name(request.tools):
         raise bad_request(f"tool_choice names {named!r}, which is not among the tools",
-                          "tool_choice")
+                          "tool_choice.function.name")
     forced = named is not None or choice == "required"
     if forced and has_own:
         raise bad_request(
             "a forced tool call (tool_choice required or a named function) cannot be combined "
             "with response_format or structured outputs", "tool_choice")
-    strict = any(f.get("strict") is True for f in tools_by_name(request.tools).values())
+    strict = any(t.function.strict is True for t in request.tools)
     if strict and has_own:
         # Each needs the whole output's grammar; picking one would silently drop the other.
         raise bad_request(
@@ -122,12 +120,24 @@ def _check_tools(request: ChatCompletionRequest, settings: StructuredSettings,
             'use tool_choice "auto" or "none"', "tool_choice")
 
 
+def check_tool_names(names: list[str], field: str) -> None:
+    """Every API's tools, after their shapes decoded: a 400 naming the second of two tools
+    with one name. `field` is the name's path with `{}` for the tool's index."""
+    i = repeated_name(names)
+    if i is not None:
+        raise bad_request(f"{field.format(i)}: {names[i]!r} is the name of an earlier tool; "
+                          "tool names must be unique", field.format(i))
+
+
+def forces_call(request: Request) -> bool:
+    """Whether the request forces a tool call: tool_choice "required" or a named function."""
+    return (isinstance(request, ChatCompletionRequest) and bool(request.tools)
+            and (request.tool_choice == "required" or _named_function(request.tool_choice)
+                 is not None))
+
+
 def _named_function(choice: Any) -> str | None:
-    if not isinstance(choice, dict) or choice.get("type") != "function":
-        return None
-    function = choice.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    return name if isinstance(name, str) and name else None
+    return choice.function.name if isinstance(choice, NamedToolChoice) else None
 
 
 # ---------------------------------------------------------------- the constraint
@@ -347,81 +357,75 @@ def _tool_source(request: Request, settings: StructuredSettings,
         return _Source("tool_choice", "tools", lambda: _named_grammar(parser, chosen))
     if choice == "required":
         once = request.parallel_tool_calls is False
+        thinking = _thinking_lark(settings, inside=in_reasoning)
         return _Source("tool_choice", "tools", lambda: _required_grammar(
-            parser, functions, once=once, think_end=_think_end(settings),
-            thinking_first=in_reasoning))
-    if any(f.get("strict") is True for f in functions.values()):
+            parser, functions, once=once, thinking=thinking, inside=in_reasoning))
+    if any(f.strict is True for f in functions.values()):
         return _Source("tools", "tools", lambda: _strict_grammar(parser, functions))
     return None
 
 
-def _check_tool_schemas(functions: dict[str, dict]) -> None:
-    for name, function in functions.items():
-        problem = schema_problem(function.get("parameters"))
+def _check_tool_schemas(functions: dict[str, FunctionDefinition]) -> None:
+    for i, (name, function) in enumerate(functions.items()):
+        problem = schema_problem(function.parameters)
         if problem is not None:
             raise bad_request(f"the parameters of tool {name!r} are too large: {problem}",
-                              "tools")
+                              f"tools[{i}].function.parameters")
 
 
-def _arguments_schema(function: dict, *, strict_only: bool) -> dict:
-    parameters = function.get("parameters")
-    if strict_only and function.get("strict") is not True:
+def _arguments_schema(function: FunctionDefinition, *, strict_only: bool) -> dict:
+    if strict_only and function.strict is not True:
         return _ANY_OBJECT  # C-2: only strict tools' arguments are held to their schema
-    return parameters if isinstance(parameters, dict) else _ANY_OBJECT
+    return _ANY_OBJECT if function.parameters is None else function.parameters
 
 
-def _all_strict(functions: dict[str, dict]) -> bool:
-    return all(f.get("strict") is True for f in functions.values())
+def _all_strict(functions: dict[str, FunctionDefinition]) -> bool:
+    return all(f.strict is True for f in functions.values())
 
 
-def _named_grammar(parser: type[ToolParser], functions: dict[str, dict]) -> str:
+def _named_grammar(parser: type[ToolParser], functions: dict[str, FunctionDefinition]) -> str:
     """The prompt already ends with the begin marker: the output is the rest of one call."""
     schemas = {n: _arguments_schema(f, strict_only=False) for n, f in functions.items()}
     rules = parser.call_grammar(schemas, strict=_all_strict(functions))
     return grammar_from("lark", f"start: call{_end(parser)}\n" + rules)
 
 
-def _required_grammar(parser: type[ToolParser], functions: dict[str, dict], *, once: bool,
-                      think_end: str | None, thinking_first: bool = False) -> str:
+def _required_grammar(parser: type[ToolParser], functions: dict[str, FunctionDefinition], *,
+                      once: bool, thinking: str | None, inside: bool) -> str:
     """At least one call (exactly one when parallel_tool_calls is false), right away or
-    after a thinking section that stays free. `thinking_first`: the output starts inside
-    thinking (the prompt opened it), so the section must close before the call: a call
-    written inside it would be read as thinking and never reach tool_calls."""
+    after one thinking section as the reasoning parser reads it (`thinking`: its Lark rules
+    for `think`, None without a reasoning parser). `inside`: the prompt opened the section, so
+    it must close before the call (a call written inside it would be read as thinking);
+    otherwise the section is optional and opens with the think-start tag, so output that is
+    not thinking is held to the call from its first token."""
     schemas = {n: _arguments_schema(f, strict_only=False) for n, f in functions.items()}
     rules = parser.call_grammar(schemas, strict=_all_strict(functions))
     more = ("" if once else f" ({parser.next_call_lark} call)*") + _end(parser)
-    start = f"start: {parser.begin_lark} call{more}\n"
+    calls = f"{parser.begin_lark} call{more}"
+    if thinking is None:
+        return grammar_from("lark", f"start: {calls}\n" + rules)
     # A few blank characters between thinking and the call: unbounded whitespace let a
     # small model write blanks (Unicode ones too) until max_tokens instead of the call.
-    gap = "/[ \\t\\r\\n]{0,8}/"
-    think = f"think {gap}" if thinking_first else f"(think {gap})?"
-    if think_end is not None and parser.begin_lark == _lark_string(parser.begin_marker):
-        # Thinking ends at its end tag; an output that opens with the call is not thinking.
-        marker = _regex_literal(parser.begin_marker)
-        start = (f"start: {think} {parser.begin_lark} call{more}\n"
-                 f"think[lazy]: THINK\n"
-                 f"THINK: /(?s:.*){_regex_literal(think_end)}/ & ~/{marker}(?s:.*)/\n")
-    elif think_end is not None:
-        start = (f"start: {think} {parser.begin_lark} call{more}\n"
-                 f"think[lazy]: /(?s:.*){_regex_literal(think_end)}/\n")
-    return grammar_from("lark", start + rules)
+    think = "think /[ \\t\\r\\n]{0,8}/"
+    start = f"start: {think} {calls}\n" if inside else f"start: ({think})? {calls}\n"
+    return grammar_from("lark", start + thinking + rules)
 
 
-def _strict_grammar(parser: type[ToolParser], functions: dict[str, dict]) -> str:
+def _strict_grammar(parser: type[ToolParser], functions: dict[str, FunctionDefinition]) -> str:
     """Free text, but once the model opens a call it must be one of the tools, and a strict
     tool's arguments follow its schema (a triggered grammar, C-2)."""
     schemas = {n: _arguments_schema(f, strict_only=True) for n, f in functions.items()}
     rules = parser.call_grammar(schemas, strict=True)
     if parser.calls_at_start:  # calls open the output or not at all (pythonic)
-        marker = _regex_literal(parser.begin_marker)
+        marker = regex_literal(parser.begin_marker)
         # Nor may the text spell a delimiter that would open calls later (<|python_start|>).
-        delims = "|".join(_regex_literal(d) for d in parser.delimiters) or "[^\\s\\S]"
+        delims = "|".join(regex_literal(d) for d in parser.delimiters) or "[^\\s\\S]"
         start = (f"start: /\\s*/ {parser.begin_lark} call ({parser.next_call_lark} call)*"
                  f"{_end(parser)} TEXT | FREE\n"
                  f"TEXT: /(?s:.*)/ & ~/(?s:.*)({delims})(?s:.*)/\n"
                  f"FREE: TEXT & ~/\\s*{marker}(?s:.*)/\n")
     elif parser.begin_lark == _lark_string(parser.begin_marker):  # a text marker
-        marker = _regex_literal(parser.begin_marker)
+        marker = regex_literal(parser.begin_marker)
         start = (f"start: (opening call)* TAIL\n"
                  f"opening[lazy]: /(?s:.*){marker}/\n"
                  f"TAIL: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/\n")
@@ -435,15 +439,7 @@ def _end(parser: type[ToolParser]) -> str:
     return f" {parser.end_lark}" if parser.end_lark else ""
 
 
-def _think_end(settings: StructuredSettings) -> str | None:
+def _thinking_lark(settings: StructuredSettings, *, inside: bool) -> str | None:
     if settings.reasoning_parser is None:
         return None
-    return get_reasoning_parser(settings.reasoning_parser).end_tag
-
-
-def _regex_literal(text: str) -> str:
-    """`text` inside a Lark /regex/: regex metacharacters and the slash escaped."""
-    out = []
-    for ch in text:
-        out.append("\\" + ch if ch in r"\.^$|?*+()[]{}/-" else ch)
-    return "".join(out)
+    return get_reasoning_parser(settings.reasoning_parser).section_lark(inside=inside)

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import msgspec
 
-from postproc.tool_parsers.base import find_first, partial_suffix_len
+from postproc.tool_parsers.base import find_first, partial_suffix_len, regex_literal
 
 # Text after the prompt's last think tag that contains a turn marker means the tag belongs to
 # an earlier turn (or a user message), not to the generation being started.
@@ -58,10 +58,24 @@ class ReasoningParser:
         self._start(self.initial_thinking(prompt_text))
 
     @classmethod
-    def initial_thinking(cls, prompt_text: str) -> bool:
-        """Whether output after this rendered prompt starts inside a thinking block."""
+    def initial_thinking(cls, prompt_text: str, *, forced_call: bool = False) -> bool:
+        """Whether output after this rendered prompt starts inside a thinking block.
+        `forced_call`: a grammar forces a tool call (tool_choice "required"), and it lets
+        thinking open only with `start_tag` (`section_lark`), so only the prompt can have
+        opened it: the parser's default does not apply."""
         state = prompt_think_state(prompt_text, cls.start_tag, cls.end_tag)
-        return cls.thinks_by_default if state is None else state == OPEN
+        if state is None:
+            return False if forced_call else cls.thinks_by_default
+        return state == OPEN
+
+    @classmethod
+    def section_lark(cls, *, inside: bool) -> str:
+        """Lark rules defining `think`: one thinking section as this parser reads it, for the
+        grammar of a forced call. It ends at the first `end_tag`; `inside` (the prompt
+        opened it) it starts with the output, else with `start_tag`. The parser reads the
+        same text as reasoning and what follows as content, so the call after it is a call."""
+        opening = "" if inside else regex_literal(cls.start_tag)
+        return f"think[lazy]: /{opening}(?s:.*){regex_literal(cls.end_tag)}/\n"
 
     @classmethod
     def starting(cls, thinking: bool) -> ReasoningParser:

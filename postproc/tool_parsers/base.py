@@ -40,6 +40,7 @@ import msgspec
 
 # The deltas travel from postproc workers to frontends, so the wire protocol defines them.
 from shared.protocol import FunctionCallDelta, ToolCallDelta
+from shared.tool_specs import ChatTool, FunctionDefinition
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -86,16 +87,12 @@ def find_first(text: str, markers: tuple[str, ...], start: int = 0) -> tuple[int
     return best, which
 
 
-def tools_by_name(tools: list[Any] | None) -> dict[str, dict]:
-    """OpenAI `tools` (function tools; dicts or Structs) -> {name: function dict}."""
-    out: dict[str, dict] = {}
-    for tool in tools or ():
-        if not isinstance(tool, dict):
-            tool = msgspec.to_builtins(tool)
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            out[function["name"]] = function
-    return out
+def tools_by_name(tools: list[Any] | None) -> dict[str, FunctionDefinition]:
+    """A request's tools (`ChatTool`s, or their JSON as dicts) by function name. The frontend
+    has checked them (shapes, unique names): one that does not read as a tool here is a
+    ValueError, never left out."""
+    typed = msgspec.convert(list(tools or ()), list[ChatTool])
+    return {tool.function.name: tool.function for tool in typed}
 
 
 def parse_json(text: str) -> Any:
@@ -601,6 +598,14 @@ def special_token_lark(tokenizer: Any, text: str) -> str | None:
     if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
         return f"<[{ids[0]}]>"
     return None
+
+
+def regex_literal(text: str) -> str:
+    """`text` inside a Lark /regex/: regex metacharacters and the slash escaped."""
+    out = []
+    for ch in text:
+        out.append("\\" + ch if ch in r"\.^$|?*+()[]{}/-" else ch)
+    return "".join(out)
 
 
 def collect(deltas: list[ToolDelta]) -> ParsedTools:

@@ -77,7 +77,8 @@ class Qwen3CoderToolParser(TaggedBlockParser):
 
     def _arguments(self, function: str, inner: str) -> dict[str, Any] | None:
         properties = {}
-        schema = self.tools.get(function, {}).get("parameters")
+        declared = self.tools.get(function)
+        schema = declared.parameters if declared is not None else None
         if isinstance(schema, dict) and isinstance(schema.get("properties"), dict):
             properties = schema["properties"]
         out: dict[str, Any] = {}

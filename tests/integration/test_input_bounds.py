@@ -195,8 +195,14 @@ def test_messages(http, path, field, at_bound, past):
     (TOKENIZE, TOOL, {}),
 ])
 def test_tools(http, path, tool, extra):
-    passes(http, path, tools=[tool] * 2, **extra)
-    refused(http, path, "tools", tools=[tool] * 3, **extra)
+    def tools(n: int) -> list[dict]:  # names must differ (issue 40)
+        if "function" in tool:
+            return [{**tool, "function": {**tool["function"], "name": f"f{i}"}}
+                    for i in range(n)]
+        return [{**tool, "name": f"f{i}"} for i in range(n)]
+
+    passes(http, path, tools=tools(2), **extra)
+    refused(http, path, "tools", tools=tools(3), **extra)
 
 
 @pytest.mark.parametrize("path, field", [

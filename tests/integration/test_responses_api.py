@@ -189,7 +189,7 @@ def test_errors_in_openai_shape(client, edge_url):
         {"type": "input_image", "image_url": "http://x"}]}])["message"]
     assert error(input=[{"role": "user", "content": [
         {"type": "input_file", "file_id": "f"}]}])["param"] == "input[0].content"
-    assert error(input="x", tools=[{"type": "web_search"}])["param"] == "tools[0]"
+    assert error(input="x", tools=[{"type": "web_search"}])["param"] == "tools[0].type"
     assert error(input="x", tool_choice="required")["param"] == "tool_choice"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="x")

@@ -23,6 +23,7 @@ from frontend.api_models import ChatCompletionRequest
 from frontend.errors import APIError
 from frontend.sampling import check_request, plan_request
 from frontend.structured import StructuredSettings, build_constraint, forced_call_prefix
+from postproc.reasoning import REASONING_PARSERS, get_reasoning_parser
 from postproc.tool_parsers import get_tool_parser
 from postproc.tool_parsers.base import collect
 from shared.model_source import default_model_path
@@ -53,6 +54,8 @@ def spell(parser: str, name: str, args: dict) -> str:
     """One call of `name` as the parser's format writes it (begin marker included)."""
     if parser == "mistral":
         return f"[TOOL_CALLS]{name}[ARGS]{json.dumps(args)}"
+    if parser == "hermes":
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
     if parser == "pythonic":
         def py(v):
             return {True: "True", False: "False", None: "None"}.get(v, v) \
@@ -285,7 +288,7 @@ def test_strict_schemas_with_keywords_the_format_cannot_enforce_are_400s(llt, pa
 
 
 CLOSERS = ('"', "'", ")", "]", "}", ", ", "\n</parameter>\n", "<parameter=",
-           "</function>\n</tool_call>")
+           "</function>\n</tool_call>", "</think>")
 
 
 def sample(llt, grammar: str, rng: random.Random, max_tokens: int = 200) -> str | None:
@@ -347,31 +350,75 @@ def test_the_grammar_hooks_validate_with_grammar_from(llt):
         assert not LLMatcher.validate_grammar_with_warnings(grammar, llt)[0]
 
 
-@pytest.mark.parametrize("parser", PARSERS)
-def test_required_leaves_thinking_free(llt, parser):
-    structured = StructuredSettings(tool_call_parser=parser, reasoning_parser="qwen3",
-                                    tokenizer=llt)
-    c = constraint(chat(tools=[WEATHER], tool_choice="required"), structured)
-    call = spell(parser, "get_weather", {"city": "Oslo"})
-    assert accepts(llt, c.grammar, "<think>\nweather [maybe] <tool_call> it\n</think>\n\n" + call)
-    assert accepts(llt, c.grammar, call)
-    assert not accepts(llt, c.grammar, "<think>\nhm\n</think>\n\nNo call.")
+def through_parsers(reasoning: str, inside: bool, tool_parser: str, text: str):
+    """(reasoning, content, calls) of `text` as the postproc step reads it."""
+    thought, content = get_reasoning_parser(reasoning).starting(inside).parse(text)
+    tools = get_tool_parser(tool_parser)([WEATHER]).parse(content or "")
+    return thought, tools.content, [c.function.name for c in tools.calls]
 
 
-@pytest.mark.parametrize("parser", PARSERS)
-def test_required_after_a_prefilled_think_must_close_it_first(llt, parser):
-    """Issue 17 item 10: when the rendered prompt leaves the output inside `<think>`, a call
-    written straight away would be read as thinking and never reach tool_calls, so the
-    grammar makes the thinking section close first."""
-    structured = StructuredSettings(tool_call_parser=parser, reasoning_parser="qwen3",
+@pytest.mark.parametrize("reasoning", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("parser", ("hermes", *PARSERS))
+def test_thinking_before_a_forced_call_is_what_the_reasoning_parser_reads(llt, parser,
+                                                                           reasoning):
+    """Issue 40: the grammar's thinking and the reasoning parser's are one definition, so
+    whatever the grammar lets through reads back as thinking (if any) and then a call. When
+    the prompt did not open thinking, it opens with the start tag, so text that is not
+    thinking cannot come first (it once could, as long as it might still end in the end
+    tag: a small model wrote content until max_tokens). When the prompt opened it, it must
+    close before the call."""
+    structured = StructuredSettings(tool_call_parser=parser, reasoning_parser=reasoning,
                                     tokenizer=llt)
     request = chat(tools=[WEATHER], tool_choice="required")
     check_request(request, structured)
-    inside = build_constraint(request, structured, in_reasoning=True)
     call = spell(parser, "get_weather", {"city": "Oslo"})
-    assert accepts(llt, inside.grammar, "Oslo weather, then.\n</think>\n\n" + call)
-    assert not accepts(llt, inside.grammar, call)
-    assert accepts(llt, build_constraint(request, structured).grammar, call)  # not inside
+    outside = build_constraint(request, structured, in_reasoning=False).grammar
+    inside = build_constraint(request, structured, in_reasoning=True).grammar
+    for grammar, is_inside, text, thought in (
+            (outside, False, call, None),
+            (outside, False, "<think>\nrain? <tool_call> maybe\n</think>\n\n" + call,
+             "rain? <tool_call> maybe"),
+            (inside, True, "Oslo, then.\n</think>\n\n" + call, "Oslo, then.")):
+        assert accepts(llt, grammar, text), text
+        assert through_parsers(reasoning, is_inside, parser, text) == (
+            thought, None, ["get_weather"])
+    for grammar, text in ((outside, "Sure. " + call),
+                          (outside, "Oslo, then.\n</think>\n\n" + call),
+                          (outside, "<think>\nhm\n</think>\n\nNo call."),
+                          (inside, call)):
+        assert not accepts(llt, grammar, text), text
+
+
+@pytest.mark.parametrize("reasoning", sorted(REASONING_PARSERS))
+def test_sampled_forced_outputs_read_back_as_calls_for_every_reasoning_parser(llt, reasoning):
+    """Random walks of the token masks: every output the grammar allows is thinking (or
+    none) and then a call, as the parsers read it."""
+    structured = StructuredSettings(tool_call_parser="hermes", reasoning_parser=reasoning,
+                                    tokenizer=llt)
+    request = chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    rng = random.Random(40)
+    for inside in (False, True):
+        grammar = build_constraint(request, structured, in_reasoning=inside).grammar
+        done = 0
+        for _ in range(8):
+            text = sample(llt, grammar, rng)
+            if text is not None:
+                done += 1
+                assert through_parsers(reasoning, inside, "hermes", text)[1:] == (
+                    None, ["get_weather"]), text
+        assert done >= 3
+
+
+@pytest.mark.parametrize("reasoning", sorted(REASONING_PARSERS))
+def test_before_a_forced_call_only_the_prompt_opens_thinking(reasoning):
+    """deepseek_r1 reads a silent prompt's output as thinking; before a forced call the
+    grammar lets thinking open only with the start tag, so the parser starts outside it
+    there too (the frontend passes the same state to both)."""
+    cls = get_reasoning_parser(reasoning)
+    assert cls.initial_thinking("<|im_start|>assistant\n", forced_call=True) is False
+    assert cls.initial_thinking("<|im_start|>assistant\n<think>\n", forced_call=True)
+    assert not cls.initial_thinking("assistant\n<think>\n\n</think>\n\n", forced_call=True)
+    assert cls.initial_thinking("<|im_start|>assistant\n") is cls.thinks_by_default
 
 
 def test_strict_tools_and_a_response_format_are_a_400(llt):

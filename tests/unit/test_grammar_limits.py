@@ -94,10 +94,11 @@ def test_limit_busters_are_400s_naming_the_field(fields, param, quoted):
     assert error.param == param and quoted in error.message
 
 
-def test_a_tools_schema_past_the_limits_is_a_400_naming_tools():
+def test_a_tools_schema_past_the_limits_is_a_400_naming_its_parameters():
     settings = StructuredSettings(tool_call_parser="hermes")
-    error = refused(chat(tools=[big_tool(nested(40))], tool_choice="required"), settings)
-    assert error.param == "tools"
+    tools = [{"type": "function", "function": {"name": "small"}}, big_tool(nested(40))]
+    error = refused(chat(tools=tools, tool_choice="required"), settings)
+    assert error.param == "tools[1].function.parameters"
 
 
 def test_grammars_inside_the_limits_still_pass(llt):

@@ -261,8 +261,8 @@ def test_logit_bias_ids_and_values():
 
 @pytest.mark.parametrize("field, inside, outside", [
     ("messages", USER * 2, USER * 3),
-    ("tools", [{"type": "function", "function": {"name": "f"}}] * 2,
-     [{"type": "function", "function": {"name": "f"}}] * 3),
+    ("tools", [{"type": "function", "function": {"name": f"f{i}"}} for i in range(2)],
+     [{"type": "function", "function": {"name": f"f{i}"}} for i in range(3)]),
     ("stop", ["a", "b"], ["a", "b", "c"]),
     ("n", 3, 4),
 ])

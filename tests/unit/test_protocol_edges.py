@@ -70,9 +70,10 @@ def test_responses_request_to_chat_request():
     assert [(m.role, m.content) for m in chat.messages] == [("system", "Be kind."),
                                                              ("user", "Hi")]
     assert chat.max_completion_tokens == 7 and chat.temperature == 0.5 and not chat.stream
-    assert chat.tools == [{"type": "function", "function": {
+    assert msgspec.to_builtins(chat.tools) == [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object"}, "strict": True}}]
-    assert chat.tool_choice == {"type": "function", "function": {"name": "f"}}
+    assert msgspec.to_builtins(chat.tool_choice) == {"type": "function",
+                                                     "function": {"name": "f"}}
     assert chat.parallel_tool_calls is False and chat.request_id == "id1"
     assert chat.response_format.type == "json_schema"
     assert chat.response_format.json_schema.schema == {"type": "object"}
@@ -97,7 +98,7 @@ def test_unknown_item_types_and_tools_are_400s():
     assert err.value.param == "input[0]"
     with pytest.raises(APIError) as err:
         responses_api.chat_tools(responses(tools=[{"type": "file_search"}]))
-    assert err.value.param == "tools[0]"
+    assert err.value.param == "tools[0].type"
 
 
 def test_the_store_is_a_bounded_lru():
@@ -147,7 +148,7 @@ def test_anthropic_blocks_become_chat_messages():
                                                    "arguments": '{"city": "Paris"}'}
     assert (chat.messages[3].tool_call_id, chat.messages[3].content) == ("t1", "Sunny")
     assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
-    assert chat.tools[0]["function"]["parameters"] == {"type": "object"}
+    assert chat.tools[0].function.parameters == {"type": "object"}
     assert chat.stop == ["END"] and chat.max_completion_tokens == 16
     assert chat.chat_template_kwargs == {"enable_thinking": True, "thinking": True}
     assert chat.add_generation_prompt and not chat.continue_final_message

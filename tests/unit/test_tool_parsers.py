@@ -22,6 +22,7 @@ from postproc.tool_parsers import (
 from postproc.tool_parsers.qwen3_coder import convert_value
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
+from shared.tool_specs import ChatTool, FunctionDefinition
 
 WEATHER = {
     "type": "function",
@@ -438,21 +439,23 @@ def test_registry():
         get_tool_parser("nope")
 
 
-def test_tools_as_structs_and_odd_entries():
-    class Fn(msgspec.Struct):
-        name: str
-        parameters: dict
+def test_tools_as_structs_or_their_json():
+    """The frontend's ChatTools or the dicts the postproc step decodes: the same tools."""
+    function = FunctionDefinition(name="f", parameters={"properties": {"n": {"type": "integer"}}})
+    text = "<tool_call><function=f><parameter=n>7</parameter></function></tool_call>"
+    typed = [ChatTool(function=function)]
+    for tools in (typed, msgspec.to_builtins(typed)):
+        parsed = get_tool_parser("qwen3_coder")(tools).parse(text)
+        assert json.loads(parsed.calls[0].function.arguments) == {"n": 7}
 
-    class Tool(msgspec.Struct):
-        type: str
-        function: Fn
 
-    tools = [Tool("function", Fn("f", {"properties": {"n": {"type": "integer"}}})),
-             {"type": "function"}, {"type": "other"}]
-    parser = get_tool_parser("qwen3_coder")(tools)
-    parsed = parser.parse("<tool_call><function=f><parameter=n>7</parameter></function>"
-                          "</tool_call>")
-    assert json.loads(parsed.calls[0].function.arguments) == {"n": 7}
+@pytest.mark.parametrize("odd", [{"type": "function"}, {"type": "other", "function": {"name": "g"}},
+                                 {"type": "function", "function": {"name": 5}}])
+def test_an_entry_that_is_no_tool_is_an_error_not_dropped(odd):
+    """Issue 40: the frontend refuses such tools; past it, nothing drops one silently."""
+    tool = {"type": "function", "function": {"name": "f"}}
+    with pytest.raises(ValueError):
+        get_tool_parser("hermes")([tool, odd])
 
 
 @pytest.mark.parametrize(
