@@ -20,11 +20,11 @@ import msgspec
 
 from frontend import request_metrics as m
 from frontend.errors import APIError, error_response, route_path
+from shared import config as shared_config
 
 log = logging.getLogger("sluice.frontend")
 
-# Routes that answer without a key and while draining: probes and scrapes.
-OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version", "/openapi.json"})
+OPEN_PATHS = frozenset(shared_config.OPEN_PATHS)
 RETRY_AFTER_S = 1
 
 

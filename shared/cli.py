@@ -7,6 +7,7 @@ the bottom of the dependency graph at import time.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import time
 
 import msgspec
 
-from shared.config import EngineConfig, FrontendConfig, HttpSettings
+from shared.config import OPEN_PATHS, EngineConfig, FrontendConfig, HttpSettings
 from shared.param_ranges import MAX_LOGPROBS, UNBOUNDED_LOGPROBS
 from shared.prometheus_dir import prepare_prometheus_dir
 from shared.speculative import (
@@ -32,6 +33,18 @@ from shared.transport import free_tcp_port, new_ipc_address
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_POSTPROC_ADDRESS = "tcp://127.0.0.1:5556"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag with a value by default states it, read from the flag's own default (a help
+    text that words its default itself says "default" and uses %(default)s where it can)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, [], "", argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,9 +66,10 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "Hub id in the local cache (default: --model's)")
     p.add_argument("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS,
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask for; "
-                        f"-1: the whole vocabulary (default: {MAX_LOGPROBS}, as vLLM)")
+                        "-1: the whole vocabulary (default: %(default)s, as vLLM)")
     p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"],
+                   help="how much the processes log")
     p.add_argument("--config", metavar="YAML",
                    help="flags from a YAML file, as vLLM's: `max_model_len: 2048`, `enforce_eager: "
                         "true`; flags on the command line win (underscores and dashes in flag "
@@ -69,7 +83,7 @@ VLLM_NOOP_FLAGS = {
     "--trust-remote-code": "sluice runs its own model code; no code from the model is loaded",
     "--enable-auto-tool-choice": "tool_choice auto works whenever --tool-call-parser is set",
     "--disable-log-stats": "the engine logs no periodic stats to disable",
-    "--disable-log-requests": "requests are not logged one by one",
+    "--disable-log-requests": "requests are logged one by one only with --enable-log-requests",
     "--disable-frontend-multiprocessing": "the frontend is always its own process",
     "--disable-fastapi-docs": "there are no /docs pages to disable",
     "--enable-prefix-caching": "prefix caching is always on",
@@ -88,7 +102,7 @@ VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
     "--quantization": (str, None, "quantization methods (awq, gptq, fp8, ...): weights load "
                        "as GGUF or safetensors and compute in --dtype"),
     "--enable-lora": (bool, False, "LoRA adapters"),
-    "--kv-cache-dtype": (str, "auto", "a KV cache dtype other than --dtype's"),
+    "--kv-cache-dtype": (str, "auto", "KV cache dtype other than --dtype's"),
     "--cpu-offload-gb": (float, 0.0, "offloading weights to CPU memory"),
     "--no-enable-prefix-caching": (bool, False, "way to turn prefix caching off (it is always "
                                    "on; a request's cache_salt keeps tenants apart)"),
@@ -108,7 +122,7 @@ def _add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
             g.add_argument(*names, action="store_true", help=f"not supported: {missing}")
         else:
             g.add_argument(*names, type=kind, default=default,
-                           help=f"only {default!r} (not supported: {missing})")
+                           help=f"only %(default)r (not supported: {missing})")
 
 
 def vllm_compat_notes(parser: argparse.ArgumentParser, args) -> list[str]:
@@ -148,7 +162,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "with native bf16 matmul (AMX, AVX512-BF16), else float32")
     g.add_argument("--device", default="auto",
                    help="torch device: auto (cuda when torch sees a GPU, else cpu), cpu, "
-                        "cuda or cuda:N (default: auto)")
+                        "cuda or cuda:N (default: %(default)s)")
     g.add_argument("--attention-backend", default="auto", type=_attention_backend,
                    help="auto, torch or flashinfer (vLLM's TORCH_SDPA and FLASHINFER too); "
                         "auto = flashinfer on CUDA when installed and the dtype is 16-bit, "
@@ -156,12 +170,12 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", "--block-size", type=int, default=16,
                    help="tokens per KV cache page (--block-size: vLLM's name)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
-                   help="memory for the KV cache on CPU, in GiB (default: 1)")
+                   help="memory for the KV cache on CPU, in GiB (default: %(default)s)")
     g.add_argument("--kv-cache-memory-bytes", type=_int_at_least(1), default=None,
                    help="the same in bytes (vLLM's name); wins over --kv-cache-memory-gb")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the GPU's memory for weights, activations and the KV "
-                        "cache, which gets what the others leave (default: 0.9)")
+                        "cache, which gets what the others leave (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     g.add_argument("--batch-invariant", action="store_true",
@@ -177,12 +191,13 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + answer in tokens (default: the model's context)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget of one step; longer prompts are prefilled in chunks")
+                   help="token budget of one step; longer prompts are prefilled in chunks "
+                        "(default: %(default)s)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="queue order: arrival, or the request's priority (lower first), then "
                         "arrival")
     g.add_argument("--max-num-seqs", type=int, default=128,
-                   help="most sequences in the running batch")
+                   help="most sequences in the running batch (default: %(default)s)")
     g.add_argument("--long-prefill-token-threshold", type=_int_at_least(0), default=None,
                    help="while other requests want to run, a prompt with more tokens left "
                         "than this is prefilled at most this many tokens a step, one such "
@@ -190,8 +205,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "0: no cap)")
     g.add_argument("--frontend-timeout", type=_seconds, default=10.0,
                    help="seconds without a heartbeat after which the engine aborts a "
-                        "frontend's requests (default: 10; 0: never)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+                        "frontend's requests (default: %(default)s; 0: never)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, one per core; under "
+                        "serve --data-parallel-size N, each engine's share of the CPUs)")
     g.add_argument("--seed", type=_seed, default=None,
                    help="seed the engine's random generators at start, so requests without "
                         "a seed of their own repeat from run to run (default: not seeded)")
@@ -277,13 +294,13 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"),
                    help="address the HTTP server binds (default: $SLUICE_HOST, else "
                         "127.0.0.1; the images set SLUICE_HOST=0.0.0.0)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="port the HTTP server listens on")
     g.add_argument("--tokenizer-threads", type=int, default=4,
-                   help="threads that render and tokenize requests")
+                   help="threads that render and tokenize requests (default: %(default)s)")
     g.add_argument("--render-timeout", type=float, default=30.0,
                    help="seconds a chat template may take to render before its request fails "
                         "with a 400 and its thread is replaced; a request that waits this "
-                        "long for a free render thread gets a 503 instead (default: 30)")
+                        "long for a free render thread gets a 503 instead (default: %(default)s)")
     g.add_argument("--chat-template", default=None,
                    help="chat template for chat requests: a file path or the Jinja text itself "
                         "(default: the tokenizer's)")
@@ -291,13 +308,13 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "string", "openai"],
                    help="how chat templates get message content: string (parts joined), "
                         "openai (a list of {type, text} parts), or auto: openai when the "
-                        "template loops over a message's content (default: auto)")
+                        "template loops over a message's content (default: %(default)s)")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let image parts name local files (file:// URLs) inside DIR; off by "
                         "default, as in vLLM: any file the server can read would be readable")
     g.add_argument("--limit-mm-per-prompt", type=_mm_limit, default=8, metavar="JSON",
                    help="most images one prompt may carry, as vLLM: '{\"image\": N}' "
-                        "(default: 8)")
+                        "(default: %(default)s)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a request's template runs "
                         "on this server's CPU; off by default)")
@@ -305,7 +322,7 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the model's thinking from its answer (default: off)")
     g.add_argument("--reasoning-field", default="reasoning_content",
                    choices=["reasoning_content", "reasoning"],
-                   help="the response field that carries thinking (default: reasoning_content, "
+                   help="the response field that carries thinking (default: %(default)s, "
                         "as DeepSeek, SGLang and llama.cpp; vLLM now says reasoning)")
     g.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
@@ -314,18 +331,18 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stored-responses", type=int, default=1000,
                    help="/v1/responses kept in this frontend's memory for GET and "
                         "previous_response_id, least recently used dropped first; 0 stores "
-                        "none (default: 1000)")
+                        "none (default: %(default)s)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for fields a request leaves out: auto, the model's "
                         "generation_config.json (beside a .gguf file too); vllm, none (the "
-                        "OpenAI defaults); a FOLDER, its generation_config.json (default: auto)")
+                        "OpenAI defaults); a FOLDER, its generation_config.json (default: %(default)s)")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="JSON laid over those defaults, e.g. '{\"temperature\": 0.5}' "
                         "(fields: temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens)")
     g.add_argument("--response-role", default="assistant", type=_role,
                    help="the role of chat completion messages when the request's "
-                        "add_generation_prompt is true (default: assistant)")
+                        "add_generation_prompt is true (default: %(default)s)")
     g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
                    metavar="JSON",
                    help="chat_template_kwargs every chat request gets, under its own, e.g. "
@@ -372,7 +389,7 @@ def _add_http_arguments(p: argparse.ArgumentParser) -> None:
                    help="TLS: CA certificates for client certificates")
     g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
                    help="TLS: client certificates: 0 none, 1 optional, 2 required "
-                        "(Python's ssl.CERT_*; default: 0)")
+                        "(Python's ssl.CERT_*; default: %(default)s)")
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="the HTTP server's own log level (default: --log-level)")
@@ -382,7 +399,7 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("frontend limits and security")
     g.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
                    help="require this key (Authorization: Bearer KEY, or x-api-key: KEY) on "
-                        "every route but /health, /metrics and /version; repeat for several "
+                        f"every route but {', '.join(OPEN_PATHS)}; repeat for several "
                         "keys; SLUICE_API_KEY adds comma-separated keys (default: none)")
     g.add_argument("--allowed-origins", nargs="+", action="extend", default=[],
                    metavar="ORIGIN",
@@ -404,8 +421,9 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may take from arrival to its last token; then it "
                         "ends with a 504 error and is aborted in the engine (default: none)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may still run while new ones "
-                        "get a 503; then the rest end with an error (default: 30)")
+                   help="on SIGTERM or SIGINT, seconds in-flight requests may still run while "
+                        "new ones get a 503; then the rest end with an error "
+                        "(default: %(default)s)")
     _add_bound_arguments(p)
 
 
@@ -426,14 +444,17 @@ def _add_bound_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("frontend bounds per request (past one: a 400 naming the field)")
     for flag, (dest, default, what) in _BOUNDS.items():
         g.add_argument(flag, type=_int_at_least(1), default=default, dest=dest,
-                       help=f"{what} (default: {default})")
+                       help=f"{what} (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sluice", description="OpenAI-compatible LLM serving: frontend, engine, postproc."
+        prog="sluice", description="OpenAI-compatible LLM serving: frontend, engine, postproc.",
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    # Every subcommand's help states its defaults the same way.
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
 
     serve = sub.add_parser(
         "serve", help="engine + frontend (+ postproc workers) on this machine (over ipc)")
@@ -442,11 +463,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(serve)
     _add_frontend_arguments(serve)
     serve.add_argument("--postproc-workers", type=int, default=0,
-                       help="postproc worker processes to start (default: 0, the frontend "
+                       help="postproc worker processes to start (default: %(default)s, the frontend "
                             "post-processes on its receiver thread)")
     serve.add_argument("--data-parallel-size", "-dp", type=_int_at_least(1), default=1,
                        help="engines to start, each on its own GPU (CUDA) or its own share "
-                            "of the CPUs, all behind the frontend (default: 1)")
+                            "of the CPUs, all behind the frontend (default: %(default)s)")
     _add_routing_argument(serve)
 
     engine = sub.add_parser("engine", help="run the engine alone")
@@ -454,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(engine)
     _add_engine_arguments(engine)
     engine.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
-                        help=f"where to bind for frontends (default: {DEFAULT_ENGINE_ADDRESS})")
+                        help="where to bind for frontends (default: %(default)s)")
     engine.add_argument("--engine-id", default=None,
                         help="this engine's name in stats, metrics and logs (default: the "
                              "hostname plus --engine-address)")
@@ -509,7 +530,7 @@ def _add_routing_argument(p: argparse.ArgumentParser) -> None:
                    default="prefix",
                    help="how a frontend picks an engine per request: prefix (the same first "
                         "prompt pages and cache_salt prefer the same engine, bounded by "
-                        "load), least-loaded or round-robin (default: prefix)")
+                        "load), least-loaded or round-robin (default: %(default)s)")
 
 
 def resolve_device(name: str) -> str:
@@ -595,10 +616,17 @@ def parse_args(argv: list[str]):
     """Parse a command line the way `main` does: vLLM spellings, --config, positional MODEL."""
     parser = build_parser()
     args = parser.parse_args(normalize_argv(argv))
-    _apply_model_tag(parser, args)
+    # Errors found after parsing print the subcommand's usage, as argparse's own do.
+    command = _subcommand_parser(parser, args.command)
+    _apply_model_tag(command, args)
     if args.command != "bench":
-        args.compat_notes = vllm_compat_notes(parser, args)
+        args.compat_notes = vllm_compat_notes(command, args)
     return args
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[name]
 
 
 def _model_names(args) -> tuple[str, list[str]]:
