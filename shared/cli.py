@@ -29,6 +29,7 @@ from shared.speculative import (
     parse_speculative_config,
 )
 from shared.speculative import FLAG as SPEC_FLAG
+from shared.startup_checks import check_startup
 from shared.transport import free_tcp_port, new_ipc_address
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5555"
@@ -335,7 +336,8 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for fields a request leaves out: auto, the model's "
                         "generation_config.json (beside a .gguf file too); vllm, none (the "
-                        "OpenAI defaults); a FOLDER, its generation_config.json (default: %(default)s)")
+                        "OpenAI defaults); a FOLDER, its generation_config.json "
+                        "(default: %(default)s)")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="JSON laid over those defaults, e.g. '{\"temperature\": 0.5}' "
                         "(fields: temperature, top_p, top_k, min_p, repetition_penalty, "
@@ -463,8 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(serve)
     _add_frontend_arguments(serve)
     serve.add_argument("--postproc-workers", type=int, default=0,
-                       help="postproc worker processes to start (default: %(default)s, the frontend "
-                            "post-processes on its receiver thread)")
+                       help="postproc worker processes to start (default: %(default)s, the "
+                            "frontend post-processes on its receiver thread)")
     serve.add_argument("--data-parallel-size", "-dp", type=_int_at_least(1), default=1,
                        help="engines to start, each on its own GPU (CUDA) or its own share "
                             "of the CPUs, all behind the frontend (default: %(default)s)")
@@ -615,9 +617,11 @@ def _apply_model_tag(parser: argparse.ArgumentParser, args) -> None:
 def parse_args(argv: list[str]):
     """Parse a command line the way `main` does: vLLM spellings, --config, positional MODEL."""
     parser = build_parser()
-    args = parser.parse_args(normalize_argv(argv))
-    # Errors found after parsing print the subcommand's usage, as argparse's own do.
+    args, unknown = parser.parse_known_args(normalize_argv(argv))
+    # Errors found after parsing print the subcommand's usage, as its own parsing errors do.
     command = _subcommand_parser(parser, args.command)
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     _apply_model_tag(command, args)
     if args.command != "bench":
         args.compat_notes = vllm_compat_notes(command, args)
@@ -772,41 +776,6 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-
-
-def check_generation_config(args) -> None:
-    """Fail at start, with the reason, on a bad --generation-config or
-    --override-generation-config (the frontend loads them again when it starts)."""
-    from shared.generation_config import load_generation_defaults
-
-    try:
-        load_generation_defaults(_model_names(args)[0], args.generation_config,
-                                 args.override_generation_config)
-    except ValueError as e:
-        raise SystemExit(f"sluice: {e}") from None
-
-
-def check_frontend_flags(args) -> None:
-    """Fail at start on frontend flags no request could be served with."""
-    from frontend.rendering import RESERVED_TEMPLATE_KWARGS
-
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(args.default_chat_template_kwargs
-                                                            or {}))
-    if reserved:
-        raise SystemExit(f"sluice: --default-chat-template-kwargs may not set "
-                         f"{', '.join(reserved)}: the server passes those itself")
-    media = args.allowed_local_media_path
-    if media is not None and not os.path.isdir(media):
-        raise SystemExit(f"sluice: --allowed-local-media-path {media}: no such folder")
-    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
-        raise SystemExit("sluice: TLS needs both --ssl-keyfile and --ssl-certfile")
-    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
-                       ("--ssl-ca-certs", args.ssl_ca_certs)):
-        if path is not None and not os.path.isfile(path):
-            raise SystemExit(f"sluice: {flag} {path}: no such file")
-    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
-        raise SystemExit(f"sluice: --root-path {args.root_path!r} must start with / and not "
-                         "end with one, e.g. /llm")
 
 
 def _serve(args) -> int:
@@ -1005,9 +974,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.log_level)
     for note in args.compat_notes:
         logging.getLogger("sluice").info("%s", note)
-    if args.command in ("serve", "frontend"):
-        check_frontend_flags(args)
-        check_generation_config(args)
+    check_startup(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "engine":
