@@ -7,6 +7,7 @@ the bottom of the dependency graph at import time.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import json
 import logging
@@ -30,7 +31,7 @@ from shared.speculative import (
 )
 from shared.speculative import FLAG as SPEC_FLAG
 from shared.startup_checks import check_startup
-from shared.transport import free_tcp_port, new_ipc_address
+from shared.transport import free_tcp_port, new_ipc_address, remove_ipc_file
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_POSTPROC_ADDRESS = "tcp://127.0.0.1:5556"
@@ -815,8 +816,12 @@ def _serve(args) -> int:
     if args.speculative_config is not None:
         engine_argv += ["--speculative-config",
                         msgspec.json.encode(args.speculative_config).decode()]
+    # serve names every ipc socket its processes bind, so it can remove their files at exit
+    # (a process that is killed leaves its socket file behind).
+    result_address = new_ipc_address("frontend")
     frontend_argv = [
-        "frontend", *common, "--engine-address", address, "--host", args.host,
+        "frontend", *common, "--engine-address", address, "--result-address", result_address,
+        "--host", args.host,
         "--port", str(args.port), "--tokenizer-threads", str(args.tokenizer_threads),
         "--render-timeout", str(args.render_timeout),
         "--max-logprobs", str(args.max_logprobs), "--response-role", args.response_role,
@@ -874,6 +879,7 @@ def _serve(args) -> int:
     for i, argv in enumerate(engine_argvs):  # vLLM's data-parallel ranks: engine-0, -1...
         argv += ["--engine-id", f"engine-{i}"]
     worker_argvs = []
+    postproc_addresses: list[str] = []
     if args.postproc_workers > 0:
         postproc_addresses = [new_ipc_address("postproc") for _ in addresses]
         for argv, postproc_address in zip(engine_argvs, postproc_addresses, strict=True):
@@ -889,19 +895,40 @@ def _serve(args) -> int:
 
     def start(argv: list[str], share=(None, None)) -> subprocess.Popen:
         env, cpus = share
-        pinning: dict = {}
-        if env is not None:
-            pinning["env"] = {**os.environ, **env}
-        if cpus:
-            pinning["preexec_fn"] = lambda: os.sched_setaffinity(0, cpus)
-        return subprocess.Popen([sys.executable, "-m", "shared.cli", *argv], **pinning)
+        return subprocess.Popen([sys.executable, "-m", "shared.cli", *argv],
+                                env=None if env is None else {**os.environ, **env},
+                                **_child_of_serve(cpus))
 
-    children = [start(engine_argvs[0], shares[0]), start(frontend_argv),
-                *(start(argv, share) for argv, share in zip(engine_argvs[1:], shares[1:],
-                                                            strict=True)),
-                *(start(argv) for argv in worker_argvs)]
-    # The frontend (children[1]) drains first, while the engines still run its requests.
-    return _supervise(children, drain_first=children[1:2], grace_s=args.shutdown_timeout + 5)
+    ipc_files = [*addresses, result_address, *postproc_addresses]
+    try:
+        children = [start(engine_argvs[0], shares[0]), start(frontend_argv),
+                    *(start(argv, share) for argv, share in zip(engine_argvs[1:], shares[1:],
+                                                                strict=True)),
+                    *(start(argv) for argv in worker_argvs)]
+        # The frontend (children[1]) drains first, while the engines still run its requests.
+        return _supervise(children, drain_first=children[1:2],
+                          grace_s=args.shutdown_timeout + 5)
+    finally:
+        for ipc in ipc_files:
+            remove_ipc_file(ipc)
+
+
+def _child_of_serve(cpus: list[int] | None) -> dict:
+    """Popen arguments for a process `serve` starts: in its own process group, so a
+    terminal's Ctrl+C reaches only `serve`, which stops its children in order (the frontend
+    drains while the engines still run its requests); and dying with `serve`, should it be
+    killed outright (Linux's parent-death signal)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def in_child() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return {"process_group": 0, "preexec_fn": in_child}
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _engine_shares(args, n: int) -> list[tuple[dict | None, list[int] | None]]:
@@ -931,31 +958,42 @@ def _engine_shares(args, n: int) -> list[tuple[dict | None, list[int] | None]]:
 
 def _supervise(children: list[subprocess.Popen],
                drain_first: list[subprocess.Popen] | None = None, grace_s: float = 10) -> int:
-    stopping = False
+    """Watch the children; on a signal (or one child's exit) stop them: `drain_first` gets
+    the very signal serve got (its log names it) and may drain, then the others stop. A
+    second signal goes straight to `drain_first`, which then exits at once."""
+    drain_first = drain_first or []
+    received: list[int] = []
 
-    def stop(signum, frame):
-        nonlocal stopping
-        stopping = True
+    def on_signal(signum, frame):
+        received.append(signum)
+        if len(received) > 1:
+            for child in drain_first:
+                if child.poll() is None:
+                    child.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     code = 0
-    while not stopping:
+    while not received:
         exited = [c for c in children if c.poll() is not None]
         if exited:
             code = exited[0].returncode or 1
             break
         time.sleep(0.2)
-    drain_first = drain_first or []
-    _stop(drain_first, grace_s)
+    if received:
+        logging.getLogger("sluice").info(
+            "%s: stopping (the frontend drains, then the engines stop)",
+            signal.Signals(received[0]).name)
+    _stop(drain_first, grace_s, received[0] if received else signal.SIGTERM)
     _stop([c for c in children if c not in drain_first], 10)
     return code
 
 
-def _stop(children: list[subprocess.Popen], timeout_s: float) -> None:
+def _stop(children: list[subprocess.Popen], timeout_s: float,
+          signum: int = signal.SIGTERM) -> None:
     for child in children:
         if child.poll() is None:
-            child.terminate()
+            child.send_signal(signum)
     for child in children:
         try:
             child.wait(timeout=timeout_s)

@@ -94,7 +94,7 @@ def test_serve_forwards_the_positional_model_and_auto_device(monkeypatch):
     started = []
 
     class Child:
-        def __init__(self, argv):
+        def __init__(self, argv, **kwargs):
             started.append(argv)
 
     monkeypatch.setattr(cli.subprocess, "Popen", Child)
@@ -157,7 +157,7 @@ def test_seed_reaches_the_engine_and_serve_forwards_it(monkeypatch):
     assert cli.engine_config(args, "ipc:///tmp/x").seed == 7
     assert cli.engine_config(cli.parse_args(["engine"]), "ipc:///tmp/x").seed is None
     started = []
-    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv: started.append(argv))
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv, **kwargs: started.append(argv))
     monkeypatch.setattr(cli, "_supervise", lambda *a, **k: 0)
     monkeypatch.setattr(cli, "prepare_prometheus_dir", lambda: None)
     cli._serve(cli.parse_args(["serve", "--seed", "0"]))
