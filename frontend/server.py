@@ -19,7 +19,7 @@ from frontend.metrics import process_exiting
 from frontend.multimodal import load_vision_processor
 from frontend.readiness import Readiness
 from frontend.rendering import TemplateSettings, load_chat_template
-from frontend.request_log import RequestLog
+from frontend.request_log import RequestLog, log_requests
 from frontend.serving_context import OutputSettings, ServingContext
 from frontend.structured import StructuredSettings
 from frontend.tokenization import InputSettings, Tokenization
@@ -93,6 +93,7 @@ def run_frontend(config: FrontendConfig) -> None:
         routing=config.routing,
     )
     client.tracker.request_timeout_s = config.request_timeout_s
+    log_requests(config.log_requests)
     if config.log_requests:
         client.tracker.request_log = RequestLog(outputs=config.log_outputs)
     defaults = load_generation_defaults(config.model, config.generation_config,
