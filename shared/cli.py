@@ -169,13 +169,13 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto, torch or flashinfer (vLLM's TORCH_SDPA and FLASHINFER too); "
                         "auto = flashinfer on CUDA when installed and the dtype is 16-bit, "
                         "else torch (the engine logs which and why)")
-    g.add_argument("--page-size", "--block-size", type=int, default=16,
+    g.add_argument("--page-size", "--block-size", type=_int_at_least(1), default=16,
                    help="tokens per KV cache page (--block-size: vLLM's name)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+    g.add_argument("--kv-cache-memory-gb", type=_positive_number, default=1.0,
                    help="memory for the KV cache on CPU, in GiB (default: %(default)s)")
     g.add_argument("--kv-cache-memory-bytes", type=_int_at_least(1), default=None,
                    help="the same in bytes (vLLM's name); wins over --kv-cache-memory-gb")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    g.add_argument("--gpu-memory-utilization", type=_share, default=0.9,
                    help="CUDA: share of the GPU's memory for weights, activations and the KV "
                         "cache, which gets what the others leave (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true",
@@ -187,18 +187,19 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "or prefix-cache hit (kernels with one fixed sum order per row; CPU "
                         "float32/bfloat16; see docs/batch-invariance.md for the cost; "
                         "default: on when VLLM_BATCH_INVARIANT=1, as vLLM)")
-    g.add_argument("--num-kv-pages", "--num-gpu-blocks-override", type=int, default=None,
+    g.add_argument("--num-kv-pages", "--num-gpu-blocks-override", type=_int_at_least(1),
+                   default=None,
                    help="exact number of KV pages (overrides --kv-cache-memory-gb; "
                         "--num-gpu-blocks-override: vLLM's name)")
-    g.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--max-model-len", type=_int_at_least(1), default=None,
                    help="longest prompt + answer in tokens (default: the model's context)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+    g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=512,
                    help="token budget of one step; longer prompts are prefilled in chunks "
                         "(default: %(default)s)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="queue order: arrival, or the request's priority (lower first), then "
                         "arrival")
-    g.add_argument("--max-num-seqs", type=int, default=128,
+    g.add_argument("--max-num-seqs", type=_int_at_least(1), default=128,
                    help="most sequences in the running batch (default: %(default)s)")
     g.add_argument("--long-prefill-token-threshold", type=_int_at_least(0), default=None,
                    help="while other requests want to run, a prompt with more tokens left "
@@ -208,7 +209,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--frontend-timeout", type=_seconds, default=10.0,
                    help="seconds without a heartbeat after which the engine aborts a "
                         "frontend's requests (default: %(default)s; 0: never)")
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=_int_at_least(1), default=None,
                    help="torch CPU threads (default: torch's choice, one per core; under "
                         "serve --data-parallel-size N, each engine's share of the CPUs)")
     g.add_argument("--seed", type=_seed, default=None,
@@ -280,6 +281,44 @@ def _int_at_least(low: int):
     return parse
 
 
+def _int_in(low: int, high: int):
+    """An argparse type: an integer in [low, high]."""
+    at_least = _int_at_least(low)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{value} is above the maximum, {high}")
+        return value
+    return parse
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (a size, or a timeout that can pass)."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not above 0")
+    return value
+
+
+def _share(text: str) -> float:
+    """An argparse type: a share in (0, 1]."""
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a finite, non-negative number of seconds."""
     try:
@@ -296,10 +335,11 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"),
                    help="address the HTTP server binds (default: $SLUICE_HOST, else "
                         "127.0.0.1; the images set SLUICE_HOST=0.0.0.0)")
-    g.add_argument("--port", type=int, default=8000, help="port the HTTP server listens on")
-    g.add_argument("--tokenizer-threads", type=int, default=4,
+    g.add_argument("--port", type=_int_in(0, 65535), default=8000,
+                   help="port the HTTP server listens on")
+    g.add_argument("--tokenizer-threads", type=_int_at_least(1), default=4,
                    help="threads that render and tokenize requests (default: %(default)s)")
-    g.add_argument("--render-timeout", type=float, default=30.0,
+    g.add_argument("--render-timeout", type=_positive_number, default=30.0,
                    help="seconds a chat template may take to render before its request fails "
                         "with a 400 and its thread is replaced; a request that waits this "
                         "long for a free render thread gets a 503 instead (default: %(default)s)")
@@ -330,7 +370,7 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
                    help="turn the model's tool-call syntax into tool_calls (default: off; "
                         "tools are then only accepted with tool_choice none)")
-    g.add_argument("--max-stored-responses", type=int, default=1000,
+    g.add_argument("--max-stored-responses", type=_int_at_least(0), default=1000,
                    help="/v1/responses kept in this frontend's memory for GET and "
                         "previous_response_id, least recently used dropped first; 0 stores "
                         "none (default: %(default)s)")
@@ -414,16 +454,17 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="HEADER", help="CORS: allowed request headers (default: *)")
     g.add_argument("--allow-credentials", action="store_true",
                    help="CORS: let browsers send cookies and authorization headers")
-    g.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
+    g.add_argument("--max-request-body-bytes", type=_int_at_least(1), default=32 * 2**20,
                    help="larger request bodies get a 413 (default: 32 MiB)")
-    g.add_argument("--max-queued-requests", "--max-num-queued-reqs", type=int, default=None,
+    g.add_argument("--max-queued-requests", "--max-num-queued-reqs", type=_int_at_least(1),
+                   default=None,
                    help="requests this frontend has accepted that have not started generating; "
                         "beyond it new ones get a 503 with Retry-After (default: no cap; "
                         "--max-num-queued-reqs: vLLM's name, counted per frontend here)")
-    g.add_argument("--request-timeout", type=float, default=None,
+    g.add_argument("--request-timeout", type=_positive_number, default=None,
                    help="seconds a request may take from arrival to its last token; then it "
                         "ends with a 504 error and is aborted in the engine (default: none)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+    g.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="on SIGTERM or SIGINT, seconds in-flight requests may still run while "
                         "new ones get a 503; then the rest end with an error "
                         "(default: %(default)s)")
@@ -465,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(serve)
     _add_engine_arguments(serve)
     _add_frontend_arguments(serve)
-    serve.add_argument("--postproc-workers", type=int, default=0,
+    serve.add_argument("--postproc-workers", type=_int_at_least(0), default=0,
                        help="postproc worker processes to start (default: %(default)s, the "
                             "frontend post-processes on its receiver thread)")
     serve.add_argument("--data-parallel-size", "-dp", type=_int_at_least(1), default=1,

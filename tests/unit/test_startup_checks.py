@@ -113,3 +113,31 @@ def test_a_refused_vllm_flag_prints_the_subcommands_usage():
         assert done.returncode == 2
         assert done.stderr.startswith(f"usage: sluice {argv[0]} ")
         assert f"sluice {argv[0]}: error: " in done.stderr and says in done.stderr
+
+
+@pytest.mark.parametrize("flag, bad, good", [
+    ("--port", ["-1", "65536", "80.5"], ["0", "65535"]),
+    ("--page-size", ["0", "x"], ["1"]),
+    ("--max-num-batched-tokens", ["0"], ["1"]),
+    ("--max-num-seqs", ["0"], ["1"]),
+    ("--tokenizer-threads", ["0"], ["1"]),
+    ("--threads", ["0"], ["1"]),
+    ("--num-kv-pages", ["0"], ["1"]),
+    ("--max-model-len", ["0"], ["1"]),
+    ("--postproc-workers", ["-1"], ["0"]),
+    ("--max-stored-responses", ["-1"], ["0"]),
+    ("--max-request-body-bytes", ["0"], ["1"]),
+    ("--max-queued-requests", ["0"], ["1"]),
+    ("--kv-cache-memory-gb", ["0", "-1", "nan", "inf"], ["0.001"]),
+    ("--gpu-memory-utilization", ["0", "1.01", "nan"], ["0.01", "1"]),
+    ("--render-timeout", ["0", "inf"], ["0.1"]),
+    ("--request-timeout", ["0", "-1"], ["0.1"]),
+    ("--shutdown-timeout", ["-1", "inf"], ["0"]),
+])
+def test_numbers_no_process_could_run_with_stop_the_parse(flag, bad, good, capsys):
+    for value in bad:
+        with pytest.raises(SystemExit):
+            cli.parse_args(["serve", f"{flag}={value}"])
+        assert f"argument {flag}" in capsys.readouterr().err
+    for value in good:
+        cli.parse_args(["serve", f"{flag}={value}"])
