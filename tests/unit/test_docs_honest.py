@@ -144,5 +144,11 @@ def test_every_route_is_in_the_docs():
     assert not missing, f"routes README.md and docs/ never name: {missing}"
 
 
+def test_the_open_routes_are_routes():
+    from shared.config import OPEN_PATHS
+
+    assert set(OPEN_PATHS) <= _route_table()
+
+
 def test_not_routes_are_not_routes():
     assert not _route_table() & set(NOT_ROUTES)
