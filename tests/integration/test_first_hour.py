@@ -177,7 +177,9 @@ def test_ctrl_c_drains_names_sigint_and_leaves_no_socket_files(first_hour):
     assert proc.popen.wait(60) == 0
     log = proc.log()
     assert "sluice: SIGINT: stopping" in log and "sluice.frontend: SIGINT: draining" in log
-    assert "SIGTERM" not in log and "Traceback" not in log, log
+    # Nothing alarming on the way out (the grammar checker's pool warned of leaked
+    # semaphores on every stop).
+    assert "SIGTERM" not in log and "Traceback" not in log and "leaked" not in log, log
     assert not [s for s in sockets if os.path.exists(s)]
 
 
