@@ -2,7 +2,9 @@
 model and its weights, how many KV pages fit, and the EngineCore that ties them together.
 
 `engine.server.run_engine` calls `build_engine` before it opens any socket; benchmarks and
-tests call it to get a core without the process around it."""
+tests call it to get a core without the process around it. What only the loaded model can
+tell (the KV cache holding one sequence, kernels the weights need) stops it the way the
+start-up checks do: one `sluice: ...` line (`shared.startup_checks.StartupError`)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from engine.models.weights import load_quantized_weights, load_weights
 from engine.scheduler import Scheduler
 from engine.spec_decode import Drafter
 from shared.config import EngineConfig
+from shared.startup_checks import StartupError
 from shared.tokenizer import load_tokenizer, tokenizer_facts
 
 log = logging.getLogger("sluice.engine")
@@ -78,7 +81,7 @@ def gpu_kv_pages(
     if config.num_pages is not None:
         return config.num_pages
     if not 0 < config.gpu_memory_utilization <= 1:
-        raise SystemExit(
+        raise StartupError(
             f"--gpu-memory-utilization must lie in (0, 1], not {config.gpu_memory_utilization}"
         )
     torch.cuda.empty_cache()
@@ -92,7 +95,7 @@ def _check_cache_holds(num_pages: int, config: EngineConfig, max_model_len: int)
     if num_pages * config.page_size < max_model_len:
         more = ("raise --gpu-memory-utilization" if config.device.startswith("cuda")
                 else "give it more memory")
-        raise SystemExit(
+        raise StartupError(
             f"the KV cache ({num_pages} pages of {config.page_size} tokens) cannot hold one "
             f"sequence of max_model_len={max_model_len}; {more} or lower --max-model-len"
         )
@@ -130,7 +133,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     try:
         choice = select_attention_backend(config.attention_backend, device, dtype)
     except BackendUnavailable as exc:
-        raise SystemExit(str(exc)) from None
+        raise StartupError(str(exc)) from None
     log.info("attention backend: %s (%s)", choice.name, choice.reason)
     model_config = load_model_config(config.model)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -145,13 +148,13 @@ def build_engine(config: EngineConfig) -> EngineCore:
     try:
         ops = make_ops(choice.name, device, config.batch_invariant)
     except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+        raise StartupError(str(exc)) from None
     quantized = load_quantized_weights(config.model, model_config) if device.type == "cpu" else {}
     try:
         model = LlamaModel(model_config, weights, max_model_len, dtype, device, ops=ops,
                            quantized=quantized)
     except ValueError as exc:  # a weight the batch-invariant kernels cannot take
-        raise SystemExit(str(exc)) from None
+        raise StartupError(str(exc)) from None
     del weights
     vision = None
     if model_config.multimodal == "idefics3":  # the vision half; the text half is ours
@@ -169,7 +172,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
                                            config.page_size, dtype, device,
                                            config.batch_invariant)
     except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+        raise StartupError(str(exc)) from None
     # Graphs replay decode batches padded to captured sizes through the decode-only plan;
     # the batch-invariant mode plans every row alike and runs eagerly.
     if choice.name == "flashinfer" and not (config.enforce_eager or config.batch_invariant):

@@ -111,7 +111,7 @@ class EngineServer:
         for t in threads:
             t.start()
         bound.wait()
-        log.info("engine ready on %s (id %s)", self.request_address, self.core.engine_id)
+        log.info("engine listening on %s (id %s)", self.request_address, self.core.engine_id)
         try:
             self._busy_loop()
         finally:

@@ -28,13 +28,17 @@ class _NullMeansDefault(msgspec.Struct):
         cls = type(self)
         defaults = _NULL_DEFAULTS.get(cls)
         if defaults is None:
+            # A mutable default (`= []`) is a factory: each request gets its own.
             defaults = _NULL_DEFAULTS[cls] = tuple(
-                (f.name, f.default) for f in msgspec.structs.fields(cls)
-                if f.default is not msgspec.NODEFAULT and f.default is not None
+                (f.name, f.default_factory if f.default is msgspec.NODEFAULT
+                 else lambda default=f.default: default)
+                for f in msgspec.structs.fields(cls)
+                if f.default_factory is not msgspec.NODEFAULT
+                or (f.default is not msgspec.NODEFAULT and f.default is not None)
             )
         for name, default in defaults:
             if getattr(self, name) is None:
-                setattr(self, name, default)
+                setattr(self, name, default())
 
 
 class StreamOptions(_NullMeansDefault, forbid_unknown_fields=True):
@@ -133,12 +137,12 @@ class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     top_k: int | None = None
     min_p: float | None = None  # None: left out (the model's default, else 0)
     repetition_penalty: float | None = None  # None: left out (the model's default, else 1)
-    min_tokens: int = 0
-    ignore_eos: bool = False
+    min_tokens: int | None = 0
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None  # default: left (keep the end)
     prompt_token_ids: list[int] | str | None = None
@@ -150,7 +154,7 @@ class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     # OpenAI's chat field; vLLM takes it on completions too.
     response_format: ResponseFormat | None = None
     cache_salt: str | None = None
-    priority: int = 0
+    priority: int | None = 0
     request_id: str | None = None
     allowed_token_ids: list[int] | None = None  # only these may be generated (vLLM's)
     bad_words: list[str] | None = None  # words that must not be generated (vLLM's)
@@ -160,7 +164,7 @@ class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[ChatMessage] = []  # required unless prompt_token_ids is given
+    messages: list[ChatMessage] | None = []  # required unless prompt_token_ids is given
     # vLLM's: the tokenizer's special tokens (BOS) on top of what the template writes.
     add_special_tokens: bool | None = False
     # vLLM's: after this many thinking tokens the reasoning parser's end tag is written.
@@ -189,8 +193,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     prompt_cache_options: Any = None
     prompt_cache_retention: str | None = None
     # vLLM-compatible chat extensions
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = False
@@ -205,7 +209,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = True
 
 
 class TokenizeRequest(_NullMeansDefault, forbid_unknown_fields=True, kw_only=True):

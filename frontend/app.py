@@ -30,6 +30,7 @@ from frontend.input_bounds import RequestLimits, json_depth_error
 from frontend.json_depth import TooDeep, check_depth
 from frontend.limits import Admission, AdmissionMiddleware, BodyLimitMiddleware
 from frontend.metrics import metrics_registry, render
+from frontend.readiness import Readiness
 from frontend.responses_models import InputTokensRequest, ResponsesRequest
 from frontend.serving_context import ServingContext, check_model
 from postproc.openai_shapes import ModelCard, ModelList
@@ -166,10 +167,13 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     async def _decode_body(request: Request, body_type):
         return await _decode(request, body_type, limits.max_json_depth)
 
+    readiness = Readiness(ctx.client, admission)
+
     async def health(request: Request) -> Response:
         # 503 while draining too, so balancers stop sending before the frontend goes.
-        ready = ctx.client.engine_alive and not admission.draining
-        return Response(status_code=200 if ready else 503)
+        if readiness.ready:
+            return Response(status_code=200)
+        return Response(status_code=503, headers=readiness.not_ready_headers())
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": VERSION})
@@ -310,6 +314,7 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         middleware=_middleware(config, admission),
     )
     app.state.admission = admission  # the drain on SIGTERM (frontend.server) flips it
+    app.state.readiness = readiness  # frontend.server announces it
     return app
 
 

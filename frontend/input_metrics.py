@@ -1,7 +1,8 @@
 """Input-side visibility (req L-4): prompt sizes and truncation, as metrics and a log line.
 
 Truncation cuts what the model sees without failing the request, so it must be counted
-somewhere a person looks; each accepted prompt also gets one INFO line on `sluice.requests`.
+somewhere a person looks; with --enable-log-requests each accepted prompt also gets one INFO
+line on `sluice.requests` (`frontend.request_log.log_requests`).
 The names carry `input_` so they cannot collide with the engine-side request histograms
 (req L-3, e.g. `sluice:request_prompt_tokens`).
 """

@@ -20,12 +20,15 @@ import msgspec
 
 from frontend import request_metrics as m
 from frontend.errors import APIError, error_response, route_path
+from shared import config as shared_config
 
 log = logging.getLogger("sluice.frontend")
 
-# Routes that answer without a key and while draining: probes and scrapes.
-OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version", "/openapi.json"})
+OPEN_PATHS = frozenset(shared_config.OPEN_PATHS)
 RETRY_AFTER_S = 1
+# A draining frontend's 503s, /health's included: retry in a second, on a new connection
+# (the balancer sends it to another replica).
+DRAINING_HEADERS = {"Connection": "close", "Retry-After": str(RETRY_AFTER_S)}
 
 
 async def reject(scope, receive, send, error: APIError, reason: str, headers=None) -> None:
@@ -74,8 +77,7 @@ class AdmissionMiddleware:
         admission = self.admission
         if admission.draining:
             error = APIError(503, "The server is shutting down; send the request elsewhere.")
-            return await reject(scope, receive, send, error, "draining",
-                                {"Connection": "close", "Retry-After": str(RETRY_AFTER_S)})
+            return await reject(scope, receive, send, error, "draining", DRAINING_HEADERS)
         ticket = token = None
         if scope["method"] == "POST":
             if admission.full():

@@ -17,6 +17,12 @@ from shared.protocol import EngineRequest, TextFrame
 
 log = logging.getLogger("sluice.requests")
 
+
+def log_requests(enabled: bool) -> None:
+    """Every per-request line (these, and the input side's) only when asked for, as in vLLM:
+    a server under load would otherwise log a line per request by default."""
+    log.setLevel(logging.INFO if enabled else logging.WARNING)
+
 # Output text kept per request for --enable-log-outputs; longer answers are logged cut.
 MAX_LOGGED_OUTPUT_CHARS = 4096
 

@@ -7,6 +7,7 @@ import logging
 import signal
 import time
 
+import msgspec
 import uvicorn
 
 from frontend.app import build_app
@@ -16,8 +17,9 @@ from frontend.limits import Admission, drain
 from frontend.media import MediaSettings
 from frontend.metrics import process_exiting
 from frontend.multimodal import load_vision_processor
+from frontend.readiness import Readiness
 from frontend.rendering import TemplateSettings, load_chat_template
-from frontend.request_log import RequestLog
+from frontend.request_log import RequestLog, log_requests
 from frontend.serving_context import OutputSettings, ServingContext
 from frontend.structured import StructuredSettings
 from frontend.tokenization import InputSettings, Tokenization
@@ -91,6 +93,7 @@ def run_frontend(config: FrontendConfig) -> None:
         routing=config.routing,
     )
     client.tracker.request_timeout_s = config.request_timeout_s
+    log_requests(config.log_requests)
     if config.log_requests:
         client.tracker.request_log = RequestLog(outputs=config.log_outputs)
     defaults = load_generation_defaults(config.model, config.generation_config,
@@ -125,8 +128,6 @@ def run_frontend(config: FrontendConfig) -> None:
     http = config.http
     where = (f"unix:{http.uds}" if http.uds else
              f"{'https' if http.ssl_certfile else 'http'}://{config.host}:{config.port}")
-    log.info("frontend on %s%s (engines %s, routing %s)", where, http.root_path,
-             client.engine_address, config.routing)
     server = DrainingServer(
         uvicorn.Config(
             app,
@@ -147,6 +148,9 @@ def run_frontend(config: FrontendConfig) -> None:
             timeout_graceful_shutdown=5,
         ),
         app.state.admission, client, config.shutdown_timeout_s,
+        Announcement(app.state.readiness, where + http.root_path, config.served_model_name,
+                     f"engines {', '.join(config.engine_addresses or [config.engine_address])}, "
+                     f"routing {config.routing}"),
     )
     try:
         server.run()
@@ -154,21 +158,48 @@ def run_frontend(config: FrontendConfig) -> None:
         process_exiting()
 
 
+class Announcement(msgspec.Struct):
+    """What the frontend says about itself: where it listens, what it serves, and where its
+    engines are (`frontend.readiness` says when it is ready)."""
+
+    readiness: Readiness
+    url: str
+    model: str
+    engines: str
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, but the first SIGTERM/SIGINT drains (new requests 503, in-flight ones finish
-    for up to shutdown_timeout_s) before the usual shutdown; a second one exits at once."""
+    for up to shutdown_timeout_s) before the usual shutdown; a second one exits at once.
+    It says "ready" only when a request would be served (`frontend.readiness`), not when the
+    socket is bound, as uvicorn's "running on" line did (requests got 503s for a while)."""
 
     def __init__(self, config: uvicorn.Config, admission: Admission, client: EngineClient,
-                 shutdown_timeout_s: float) -> None:
+                 shutdown_timeout_s: float, announcement: Announcement) -> None:
         super().__init__(config)
         self.admission = admission
         self.client = client
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.announcement = announcement
         self._drain: asyncio.Task | None = None
+        self._announcer: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self.started:
+            a = self.announcement
+            self._announcer = asyncio.ensure_future(a.readiness.announce(a.url, a.model))
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._announcer is not None:
+            self._announcer.cancel()
+        await super().shutdown(sockets)
+
+    def _log_started_message(self, listeners) -> None:
+        a = self.announcement
+        log.info("frontend listening on %s (%s); ready once an engine answers", a.url,
+                 a.engines)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.admission.draining or not hasattr(self, "_loop") or not self.started:

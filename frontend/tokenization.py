@@ -345,3 +345,6 @@ class Tokenization:
 
     def shutdown(self) -> None:
         self.workers.shutdown(wait=False)
+        checker = self.settings.structured.checker
+        if checker is not None:  # its worker process, so none outlives the frontend
+            checker.close()

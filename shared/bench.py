@@ -437,8 +437,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-requests", type=_positive_int, help="timed requests (default: 4 x concurrency)"
     )
-    parser.add_argument("--max-tokens", type=_positive_int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=_positive_int, default=128,
+                        help="max_tokens of every request")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="temperature of every request")
     parser.add_argument(
         "--ignore-eos",
         action="store_true",

@@ -7,6 +7,8 @@ the bottom of the dependency graph at import time.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
 import logging
 import os
@@ -18,7 +20,7 @@ import time
 
 import msgspec
 
-from shared.config import EngineConfig, FrontendConfig, HttpSettings
+from shared.config import OPEN_PATHS, EngineConfig, FrontendConfig, HttpSettings
 from shared.param_ranges import MAX_LOGPROBS, UNBOUNDED_LOGPROBS
 from shared.prometheus_dir import prepare_prometheus_dir
 from shared.speculative import (
@@ -28,10 +30,23 @@ from shared.speculative import (
     parse_speculative_config,
 )
 from shared.speculative import FLAG as SPEC_FLAG
-from shared.transport import free_tcp_port, new_ipc_address
+from shared.startup_checks import check_startup
+from shared.transport import free_tcp_port, new_ipc_address, remove_ipc_file
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_POSTPROC_ADDRESS = "tcp://127.0.0.1:5556"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag with a value by default states it, read from the flag's own default (a help
+    text that words its default itself says "default" and uses %(default)s where it can)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, [], "", argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,9 +68,10 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "Hub id in the local cache (default: --model's)")
     p.add_argument("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS,
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask for; "
-                        f"-1: the whole vocabulary (default: {MAX_LOGPROBS}, as vLLM)")
+                        "-1: the whole vocabulary (default: %(default)s, as vLLM)")
     p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"],
+                   help="how much the processes log")
     p.add_argument("--config", metavar="YAML",
                    help="flags from a YAML file, as vLLM's: `max_model_len: 2048`, `enforce_eager: "
                         "true`; flags on the command line win (underscores and dashes in flag "
@@ -69,7 +85,7 @@ VLLM_NOOP_FLAGS = {
     "--trust-remote-code": "sluice runs its own model code; no code from the model is loaded",
     "--enable-auto-tool-choice": "tool_choice auto works whenever --tool-call-parser is set",
     "--disable-log-stats": "the engine logs no periodic stats to disable",
-    "--disable-log-requests": "requests are not logged one by one",
+    "--disable-log-requests": "requests are logged one by one only with --enable-log-requests",
     "--disable-frontend-multiprocessing": "the frontend is always its own process",
     "--disable-fastapi-docs": "there are no /docs pages to disable",
     "--enable-prefix-caching": "prefix caching is always on",
@@ -88,7 +104,7 @@ VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
     "--quantization": (str, None, "quantization methods (awq, gptq, fp8, ...): weights load "
                        "as GGUF or safetensors and compute in --dtype"),
     "--enable-lora": (bool, False, "LoRA adapters"),
-    "--kv-cache-dtype": (str, "auto", "a KV cache dtype other than --dtype's"),
+    "--kv-cache-dtype": (str, "auto", "KV cache dtype other than --dtype's"),
     "--cpu-offload-gb": (float, 0.0, "offloading weights to CPU memory"),
     "--no-enable-prefix-caching": (bool, False, "way to turn prefix caching off (it is always "
                                    "on; a request's cache_salt keeps tenants apart)"),
@@ -108,7 +124,7 @@ def _add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
             g.add_argument(*names, action="store_true", help=f"not supported: {missing}")
         else:
             g.add_argument(*names, type=kind, default=default,
-                           help=f"only {default!r} (not supported: {missing})")
+                           help=f"only %(default)r (not supported: {missing})")
 
 
 def vllm_compat_notes(parser: argparse.ArgumentParser, args) -> list[str]:
@@ -148,20 +164,20 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "with native bf16 matmul (AMX, AVX512-BF16), else float32")
     g.add_argument("--device", default="auto",
                    help="torch device: auto (cuda when torch sees a GPU, else cpu), cpu, "
-                        "cuda or cuda:N (default: auto)")
+                        "cuda or cuda:N (default: %(default)s)")
     g.add_argument("--attention-backend", default="auto", type=_attention_backend,
                    help="auto, torch or flashinfer (vLLM's TORCH_SDPA and FLASHINFER too); "
                         "auto = flashinfer on CUDA when installed and the dtype is 16-bit, "
                         "else torch (the engine logs which and why)")
-    g.add_argument("--page-size", "--block-size", type=int, default=16,
+    g.add_argument("--page-size", "--block-size", type=_int_at_least(1), default=16,
                    help="tokens per KV cache page (--block-size: vLLM's name)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
-                   help="memory for the KV cache on CPU, in GiB (default: 1)")
+    g.add_argument("--kv-cache-memory-gb", type=_positive_number, default=1.0,
+                   help="memory for the KV cache on CPU, in GiB (default: %(default)s)")
     g.add_argument("--kv-cache-memory-bytes", type=_int_at_least(1), default=None,
                    help="the same in bytes (vLLM's name); wins over --kv-cache-memory-gb")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    g.add_argument("--gpu-memory-utilization", type=_share, default=0.9,
                    help="CUDA: share of the GPU's memory for weights, activations and the KV "
-                        "cache, which gets what the others leave (default: 0.9)")
+                        "cache, which gets what the others leave (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     g.add_argument("--batch-invariant", action="store_true",
@@ -171,18 +187,20 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "or prefix-cache hit (kernels with one fixed sum order per row; CPU "
                         "float32/bfloat16; see docs/batch-invariance.md for the cost; "
                         "default: on when VLLM_BATCH_INVARIANT=1, as vLLM)")
-    g.add_argument("--num-kv-pages", "--num-gpu-blocks-override", type=int, default=None,
+    g.add_argument("--num-kv-pages", "--num-gpu-blocks-override", type=_int_at_least(1),
+                   default=None,
                    help="exact number of KV pages (overrides --kv-cache-memory-gb; "
                         "--num-gpu-blocks-override: vLLM's name)")
-    g.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--max-model-len", type=_int_at_least(1), default=None,
                    help="longest prompt + answer in tokens (default: the model's context)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget of one step; longer prompts are prefilled in chunks")
+    g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=512,
+                   help="token budget of one step; longer prompts are prefilled in chunks "
+                        "(default: %(default)s)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="queue order: arrival, or the request's priority (lower first), then "
                         "arrival")
-    g.add_argument("--max-num-seqs", type=int, default=128,
-                   help="most sequences in the running batch")
+    g.add_argument("--max-num-seqs", type=_int_at_least(1), default=128,
+                   help="most sequences in the running batch (default: %(default)s)")
     g.add_argument("--long-prefill-token-threshold", type=_int_at_least(0), default=None,
                    help="while other requests want to run, a prompt with more tokens left "
                         "than this is prefilled at most this many tokens a step, one such "
@@ -190,8 +208,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "0: no cap)")
     g.add_argument("--frontend-timeout", type=_seconds, default=10.0,
                    help="seconds without a heartbeat after which the engine aborts a "
-                        "frontend's requests (default: 10; 0: never)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+                        "frontend's requests (default: %(default)s; 0: never)")
+    g.add_argument("--threads", type=_int_at_least(1), default=None,
+                   help="torch CPU threads (default: torch's choice, one per core; under "
+                        "serve --data-parallel-size N, each engine's share of the CPUs)")
     g.add_argument("--seed", type=_seed, default=None,
                    help="seed the engine's random generators at start, so requests without "
                         "a seed of their own repeat from run to run (default: not seeded)")
@@ -261,6 +281,44 @@ def _int_at_least(low: int):
     return parse
 
 
+def _int_in(low: int, high: int):
+    """An argparse type: an integer in [low, high]."""
+    at_least = _int_at_least(low)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{value} is above the maximum, {high}")
+        return value
+    return parse
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (a size, or a timeout that can pass)."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not above 0")
+    return value
+
+
+def _share(text: str) -> float:
+    """An argparse type: a share in (0, 1]."""
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a finite, non-negative number of seconds."""
     try:
@@ -277,13 +335,14 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"),
                    help="address the HTTP server binds (default: $SLUICE_HOST, else "
                         "127.0.0.1; the images set SLUICE_HOST=0.0.0.0)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--tokenizer-threads", type=int, default=4,
-                   help="threads that render and tokenize requests")
-    g.add_argument("--render-timeout", type=float, default=30.0,
+    g.add_argument("--port", type=_int_in(0, 65535), default=8000,
+                   help="port the HTTP server listens on")
+    g.add_argument("--tokenizer-threads", type=_int_at_least(1), default=4,
+                   help="threads that render and tokenize requests (default: %(default)s)")
+    g.add_argument("--render-timeout", type=_positive_number, default=30.0,
                    help="seconds a chat template may take to render before its request fails "
                         "with a 400 and its thread is replaced; a request that waits this "
-                        "long for a free render thread gets a 503 instead (default: 30)")
+                        "long for a free render thread gets a 503 instead (default: %(default)s)")
     g.add_argument("--chat-template", default=None,
                    help="chat template for chat requests: a file path or the Jinja text itself "
                         "(default: the tokenizer's)")
@@ -291,13 +350,13 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "string", "openai"],
                    help="how chat templates get message content: string (parts joined), "
                         "openai (a list of {type, text} parts), or auto: openai when the "
-                        "template loops over a message's content (default: auto)")
+                        "template loops over a message's content (default: %(default)s)")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let image parts name local files (file:// URLs) inside DIR; off by "
                         "default, as in vLLM: any file the server can read would be readable")
     g.add_argument("--limit-mm-per-prompt", type=_mm_limit, default=8, metavar="JSON",
                    help="most images one prompt may carry, as vLLM: '{\"image\": N}' "
-                        "(default: 8)")
+                        "(default: %(default)s)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a request's template runs "
                         "on this server's CPU; off by default)")
@@ -305,27 +364,28 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the model's thinking from its answer (default: off)")
     g.add_argument("--reasoning-field", default="reasoning_content",
                    choices=["reasoning_content", "reasoning"],
-                   help="the response field that carries thinking (default: reasoning_content, "
+                   help="the response field that carries thinking (default: %(default)s, "
                         "as DeepSeek, SGLang and llama.cpp; vLLM now says reasoning)")
     g.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
                    help="turn the model's tool-call syntax into tool_calls (default: off; "
                         "tools are then only accepted with tool_choice none)")
-    g.add_argument("--max-stored-responses", type=int, default=1000,
+    g.add_argument("--max-stored-responses", type=_int_at_least(0), default=1000,
                    help="/v1/responses kept in this frontend's memory for GET and "
                         "previous_response_id, least recently used dropped first; 0 stores "
-                        "none (default: 1000)")
+                        "none (default: %(default)s)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for fields a request leaves out: auto, the model's "
                         "generation_config.json (beside a .gguf file too); vllm, none (the "
-                        "OpenAI defaults); a FOLDER, its generation_config.json (default: auto)")
+                        "OpenAI defaults); a FOLDER, its generation_config.json "
+                        "(default: %(default)s)")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="JSON laid over those defaults, e.g. '{\"temperature\": 0.5}' "
                         "(fields: temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens)")
     g.add_argument("--response-role", default="assistant", type=_role,
                    help="the role of chat completion messages when the request's "
-                        "add_generation_prompt is true (default: assistant)")
+                        "add_generation_prompt is true (default: %(default)s)")
     g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
                    metavar="JSON",
                    help="chat_template_kwargs every chat request gets, under its own, e.g. "
@@ -372,7 +432,7 @@ def _add_http_arguments(p: argparse.ArgumentParser) -> None:
                    help="TLS: CA certificates for client certificates")
     g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
                    help="TLS: client certificates: 0 none, 1 optional, 2 required "
-                        "(Python's ssl.CERT_*; default: 0)")
+                        "(Python's ssl.CERT_*; default: %(default)s)")
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="the HTTP server's own log level (default: --log-level)")
@@ -382,7 +442,7 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("frontend limits and security")
     g.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
                    help="require this key (Authorization: Bearer KEY, or x-api-key: KEY) on "
-                        "every route but /health, /metrics and /version; repeat for several "
+                        f"every route but {', '.join(OPEN_PATHS)}; repeat for several "
                         "keys; SLUICE_API_KEY adds comma-separated keys (default: none)")
     g.add_argument("--allowed-origins", nargs="+", action="extend", default=[],
                    metavar="ORIGIN",
@@ -394,18 +454,20 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="HEADER", help="CORS: allowed request headers (default: *)")
     g.add_argument("--allow-credentials", action="store_true",
                    help="CORS: let browsers send cookies and authorization headers")
-    g.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
+    g.add_argument("--max-request-body-bytes", type=_int_at_least(1), default=32 * 2**20,
                    help="larger request bodies get a 413 (default: 32 MiB)")
-    g.add_argument("--max-queued-requests", "--max-num-queued-reqs", type=int, default=None,
+    g.add_argument("--max-queued-requests", "--max-num-queued-reqs", type=_int_at_least(1),
+                   default=None,
                    help="requests this frontend has accepted that have not started generating; "
                         "beyond it new ones get a 503 with Retry-After (default: no cap; "
                         "--max-num-queued-reqs: vLLM's name, counted per frontend here)")
-    g.add_argument("--request-timeout", type=float, default=None,
+    g.add_argument("--request-timeout", type=_positive_number, default=None,
                    help="seconds a request may take from arrival to its last token; then it "
                         "ends with a 504 error and is aborted in the engine (default: none)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may still run while new ones "
-                        "get a 503; then the rest end with an error (default: 30)")
+    g.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                   help="on SIGTERM or SIGINT, seconds in-flight requests may still run while "
+                        "new ones get a 503; then the rest end with an error "
+                        "(default: %(default)s)")
     _add_bound_arguments(p)
 
 
@@ -426,14 +488,17 @@ def _add_bound_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("frontend bounds per request (past one: a 400 naming the field)")
     for flag, (dest, default, what) in _BOUNDS.items():
         g.add_argument(flag, type=_int_at_least(1), default=default, dest=dest,
-                       help=f"{what} (default: {default})")
+                       help=f"{what} (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sluice", description="OpenAI-compatible LLM serving: frontend, engine, postproc."
+        prog="sluice", description="OpenAI-compatible LLM serving: frontend, engine, postproc.",
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    # Every subcommand's help states its defaults the same way.
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
 
     serve = sub.add_parser(
         "serve", help="engine + frontend (+ postproc workers) on this machine (over ipc)")
@@ -441,12 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(serve)
     _add_engine_arguments(serve)
     _add_frontend_arguments(serve)
-    serve.add_argument("--postproc-workers", type=int, default=0,
-                       help="postproc worker processes to start (default: 0, the frontend "
-                            "post-processes on its receiver thread)")
+    serve.add_argument("--postproc-workers", type=_int_at_least(0), default=0,
+                       help="postproc worker processes to start (default: %(default)s, the "
+                            "frontend post-processes on its receiver thread)")
     serve.add_argument("--data-parallel-size", "-dp", type=_int_at_least(1), default=1,
                        help="engines to start, each on its own GPU (CUDA) or its own share "
-                            "of the CPUs, all behind the frontend (default: 1)")
+                            "of the CPUs, all behind the frontend (default: %(default)s)")
     _add_routing_argument(serve)
 
     engine = sub.add_parser("engine", help="run the engine alone")
@@ -454,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(engine)
     _add_engine_arguments(engine)
     engine.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
-                        help=f"where to bind for frontends (default: {DEFAULT_ENGINE_ADDRESS})")
+                        help="where to bind for frontends (default: %(default)s)")
     engine.add_argument("--engine-id", default=None,
                         help="this engine's name in stats, metrics and logs (default: the "
                              "hostname plus --engine-address)")
@@ -509,7 +574,7 @@ def _add_routing_argument(p: argparse.ArgumentParser) -> None:
                    default="prefix",
                    help="how a frontend picks an engine per request: prefix (the same first "
                         "prompt pages and cache_salt prefer the same engine, bounded by "
-                        "load), least-loaded or round-robin (default: prefix)")
+                        "load), least-loaded or round-robin (default: %(default)s)")
 
 
 def resolve_device(name: str) -> str:
@@ -594,11 +659,20 @@ def _apply_model_tag(parser: argparse.ArgumentParser, args) -> None:
 def parse_args(argv: list[str]):
     """Parse a command line the way `main` does: vLLM spellings, --config, positional MODEL."""
     parser = build_parser()
-    args = parser.parse_args(normalize_argv(argv))
-    _apply_model_tag(parser, args)
+    args, unknown = parser.parse_known_args(normalize_argv(argv))
+    # Errors found after parsing print the subcommand's usage, as its own parsing errors do.
+    command = _subcommand_parser(parser, args.command)
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    _apply_model_tag(command, args)
     if args.command != "bench":
-        args.compat_notes = vllm_compat_notes(parser, args)
+        args.compat_notes = vllm_compat_notes(command, args)
     return args
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[name]
 
 
 def _model_names(args) -> tuple[str, list[str]]:
@@ -746,41 +820,6 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def check_generation_config(args) -> None:
-    """Fail at start, with the reason, on a bad --generation-config or
-    --override-generation-config (the frontend loads them again when it starts)."""
-    from shared.generation_config import load_generation_defaults
-
-    try:
-        load_generation_defaults(_model_names(args)[0], args.generation_config,
-                                 args.override_generation_config)
-    except ValueError as e:
-        raise SystemExit(f"sluice: {e}") from None
-
-
-def check_frontend_flags(args) -> None:
-    """Fail at start on frontend flags no request could be served with."""
-    from frontend.rendering import RESERVED_TEMPLATE_KWARGS
-
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(args.default_chat_template_kwargs
-                                                            or {}))
-    if reserved:
-        raise SystemExit(f"sluice: --default-chat-template-kwargs may not set "
-                         f"{', '.join(reserved)}: the server passes those itself")
-    media = args.allowed_local_media_path
-    if media is not None and not os.path.isdir(media):
-        raise SystemExit(f"sluice: --allowed-local-media-path {media}: no such folder")
-    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
-        raise SystemExit("sluice: TLS needs both --ssl-keyfile and --ssl-certfile")
-    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
-                       ("--ssl-ca-certs", args.ssl_ca_certs)):
-        if path is not None and not os.path.isfile(path):
-            raise SystemExit(f"sluice: {flag} {path}: no such file")
-    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
-        raise SystemExit(f"sluice: --root-path {args.root_path!r} must start with / and not "
-                         "end with one, e.g. /llm")
-
-
 def _serve(args) -> int:
     """Start engine and frontend as two processes over ipc and watch them."""
     address = new_ipc_address("engine")
@@ -818,8 +857,12 @@ def _serve(args) -> int:
     if args.speculative_config is not None:
         engine_argv += ["--speculative-config",
                         msgspec.json.encode(args.speculative_config).decode()]
+    # serve names every ipc socket its processes bind, so it can remove their files at exit
+    # (a process that is killed leaves its socket file behind).
+    result_address = new_ipc_address("frontend")
     frontend_argv = [
-        "frontend", *common, "--engine-address", address, "--host", args.host,
+        "frontend", *common, "--engine-address", address, "--result-address", result_address,
+        "--host", args.host,
         "--port", str(args.port), "--tokenizer-threads", str(args.tokenizer_threads),
         "--render-timeout", str(args.render_timeout),
         "--max-logprobs", str(args.max_logprobs), "--response-role", args.response_role,
@@ -877,6 +920,7 @@ def _serve(args) -> int:
     for i, argv in enumerate(engine_argvs):  # vLLM's data-parallel ranks: engine-0, -1...
         argv += ["--engine-id", f"engine-{i}"]
     worker_argvs = []
+    postproc_addresses: list[str] = []
     if args.postproc_workers > 0:
         postproc_addresses = [new_ipc_address("postproc") for _ in addresses]
         for argv, postproc_address in zip(engine_argvs, postproc_addresses, strict=True):
@@ -892,19 +936,40 @@ def _serve(args) -> int:
 
     def start(argv: list[str], share=(None, None)) -> subprocess.Popen:
         env, cpus = share
-        pinning: dict = {}
-        if env is not None:
-            pinning["env"] = {**os.environ, **env}
-        if cpus:
-            pinning["preexec_fn"] = lambda: os.sched_setaffinity(0, cpus)
-        return subprocess.Popen([sys.executable, "-m", "shared.cli", *argv], **pinning)
+        return subprocess.Popen([sys.executable, "-m", "shared.cli", *argv],
+                                env=None if env is None else {**os.environ, **env},
+                                **_child_of_serve(cpus))
 
-    children = [start(engine_argvs[0], shares[0]), start(frontend_argv),
-                *(start(argv, share) for argv, share in zip(engine_argvs[1:], shares[1:],
-                                                            strict=True)),
-                *(start(argv) for argv in worker_argvs)]
-    # The frontend (children[1]) drains first, while the engines still run its requests.
-    return _supervise(children, drain_first=children[1:2], grace_s=args.shutdown_timeout + 5)
+    ipc_files = [*addresses, result_address, *postproc_addresses]
+    try:
+        children = [start(engine_argvs[0], shares[0]), start(frontend_argv),
+                    *(start(argv, share) for argv, share in zip(engine_argvs[1:], shares[1:],
+                                                                strict=True)),
+                    *(start(argv) for argv in worker_argvs)]
+        # The frontend (children[1]) drains first, while the engines still run its requests.
+        return _supervise(children, drain_first=children[1:2],
+                          grace_s=args.shutdown_timeout + 5)
+    finally:
+        for ipc in ipc_files:
+            remove_ipc_file(ipc)
+
+
+def _child_of_serve(cpus: list[int] | None) -> dict:
+    """Popen arguments for a process `serve` starts: in its own process group, so a
+    terminal's Ctrl+C reaches only `serve`, which stops its children in order (the frontend
+    drains while the engines still run its requests); and dying with `serve`, should it be
+    killed outright (Linux's parent-death signal)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def in_child() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return {"process_group": 0, "preexec_fn": in_child}
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _engine_shares(args, n: int) -> list[tuple[dict | None, list[int] | None]]:
@@ -934,31 +999,42 @@ def _engine_shares(args, n: int) -> list[tuple[dict | None, list[int] | None]]:
 
 def _supervise(children: list[subprocess.Popen],
                drain_first: list[subprocess.Popen] | None = None, grace_s: float = 10) -> int:
-    stopping = False
+    """Watch the children; on a signal (or one child's exit) stop them: `drain_first` gets
+    the very signal serve got (its log names it) and may drain, then the others stop. A
+    second signal goes straight to `drain_first`, which then exits at once."""
+    drain_first = drain_first or []
+    received: list[int] = []
 
-    def stop(signum, frame):
-        nonlocal stopping
-        stopping = True
+    def on_signal(signum, frame):
+        received.append(signum)
+        if len(received) > 1:
+            for child in drain_first:
+                if child.poll() is None:
+                    child.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     code = 0
-    while not stopping:
+    while not received:
         exited = [c for c in children if c.poll() is not None]
         if exited:
             code = exited[0].returncode or 1
             break
         time.sleep(0.2)
-    drain_first = drain_first or []
-    _stop(drain_first, grace_s)
+    if received:
+        logging.getLogger("sluice").info(
+            "%s: stopping (the frontend drains, then the engines stop)",
+            signal.Signals(received[0]).name)
+    _stop(drain_first, grace_s, received[0] if received else signal.SIGTERM)
     _stop([c for c in children if c not in drain_first], 10)
     return code
 
 
-def _stop(children: list[subprocess.Popen], timeout_s: float) -> None:
+def _stop(children: list[subprocess.Popen], timeout_s: float,
+          signum: int = signal.SIGTERM) -> None:
     for child in children:
         if child.poll() is None:
-            child.terminate()
+            child.send_signal(signum)
     for child in children:
         try:
             child.wait(timeout=timeout_s)
@@ -977,9 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.log_level)
     for note in args.compat_notes:
         logging.getLogger("sluice").info("%s", note)
-    if args.command in ("serve", "frontend"):
-        check_frontend_flags(args)
-        check_generation_config(args)
+    check_startup(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "engine":

@@ -48,6 +48,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     postproc_address: str | None = None
 
 
+# Frontend routes that answer without an API key and while draining: probes, scrapes and the
+# schema. Here, below both the frontend (auth, admission) and the CLI (--api-key's help).
+OPEN_PATHS = ("/health", "/ping", "/load", "/metrics", "/version", "/openapi.json")
+
+
 class HttpSettings(msgspec.Struct, kw_only=True):
     """How uvicorn listens: vLLM's --root-path, --uds, --ssl-* and --uvicorn-log-level."""
 

@@ -42,7 +42,8 @@ def resolve_model_path(model: str | None, revision: str | None = None,
         return _resolve_folder(path)
     if is_hub_id(model):
         return _resolve_folder(cached_snapshot(model, revision, download_dir))
-    raise ValueError(f"model path not found: {path}")
+    raise ValueError(f"model path not found: {path}; give a .gguf file, an HF folder or a "
+                     "Hub id (org/name) in the local Hugging Face cache")
 
 
 def is_hub_id(model: str) -> bool:

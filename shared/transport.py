@@ -21,6 +21,16 @@ def new_ipc_address(prefix: str) -> str:
     return f"ipc://{path}"
 
 
+def remove_ipc_file(address: str) -> None:
+    """Removes an ipc:// address's socket file, if any (ZeroMQ removes it only when the
+    socket that bound it is closed, not when its process is killed)."""
+    if address.startswith("ipc://"):
+        try:
+            os.unlink(address[len("ipc://"):])
+        except FileNotFoundError:
+            pass
+
+
 def make_socket(ctx: zmq.Context, kind: int, *, linger_ms: int = 0, hwm: int = 0) -> zmq.Socket:
     sock = ctx.socket(kind)
     # Don't hang process exit on undeliverable messages; peers watch heartbeats instead.

@@ -303,11 +303,14 @@ def make_ops(name: str, device: torch.device, batch_invariant: bool = False) -> 
     if name == "flashinfer":
         return FlashInferOps(batch_invariant)
     if device.type == "cpu":
-        from engine.cpu_kernels import kernels
+        from engine.cpu_kernels import enabled, kernels
 
         compiled = kernels()
         if compiled is not None:
             return CpuKernelOps(compiled, batch_invariant)
+        if batch_invariant and not enabled():
+            raise ValueError("--batch-invariant needs the engine's CPU kernels, which "
+                             "SLUICE_CPU_KERNELS switches off; unset it")
         if batch_invariant:
             raise ValueError("--batch-invariant needs the engine's CPU kernels, which are not "
                              "available here (see the log; `python -m engine.cpu_kernels` "

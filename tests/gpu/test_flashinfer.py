@@ -64,7 +64,7 @@ class GpuEngine:
             os.path.join(tmp_dir, f"{name}.log"),
         )
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-        while "engine ready on" not in self.proc.log():
+        while "engine listening on" not in self.proc.log():
             if self.proc.popen.poll() is not None or time.monotonic() > deadline:
                 log = self.proc.log()
                 self.proc.stop()

@@ -30,13 +30,14 @@ LONG_PROMPT = "word " * 600  # ~600 tokens: over SHORT_LEN, far under its charac
 @pytest.fixture(scope="module")
 def short(tmp_path_factory):
     """A stack with a short context, our own template (from a file), a short render timeout,
-    one tokenizer thread (so a stuck one would block everything), and request templates on."""
+    one tokenizer thread (so a stuck one would block everything), request templates on, and
+    the per-request log lines (off unless asked for)."""
     tmp = tmp_path_factory.mktemp("input_side")
     template = tmp / "chatml.jinja"
     template.write_text(TEMPLATE)
     s = Stack(str(tmp), "--max-model-len", str(SHORT_LEN), "--chat-template", str(template),
               "--render-timeout", str(TIMEOUT_S), "--trust-request-chat-template",
-              "--tokenizer-threads", "1")
+              "--tokenizer-threads", "1", "--enable-log-requests")
     yield s
     s.stop()
 

@@ -97,7 +97,7 @@ def test_cli_served_name_is_the_hub_id_and_serve_forwards_the_flags(no_hf_env, t
                            "--revision", "main"])
     assert os.fspath(tmp_path) == args.download_dir and args.revision == "main"
     started = []
-    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv: started.append(argv))
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv, **kwargs: started.append(argv))
     monkeypatch.setattr(cli, "_supervise", lambda *a, **k: 0)
     monkeypatch.setattr(cli, "prepare_prometheus_dir", lambda: None)
     cli._serve(args)

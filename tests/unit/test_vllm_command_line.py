@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared import cli
+from shared import cli, startup_checks
 from tests.unit.cli_builders import serve_argvs as _serve_argvs
 
 
@@ -94,7 +94,7 @@ def test_serve_forwards_the_positional_model_and_auto_device(monkeypatch):
     started = []
 
     class Child:
-        def __init__(self, argv):
+        def __init__(self, argv, **kwargs):
             started.append(argv)
 
     monkeypatch.setattr(cli.subprocess, "Popen", Child)
@@ -157,7 +157,7 @@ def test_seed_reaches_the_engine_and_serve_forwards_it(monkeypatch):
     assert cli.engine_config(args, "ipc:///tmp/x").seed == 7
     assert cli.engine_config(cli.parse_args(["engine"]), "ipc:///tmp/x").seed is None
     started = []
-    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv: started.append(argv))
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv, **kwargs: started.append(argv))
     monkeypatch.setattr(cli, "_supervise", lambda *a, **k: 0)
     monkeypatch.setattr(cli, "prepare_prometheus_dir", lambda: None)
     cli._serve(cli.parse_args(["serve", "--seed", "0"]))
@@ -199,7 +199,7 @@ def test_generation_config_flags_parse_and_serve_forwards_them():
 def test_bad_generation_config_fails_at_start(flags, message):
     for command in ("serve", "frontend"):
         with pytest.raises(SystemExit) as e:
-            cli.check_generation_config(cli.parse_args([command, *flags]))
+            startup_checks.check_generation_config(cli.parse_args([command, *flags]))
         assert message in str(e.value) and str(e.value).startswith("sluice: ")
 
 
@@ -207,7 +207,7 @@ def test_good_generation_config_passes(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"top_k": 1, "temperature": 0.7}')
     args = cli.parse_args(["serve", "--generation-config", str(tmp_path),
                            "--override-generation-config", '{"top_p": 0.9}'])
-    cli.check_generation_config(args)  # no SystemExit
+    startup_checks.check_generation_config(args)  # no SystemExit
 
 
 def _after(argv: list[str], flag: str) -> str:
