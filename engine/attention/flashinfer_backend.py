@@ -33,6 +33,10 @@ WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
 # The decode plan's disable_split_kv came in FlashInfer 0.4.0. Asked by version, not by
 # plan()'s signature: from 0.6.15 on that is (*deprecated_positional_args, **kwargs).
 SPLIT_KV_SWITCH_SINCE = (0, 4, 0)
+# The attention kernels for prefill and for tensor-core decode: FlashAttention-2's, one
+# compiled module for both (benchmarks/gpukit/kernels.py builds it ahead of time). `auto`
+# would take FA3's on Hopper: a second, much longer compile, for small gains at head dim 64.
+ATTENTION_KERNELS = "fa2"
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -224,10 +228,11 @@ class FlashInferAttentionBackend:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.decode_tensor_cores = decode_uses_tensor_cores(num_heads, num_kv_heads,
                                                             batch_invariant)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=ATTENTION_KERNELS)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
-        )
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores,
+            backend=ATTENTION_KERNELS)
         self._graph_meta: dict[int, FlashInferMetadata] = {}
         self.batch_invariant = batch_invariant
         self._decode_plan_options = {}
@@ -286,7 +291,7 @@ class FlashInferAttentionBackend:
         for size in batch_sizes:
             wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=self.decode_tensor_cores,
+                use_tensor_cores=self.decode_tensor_cores, backend=ATTENTION_KERNELS,
                 paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32,
                                                    device=self.device),
                 paged_kv_indices_buffer=torch.zeros(size * pages_per_seq, dtype=torch.int32,

@@ -109,6 +109,9 @@ def test_backend_calls_bind_to_the_pinned_flashinfer(monkeypatch, real_flashinfe
                      "BatchPrefillWithPagedKVCacheWrapper.run"}
     assert targets == expected
     assert bind_all(real_flashinfer, standin.calls) == []
+    # The kernels built ahead for the GPU check (benchmarks/gpukit/kernels.py) are fa2's.
+    inits = [c for c in standin.calls if c.target.endswith(".__init__")]
+    assert {c.kwargs.get("backend") for c in inits} == {"fa2"}
 
 
 class LooksCuda(torch.Tensor):

@@ -1,0 +1,140 @@
+"""Which Python packages travel to the device as wheels, and the check that they suffice.
+
+The device (docs of the device tool, KINDS.md: Python 3.12, torch 2.11 cu130, transformers
+5.17) has a long list of packages and none of CARRIED. Each carried package is pinned to the
+version this repository is tested with here; one wheel each (pip refuses two versions of one
+package in one install). Standard library only: runs on the device before the install.
+"""
+
+from __future__ import annotations
+
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PYTHON_VERSION = "3.12"  # the device's python3
+# The device's manylinux tags (glibc 2.39 there): pip matches each N exactly, so all go.
+PLATFORMS = ["manylinux2014_x86_64"] + [
+    f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35)]
+
+CARRIED = {
+    "msgspec": "0.23.0",
+    "pyzmq": "27.3.0",
+    "starlette": "1.10.0",
+    "uvicorn": "0.55.0",  # without [standard]: the device's uvloop, h11 serve it
+    "llguidance": "1.9.1",
+    "gguf": "0.19.0",
+    "flashinfer-python": "0.6.14",  # pyproject.toml's `cuda` extra
+    # FlashInfer's runtime; the kernels built ahead (kernels.py) link against this release.
+    "apache-tvm-ffi": "0.1.15.post2",
+}
+
+# On the device already, as KINDS.md lists them (read 2026-11-17); names normalized.
+DEVICE_HAS = frozenset("""
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
+botorch build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy
+coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython
+diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools formulaic
+frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize
+hypothesis idna imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib
+jaxtyping jinja2 joblib kiwisolver lazy-loader lightning lightning-utilities linear-operator
+lineax llvmlite lxml markdown markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes
+mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals networkx
+ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc
+nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand
+nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13
+nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript
+opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging
+pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client propcache protobuf
+psutil pyarrow pybind11 py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions pytest
+pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist python-dateutil
+pytorch-lightning pyyaml regex requests rich sacrebleu safetensors scikit-build-core
+scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools
+shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboard
+tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch
+torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
+triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel
+wrapt xarray xxhash yarl zipp
+""".split())
+
+# Declared by flashinfer-python but never imported on the engine's path (attention wrappers,
+# norm, RoPE, activation, sampling): its cuDNN, CuTe-DSL and cuTile backends.
+UNUSED_REQUIREMENTS = frozenset({"cuda-tile", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl"})
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class Wheel:
+    path: Path
+    name: str  # normalized
+    version: str
+
+
+def read_wheels(folder: Path) -> list[Wheel]:
+    out = []
+    for path in sorted(folder.glob("*.whl")):
+        name, version = path.name.split("-")[:2]
+        out.append(Wheel(path, normalize(name), version))
+    return out
+
+
+def requirements(wheel: Path) -> list[str]:
+    """The packages a wheel needs on the device's Python 3.12 (extras and markers for other
+    interpreters left out), normalized."""
+    with zipfile.ZipFile(wheel) as archive:
+        meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        text = archive.read(meta).decode()
+    needs = []
+    for line in text.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        spec, _, marker = line.removeprefix("Requires-Dist:").partition(";")
+        if "extra ==" in marker or "pypy" in marker or "python_version >= '3.13'" in marker:
+            continue
+        needs.append(normalize(re.match(r"\s*([A-Za-z0-9._-]+)", spec).group(1)))
+    return needs
+
+
+def project_requirements(pyproject: Path) -> list[str]:
+    """sluice's own runtime dependencies and its `cuda` extra, normalized, without extras."""
+    import tomllib  # 3.11+: both here and on the device
+
+    project = tomllib.loads(pyproject.read_text())["project"]
+    specs = project["dependencies"] + project["optional-dependencies"]["cuda"]
+    return [normalize(re.match(r"[A-Za-z0-9._-]+", s).group()) for s in specs]
+
+
+def problems(folder: Path, pyproject: Path) -> list[str]:
+    """Why the wheels in `folder` would not give the device what sluice needs; [] when they
+    do: one wheel per carried package, at its pinned version, and every need of sluice and
+    of each wheel either on the device or carried."""
+    wheels = read_wheels(folder)
+    found: dict[str, list[str]] = {}
+    for wheel in wheels:
+        found.setdefault(wheel.name, []).append(wheel.version)
+    issues = []
+    for name, version in CARRIED.items():
+        versions = found.get(normalize(name), [])
+        if versions != [version]:
+            issues.append(f"{name}: want one wheel of {version}, found {versions or 'none'}")
+    for name in sorted(set(found) - {normalize(n) for n in CARRIED}):
+        issues.append(f"{name}: a wheel that is not in CARRIED")
+    available = DEVICE_HAS | set(found)
+    needs = {(need, "sluice") for need in project_requirements(pyproject)}
+    needs |= {(need, w.name) for w in wheels for need in requirements(w.path)}
+    for need, of in sorted(needs):
+        if need not in available and need not in UNUSED_REQUIREMENTS:
+            issues.append(f"{need} (needed by {of}) is neither on the device nor carried")
+    return issues
+
+
+def download_command(python: str, dest: Path) -> list[str]:
+    """`pip download` of exactly CARRIED for the device's Python and platform."""
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    return [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--python-version", PYTHON_VERSION, "--implementation", "cp", *platforms,
+            "--dest", str(dest), *(f"{n}=={v}" for n, v in CARRIED.items())]
