@@ -60,14 +60,26 @@ def execute(step: kit.Step, env: dict[str, str], out: Path) -> str:
         try:
             rc = proc.wait(timeout=step.timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
+            rc = None
+            _signal_group(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill()
                 proc.wait()
-            return f"TIMEOUT after {step.timeout_s} s"
+        # Whatever the step left behind in its group (a server, an engine) goes with it,
+        # so the next step has the GPU to itself.
+        _signal_group(proc.pid, signal.SIGKILL)
+    if rc is None:
+        return f"TIMEOUT after {step.timeout_s} s"
     return "ok" if rc == 0 else f"FAIL (exit {rc})"
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:  # the group is gone already
+        pass
 
 
 def run(out: Path) -> int:

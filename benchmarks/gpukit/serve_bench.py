@@ -5,15 +5,13 @@ Readiness is polled from Python (GET /health until 200; curl may be absent on th
 Each bench sends 2 x concurrency requests (16 at least) of 128 tokens, ignore_eos, greedy.
 
     python -m benchmarks.gpukit.serve_bench --model DIR --json OUT.json --server-log LOG
-        [--concurrency 1 64] [--ready-timeout 60]
+        [--concurrency 1 64] [--ready-timeout 60] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -52,7 +50,10 @@ def bench(base_url: str, concurrency: int) -> dict:
     argv = [sys.executable, "-m", "shared.cli", "bench", "--base-url", base_url,
             "--concurrency", str(concurrency), "--num-requests", str(requests),
             "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json"]
-    done = subprocess.run(argv, capture_output=True, text=True, check=True)
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"sluice bench at concurrency {concurrency} failed:\n"
+                           f"{done.stderr[-3000:]}")
     return json.loads(done.stdout)
 
 
@@ -63,16 +64,19 @@ def main() -> int:
     parser.add_argument("--server-log", type=Path, required=True)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--ready-timeout", type=float, default=60.0)
+    parser.add_argument("--device", default="cuda", help="cpu: to try the script here")
     args = parser.parse_args()
     port = free_port()
     largest = max(args.concurrency)
     with args.server_log.open("w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "shared.cli", "serve", "--model", args.model,
-             "--host", "127.0.0.1", "--port", str(port), "--device", "cuda",
+             "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
              "--dtype", "bfloat16", "--max-num-seqs", str(largest),
              "--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.5"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # In this process's group: a step timeout's kill of the group reaches it and the
+            # engine and frontend it starts.
+            stdout=log, stderr=subprocess.STDOUT)
     results: dict = {"model": args.model, "max_tokens": MAX_TOKENS, "runs": []}
     try:
         ready = wait_ready(f"http://127.0.0.1:{port}/health", server, args.ready_timeout)
@@ -85,11 +89,11 @@ def main() -> int:
             print(f"concurrency {concurrency}: {summary}", flush=True)
     finally:
         args.json.write_text(json.dumps(results, indent=1))
-        os.killpg(server.pid, signal.SIGTERM)
+        server.terminate()  # sluice serve stops its engine and frontend on SIGTERM
         try:
-            server.wait(timeout=10)
+            server.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+            server.kill()
     return 0
 
 
