@@ -90,7 +90,8 @@ def run(out: Path) -> int:
     env = device_env(paths)
     status: dict[str, str] = {}
     lines = []
-    for step in kit.steps(sys.executable, paths, wheels):
+    layers = int(os.environ["GPU_CHECK_LAYERS"]) if os.environ.get("GPU_CHECK_LAYERS") else None
+    for step in kit.steps(sys.executable, paths, wheels, layers):
         start = time.monotonic()
         missing = [n for n in step.needs if status.get(n) != "ok"]
         if missing:

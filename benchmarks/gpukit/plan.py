@@ -58,7 +58,9 @@ class Paths:
     model: Path
 
 
-def steps(python: str, paths: Paths, wheels: list[str]) -> list[Step]:
+def steps(python: str, paths: Paths, wheels: list[str], layers: int | None = None
+          ) -> list[Step]:
+    """layers: build the model with fewer layers than the default's 30, where time demands."""
     out = paths.out
     model = str(paths.model)
     gpu_tests_s = 215
@@ -67,7 +69,8 @@ def steps(python: str, paths: Paths, wheels: list[str]) -> list[Step]:
                          "--no-compile", "--no-cache-dir", "--upgrade", "--target",
                          str(paths.site), *wheels], 45, "setup.log"),
         Step("model", [python, "-m", "benchmarks.gpukit.model", model,
-                       "--tokenizer", str(paths.repo / TOKENIZER)], 45, "setup.log"),
+                       "--tokenizer", str(paths.repo / TOKENIZER),
+                       *(["--layers", str(layers)] if layers else [])], 45, "setup.log"),
         Step("environment", [python, "-m", "benchmarks.gpukit.environment"], 40, "setup.log",
              needs=("install",)),
         Step("unit tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",

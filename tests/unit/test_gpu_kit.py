@@ -145,7 +145,7 @@ def fake_plan(monkeypatch, tmp_path):
         kit.Step("after bad", ["true"], 5, "b.log", needs=("good", "bad")),
         kit.Step("after good", ["true"], 5, "b.log", needs=("good",)),
     ]
-    monkeypatch.setattr(kit, "steps", lambda python, paths, wheels: steps)
+    monkeypatch.setattr(kit, "steps", lambda python, paths, wheels, layers: steps)
     return marker
 
 
