@@ -44,6 +44,8 @@ def device_env(paths: kit.Paths) -> dict[str, str]:
         "SLUICE_GPU_START_TIMEOUT": "90",  # an engine start, CUDA-graph capture included
         # Any kernel that is not prebuilt compiles here, out of $HOME.
         "FLASHINFER_WORKSPACE_BASE": str(TMP / "sluice-gpu-flashinfer"),
+        # RMSNorm through the prebuilt CUDA module, even were the CuTe-DSL package there.
+        "FLASHINFER_USE_CUDA_NORM": "1",
     }
 
 
