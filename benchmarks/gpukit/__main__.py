@@ -58,14 +58,14 @@ def execute(step: kit.Step, env: dict[str, str], out: Path) -> str:
         log.write(f"\n== {step.name} (timeout {step.timeout_s} s): {' '.join(step.argv)}\n")
         log.flush()
         proc = subprocess.Popen(step.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                env=env | step.env, start_new_session=True)
+                                env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=step.timeout_s)
         except subprocess.TimeoutExpired:
             rc = None
             _signal_group(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(timeout=5)
+                proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -211,10 +211,11 @@ def dry_run(model_layers: int | None) -> int:
     if kernel_dir.is_dir():
         from benchmarks.gpukit.kernels import missing
 
-        kernel_issues = [f"kernel {name} not built" for name in missing(kernel_dir)]
+        kernel_issues = [f"kernel {name} not prebuilt" for name in missing(kernel_dir)]
     else:
         kernel_issues = None
-    checks.append((f"prebuilt FlashInfer kernels in {kit.KERNELS}", kernel_issues))
+    checks.append((f"prebuilt FlashInfer kernels in {kit.KERNELS}, each found by FlashInfer",
+                   kernel_issues))
     checks.append((f"tokenizer in {kit.TOKENIZER}",
                    [] if (REPO / kit.TOKENIZER / "tokenizer.json").is_file() else None))
     layers = f"{model_layers} layers" if model_layers else "all layers"

@@ -15,7 +15,7 @@ int32 page tables) for sm_90a, with the nvcc here, and writes them as such a pac
   norm, rope, silu_and_mul, sampling
 
     python -m benchmarks.gpukit.kernels DEST     (benchmarks/gpu_check.sh --prepare runs it)
-    python -m benchmarks.gpukit.kernels --names  (the modules' names)
+    python -m benchmarks.gpukit.kernels --missing  (what FlashInfer would not find built)
 
 The modules link against CUDA's runtime and the driver by soname, and against FlashInfer's
 tvm-ffi runtime: the carried apache-tvm-ffi must be the release they were built with
@@ -80,22 +80,20 @@ def specs():
     ]
 
 
-def module_names() -> list[str]:
-    """The modules' names, asked of FlashInfer in a fresh interpreter set for the target
-    (its generators refuse to run where no GPU of sm75+ is seen and no arch is named)."""
-    with tempfile.TemporaryDirectory() as scratch:
-        env = os.environ | {"FLASHINFER_CUDA_ARCH_LIST": ARCH,
-                            "FLASHINFER_WORKSPACE_BASE": scratch}
-        listed = subprocess.run([sys.executable, "-m", "benchmarks.gpukit.kernels", "--names"],
-                                env=env, capture_output=True, text=True, check=True)
-    return listed.stdout.split()
-
-
 def missing(package_root: Path) -> list[str]:
-    """The modules a built package lacks ([] when all are there)."""
-    jit_cache = package_root / PACKAGE / "jit_cache"
-    return [name for name in module_names()
-            if not (jit_cache / name / f"{name}.so").is_file()]
+    """The modules FlashInfer would not load prebuilt from the package under package_root
+    ([] when it loads all): asked of FlashInfer itself, in a fresh interpreter with the
+    package on its path and set for the target (its generators refuse to run where no GPU
+    of sm75+ is seen and no arch is named)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.pathsep.join([str(package_root), os.environ.get("PYTHONPATH", "")])
+        env = os.environ | {"FLASHINFER_CUDA_ARCH_LIST": ARCH, "PYTHONPATH": path,
+                            "FLASHINFER_WORKSPACE_BASE": scratch}
+        listed = subprocess.run([sys.executable, "-m", "benchmarks.gpukit.kernels",
+                                 "--missing"], env=env, capture_output=True, text=True)
+    if listed.returncode != 0:
+        return [f"(FlashInfer could not be asked: {listed.stderr.strip()[-500:]})"]
+    return listed.stdout.split()
 
 
 # Headers some modules include that a bare CUDA toolkit may lack, and the wheels with them.
@@ -177,7 +175,7 @@ def build(dest: Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--names":
-        print("\n".join(spec.name for spec in specs()))
+    if sys.argv[1] == "--missing":  # missing()'s question, asked in this interpreter
+        print("\n".join(spec.name for spec in specs() if not spec.is_aot))
     else:
         build(Path(sys.argv[1]).resolve())

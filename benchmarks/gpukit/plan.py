@@ -9,11 +9,12 @@ Standard library only: this runs on the device before the carried wheels are ins
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 DEVICE_BUDGET_S = 540  # `timeout 540` around the whole script
-DRIVER_MARGIN_S = 10  # the driver itself: starting python, writing the summary
+# The driver itself: starting python, the summary, a timed-out step's 3 s to stop.
+DRIVER_MARGIN_S = 10
 CARRY_LIMIT_MIB = 60  # checkout + .gpukit together (the device tool takes 64)
 MAX_RESULT_FILES = 8  # what comes back from $OUT, each directly under it
 
@@ -44,7 +45,6 @@ class Step:
     log: str  # a file directly under $OUT; steps may share one (appended)
     needs: tuple[str, ...] = ()  # steps that must have passed first, else this is skipped
     results: tuple[str, ...] = ()  # further files under $OUT it writes itself
-    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
