@@ -35,8 +35,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from benchmarks.gpukit.model import SHAPE
+
 ARCH = "9.0a"  # Hopper's own instructions (wgmma); the H100 and H200
-HEAD_DIM = 64  # the default model's (SmolLM2-135M)
+HEAD_DIM = SHAPE["head_dim"]  # the default model's (SmolLM2-135M): 64
 PACKAGE = "flashinfer_jit_cache"
 # FlashInfer's workspace for the build: objects stay there, so a rebuild compiles only what
 # changed (ninja compares the commands, so the same FlashInfer install and CUDA location).
