@@ -16,7 +16,8 @@ import subprocess
 import sys
 
 # Module names of what sluice imports from the carried wheels and from the device's own.
-IMPORTS = ("msgspec", "zmq", "starlette", "uvicorn", "llguidance", "gguf", "tvm_ffi",
+IMPORTS = ("msgspec", "zmq", "starlette", "uvicorn", "httptools", "uvloop", "llguidance",
+           "gguf", "tvm_ffi",
            "flashinfer", "flashinfer_jit_cache", "transformers", "tokenizers", "safetensors",
            "httpx", "prometheus_client", "pytest", "pytest_timeout")
 

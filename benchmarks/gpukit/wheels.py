@@ -22,7 +22,8 @@ CARRIED = {
     "msgspec": "0.23.0",
     "pyzmq": "27.3.0",
     "starlette": "1.10.0",
-    "uvicorn": "0.55.0",  # without [standard]: the device's uvloop, h11 serve it
+    "uvicorn": "0.55.0",
+    "httptools": "0.9.0",  # uvicorn[standard]'s HTTP parser, which the frontend asks for
     "llguidance": "1.9.1",
     "gguf": "0.19.0",
     "flashinfer-python": "0.6.14",  # pyproject.toml's `cuda` extra
@@ -58,9 +59,20 @@ triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkz
 wrapt xarray xxhash yarl zipp
 """.split())
 
-# Declared by flashinfer-python but never imported on the engine's path (attention wrappers,
-# norm, RoPE, activation, sampling): its cuDNN, CuTe-DSL and cuTile backends.
-UNUSED_REQUIREMENTS = frozenset({"cuda-tile", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl"})
+# Declared but never imported on sluice's path: flashinfer-python's cuDNN, CuTe-DSL and
+# cuTile backends (the engine uses its attention wrappers, norm, RoPE, activation and
+# sampling), and uvicorn[standard]'s WebSockets, --reload and env-file support (the
+# frontend asks for its uvloop loop and httptools parser only).
+UNUSED_REQUIREMENTS = frozenset({"cuda-tile", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl",
+                                 "websockets", "watchfiles", "python-dotenv"})
+
+# The device's interpreter, for environment markers (`; sys_platform != 'win32'`).
+DEVICE_MARKERS = {
+    "python_version": PYTHON_VERSION, "python_full_version": "3.12.3",
+    "implementation_name": "cpython", "platform_python_implementation": "CPython",
+    "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+    "os_name": "posix",
+}
 
 
 def normalize(name: str) -> str:
@@ -82,30 +94,41 @@ def read_wheels(folder: Path) -> list[Wheel]:
     return out
 
 
-def requirements(wheel: Path) -> list[str]:
-    """The packages a wheel needs on the device's Python 3.12 (extras and markers for other
-    interpreters left out), normalized."""
-    with zipfile.ZipFile(wheel) as archive:
-        meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
-        text = archive.read(meta).decode()
-    needs = []
-    for line in text.splitlines():
-        if not line.startswith("Requires-Dist:"):
-            continue
-        spec, _, marker = line.removeprefix("Requires-Dist:").partition(";")
-        if "extra ==" in marker or "pypy" in marker or "python_version >= '3.13'" in marker:
-            continue
-        needs.append(normalize(re.match(r"\s*([A-Za-z0-9._-]+)", spec).group(1)))
+def needs_on_device(specs: list[str], extras: frozenset[str] = frozenset()) -> set[str]:
+    """The packages these requirement strings name for the device's Python 3.12 with the
+    given extras requested (markers evaluated as there), normalized, extras dropped."""
+    from packaging.requirements import Requirement  # only here, never on the device
+
+    needs = set()
+    for spec in specs:
+        requirement = Requirement(spec)
+        marker = requirement.marker
+        if marker is None or any(marker.evaluate(DEVICE_MARKERS | {"extra": extra})
+                                 for extra in extras | {""}):
+            needs.add(normalize(requirement.name))
     return needs
 
 
-def project_requirements(pyproject: Path) -> list[str]:
-    """sluice's own runtime dependencies and its `cuda` extra, normalized, without extras."""
+def requirements(wheel: Path, extras: frozenset[str] = frozenset()) -> set[str]:
+    """What a wheel needs on the device, with `extras` of it requested."""
+    with zipfile.ZipFile(wheel) as archive:
+        meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        text = archive.read(meta).decode()
+    specs = [line.removeprefix("Requires-Dist:").strip() for line in text.splitlines()
+             if line.startswith("Requires-Dist:")]
+    return needs_on_device(specs, extras)
+
+
+def project_requirements(pyproject: Path) -> dict[str, frozenset[str]]:
+    """sluice's own runtime dependencies and its `cuda` extra: each package, normalized,
+    with the extras asked of it (uvicorn[standard])."""
     import tomllib  # 3.11+: both here and on the device
+
+    from packaging.requirements import Requirement
 
     project = tomllib.loads(pyproject.read_text())["project"]
     specs = project["dependencies"] + project["optional-dependencies"]["cuda"]
-    return [normalize(re.match(r"[A-Za-z0-9._-]+", s).group()) for s in specs]
+    return {normalize(r.name): frozenset(r.extras) for r in map(Requirement, specs)}
 
 
 def problems(folder: Path, pyproject: Path) -> list[str]:
@@ -124,8 +147,10 @@ def problems(folder: Path, pyproject: Path) -> list[str]:
     for name in sorted(set(found) - {normalize(n) for n in CARRIED}):
         issues.append(f"{name}: a wheel that is not in CARRIED")
     available = DEVICE_HAS | set(found)
-    needs = {(need, "sluice") for need in project_requirements(pyproject)}
-    needs |= {(need, w.name) for w in wheels for need in requirements(w.path)}
+    ours = project_requirements(pyproject)
+    needs = {(need, "sluice") for need in ours}
+    needs |= {(need, f"{w.name}[{','.join(sorted(ours.get(w.name, ())))}]".removesuffix("[]"))
+              for w in wheels for need in requirements(w.path, ours.get(w.name, frozenset()))}
     for need, of in sorted(needs):
         if need not in available and need not in UNUSED_REQUIREMENTS:
             issues.append(f"{need} (needed by {of}) is neither on the device nor carried")

@@ -116,6 +116,19 @@ def test_a_missing_or_doubled_wheel_is_reported(tmp_path):
     assert "msgspec (needed by sluice) is neither on the device nor carried" in issues
 
 
+def test_an_extra_sluice_asks_for_is_resolved(tmp_path):
+    """pyproject asks for uvicorn[standard], and the frontend runs uvicorn's httptools
+    parser: the extra's needs count, under the device's markers (no Windows colorama)."""
+    folder = carried_folder(tmp_path, skip=("uvicorn", "httptools"), extra=[
+        ("uvicorn", carried.CARRIED["uvicorn"],
+         ("h11>=0.8", "httptools>=0.8.0; extra == 'standard'",
+          "colorama>=0.4; sys_platform == 'win32' and extra == 'standard'"))])
+    issues = carried.problems(folder, ROOT / "pyproject.toml")
+    assert issues == [
+        "httptools: want one wheel of 0.9.0, found none",
+        "httptools (needed by uvicorn[standard]) is neither on the device nor carried"]
+
+
 def test_a_need_neither_on_the_device_nor_carried_is_reported(tmp_path):
     folder = carried_folder(tmp_path, extra=[
         ("extra-thing", "1.0", ("numpy>=1", "left-pad; extra == 'dev'", "right-pad (>=2)"))])
