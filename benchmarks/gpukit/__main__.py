@@ -202,6 +202,8 @@ def dry_run(model_layers: int | None) -> int:
     size_issues = [] if mib <= kit.CARRY_LIMIT_MIB else [f"{mib:.1f} MiB carried"]
     checks.append((f"carried: checkout {tree / 2**20:.1f} MiB + .gpukit {extra / 2**20:.1f} MiB"
                    f" = {mib:.1f} MiB <= {kit.CARRY_LIMIT_MIB} MiB", size_issues))
+    checks.append(("every third-party module sluice imports is on the device or carried",
+                   carried.imports_not_on_device(REPO)))
     wheel_dir = REPO / kit.WHEELS
     checks.append((f"wheels in {kit.WHEELS}: one pinned version of each of "
                    f"{', '.join(carried.CARRIED)}; every need on the device or carried",

@@ -157,6 +157,31 @@ def problems(folder: Path, pyproject: Path) -> list[str]:
     return issues
 
 
+def imports_not_on_device(repo: Path) -> list[str]:
+    """Third-party modules sluice's code imports (anywhere, lazily too) whose package, as
+    this machine's installs map modules to packages, is neither on the device nor
+    carried."""
+    import ast
+    import importlib.metadata
+    import sys
+
+    modules = set()
+    for package in ("engine", "frontend", "postproc", "shared"):
+        for source in (repo / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(source.read_text())):
+                if isinstance(node, ast.Import):
+                    modules |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules.add(node.module.split(".")[0])
+    ours = {"engine", "frontend", "postproc", "shared"}
+    packages = importlib.metadata.packages_distributions()
+    available = DEVICE_HAS | {normalize(n) for n in CARRIED}
+    return [f"module {module} ({', '.join(packages.get(module, [])) or 'no package here'})"
+            " is neither on the device nor carried"
+            for module in sorted(modules - ours - set(sys.stdlib_module_names))
+            if not any(normalize(p) in available for p in packages.get(module, []))]
+
+
 def download_command(python: str, dest: Path) -> list[str]:
     """`pip download` of exactly CARRIED for the device's Python and platform."""
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]

@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_dry_run_passes():
     """The one command's --dry-run, as CI runs it: the plan fits 540 s and 8 files, the
-    device's unit tests collect there, the carried size fits, and the model builds (2 of its
-    layers, for time) and loads with the default model's shape. Where .gpukit/ is built, its
+    device's unit tests collect there, the carried size fits, every module sluice imports
+    is on the device or carried, and the model builds (2 of its layers, for time) and loads
+    with the default model's shape. Where .gpukit/ is built, its
     wheels and kernels are checked too; where not, the output says those were skipped."""
     env = os.environ | {"PYTHON": sys.executable}
     done = subprocess.run([str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run",
@@ -31,7 +32,7 @@ def test_dry_run_passes():
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line[:1].isalpha()]
-    assert [line.split()[0] for line in lines[:3]] == ["ok", "ok", "ok"], done.stdout
+    assert [line.split()[0] for line in lines[:4]] == ["ok"] * 4, done.stdout
     assert any(line.startswith("ok       model builds (2 layers)") for line in lines)
     for name in ("wheels", "prebuilt FlashInfer kernels", "tokenizer"):
         (line,) = [line for line in lines if name in line]
@@ -135,6 +136,14 @@ def test_a_need_neither_on_the_device_nor_carried_is_reported(tmp_path):
     issues = carried.problems(folder, ROOT / "pyproject.toml")
     assert issues == ["extra-thing: a wheel that is not in CARRIED",
                       "right-pad (needed by extra-thing) is neither on the device nor carried"]
+
+
+def test_an_import_of_a_package_the_device_lacks_is_reported(monkeypatch):
+    assert carried.imports_not_on_device(ROOT) == []
+    monkeypatch.setattr(carried, "CARRIED",
+                        {k: v for k, v in carried.CARRIED.items() if k != "msgspec"})
+    assert carried.imports_not_on_device(ROOT) == [
+        "module msgspec (msgspec) is neither on the device nor carried"]
 
 
 # ---------------------------------------------------------------- the device driver
