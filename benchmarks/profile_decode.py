@@ -2,7 +2,7 @@
 of B sequences all decoding, each step split into phases.
 
     .venv/bin/python benchmarks/profile_decode.py [--batch 1 16 64] [--steps 40]
-        [--dtype auto] [--threads N] [--torch-profile]
+        [--dtype auto] [--threads N] [--torch-profile] [--device cuda]
 
 Phases (perf_counter around the engine's own methods; the CPU runs ops synchronously, so
 wall time is the time spent):
@@ -151,6 +151,7 @@ def run_batch(args, batch: int) -> None:
         served_model_name=served_model_name(args.model),
         request_address="inproc://unused",
         dtype=args.dtype,
+        device=args.device,
         threads=args.threads,
         max_num_seqs=max(batch, 1),
         max_model_len=PROMPT_LEN + 3 * args.steps + 64,
@@ -178,6 +179,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps per batch")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda (each step ends in the sampled tokens' copy to the "
+                             "host, so its wall time is the GPU's; the phases are not)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument(
         "--clock",

@@ -33,9 +33,10 @@ class RecordingEngine:
     """An engine core whose sampled rows' logits and scheduled chunks are kept per request."""
 
     def __init__(self, batch_invariant: bool, device: str = "cpu",
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", model: str | None = None) -> None:
+        self.model = model or default_model_path()
         config = EngineConfig(
-            model=default_model_path(), served_model_name="m", request_address="inproc://x",
+            model=self.model, served_model_name="m", request_address="inproc://x",
             dtype="bfloat16", device=device, attention_backend=attention_backend,
             max_num_batched_tokens=BUDGET, max_model_len=2048, kv_cache_memory_gb=0.25,
             num_pages=None if device == "cpu" else 512, batch_invariant=batch_invariant)
@@ -84,7 +85,7 @@ def probe_requests(prompts, tag: str) -> list:
 
 def scenario(engine: RecordingEngine) -> dict[str, dict[str, list]]:
     """The probes' tokens and logits: alone, batched with 27 fillers, alone again (cached)."""
-    prompts = probes(load_tokenizer(default_model_path()))
+    prompts = probes(load_tokenizer(engine.model))
     gen = torch.Generator().manual_seed(3)
     fillers = [request(f"f{i}", torch.randint(100, 40000, (n,), generator=gen).tolist(),
                        max_tokens=8) for i, n in enumerate(FILLER_LENGTHS)]

@@ -21,7 +21,7 @@ this module import without it.
 
 from __future__ import annotations
 
-import inspect
+import re
 from collections.abc import Sequence
 
 import msgspec
@@ -30,6 +30,28 @@ import torch
 from engine.batch import ScheduledChunk
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
+# The decode plan's disable_split_kv came in FlashInfer 0.4.0. Asked by version, not by
+# plan()'s signature: from 0.6.15 on that is (*deprecated_positional_args, **kwargs).
+SPLIT_KV_SWITCH_SINCE = (0, 4, 0)
+# The attention kernels for prefill and for tensor-core decode: FlashAttention-2's, one
+# compiled module for both (benchmarks/gpukit/kernels.py builds it ahead of time). `auto`
+# would take FA3's on Hopper: a second, much longer compile, for small gains at head dim 64.
+ATTENTION_KERNELS = "fa2"
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: "0.6.14" -> (0, 6, 14), "0.7.0rc1" ->
+    (0, 7, 0)."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(n) for n in match.group().split(".")) if match else ()
+
+
+def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int, batch_invariant: bool) -> bool:
+    """The tensor-core decode path (FlashInfer's prefill kernel planned for one query row per
+    sequence) for GQA groups wider than 4, which the CUDA-core kernel does not cover, and
+    always in the batch-invariant mode: only that path's planner takes disable_split_kv;
+    the CUDA-core planner splits the KV sequence by the batch's size whatever it is told."""
+    return batch_invariant or num_heads // num_kv_heads > 4
 
 
 # ---------------------------------------------------------------- page-table metadata (pure)
@@ -181,9 +203,10 @@ class FlashInferAttentionBackend:
         device: torch.device,
         batch_invariant: bool = False,
     ) -> None:
-        """batch_invariant: every row through the decode kernel, one entry per token
-        (build_step_plan's per_token), with the split of the KV sequence over thread blocks
-        turned off, since FlashInfer sizes that split by the batch."""
+        """batch_invariant: every row through the tensor-core decode kernel, one entry per
+        token (build_step_plan's per_token), with the split of the KV sequence over thread
+        blocks turned off (disable_split_kv), since FlashInfer sizes that split by the
+        batch."""
         import flashinfer
 
         # The device is the selector's to check (engine.attention.selector); the kernels run
@@ -203,20 +226,21 @@ class FlashInferAttentionBackend:
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # One float workspace for every wrapper: their runs follow one another on one stream.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # The CUDA-core decode kernel covers GQA groups up to 4; wider groups go faster (and
-        # only run) on the tensor-core path.
-        self.decode_tensor_cores = num_heads // num_kv_heads > 4
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_tensor_cores = decode_uses_tensor_cores(num_heads, num_kv_heads,
+                                                            batch_invariant)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=ATTENTION_KERNELS)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
-        )
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores,
+            backend=ATTENTION_KERNELS)
         self._graph_meta: dict[int, FlashInferMetadata] = {}
         self.batch_invariant = batch_invariant
         self._decode_plan_options = {}
         if batch_invariant:
-            if "disable_split_kv" not in inspect.signature(self.decode_wrapper.plan).parameters:
-                raise ValueError("--batch-invariant needs a FlashInfer whose decode plan takes "
-                                 "disable_split_kv (0.3 or newer)")
+            if release(flashinfer.__version__) < SPLIT_KV_SWITCH_SINCE:
+                raise ValueError(
+                    f"--batch-invariant needs FlashInfer 0.4.0 or newer (its decode plan's "
+                    f"disable_split_kv); this is {flashinfer.__version__}")
             self._decode_plan_options = {"disable_split_kv": True}
 
     # ---------------------------------------------------------------- planning
@@ -267,7 +291,7 @@ class FlashInferAttentionBackend:
         for size in batch_sizes:
             wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=self.decode_tensor_cores,
+                use_tensor_cores=self.decode_tensor_cores, backend=ATTENTION_KERNELS,
                 paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32,
                                                    device=self.device),
                 paged_kv_indices_buffer=torch.zeros(size * pages_per_seq, dtype=torch.int32,

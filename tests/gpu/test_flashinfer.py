@@ -1,7 +1,8 @@
 """The CUDA path on a real GPU: FlashInfer attention, fused kernels, CUDA graphs.
 
 Skipped (with the reason) where there is no CUDA device or flashinfer is not installed;
-`benchmarks/gpu_check.sh` runs it on a GPU machine.
+`benchmarks/gpu_check.sh` runs it on a GPU machine, on a random-weight model of the default
+model's shape ($SLUICE_GPU_MODEL; tests/gpu/model.py). Each engine starts once per module.
 
 - Greedy tokens of a GPU engine against HF transformers on the same GPU, on the prompts of
   tests/integration/test_reference.py, one at a time and all at once: the torch backend in
@@ -30,10 +31,10 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 pytest.importorskip("flashinfer", reason="flashinfer is not installed (the `cuda` extra)")
 
-from shared.model_source import DEFAULT_MODEL_FILE, default_model_path  # noqa: E402
 from shared.protocol import SamplingParams  # noqa: E402
 from shared.transport import free_tcp_port  # noqa: E402
 from tests.engine_client import RawEngineClient  # noqa: E402
+from tests.gpu.model import gpu_model_path, load_hf_model  # noqa: E402
 from tests.integration.test_reference import (  # noqa: E402
     GREEDY,
     NEW_TOKENS,
@@ -41,11 +42,12 @@ from tests.integration.test_reference import (  # noqa: E402
 )
 from tests.servers import Proc  # noqa: E402
 
-# The first engine start may JIT-compile FlashInfer's kernels: give tests room.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.slow]
 
-# JIT-compiling FlashInfer's kernels on first use (without the jit-cache wheel) takes minutes.
-ENGINE_START_TIMEOUT_S = float(os.environ.get("SLUICE_GPU_START_TIMEOUT", "1200"))
+# An engine start: weights, KV cache, CUDA-graph capture. Without prebuilt kernels
+# (benchmarks/gpukit/kernels.py) FlashInfer compiles on first use, which takes minutes.
+ENGINE_START_TIMEOUT_S = float(os.environ.get("SLUICE_GPU_START_TIMEOUT", "600"))
+NUM_KV_PAGES = "2048"  # fixed, so engines alive at once do not size against each other
 FP32_MARGIN = 1e-2  # logits; GPU vs CPU float32 differ by ~1e-5
 BF16_MARGIN = 1.0  # logits; two bfloat16 implementations differ by tenths
 
@@ -59,8 +61,9 @@ class GpuEngine:
     def __init__(self, tmp_dir: str, name: str, *args: str) -> None:
         self.address = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.proc = Proc(
-            ["engine", "--engine-address", self.address, "--device", "cuda",
-             "--max-num-batched-tokens", "256", "--gpu-memory-utilization", "0.25", *args],
+            ["engine", "--model", gpu_model_path(), "--engine-address", self.address,
+             "--device", "cuda", "--max-num-batched-tokens", "256",
+             "--num-kv-pages", NUM_KV_PAGES, *args],
             os.path.join(tmp_dir, f"{name}.log"),
         )
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
@@ -88,11 +91,7 @@ class GpuEngine:
 
 def hf_greedy(prompts, dtype: torch.dtype, device: str):
     """transformers' greedy tokens and the logits it chose them from."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        default_model_path().rsplit("/", 1)[0], gguf_file=DEFAULT_MODEL_FILE, dtype=dtype
-    ).to(device)
+    model = load_hf_model(gpu_model_path(), dtype).to(device)
     tokens, scores = [], []
     with torch.inference_mode():
         for ids in prompts:
@@ -139,7 +138,7 @@ def assert_follows(ours, reference, margin: float) -> None:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    return reference_prompts()
+    return reference_prompts(gpu_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -152,33 +151,42 @@ def hf_bfloat16(prompts):
     return hf_greedy(prompts, torch.bfloat16, "cuda")
 
 
+@pytest.fixture(scope="module")
+def torch_float32_engine(tmp_path_factory):
+    engine = GpuEngine(str(tmp_path_factory.mktemp("torch")), "torch-fp32", "--dtype",
+                       "float32", "--attention-backend", "torch")
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["cuda-graphs", "eager"])
+def flashinfer_engine(request, tmp_path_factory):
+    """`--attention-backend auto` in bfloat16, which must pick flashinfer on a CUDA device
+    with flashinfer installed; with CUDA graphs, then without."""
+    eager = request.param
+    engine = GpuEngine(str(tmp_path_factory.mktemp("flashinfer")), "flashinfer-bf16",
+                       "--dtype", "bfloat16", "--attention-backend", "auto",
+                       *(["--enforce-eager"] if eager else []))
+    engine.eager = eager
+    yield engine
+    engine.stop()
+
+
 @pytest.mark.parametrize("together", [False, True], ids=["one-at-a-time", "all-at-once"])
-def test_torch_backend_float32_on_gpu_matches_transformers(tmp_path, prompts, hf_float32,
-                                                           together):
-    engine = GpuEngine(str(tmp_path), "torch-fp32", "--dtype", "float32",
-                       "--attention-backend", "torch")
-    try:
-        ours = engine.generate(prompts, GREEDY, together)
-    finally:
-        log = engine.stop()
-    assert "attention backend: torch" in log
+def test_torch_backend_float32_on_gpu_matches_transformers(torch_float32_engine, prompts,
+                                                           hf_float32, together):
+    ours = torch_float32_engine.generate(prompts, GREEDY, together)
+    assert "attention backend: torch" in torch_float32_engine.proc.log()
     assert_follows(ours, hf_float32, FP32_MARGIN)
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["cuda-graphs", "eager"])
 @pytest.mark.parametrize("together", [False, True], ids=["one-at-a-time", "all-at-once"])
-def test_flashinfer_bfloat16_matches_transformers(tmp_path, prompts, hf_bfloat16, together,
-                                                  eager):
-    extra = ["--enforce-eager"] if eager else []
-    # auto must pick flashinfer on a CUDA device with flashinfer installed.
-    engine = GpuEngine(str(tmp_path), "flashinfer-bf16", "--dtype", "bfloat16",
-                       "--attention-backend", "auto", *extra)
-    try:
-        ours = engine.generate(prompts, GREEDY, together)
-    finally:
-        log = engine.stop()
+def test_flashinfer_bfloat16_matches_transformers(flashinfer_engine, prompts, hf_bfloat16,
+                                                  together):
+    ours = flashinfer_engine.generate(prompts, GREEDY, together)
+    log = flashinfer_engine.proc.log()
     assert "attention backend: flashinfer" in log
-    assert ("captured decode CUDA graphs" in log) != eager
+    assert ("captured decode CUDA graphs" in log) != flashinfer_engine.eager
     assert_follows(ours, hf_bfloat16, BF16_MARGIN)
 
 
@@ -191,28 +199,23 @@ def test_flashinfer_on_float32_is_refused(tmp_path):
 # ---------------------------------------------------------------- sampling on CUDA
 
 
-def test_sampling_on_cuda(tmp_path, prompts):
-    engine = GpuEngine(str(tmp_path), "sampling", "--dtype", "bfloat16")
-    try:
-        top = SamplingParams(max_tokens=32, temperature=0.8, top_k=20, top_p=0.9,
-                             ignore_eos=True)
-        plain = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True)
-        seeded = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.8, seed=1234,
-                                ignore_eos=True)
-        fancy = SamplingParams(max_tokens=32, temperature=0.7, min_p=0.05,
-                               repetition_penalty=1.2, presence_penalty=0.5,
-                               frequency_penalty=0.3, logit_bias=[(42, 5.0)], logprobs=5,
-                               ignore_eos=True)
-        batch = prompts[:4]
-        for params in (top, plain, fancy):
-            for out in engine.generate(batch, params, together=True):
-                assert len(out) == 32 and all(0 <= t < 49152 for t in out)
-        # Alone each time, so the batch (and with it the kernels' numerics) is the same.
-        first = engine.generate(batch[:2], seeded, together=False)
-        again = engine.generate(batch[:2], seeded, together=False)
-        assert again == first, "a seeded request repeats"
-    finally:
-        engine.stop()
+def test_sampling_on_cuda(flashinfer_engine, prompts):
+    engine = flashinfer_engine
+    top = SamplingParams(max_tokens=32, temperature=0.8, top_k=20, top_p=0.9, ignore_eos=True)
+    plain = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.8, seed=1234,
+                            ignore_eos=True)
+    fancy = SamplingParams(max_tokens=32, temperature=0.7, min_p=0.05, repetition_penalty=1.2,
+                           presence_penalty=0.5, frequency_penalty=0.3, logit_bias=[(42, 5.0)],
+                           logprobs=5, ignore_eos=True)
+    batch = prompts[:4]
+    for params in (top, plain, fancy):
+        for out in engine.generate(batch, params, together=True):
+            assert len(out) == 32 and all(0 <= t < 49152 for t in out)
+    # Alone each time, so the batch (and with it the kernels' numerics) is the same.
+    first = engine.generate(batch[:2], seeded, together=False)
+    again = engine.generate(batch[:2], seeded, together=False)
+    assert again == first, "a seeded request repeats"
 
 
 # ---------------------------------------------------------------- logits, in process
@@ -259,7 +262,7 @@ def test_logits_flashinfer_vs_torch_backend(prompts):
     from engine.models.weights import load_weights
     from engine.sequence import Sequence
 
-    path = default_model_path()
+    path = gpu_model_path()
     config = load_model_config(path)
     weights = load_weights(path, config, torch.float32)
     page_size, num_pages = 16, 1024

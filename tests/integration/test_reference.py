@@ -38,9 +38,10 @@ def prompts() -> list[list[int]]:
     return reference_prompts()
 
 
-def reference_prompts() -> list[list[int]]:
-    """The eight prompts (tests/gpu/test_flashinfer.py checks a GPU engine on them too)."""
-    tok = load_tokenizer(default_model_path())
+def reference_prompts(model_path: str | None = None) -> list[list[int]]:
+    """The eight prompts (tests/gpu/test_flashinfer.py checks a GPU engine on them too, in
+    its model's tokenizer)."""
+    tok = load_tokenizer(model_path or default_model_path())
 
     def render(messages):
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

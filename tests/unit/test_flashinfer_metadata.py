@@ -2,20 +2,18 @@
 kv_indptr, kv_indices, kv_last_page_len) and slot mapping for prefill, chunked prefill,
 decode and mixed batches, CUDA-graph padding, backend selection and GPU cache sizing.
 
-The last tests run the backend itself against a stand-in for the flashinfer module that
-computes attention in torch exactly as FlashInfer documents its wrappers (paged NHD cache,
-CSR page table, causal mask aligned to the end of the context), so the metadata and the
-routing of rows to the prefill and decode wrappers are checked end to end on a tiny model
-against the torch backend. The real kernels are checked by tests/gpu/test_flashinfer.py.
+The last tests run the backend itself against a stand-in for the flashinfer module
+(tests/unit/flashinfer_standin.py) that computes attention in torch exactly as FlashInfer
+documents its wrappers (paged NHD cache, CSR page table, causal mask aligned to the end of
+the context), so the metadata and the routing of rows to the prefill and decode wrappers
+are checked end to end on a tiny model against the torch backend. The real kernels are
+checked by tests/gpu/test_flashinfer.py.
 """
 
 import random
-import sys
-import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.attention.flashinfer_backend import (
     PageTable,
@@ -33,6 +31,7 @@ from engine.batch import ScheduledChunk
 from engine.cuda_graphs import graph_batch_sizes
 from engine.sequence import Sequence
 from shared.protocol import SamplingParams
+from tests.unit import flashinfer_standin
 
 CPU = torch.device("cpu")
 
@@ -258,77 +257,9 @@ def test_gpu_cache_gets_what_weights_and_activations_leave(monkeypatch):
 # ---------------------------------------------------------------- the backend, on a stand-in
 
 
-def _paged_context(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """[length, kv_heads, head_dim] of one sequence from an NHD cache [P, page, H, D]."""
-    return cache[pages.long()].flatten(0, 1)[:length]
-
-
-def _attend(q, k, v, causal: bool) -> torch.Tensor:
-    """q [n, H, D] over k, v [L, KVH, D]; causal aligned to the end of the context."""
-    n, length = q.shape[0], k.shape[0]
-    mask = None
-    if causal:
-        mask = torch.arange(length)[None, :] <= (torch.arange(n) + length - n)[:, None]
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-        attn_mask=mask, enable_gqa=True,
-    )
-    return o.transpose(0, 1).to(q.dtype)
-
-
-class _FakeWrapper:
-    """A FlashInfer paged wrapper's documented behaviour, in torch."""
-
-    def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
-                 paged_kv_last_page_len_buffer=None, **_):
-        assert layout == "NHD"
-        self.fixed_batch = (len(paged_kv_last_page_len_buffer) if use_cuda_graph else None)
-        self.plans = 0
-
-    def _set(self, qo_indptr, indptr, indices, last_page_len, page_size):
-        for t in (qo_indptr, indptr, indices, last_page_len):
-            assert t.dtype == torch.int32
-        if self.fixed_batch is not None:
-            assert len(last_page_len) == self.fixed_batch
-        self.qo_indptr, self.indptr, self.indices = qo_indptr, indptr, indices
-        self.last, self.page_size = last_page_len, page_size
-        self.plans += 1
-
-    def run(self, q, kv_cache):
-        k_cache, v_cache = kv_cache
-        out = torch.empty_like(q)
-        for i in range(len(self.last)):
-            pages = self.indices[self.indptr[i] : self.indptr[i + 1]]
-            length = (len(pages) - 1) * self.page_size + int(self.last[i])
-            rows = slice(int(self.qo_indptr[i]), int(self.qo_indptr[i + 1]))
-            out[rows] = _attend(q[rows], _paged_context(k_cache, pages, length),
-                                _paged_context(v_cache, pages, length), self.causal)
-        return out
-
-
-class _FakePrefill(_FakeWrapper):
-    def plan(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
-             head_dim, page_size, causal=False, **_):
-        self.causal = causal
-        self._set(qo_indptr, indptr, indices, last_page_len, page_size)
-
-
-class _FakeDecode(_FakeWrapper):
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, **_):
-        self.causal = False
-        qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
-        self._set(qo, indptr, indices, last_page_len, page_size)
-
-
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    module = types.ModuleType("flashinfer")
-    module.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
-    module.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
-    monkeypatch.setitem(sys.modules, "flashinfer", module)
-    return module
+    return flashinfer_standin.install(monkeypatch)
 
 
 def _tiny_engine_parts(backend_name: str, num_pages: int = 64, page_size: int = 4):
