@@ -56,12 +56,21 @@ def test_add_rms_norm_is_the_add_then_the_norm(compiled, dtype, rows):
     _assert_same_norm(normed, want_normed)
 
 
+# One bfloat16 step (2^-7 relative) of the normalised value, and the rounding of its
+# product with the weight (half a step, 2^-8): a one-step difference in the normalised value
+# can so become two steps of the output.
+NORM_BF16_RTOL = 2**-7 + 2**-8
+
+
 def _assert_same_norm(got, want):
-    """The norm's sum of squares runs in another order than torch's: float32 results a few
-    ulps apart, so a bfloat16 result rarely lands one step the other side of a rounding."""
+    """The norm's sum of squares runs in another order than torch's (and than the other
+    ISA's build: 16 or 8 lanes): float32 scales a few ulps apart, so a bfloat16 normalised
+    value rarely lands one step the other side of a rounding. Some rows land every value
+    on a rounding midpoint (x * scale = k + 1/2 steps, up to the scale's last bits): there a
+    one-ulp scale moves many of the row's values at once."""
     if got.dtype == torch.bfloat16:
         assert (got != want).float().mean() < 1e-3
-        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=NORM_BF16_RTOL, atol=1e-5)
     else:
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
 
