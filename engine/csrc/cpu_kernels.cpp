@@ -834,6 +834,101 @@ void tile_f32(const float* x, int64_t k, const uint8_t* wrow, int64_t row_bytes,
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The AVX2 + FMA float32 path (x86-64-v3: AMD Zen 3, Intel before AVX-512): tile_f32's
+// arithmetic, bit for bit, in 8-wide registers. Each output keeps two accumulators, lanes
+// 0-7 and 8-15 of tile_f32's one, fed the same products in the same order (weights 0-7 and
+// 16-23 into the first, 8-15 and 24-31 into the second), and sum8x2 adds the sixteen lanes
+// in lane_sums' tree. So the AVX2 and AVX-512 builds give the same float32 sums.
+#define SLUICE_AVX2_LINEAR 1
+
+// Lanes i + 8, then + 4, + 2, + 1 of the 16 lanes (lo, hi): lane_sums' tree for one vector.
+inline float sum8x2(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// A block's 32 weights as float32, eight at a time (w[v] = weights 8v .. 8v + 7), the values
+// block_f32 gives.
+template <typename W> struct BlockF32x8;
+template <> struct BlockF32x8<Quant<kQ4_1>> {
+  static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
+    const __m256 d = _mm256_set1_ps(float_at(blk)), m = _mm256_set1_ps(float_at(blk + 4));
+    // The eight 16-bit words: weight 8v + i is nibble v of word i (the packed lane order).
+    const __m256i words =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8)));
+    const __m256i low4 = _mm256_set1_epi32(0xF);
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(words, low4)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 4), low4)), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 8), low4)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(words, 12)), m);
+  }
+};
+template <> struct BlockF32x8<Quant<kQ8_0>> {
+  static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
+    const __m256 d = _mm256_set1_ps(float_at(blk));
+    for (int v = 0; v < 4; ++v)
+      w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4 + 8 * v)))));
+  }
+};
+template <> struct BlockF32x8<Dense<float>> {
+  static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
+    const float* p = reinterpret_cast<const float*>(blk);
+    for (int v = 0; v < 4; ++v) w[v] = _mm256_loadu_ps(p + 8 * v);
+  }
+};
+// bfloat16 -> float32 is a 16-bit shift: the weights stay bfloat16 in memory (half the
+// bytes a decode step streams) and widen here.
+template <> struct BlockF32x8<Dense<uint16_t>> {
+  static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(blk);
+    for (int v = 0; v < 4; ++v)
+      w[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + v)), 16));
+  }
+};
+
+// R rows of x against C weight rows (tile_f32's scheme); 2 * R * C accumulators, so the
+// caller keeps R * C <= 6 (16 ymm registers).
+template <typename W, int R, int C>
+void tile_f32x8_part(const float* x, int64_t k, const uint8_t* wrow, int64_t row_bytes,
+                     float* result, int64_t result_stride) {
+  __m256 lo[R][C], hi[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) lo[r][c] = hi[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    for (int c = 0; c < C; ++c) {
+      __m256 w[4];
+      BlockF32x8<W>::load(wrow + c * row_bytes + b * W::block_bytes, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * k + b * kBlock;
+        lo[r][c] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), lo[r][c]);
+        hi[r][c] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), hi[r][c]);
+        lo[r][c] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), lo[r][c]);
+        hi[r][c] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), hi[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) result[r * result_stride + c] = sum8x2(lo[r][c], hi[r][c]);
+}
+
+// tile_f32 for AVX2: the C weight rows in groups that fit the registers (each output's sum
+// is the same whatever group it falls in).
+template <typename W, int R, int C>
+void tile_f32(const float* x, int64_t k, const uint8_t* wrow, int64_t row_bytes, float* result,
+              int64_t result_stride) {
+  constexpr int group = std::max(1, 6 / R);
+  constexpr int first = std::min(group, C);
+  tile_f32x8_part<W, R, first>(x, k, wrow, row_bytes, result, result_stride);
+  if constexpr (C > first)
+    tile_f32<W, R, C - first>(x, k, wrow + first * row_bytes, row_bytes, result + first,
+                              result_stride);
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // The bfloat16 path multiplies by exactly the bfloat16 weights the dense model holds,
 // round(w) with w as above, so it agrees with oneDNN's matmul over those weights up to
@@ -909,6 +1004,15 @@ void unpack_cols(const uint8_t* wrow, int64_t row_bytes, int64_t cols, int64_t k
       }
     }
   }
+#elif defined(SLUICE_AVX2_LINEAR)
+  static_assert(std::is_same_v<U, float>, "AVX2 has no bfloat16 dot products");
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      __m256 w[4];
+      BlockF32x8<W>::load(wrow + c * row_bytes + b * W::block_bytes, w);
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + c * k + b * kBlock + 8 * v, w[v]);
+    }
+  }
 #endif
 }
 
@@ -973,7 +1077,7 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
         }
 #endif
         const float* xr = xf.data() + (tile + r) * k;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(SLUICE_AVX2_LINEAR)
         if constexpr (!bf16_dot) tile_f32<L, R.value, C.value>(xr, k, wrow, rb, res, kTileCols);
 #else
         for (int c = 0; c < C.value; ++c)
@@ -986,7 +1090,7 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
   // Quantized weights are unpacked once per column tile when more than one register tile of
   // rows reuses them; the dot products then read the very values they would have unpacked.
   using Unpacked = std::conditional_t<bf16_dot, uint16_t, float>;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(SLUICE_AVX2_LINEAR)
   constexpr bool unpack = !std::is_same_v<W, Dense<T>>;
 #else
   constexpr bool unpack = false;
@@ -1076,6 +1180,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GGUF Q4_1 (kind 0) or Q8_0 (kind 1) weight rows into quantized_linear's layout");
   m.def("quantized_linear", &quantized_linear, "x @ W^T with W from pack_blocks");
   m.attr("bf16_quantized") = kHasBf16Dot;
+  // The vector path this build runs (tests check they load the build they mean to).
+#if defined(__AVX512F__)
+  m.attr("simd") = "avx512";
+#elif defined(SLUICE_AVX2_LINEAR)
+  m.attr("simd") = "avx2";
+#else
+  m.attr("simd") = "scalar";
+#endif
   m.def("dense_linear", &dense_linear,
         "x @ W^T over a dense W of x's dtype, each row summed alone in a fixed order");
   m.def("decode_attention", &decode_attention,

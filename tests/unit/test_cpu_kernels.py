@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.batch import ScheduledChunk
+from engine.cpu_kernels import cpu_runs, kernels_for
 from engine.models.config import load_model_config
 from engine.models.llama import LlamaModel, RotaryEmbedding
 from engine.models.ops import QUANTIZED_MAX_ROWS, CpuKernelOps, TorchOps, make_ops, rms_norm
@@ -291,3 +292,29 @@ def test_the_model_multiplies_decode_batches_by_the_blocks(compiled, smollm2):
                                F.linear(x, layer.gate_up_weight), atol=1e-4, rtol=1e-5)
     big = torch.randn(QUANTIZED_MAX_ROWS + 1, config.hidden_size)
     assert torch.equal(ops.linear(big, layer.gate_up_weight), F.linear(big, layer.gate_up_weight))
+
+
+def _both_builds():
+    """The native and avx2 builds, or a skip naming why this machine cannot compare them."""
+    if not (cpu_runs("native") and cpu_runs("avx2")):
+        pytest.skip("this CPU cannot run the avx2 build")
+    native, avx2 = kernels_for("native"), kernels_for("avx2")
+    if native is None or avx2 is None:
+        pytest.skip("no C++ compiler: the engine runs plain torch ops")
+    return native, avx2
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_the_avx2_linear_sums_as_the_avx512_one_in_float32(smollm2, rows):
+    """The AVX2 path adds every float32 product in the AVX-512 path's order: an AVX2-only
+    machine and an AVX-512 one give a row the same bits, for the blocks and dense weights."""
+    native, avx2 = _both_builds()
+    _, dense, quantized = smollm2
+    q = quantized["model.layers.0.mlp.down_proj.weight"]
+    weight = dense["model.layers.0.mlp.down_proj.weight"]
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+    assert avx2.simd == "avx2"
+    results = [(m.quantized_linear(x, m.pack_blocks(q.blocks, q.kind), q.kind),
+                m.dense_linear(x, weight)) for m in (native, avx2)]
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
