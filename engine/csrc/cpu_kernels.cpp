@@ -159,6 +159,63 @@ inline void lane_sums(const __m512* v, int n, float* out) {
   // Lane 4q + l of z holds vector 4l + q's sum.
   for (int i = 0; i < n; ++i) out[i] = sums[4 * (i % 4) + i / 4];
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (x86-64-v3) versions of the helpers above, eight lanes: the same operations in
+// the same order, so elementwise results are the AVX-512 build's bits.
+#define SLUICE_AVX2 1
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// float32 -> bfloat16 bits in the low half of each 32-bit lane: float_to_bf16, eight at once.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+  return _mm256_srli_epi32(rounded, 16);
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+  const __m256i b = bf16_bits8(v);  // eight 32-bit lanes, values < 2^16: pack, then order
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+inline __m256 round8(__m256 v, float) { return v; }
+inline __m256 round8(__m256 v, uint16_t) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+
+// exp_approx, eight lanes (exp16's steps).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The sum of v's eight lanes: i + 4, then + 2, + 1.
+inline float hsum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
 #endif
 
 void check_cpu_float(const torch::Tensor& t, const char* name) {
@@ -349,6 +406,13 @@ template <typename T> void silu_and_mul_rows(const torch::Tensor& x, torch::Tens
         __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
         __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T{});
         store16(dst + i, _mm512_mul_ps(silu, load16(up + i)));
+      }
+#elif defined(SLUICE_AVX2)
+      for (; i + 8 <= width; i += 8) {
+        const __m256 g = load8(gate + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 silu = round8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), T{});
+        store8(dst + i, _mm256_mul_ps(silu, load8(up + i)));
       }
 #endif
       for (; i < width; ++i) {
@@ -561,6 +625,53 @@ void attend_task_avx512(const float* qf, const T* kp, const T* vp, const int64_t
 }
 #endif
 
+#if defined(SLUICE_AVX2)
+// attend_task for dim a multiple of 8 (at most 256), eight lanes at a time: one head of the
+// group at a time over all keys, its q and output accumulators in registers (or L1), the
+// keys and values it re-reads from L1/L2. Each score is eight lane products summed by hsum8.
+template <typename T>
+void attend_task_avx2(const float* qf, const T* kp, const T* vp, const int64_t* pages,
+                      int64_t len, int64_t page_size, int64_t kv_heads, int64_t kvh,
+                      int64_t group, int64_t dim, float* scores, float* acc, float* total) {
+  const int64_t nv = dim / 8;
+  __m256 reg[32];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t v = 0; v < nv; ++v) reg[v] = _mm256_loadu_ps(qf + g * dim + 8 * v);
+    float* sg = scores + g * len;
+    SlotWalk keys{pages, page_size};
+    for (int64_t t = 0; t < len; ++t) {
+      const T* key = kp + (keys.next() * kv_heads + kvh) * dim;
+      __m256 s = _mm256_mul_ps(reg[0], load8(key));
+      for (int64_t v = 1; v < nv; ++v) s = _mm256_fmadd_ps(reg[v], load8(key + 8 * v), s);
+      sg[t] = hsum8(s);
+    }
+    float top = sg[0];
+    for (int64_t t = 1; t < len; ++t) top = std::max(top, sg[t]);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(top)));
+      _mm256_storeu_ps(sg + t, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum8(sum8);
+    for (; t < len; ++t) {
+      sg[t] = exp_approx(sg[t] - top);
+      sum += sg[t];
+    }
+    total[g] = sum;
+    for (int64_t v = 0; v < nv; ++v) reg[v] = _mm256_setzero_ps();
+    SlotWalk values{pages, page_size};
+    for (int64_t t = 0; t < len; ++t) {
+      const T* value = vp + (values.next() * kv_heads + kvh) * dim;
+      const __m256 p = _mm256_set1_ps(sg[t]);
+      for (int64_t v = 0; v < nv; ++v) reg[v] = _mm256_fmadd_ps(p, load8(value + 8 * v), reg[v]);
+    }
+    for (int64_t v = 0; v < nv; ++v) _mm256_storeu_ps(acc + g * dim + 8 * v, reg[v]);
+  }
+}
+#endif
+
 template <typename T>
 void decode_attention_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& page_table,
@@ -595,6 +706,11 @@ void decode_attention_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
       } else if (dim % 16 == 0 && dim <= 256) {
         attend_task_avx512<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
                               dim, scores.data(), acc.data(), total);
+      } else
+#elif defined(SLUICE_AVX2)
+      if (dim % 8 == 0 && dim <= 256) {
+        attend_task_avx2<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
+                            dim, scores.data(), acc.data(), total);
       } else
 #endif
       {
@@ -834,13 +950,12 @@ void tile_f32(const float* x, int64_t k, const uint8_t* wrow, int64_t row_bytes,
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(SLUICE_AVX2)
 // The AVX2 + FMA float32 path (x86-64-v3: AMD Zen 3, Intel before AVX-512): tile_f32's
 // arithmetic, bit for bit, in 8-wide registers. Each output keeps two accumulators, lanes
 // 0-7 and 8-15 of tile_f32's one, fed the same products in the same order (weights 0-7 and
 // 16-23 into the first, 8-15 and 24-31 into the second), and sum8x2 adds the sixteen lanes
 // in lane_sums' tree. So the AVX2 and AVX-512 builds give the same float32 sums.
-#define SLUICE_AVX2_LINEAR 1
 
 // Lanes i + 8, then + 4, + 2, + 1 of the 16 lanes (lo, hi): lane_sums' tree for one vector.
 inline float sum8x2(__m256 lo, __m256 hi) {
@@ -1004,7 +1119,7 @@ void unpack_cols(const uint8_t* wrow, int64_t row_bytes, int64_t cols, int64_t k
       }
     }
   }
-#elif defined(SLUICE_AVX2_LINEAR)
+#elif defined(SLUICE_AVX2)
   static_assert(std::is_same_v<U, float>, "AVX2 has no bfloat16 dot products");
   for (int64_t c = 0; c < cols; ++c) {
     for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -1077,7 +1192,7 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
         }
 #endif
         const float* xr = xf.data() + (tile + r) * k;
-#if defined(__AVX512F__) || defined(SLUICE_AVX2_LINEAR)
+#if defined(__AVX512F__) || defined(SLUICE_AVX2)
         if constexpr (!bf16_dot) tile_f32<L, R.value, C.value>(xr, k, wrow, rb, res, kTileCols);
 #else
         for (int c = 0; c < C.value; ++c)
@@ -1090,7 +1205,7 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
   // Quantized weights are unpacked once per column tile when more than one register tile of
   // rows reuses them; the dot products then read the very values they would have unpacked.
   using Unpacked = std::conditional_t<bf16_dot, uint16_t, float>;
-#if defined(__AVX512F__) || defined(SLUICE_AVX2_LINEAR)
+#if defined(__AVX512F__) || defined(SLUICE_AVX2)
   constexpr bool unpack = !std::is_same_v<W, Dense<T>>;
 #else
   constexpr bool unpack = false;
@@ -1155,13 +1270,22 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
 
 // The batch-invariant mode's linear over a dense weight of x's dtype: the quantized
 // linear's arithmetic with weights read as they are.
+// A bfloat16 weight under a float32 x is widened block by block in the kernel (exact): the
+// float32 model of a CPU without bf16 dot products keeps its weights in bfloat16 and so
+// streams half the bytes at decode (CpuKernelOps.linear_weight_dtype).
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   check_linear_input(x);
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+  const bool widened = x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((weight.scalar_type() == x.scalar_type() || widened) && weight.is_contiguous() &&
                   weight.dim() == 2 && weight.size(1) == x.size(1),
-              "weight must be a contiguous [out, in] tensor of x's dtype");
+              "weight must be a contiguous [out, in] tensor of x's dtype (or bfloat16 under a "
+              "float32 x)");
   auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
   const auto* wp = static_cast<const uint8_t*>(weight.data_ptr());
+  if (widened) {
+    linear_rows<float, Dense<uint16_t>>(x, wp, weight.size(1) * 2, weight.size(0), out);
+    return out;
+  }
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     linear_rows<T, Dense<T>>(x, wp, weight.size(1) * sizeof(T), weight.size(0), out);
@@ -1183,13 +1307,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The vector path this build runs (tests check they load the build they mean to).
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";
-#elif defined(SLUICE_AVX2_LINEAR)
+#elif defined(SLUICE_AVX2)
   m.attr("simd") = "avx2";
 #else
   m.attr("simd") = "scalar";
 #endif
   m.def("dense_linear", &dense_linear,
-        "x @ W^T over a dense W of x's dtype, each row summed alone in a fixed order");
+        "x @ W^T over a dense W of x's dtype (or bfloat16 under float32 x), each row summed "
+        "alone in a fixed order");
   m.def("decode_attention", &decode_attention,
         "One-token attention per sequence over its pages of the KV cache, read in place");
 }

@@ -26,7 +26,7 @@ from engine.models.weights import (
     load_weights,
 )
 from shared.model_source import default_model_path
-from tests.unit.engine_builders import CONFIG
+from tests.unit.engine_builders import CONFIG, random_weights
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -318,3 +318,55 @@ def test_the_avx2_linear_sums_as_the_avx512_one_in_float32(smollm2, rows):
                 m.dense_linear(x, weight)) for m in (native, avx2)]
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+# ------------------------------------- bfloat16 weights under a float32 model (issue 29)
+
+
+def test_dense_linear_widens_bfloat16_weights_exactly(compiled):
+    """bf16 -> float32 is exact, so a bfloat16 weight under float32 x gives the bits of the
+    same weight stored in float32, at decode row counts and past the unpacking cut."""
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(200, 576, generator=gen) / 24).bfloat16()
+    for rows in (1, 4, 9, 70):
+        x = torch.randn(rows, 576, generator=gen)
+        assert torch.equal(compiled.dense_linear(x, weight),
+                           compiled.dense_linear(x, weight.float()))
+    with pytest.raises(RuntimeError, match="x's dtype"):  # never the other way round
+        compiled.dense_linear(x.bfloat16(), weight.float())
+
+
+def _bf16_exact_weights():
+    return {name: w.bfloat16().float() for name, w in random_weights().items()}
+
+
+def test_a_float32_model_holds_bf16_exact_weights_in_bfloat16(compiled):
+    """Where the CPU has no bf16 dot product (the avx2 build here), a float32 model keeps
+    the linear weights of a bf16 checkpoint in bfloat16 (half the bytes per decode step)
+    and its linears give F.linear's float32 results at every row count; weights that are
+    not bf16-exact stay float32. Where the CPU has one, nothing changes (`--dtype auto`
+    runs bfloat16 there)."""
+    exact = _bf16_exact_weights()
+    ops = CpuKernelOps(compiled)
+    model = LlamaModel(CONFIG, exact, 64, torch.float32, torch.device("cpu"), ops=ops)
+    layer = model.layers[0]
+    held = torch.float32 if compiled.bf16_quantized else torch.bfloat16
+    assert layer.gate_up_weight.dtype == held and model.lm_head.dtype == held
+    assert model.embed.dtype == torch.float32  # lookups stay in the model's dtype
+    want_weight = torch.cat([exact["model.layers.0.mlp.gate_proj.weight"],
+                             exact["model.layers.0.mlp.up_proj.weight"]])
+    gen = torch.Generator().manual_seed(6)
+    for rows in (1, 4, 64, 65):
+        x = torch.randn(rows, CONFIG.hidden_size, generator=gen)
+        torch.testing.assert_close(ops.linear(x, layer.gate_up_weight),
+                                   F.linear(x, want_weight), atol=1e-5, rtol=1e-5)
+    inexact = CpuKernelOps(compiled).stored_weight(torch.full((8, 64), 1 + 2**-12))
+    assert inexact.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_avx2_silu_and_mul_is_the_avx512_one(dtype):
+    """Elementwise, the 8-lane path takes the 16-lane one's steps: the same bits."""
+    native, avx2 = _both_builds()
+    x = (4 * torch.randn(5, 2 * 1544, generator=torch.Generator().manual_seed(8))).to(dtype)
+    assert torch.equal(native.silu_and_mul(x), avx2.silu_and_mul(x))
