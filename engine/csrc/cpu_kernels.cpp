@@ -626,6 +626,84 @@ void attend_task_avx512(const float* qf, const T* kp, const T* vp, const int64_t
 #endif
 
 #if defined(SLUICE_AVX2)
+// The lane sums of n <= 8 vectors at once: out[i] = the sum of v[i]'s 8 lanes (missing
+// vectors count as zero). Each vector goes through the same tree wherever it sits.
+inline void lane_sums8(const __m256* v, int n, float* out) {
+  const __m256 zero = _mm256_setzero_ps();
+  const auto at = [&](int i) { return i < n ? v[i] : zero; };
+  const __m256 t0 = _mm256_hadd_ps(at(0), at(1)), t1 = _mm256_hadd_ps(at(2), at(3));
+  const __m256 t2 = _mm256_hadd_ps(at(4), at(5)), t3 = _mm256_hadd_ps(at(6), at(7));
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 holds vectors 0-3's halves (low 128 bits: lanes 0-3, high: lanes 4-7), u1 4-7's.
+  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                    _mm256_permute2f128_ps(u0, u1, 0x31));
+  alignas(32) float all[8];
+  _mm256_store_ps(all, sums);
+  for (int i = 0; i < n; ++i) out[i] = all[i];
+}
+
+// One head's scores -> exp(score - max) in place; returns their sum.
+inline float softmax_numerators8(float* sg, int64_t len) {
+  float top = sg[0];
+  for (int64_t t = 1; t < len; ++t) top = std::max(top, sg[t]);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(sg + t, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum8(sum8);
+  for (; t < len; ++t) {
+    sg[t] = exp_approx(sg[t] - top);
+    sum += sg[t];
+  }
+  return sum;
+}
+
+// The group's (up to 8) heads of dim 8 * NV at once, as attend_group_avx512 does: each key
+// and value row is loaded and widened once for the whole group; eight keys' products are
+// summed together (lane_sums8).
+template <typename T, int NV>
+void attend_group_avx2(const float* qf, const T* kp, const T* vp, const int64_t* pages,
+                       int64_t len, int64_t page_size, int64_t kv_heads, int64_t kvh,
+                       int64_t group, float* scores, float* acc, float* total) {
+  constexpr int64_t dim = 8 * NV;
+  SlotWalk keys{pages, page_size};
+  for (int64_t t = 0; t < len; t += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, len - t));
+    __m256 part[8][8];
+    for (int j = 0; j < n; ++j) {
+      const T* key = kp + (keys.next() * kv_heads + kvh) * dim;
+      __m256 k[NV];
+      for (int v = 0; v < NV; ++v) k[v] = load8(key + 8 * v);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q = qf + g * dim;
+        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
+        for (int v = 1; v < NV; ++v) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), k[v], s);
+        part[g][j] = s;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) lane_sums8(part[g], n, scores + g * len + t);
+  }
+  for (int64_t g = 0; g < group; ++g) total[g] = softmax_numerators8(scores + g * len, len);
+  __m256 o[8][NV];
+  for (int64_t g = 0; g < group; ++g)
+    for (int v = 0; v < NV; ++v) o[g][v] = _mm256_setzero_ps();
+  SlotWalk values{pages, page_size};
+  for (int64_t t = 0; t < len; ++t) {
+    const T* value = vp + (values.next() * kv_heads + kvh) * dim;
+    __m256 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load8(value + 8 * v);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m256 p = _mm256_set1_ps(scores[g * len + t]);
+      for (int v = 0; v < NV; ++v) o[g][v] = _mm256_fmadd_ps(p, x[v], o[g][v]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + g * dim + 8 * v, o[g][v]);
+}
+
 // attend_task for dim a multiple of 8 (at most 256), eight lanes at a time: one head of the
 // group at a time over all keys, its q and output accumulators in registers (or L1), the
 // keys and values it re-reads from L1/L2. Each score is eight lane products summed by hsum8.
@@ -645,21 +723,7 @@ void attend_task_avx2(const float* qf, const T* kp, const T* vp, const int64_t* 
       for (int64_t v = 1; v < nv; ++v) s = _mm256_fmadd_ps(reg[v], load8(key + 8 * v), s);
       sg[t] = hsum8(s);
     }
-    float top = sg[0];
-    for (int64_t t = 1; t < len; ++t) top = std::max(top, sg[t]);
-    __m256 sum8 = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= len; t += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(top)));
-      _mm256_storeu_ps(sg + t, e);
-      sum8 = _mm256_add_ps(sum8, e);
-    }
-    float sum = hsum8(sum8);
-    for (; t < len; ++t) {
-      sg[t] = exp_approx(sg[t] - top);
-      sum += sg[t];
-    }
-    total[g] = sum;
+    total[g] = softmax_numerators8(sg, len);
     for (int64_t v = 0; v < nv; ++v) reg[v] = _mm256_setzero_ps();
     SlotWalk values{pages, page_size};
     for (int64_t t = 0; t < len; ++t) {
@@ -708,7 +772,13 @@ void decode_attention_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
                               dim, scores.data(), acc.data(), total);
       } else
 #elif defined(SLUICE_AVX2)
-      if (dim % 8 == 0 && dim <= 256) {
+      if (group <= 8 && dim == 64) {
+        attend_group_avx2<T, 8>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
+                                scores.data(), acc.data(), total);
+      } else if (group <= 8 && dim == 128) {
+        attend_group_avx2<T, 16>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh,
+                                 group, scores.data(), acc.data(), total);
+      } else if (dim % 8 == 0 && dim <= 256) {
         attend_task_avx2<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
                             dim, scores.data(), acc.data(), total);
       } else
