@@ -112,10 +112,13 @@ class TorchOps:
 # unpacking stops paying against oneDNN's bf16 matmul (AMX) over the dense copy
 # (benchmarks in docs/benchmarks.md).
 QUANTIZED_MAX_ROWS = 4
+# The same for float32 rows, where oneDNN's alternative reads float32 weights: the blocks
+# stay ahead up to 16 rows (AVX2 and AVX-512 builds alike, docs/benchmarks.md).
+QUANTIZED_MAX_ROWS_FLOAT32 = 16
 # Rows up to which a widened (bfloat16-held) weight is multiplied by the kernel, which reads
-# the bfloat16 weights; past it (prefill chunks) F.linear over a float32 copy made per call
-# costs less than the kernel's float32 tiles.
-WIDENED_MAX_ROWS = 64
+# the bfloat16 weights; past it (prefill chunks, big batches) F.linear over a float32 copy
+# made per call costs less than the kernel's float32 tiles.
+WIDENED_MAX_ROWS = 16
 
 
 class CpuKernelOps(TorchOps):
@@ -191,11 +194,15 @@ class CpuKernelOps(TorchOps):
             x = x.reshape(-1, x.shape[-1]).contiguous()
             out = (self._k.dense_linear(x, weight) if quantized is None else
                    self._k.quantized_linear(x, quantized.blocks, quantized.kind))
-        elif quantized is None or x.dim() != 2 or x.shape[0] > QUANTIZED_MAX_ROWS:
+        elif quantized is None or x.dim() != 2 or x.shape[0] > self._quantized_max_rows(x):
             return super().linear(x, weight, bias)
         else:
             out = self._k.quantized_linear(x.contiguous(), quantized.blocks, quantized.kind)
         return out if bias is None else out + bias
+
+    @staticmethod
+    def _quantized_max_rows(x: torch.Tensor) -> int:
+        return QUANTIZED_MAX_ROWS_FLOAT32 if x.dtype == torch.float32 else QUANTIZED_MAX_ROWS
 
     def _widened_linear(self, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:

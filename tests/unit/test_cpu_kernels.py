@@ -18,7 +18,14 @@ from engine.batch import ScheduledChunk
 from engine.cpu_kernels import cpu_runs, kernels_for
 from engine.models.config import load_model_config
 from engine.models.llama import LlamaModel, RotaryEmbedding
-from engine.models.ops import QUANTIZED_MAX_ROWS, CpuKernelOps, TorchOps, make_ops, rms_norm
+from engine.models.ops import (
+    QUANTIZED_MAX_ROWS_FLOAT32,
+    WIDENED_MAX_ROWS,
+    CpuKernelOps,
+    TorchOps,
+    make_ops,
+    rms_norm,
+)
 from engine.models.weights import (
     BLOCK_KINDS,
     QuantizedWeight,
@@ -284,13 +291,14 @@ def test_the_model_multiplies_decode_batches_by_the_blocks(compiled, smollm2):
                        quantized=quantized)
     assert len(ops._quantized) == 4 * config.num_layers + 1  # every linear and the LM head
     layer = model.layers[0]
-    x = torch.randn(QUANTIZED_MAX_ROWS, config.hidden_size, generator=torch.Generator())
+    # A float32 model multiplies up to 16 rows by the blocks (a bfloat16 one up to 4).
+    x = torch.randn(QUANTIZED_MAX_ROWS_FLOAT32, config.hidden_size, generator=torch.Generator())
     blocks = ops._quantized[id(layer.gate_up_weight)]
     assert torch.equal(ops.linear(x, layer.gate_up_weight),
                        compiled.quantized_linear(x, blocks.blocks, blocks.kind))
     torch.testing.assert_close(ops.linear(x, layer.gate_up_weight),
                                F.linear(x, layer.gate_up_weight), atol=1e-4, rtol=1e-5)
-    big = torch.randn(QUANTIZED_MAX_ROWS + 1, config.hidden_size)
+    big = torch.randn(QUANTIZED_MAX_ROWS_FLOAT32 + 1, config.hidden_size)
     assert torch.equal(ops.linear(big, layer.gate_up_weight), F.linear(big, layer.gate_up_weight))
 
 
@@ -356,7 +364,7 @@ def test_a_float32_model_holds_bf16_exact_weights_in_bfloat16(compiled):
     want_weight = torch.cat([exact["model.layers.0.mlp.gate_proj.weight"],
                              exact["model.layers.0.mlp.up_proj.weight"]])
     gen = torch.Generator().manual_seed(6)
-    for rows in (1, 4, 64, 65):
+    for rows in (1, 4, WIDENED_MAX_ROWS, WIDENED_MAX_ROWS + 1):  # the kernel, then F.linear
         x = torch.randn(rows, CONFIG.hidden_size, generator=gen)
         torch.testing.assert_close(ops.linear(x, layer.gate_up_weight),
                                    F.linear(x, want_weight), atol=1e-5, rtol=1e-5)
