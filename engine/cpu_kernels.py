@@ -12,10 +12,13 @@ Where the kernels cannot be built or loaded (no compiler) the engine runs the pl
 ops and says so in its log: `kernels()` answers None and callers keep their torch path.
 SLUICE_CPU_KERNELS=0 turns them off, to measure the difference or to rule them out.
 
-SLUICE_CPU_ISA=avx2 makes this machine behave as an AVX2-only CPU (AMD Zen 3, older Intel):
-the kernels are built for x86-64-v3 (AVX2, FMA, F16C; no AVX-512), and `--dtype auto` picks
-float32 as it does there (engine/device.py). Every machine can so run the path that machine
-kind runs; `native` (the default) targets the CPU itself.
+Their hot loops have an AVX-512 path and an AVX2+FMA one (the module's `simd` says which
+it was built with), scalar code elsewhere. SLUICE_CPU_ISA=avx2 makes this machine behave
+as an AVX2-only CPU (AMD Zen 3, older Intel): the kernels are built for x86-64-v3 (AVX2,
+FMA, F16C; no AVX-512), and `--dtype auto` picks float32 as it does there
+(engine/device.py). Every machine can so run the path that machine kind runs; `native`
+(the default) targets the CPU itself. `kernels_for(isa)` loads either build (the tests
+run both where the CPU can).
 
     python -m engine.cpu_kernels     # build now (what `make install` runs)
 """
