@@ -12,10 +12,13 @@ Where the kernels cannot be built or loaded (no compiler) the engine runs the pl
 ops and says so in its log: `kernels()` answers None and callers keep their torch path.
 SLUICE_CPU_KERNELS=0 turns them off, to measure the difference or to rule them out.
 
-SLUICE_CPU_ISA=avx2 makes this machine behave as an AVX2-only CPU (AMD Zen 3, older Intel):
-the kernels are built for x86-64-v3 (AVX2, FMA, F16C; no AVX-512), and `--dtype auto` picks
-float32 as it does there (engine/device.py). Every machine can so run the path that machine
-kind runs; `native` (the default) targets the CPU itself.
+Their hot loops have an AVX-512 path and an AVX2+FMA one (the module's `simd` says which
+it was built with), scalar code elsewhere. SLUICE_CPU_ISA=avx2 makes this machine behave
+as an AVX2-only CPU (AMD Zen 3, older Intel): the kernels are built for x86-64-v3 (AVX2,
+FMA, F16C; no AVX-512), and `--dtype auto` picks float32 as it does there
+(engine/device.py). Every machine can so run the path that machine kind runs; `native`
+(the default) targets the CPU itself. `kernels_for(isa)` loads either build (the tests
+run both where the CPU can).
 
     python -m engine.cpu_kernels     # build now (what `make install` runs)
 """
@@ -49,8 +52,26 @@ def target_isa() -> str:
     return isa
 
 
-def cflags() -> list[str]:
-    return [*BASE_CFLAGS, ISA_MARCH[target_isa()]]
+# The /proc/cpuinfo flags each ISA's build needs (x86-64-v3's, less the ones every x86-64
+# CPU with AVX2 has); `native` is whatever this CPU has.
+ISA_CPU_FLAGS = {"native": (), "avx2": ("avx2", "fma", "f16c", "bmi2", "movbe")}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((line for line in lines if line.startswith("flags")), "").split())
+
+
+def cpu_runs(isa: str) -> bool:
+    """Whether this CPU can run code built for `isa` (tests skip the ISAs it cannot)."""
+    return all(flag in cpu_flags() for flag in ISA_CPU_FLAGS[isa])
+
+
+def cflags(isa: str | None = None) -> list[str]:
+    return [*BASE_CFLAGS, ISA_MARCH[isa or target_isa()]]
 
 
 def build_directory() -> Path:
@@ -70,24 +91,38 @@ def cpu_fingerprint() -> str:
     return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:10]
 
 
-def module_name() -> str:
+def module_name(isa: str | None = None) -> str:
     """One name per (CPU, source, ISA): builds for other sources or targets never collide."""
     source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
-    return f"sluice_cpu_kernels_{cpu_fingerprint()}_{target_isa()}_{source}"
+    return f"sluice_cpu_kernels_{cpu_fingerprint()}_{isa or target_isa()}_{source}"
 
 
 def enabled() -> bool:
     return os.environ.get("SLUICE_CPU_KERNELS", "1").lower() not in ("0", "off", "false", "no")
 
 
-@functools.cache
 def kernels() -> ModuleType | None:
-    """The compiled module, or None (logged once) where it cannot be had."""
+    """The compiled module the engine uses (SLUICE_CPU_ISA's build), or None (logged once)
+    where it cannot be had or SLUICE_CPU_KERNELS turns it off."""
     if not enabled():
-        log.info("CPU kernels off (SLUICE_CPU_KERNELS); using plain torch ops")
+        _log_off()
         return None
+    return kernels_for(target_isa())
+
+
+@functools.cache
+def _log_off() -> None:
+    log.info("CPU kernels off (SLUICE_CPU_KERNELS); using plain torch ops")
+
+
+@functools.cache
+def kernels_for(isa: str) -> ModuleType | None:
+    """The module built for `isa` ("native" or "avx2"), built on first use; None (logged)
+    where it cannot be built. The tests load both builds to check both paths on one CPU."""
+    if isa not in ISA_MARCH:
+        raise ValueError(f"unknown ISA {isa!r}: expected one of {', '.join(ISA_MARCH)}")
     try:
-        return _load()
+        return _load(isa)
     except Exception as exc:  # a missing compiler, headers, or a failed build
         log.warning("CPU kernels unavailable, using plain torch ops: %s", exc)
         return None
@@ -98,10 +133,10 @@ def kernels() -> ModuleType | None:
 STALE_LOCK_S = 900
 
 
-def _load() -> ModuleType:
+def _load(isa: str) -> ModuleType:
     import torch  # noqa: F401  (the module links libtorch: load it first)
 
-    name = module_name()
+    name = module_name(isa)
     directory = build_directory()
     built = directory / f"{name}.so"
     if built.is_file():
@@ -111,10 +146,10 @@ def _load() -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    return _build(name, directory)
+    return _build(name, directory, isa)
 
 
-def _build(name: str, directory: Path) -> ModuleType:
+def _build(name: str, directory: Path, isa: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     # The `ninja` package installs its binary beside this interpreter, which a venv's
@@ -129,7 +164,7 @@ def _build(name: str, directory: Path) -> ModuleType:
     return load(
         name=name,
         sources=[str(SOURCE)],
-        extra_cflags=cflags(),
+        extra_cflags=cflags(isa),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
     )
@@ -137,5 +172,5 @@ def _build(name: str, directory: Path) -> ModuleType:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    module = _build(module_name(), build_directory())
+    module = _build(module_name(), build_directory(), target_isa())
     print(f"CPU kernels built: {module.__file__}")

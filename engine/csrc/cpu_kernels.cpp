@@ -159,6 +159,63 @@ inline void lane_sums(const __m512* v, int n, float* out) {
   // Lane 4q + l of z holds vector 4l + q's sum.
   for (int i = 0; i < n; ++i) out[i] = sums[4 * (i % 4) + i / 4];
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (x86-64-v3) versions of the helpers above, eight lanes: the same operations in
+// the same order, so elementwise results are the AVX-512 build's bits.
+#define SLUICE_AVX2 1
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// float32 -> bfloat16 bits in the low half of each 32-bit lane: float_to_bf16, eight at once.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+  return _mm256_srli_epi32(rounded, 16);
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+  const __m256i b = bf16_bits8(v);  // eight 32-bit lanes, values < 2^16: pack, then order
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+inline __m256 round8(__m256 v, float) { return v; }
+inline __m256 round8(__m256 v, uint16_t) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+
+// exp_approx, eight lanes (exp16's steps).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The sum of v's eight lanes: i + 4, then + 2, + 1.
+inline float hsum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
 #endif
 
 void check_cpu_float(const torch::Tensor& t, const char* name) {
@@ -349,6 +406,13 @@ template <typename T> void silu_and_mul_rows(const torch::Tensor& x, torch::Tens
         __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
         __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T{});
         store16(dst + i, _mm512_mul_ps(silu, load16(up + i)));
+      }
+#elif defined(SLUICE_AVX2)
+      for (; i + 8 <= width; i += 8) {
+        const __m256 g = load8(gate + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 silu = round8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), T{});
+        store8(dst + i, _mm256_mul_ps(silu, load8(up + i)));
       }
 #endif
       for (; i < width; ++i) {
@@ -561,6 +625,117 @@ void attend_task_avx512(const float* qf, const T* kp, const T* vp, const int64_t
 }
 #endif
 
+#if defined(SLUICE_AVX2)
+// The lane sums of n <= 8 vectors at once: out[i] = the sum of v[i]'s 8 lanes (missing
+// vectors count as zero). Each vector goes through the same tree wherever it sits.
+inline void lane_sums8(const __m256* v, int n, float* out) {
+  const __m256 zero = _mm256_setzero_ps();
+  const auto at = [&](int i) { return i < n ? v[i] : zero; };
+  const __m256 t0 = _mm256_hadd_ps(at(0), at(1)), t1 = _mm256_hadd_ps(at(2), at(3));
+  const __m256 t2 = _mm256_hadd_ps(at(4), at(5)), t3 = _mm256_hadd_ps(at(6), at(7));
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 holds vectors 0-3's halves (low 128 bits: lanes 0-3, high: lanes 4-7), u1 4-7's.
+  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                    _mm256_permute2f128_ps(u0, u1, 0x31));
+  alignas(32) float all[8];
+  _mm256_store_ps(all, sums);
+  for (int i = 0; i < n; ++i) out[i] = all[i];
+}
+
+// One head's scores -> exp(score - max) in place; returns their sum.
+inline float softmax_numerators8(float* sg, int64_t len) {
+  float top = sg[0];
+  for (int64_t t = 1; t < len; ++t) top = std::max(top, sg[t]);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(sg + t, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum8(sum8);
+  for (; t < len; ++t) {
+    sg[t] = exp_approx(sg[t] - top);
+    sum += sg[t];
+  }
+  return sum;
+}
+
+// The group's (up to 8) heads of dim 8 * NV at once, as attend_group_avx512 does: each key
+// and value row is loaded and widened once for the whole group; eight keys' products are
+// summed together (lane_sums8).
+template <typename T, int NV>
+void attend_group_avx2(const float* qf, const T* kp, const T* vp, const int64_t* pages,
+                       int64_t len, int64_t page_size, int64_t kv_heads, int64_t kvh,
+                       int64_t group, float* scores, float* acc, float* total) {
+  constexpr int64_t dim = 8 * NV;
+  SlotWalk keys{pages, page_size};
+  for (int64_t t = 0; t < len; t += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, len - t));
+    __m256 part[8][8];
+    for (int j = 0; j < n; ++j) {
+      const T* key = kp + (keys.next() * kv_heads + kvh) * dim;
+      __m256 k[NV];
+      for (int v = 0; v < NV; ++v) k[v] = load8(key + 8 * v);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q = qf + g * dim;
+        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
+        for (int v = 1; v < NV; ++v) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), k[v], s);
+        part[g][j] = s;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) lane_sums8(part[g], n, scores + g * len + t);
+  }
+  for (int64_t g = 0; g < group; ++g) total[g] = softmax_numerators8(scores + g * len, len);
+  __m256 o[8][NV];
+  for (int64_t g = 0; g < group; ++g)
+    for (int v = 0; v < NV; ++v) o[g][v] = _mm256_setzero_ps();
+  SlotWalk values{pages, page_size};
+  for (int64_t t = 0; t < len; ++t) {
+    const T* value = vp + (values.next() * kv_heads + kvh) * dim;
+    __m256 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load8(value + 8 * v);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m256 p = _mm256_set1_ps(scores[g * len + t]);
+      for (int v = 0; v < NV; ++v) o[g][v] = _mm256_fmadd_ps(p, x[v], o[g][v]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + g * dim + 8 * v, o[g][v]);
+}
+
+// attend_task for dim a multiple of 8 (at most 256), eight lanes at a time: one head of the
+// group at a time over all keys, its q and output accumulators in registers (or L1), the
+// keys and values it re-reads from L1/L2. Each score is eight lane products summed by hsum8.
+template <typename T>
+void attend_task_avx2(const float* qf, const T* kp, const T* vp, const int64_t* pages,
+                      int64_t len, int64_t page_size, int64_t kv_heads, int64_t kvh,
+                      int64_t group, int64_t dim, float* scores, float* acc, float* total) {
+  const int64_t nv = dim / 8;
+  __m256 reg[32];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t v = 0; v < nv; ++v) reg[v] = _mm256_loadu_ps(qf + g * dim + 8 * v);
+    float* sg = scores + g * len;
+    SlotWalk keys{pages, page_size};
+    for (int64_t t = 0; t < len; ++t) {
+      const T* key = kp + (keys.next() * kv_heads + kvh) * dim;
+      __m256 s = _mm256_mul_ps(reg[0], load8(key));
+      for (int64_t v = 1; v < nv; ++v) s = _mm256_fmadd_ps(reg[v], load8(key + 8 * v), s);
+      sg[t] = hsum8(s);
+    }
+    total[g] = softmax_numerators8(sg, len);
+    for (int64_t v = 0; v < nv; ++v) reg[v] = _mm256_setzero_ps();
+    SlotWalk values{pages, page_size};
+    for (int64_t t = 0; t < len; ++t) {
+      const T* value = vp + (values.next() * kv_heads + kvh) * dim;
+      const __m256 p = _mm256_set1_ps(sg[t]);
+      for (int64_t v = 0; v < nv; ++v) reg[v] = _mm256_fmadd_ps(p, load8(value + 8 * v), reg[v]);
+    }
+    for (int64_t v = 0; v < nv; ++v) _mm256_storeu_ps(acc + g * dim + 8 * v, reg[v]);
+  }
+}
+#endif
+
 template <typename T>
 void decode_attention_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& page_table,
@@ -595,6 +770,17 @@ void decode_attention_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
       } else if (dim % 16 == 0 && dim <= 256) {
         attend_task_avx512<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
                               dim, scores.data(), acc.data(), total);
+      } else
+#elif defined(SLUICE_AVX2)
+      if (group <= 8 && dim == 64) {
+        attend_group_avx2<T, 8>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
+                                scores.data(), acc.data(), total);
+      } else if (group <= 8 && dim == 128) {
+        attend_group_avx2<T, 16>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh,
+                                 group, scores.data(), acc.data(), total);
+      } else if (dim % 8 == 0 && dim <= 256) {
+        attend_task_avx2<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
+                            dim, scores.data(), acc.data(), total);
       } else
 #endif
       {
@@ -834,6 +1020,100 @@ void tile_f32(const float* x, int64_t k, const uint8_t* wrow, int64_t row_bytes,
 }
 #endif
 
+#if defined(SLUICE_AVX2)
+// The AVX2 + FMA float32 path (x86-64-v3: AMD Zen 3, Intel before AVX-512): tile_f32's
+// arithmetic, bit for bit, in 8-wide registers. Each output keeps two accumulators, lanes
+// 0-7 and 8-15 of tile_f32's one, fed the same products in the same order (weights 0-7 and
+// 16-23 into the first, 8-15 and 24-31 into the second), and sum8x2 adds the sixteen lanes
+// in lane_sums' tree. So the AVX2 and AVX-512 builds give the same float32 sums.
+
+// Lanes i + 8, then + 4, + 2, + 1 of the 16 lanes (lo, hi): lane_sums' tree for one vector.
+inline float sum8x2(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// A block's 32 weights as float32, eight at a time (w[v] = weights 8v .. 8v + 7), the values
+// block_f32 gives.
+template <typename W> struct BlockF32x8;
+template <> struct BlockF32x8<Quant<kQ4_1>> {
+  static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
+    const __m256 d = _mm256_set1_ps(float_at(blk)), m = _mm256_set1_ps(float_at(blk + 4));
+    // The eight 16-bit words: weight 8v + i is nibble v of word i (the packed lane order).
+    const __m256i words =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8)));
+    const __m256i low4 = _mm256_set1_epi32(0xF);
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(words, low4)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 4), low4)), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 8), low4)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(words, 12)), m);
+  }
+};
+template <> struct BlockF32x8<Quant<kQ8_0>> {
+  static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
+    const __m256 d = _mm256_set1_ps(float_at(blk));
+    for (int v = 0; v < 4; ++v)
+      w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4 + 8 * v)))));
+  }
+};
+template <> struct BlockF32x8<Dense<float>> {
+  static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
+    const float* p = reinterpret_cast<const float*>(blk);
+    for (int v = 0; v < 4; ++v) w[v] = _mm256_loadu_ps(p + 8 * v);
+  }
+};
+// bfloat16 -> float32 is a 16-bit shift: the weights stay bfloat16 in memory (half the
+// bytes a decode step streams) and widen here.
+template <> struct BlockF32x8<Dense<uint16_t>> {
+  static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(blk);
+    for (int v = 0; v < 4; ++v)
+      w[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + v)), 16));
+  }
+};
+
+// R rows of x against C weight rows (tile_f32's scheme); 2 * R * C accumulators, so the
+// caller keeps R * C <= 6 (16 ymm registers).
+template <typename W, int R, int C>
+void tile_f32x8_part(const float* x, int64_t k, const uint8_t* wrow, int64_t row_bytes,
+                     float* result, int64_t result_stride) {
+  __m256 lo[R][C], hi[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) lo[r][c] = hi[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    for (int c = 0; c < C; ++c) {
+      __m256 w[4];
+      BlockF32x8<W>::load(wrow + c * row_bytes + b * W::block_bytes, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * k + b * kBlock;
+        lo[r][c] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), lo[r][c]);
+        hi[r][c] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), hi[r][c]);
+        lo[r][c] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), lo[r][c]);
+        hi[r][c] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), hi[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) result[r * result_stride + c] = sum8x2(lo[r][c], hi[r][c]);
+}
+
+// tile_f32 for AVX2: the C weight rows in groups that fit the registers (each output's sum
+// is the same whatever group it falls in).
+template <typename W, int R, int C>
+void tile_f32(const float* x, int64_t k, const uint8_t* wrow, int64_t row_bytes, float* result,
+              int64_t result_stride) {
+  constexpr int group = std::max(1, 6 / R);
+  constexpr int first = std::min(group, C);
+  tile_f32x8_part<W, R, first>(x, k, wrow, row_bytes, result, result_stride);
+  if constexpr (C > first)
+    tile_f32<W, R, C - first>(x, k, wrow + first * row_bytes, row_bytes, result + first,
+                              result_stride);
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // The bfloat16 path multiplies by exactly the bfloat16 weights the dense model holds,
 // round(w) with w as above, so it agrees with oneDNN's matmul over those weights up to
@@ -909,6 +1189,15 @@ void unpack_cols(const uint8_t* wrow, int64_t row_bytes, int64_t cols, int64_t k
       }
     }
   }
+#elif defined(SLUICE_AVX2)
+  static_assert(std::is_same_v<U, float>, "AVX2 has no bfloat16 dot products");
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      __m256 w[4];
+      BlockF32x8<W>::load(wrow + c * row_bytes + b * W::block_bytes, w);
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + c * k + b * kBlock + 8 * v, w[v]);
+    }
+  }
 #endif
 }
 
@@ -973,7 +1262,7 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
         }
 #endif
         const float* xr = xf.data() + (tile + r) * k;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(SLUICE_AVX2)
         if constexpr (!bf16_dot) tile_f32<L, R.value, C.value>(xr, k, wrow, rb, res, kTileCols);
 #else
         for (int c = 0; c < C.value; ++c)
@@ -986,7 +1275,7 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
   // Quantized weights are unpacked once per column tile when more than one register tile of
   // rows reuses them; the dot products then read the very values they would have unpacked.
   using Unpacked = std::conditional_t<bf16_dot, uint16_t, float>;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(SLUICE_AVX2)
   constexpr bool unpack = !std::is_same_v<W, Dense<T>>;
 #else
   constexpr bool unpack = false;
@@ -1051,13 +1340,22 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
 
 // The batch-invariant mode's linear over a dense weight of x's dtype: the quantized
 // linear's arithmetic with weights read as they are.
+// A bfloat16 weight under a float32 x is widened block by block in the kernel (exact): the
+// float32 model of a CPU without bf16 dot products keeps its weights in bfloat16 and so
+// streams half the bytes at decode (CpuKernelOps.linear_weight_dtype).
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   check_linear_input(x);
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+  const bool widened = x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((weight.scalar_type() == x.scalar_type() || widened) && weight.is_contiguous() &&
                   weight.dim() == 2 && weight.size(1) == x.size(1),
-              "weight must be a contiguous [out, in] tensor of x's dtype");
+              "weight must be a contiguous [out, in] tensor of x's dtype (or bfloat16 under a "
+              "float32 x)");
   auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
   const auto* wp = static_cast<const uint8_t*>(weight.data_ptr());
+  if (widened) {
+    linear_rows<float, Dense<uint16_t>>(x, wp, weight.size(1) * 2, weight.size(0), out);
+    return out;
+  }
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     linear_rows<T, Dense<T>>(x, wp, weight.size(1) * sizeof(T), weight.size(0), out);
@@ -1076,8 +1374,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GGUF Q4_1 (kind 0) or Q8_0 (kind 1) weight rows into quantized_linear's layout");
   m.def("quantized_linear", &quantized_linear, "x @ W^T with W from pack_blocks");
   m.attr("bf16_quantized") = kHasBf16Dot;
+  // The vector path this build runs (tests check they load the build they mean to).
+#if defined(__AVX512F__)
+  m.attr("simd") = "avx512";
+#elif defined(SLUICE_AVX2)
+  m.attr("simd") = "avx2";
+#else
+  m.attr("simd") = "scalar";
+#endif
   m.def("dense_linear", &dense_linear,
-        "x @ W^T over a dense W of x's dtype, each row summed alone in a fixed order");
+        "x @ W^T over a dense W of x's dtype (or bfloat16 under float32 x), each row summed "
+        "alone in a fixed order");
   m.def("decode_attention", &decode_attention,
         "One-token attention per sequence over its pages of the KV cache, read in place");
 }

@@ -114,6 +114,7 @@ class LlamaModel:
         self.norm = w("model.norm.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.layers = [self._layer(w, i) for i in range(config.num_layers)]
+        self._store_linear_weights()
         for weight in self._linear_weights():
             self.ops.prepack(weight)
         if quantized:
@@ -121,6 +122,17 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config, max_positions, dtype, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+
+    def _store_linear_weights(self) -> None:
+        """Each linear weight in the form the ops want to hold it (TorchOps.stored_weight:
+        on a CPU without bf16 dot products the kernels keep a float32 model's bf16-exact
+        weights in bfloat16, half the bytes a decode step reads). A tied LM head gets its
+        own copy then; the embedding keeps the model's dtype for its lookups."""
+        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        for layer in self.layers:
+            for name in names:
+                setattr(layer, name, self.ops.stored_weight(getattr(layer, name)))
+        self.lm_head = self.ops.stored_weight(self.lm_head)
 
     def _linear_weights(self) -> list[torch.Tensor]:
         names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")

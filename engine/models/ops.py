@@ -51,6 +51,11 @@ class TorchOps:
     def __init__(self) -> None:
         self._packed: dict[int, torch.Tensor] = {}  # id(weight) -> oneDNN-blocked copy
 
+    def stored_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The tensor to hold for a linear weight (the model then passes it to `linear`):
+        `weight` itself here; CpuKernelOps may narrow it."""
+        return weight
+
     def prepack(self, weight: torch.Tensor) -> None:
         """Reorder a linear weight into oneDNN's blocked layout once, where that pays (CPU
         bf16): F.linear would redo the reorder on every call. Elsewhere a no-op."""
@@ -107,6 +112,13 @@ class TorchOps:
 # unpacking stops paying against oneDNN's bf16 matmul (AMX) over the dense copy
 # (benchmarks in docs/benchmarks.md).
 QUANTIZED_MAX_ROWS = 4
+# The same for float32 rows, where oneDNN's alternative reads float32 weights: the blocks
+# stay ahead up to 16 rows (AVX2 and AVX-512 builds alike, docs/benchmarks.md).
+QUANTIZED_MAX_ROWS_FLOAT32 = 16
+# Rows up to which a widened (bfloat16-held) weight is multiplied by the kernel, which reads
+# the bfloat16 weights; past it (prefill chunks, big batches) F.linear over a float32 copy
+# made per call costs less than the kernel's float32 tiles.
+WIDENED_MAX_ROWS = 16
 
 
 class CpuKernelOps(TorchOps):
@@ -126,10 +138,28 @@ class CpuKernelOps(TorchOps):
         super().__init__()
         self._k = kernels
         self._quantized: dict[int, object] = {}  # id(weight) -> QuantizedWeight
+        self._widened: set[int] = set()  # ids of bfloat16 weights of a float32 model
         self.batch_invariant = batch_invariant
         self.name = "torch+cpu-kernels" + (" (batch-invariant)" if batch_invariant else "")
 
+    def stored_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float32 weight whose every value is a bfloat16 (a bf16 checkpoint's, loaded as
+        float32) is held in bfloat16 where the CPU has no bf16 dot product (where it has
+        one, `--dtype auto` runs the model in bfloat16 already): the kernel widens it block
+        by block, exactly, so the products are the float32 model's and a decode step reads
+        half the bytes. Any other weight is kept as it is."""
+        if (weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or self._k.bf16_quantized or weight.dim() != 2 or weight.shape[1] % 32):
+            return weight
+        narrow = weight.to(torch.bfloat16)
+        if not torch.equal(narrow.to(torch.float32), weight):
+            return weight  # not bf16-exact (a GGUF checkpoint's float32 values): keep it
+        self._widened.add(id(narrow))
+        return narrow
+
     def prepack(self, weight: torch.Tensor) -> None:
+        if id(weight) in self._widened:
+            return  # the kernel reads it as it is
         if not self.batch_invariant:
             return super().prepack(weight)
         # No oneDNN copy to make; instead refuse, at load, a weight the kernel cannot take.
@@ -147,7 +177,8 @@ class CpuKernelOps(TorchOps):
         either way."""
         if weight.device.type != "cpu":
             return
-        if weight.dtype == torch.bfloat16 and not self._k.bf16_quantized:
+        widened = id(weight) in self._widened  # a float32 model: the float32 kernel
+        if weight.dtype == torch.bfloat16 and not self._k.bf16_quantized and not widened:
             return  # no AVX512-BF16: stay on the dense oneDNN path
         if weight.dtype in (torch.float32, torch.bfloat16):
             packed = self._k.pack_blocks(quantized.blocks, quantized.kind)
@@ -157,15 +188,33 @@ class CpuKernelOps(TorchOps):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         quantized = self._quantized.get(id(weight))
+        if id(weight) in self._widened and quantized is None:
+            return self._widened_linear(x, weight, bias)
         if self.batch_invariant:
             x = x.reshape(-1, x.shape[-1]).contiguous()
             out = (self._k.dense_linear(x, weight) if quantized is None else
                    self._k.quantized_linear(x, quantized.blocks, quantized.kind))
-        elif quantized is None or x.dim() != 2 or x.shape[0] > QUANTIZED_MAX_ROWS:
+        elif quantized is None or x.dim() != 2 or x.shape[0] > self._quantized_max_rows(x):
             return super().linear(x, weight, bias)
         else:
             out = self._k.quantized_linear(x.contiguous(), quantized.blocks, quantized.kind)
         return out if bias is None else out + bias
+
+    @staticmethod
+    def _quantized_max_rows(x: torch.Tensor) -> int:
+        return QUANTIZED_MAX_ROWS_FLOAT32 if x.dtype == torch.float32 else QUANTIZED_MAX_ROWS
+
+    def _widened_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+        """x (float32) @ a bfloat16-held weight: the kernel, which widens the weight as it
+        reads it, up to WIDENED_MAX_ROWS rows (every row count in the batch-invariant mode);
+        F.linear over a float32 copy past it."""
+        rows = x.reshape(-1, x.shape[-1])
+        if self.batch_invariant or rows.shape[0] <= WIDENED_MAX_ROWS:
+            out = self._k.dense_linear(rows.contiguous(), weight)
+            out = out.reshape(*x.shape[:-1], weight.shape[0])
+            return out if bias is None else out + bias
+        return F.linear(x, weight.to(x.dtype), bias)
 
     @staticmethod
     def _fits(x: torch.Tensor) -> bool:

@@ -3,7 +3,7 @@ import shutil
 import pytest
 import torch
 
-from engine.cpu_kernels import kernels
+from engine.cpu_kernels import ISA_MARCH, cpu_runs, kernels_for
 
 
 @pytest.fixture(scope="module")
@@ -17,10 +17,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """The engine's compiled CPU kernels (engine/csrc); the test skips where no compiler is."""
-    module = kernels()
+@pytest.fixture(scope="module", params=list(ISA_MARCH))
+def compiled(request):
+    """The engine's compiled CPU kernels (engine/csrc), once per build: `native` (the CPU's
+    own ISA: AVX-512 paths where it has them) and `avx2` (x86-64-v3, what an AVX2-only CPU
+    runs), so every machine tests both paths it can run. Skips an ISA this CPU lacks, and
+    both where no compiler is."""
+    isa = request.param
+    if not cpu_runs(isa):
+        pytest.skip(f"this CPU cannot run the {isa} build (it lacks {isa}'s instructions)")
+    module = kernels_for(isa)
     if module is None:
         # Where a compiler exists (this project's machines and CI) they must build.
         assert shutil.which("c++") is None, "a C++ compiler is here but the kernels failed"

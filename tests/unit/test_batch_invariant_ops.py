@@ -52,7 +52,9 @@ def test_dense_linear_refuses_what_it_cannot_take(compiled):
     with pytest.raises(RuntimeError, match="multiple of 32"):
         compiled.dense_linear(torch.randn(3, 40), torch.randn(8, 40))
     with pytest.raises(RuntimeError, match="x's dtype"):
-        compiled.dense_linear(x, torch.randn(8, 64).bfloat16())
+        compiled.dense_linear(x.bfloat16(), torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        compiled.dense_linear(x, torch.randn(8, 64).half())
     with pytest.raises(RuntimeError, match="out, in"):
         compiled.dense_linear(x, torch.randn(8, 32))
 
