@@ -59,11 +59,11 @@ def faults(tmp_path_factory):
     f.stop()
 
 
-def _stream(url: str, out: dict, key) -> None:
+def _stream(url: str, out: dict, key, body: dict = LONG) -> None:
     """A streamed completion; out[key] = the data lines, as they come."""
     events = out.setdefault(key, [])
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
                           timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -175,6 +175,36 @@ def test_sigterm_drains_a_running_stream(faults):
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 200
     assert all("error" not in json.loads(e) for e in events[:-1])
     assert proc.popen.wait(timeout=30) == 0  # then it exits, cleanly
+
+
+def test_a_drain_that_runs_out_ends_the_stream_with_an_error(faults):
+    """The other side of the drain: a stream still running when --shutdown-timeout runs out
+    gets an error event and [DONE], not a cut connection, and the engine frees its pages."""
+    proc, url = start_frontend(faults.tmp_dir, faults.address, "frontend-short-drain",
+                               "--shutdown-timeout", "1", "--export-engine-metrics")
+    try:
+        wait_healthy(url, [faults.engines[-1], proc])
+        out: dict = {}
+        # 2,000 tokens outlast a one-second window on any machine.
+        body = {**LONG, "max_tokens": 2000}
+        t = threading.Thread(target=_stream, args=(url, out, "s"), kwargs={"body": body})
+        t.start()
+        wait_until(lambda: len(out.get("s", [])) >= 2, 120, "the first tokens")
+        proc.popen.send_signal(signal.SIGTERM)
+        t.join()
+        events = out["s"]
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])
+        _error_shape(error, 503)
+        assert "shutting down" in error["error"]["message"]
+        assert all("error" not in json.loads(e) for e in events[:-2])
+        assert proc.popen.wait(timeout=30) == 0
+    finally:
+        proc.stop()
+    other = faults.urls[0]
+    wait_until(lambda: _idle(metrics(other)), 60, "the engine to let the stream go")
+    m = metrics(other)
+    assert m["sluice:kv_cache_free_pages"] == m["sluice:kv_cache_total_pages"]
 
 
 def test_disconnect_of_a_plain_request_frees_its_pages(faults):
