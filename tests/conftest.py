@@ -1,38 +1,58 @@
 import pytest
 
-from tests.servers import Stack
+from tests.servers import Cluster, Engine, Stack
+
+SHARED_ENGINE_ARGS = ("--max-num-batched-tokens", "256", "--dtype", "float32")
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory):
-    """One full stack (engine + frontend) on the default model, shared by a test session.
+def shared_engine(tmp_path_factory):
+    """The session's `sluice engine` on the default model, over tcp: `stack` and the tests
+    whose flags are all the frontend's (`Engine.frontend`) put frontends on it rather than
+    load the model again.
 
     A small step budget makes multi-chunk prefill happen with moderately long prompts.
     float32: many tests compare the answers of requests sent at once, which the engine may
     batch differently; in bfloat16 the logits are 1/8 apart near 20, so another batch's
-    summation order can swap two near-tied tokens. (`edge_url` runs the bf16 default.)
+    summation order can swap two near-tied tokens; and the reference test compares with
+    transformers' float32 greedy tokens. (`edge_url` runs the bf16 default.)
     """
-    s = Stack(str(tmp_path_factory.mktemp("stack")), "--max-num-batched-tokens", "256",
-              "--dtype", "float32")
+    e = Engine(str(tmp_path_factory.mktemp("engine")), *SHARED_ENGINE_ARGS)
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(shared_engine, tmp_path_factory):
+    """The session's default server: a frontend over the shared engine that exports the
+    engine's series on its /metrics, as `sluice serve`'s frontend does."""
+    s = shared_engine.frontend(str(tmp_path_factory.mktemp("stack")), "frontend",
+                               "--export-engine-metrics")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="session")
-def base_url(stack):
-    return stack.base_url
+def cluster(tmp_path_factory):
+    """`sluice engine` + two `sluice frontend`s over tcp, as an orchestrator runs them, with
+    the shared engine's settings but an engine of its own: the reference test compares greedy
+    tokens with transformers' and has to find a prefix cache that holds only its own prompts'
+    pages, not pages the session's other tests left computed in other batches."""
+    tmp = str(tmp_path_factory.mktemp("cluster"))
+    engine = Engine(tmp, *SHARED_ENGINE_ARGS)
+    try:
+        c = Cluster(engine, tmp)
+    except Exception:
+        engine.stop()
+        raise
+    yield c
+    c.stop()
+    engine.stop()
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """`sluice engine` + two `sluice frontend`s over tcp (step budget 256: chunked prefill)."""
-    from tests.servers import Cluster
-
-    # float32: the reference test compares with transformers' float32 greedy tokens.
-    c = Cluster(str(tmp_path_factory.mktemp("cluster")), "--max-num-batched-tokens", "256",
-                "--dtype", "float32")
-    yield c
-    c.stop()
+def base_url(stack):
+    return stack.base_url
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +63,4 @@ def edge_url(tmp_path_factory):
               "--reasoning-parser", "qwen3", "--max-stored-responses", "3")
     yield s.base_url
     s.stop()
+
