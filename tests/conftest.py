@@ -64,3 +64,17 @@ def edge_url(tmp_path_factory):
     yield s.base_url
     s.stop()
 
+
+
+@pytest.fixture(scope="session")
+def fuzz_stack(tmp_path_factory):
+    """`sluice serve` as the fuzzers attack it (fuzz_checks.STACK_ARGS: postproc workers, a
+    short context, a request timeout), shared by test_fuzz and test_schemathesis: each checks
+    afterwards that none of its processes died and that it is idle again. `pids`: the
+    processes `serve` started."""
+    from tests import fuzz_checks
+
+    s = Stack(str(tmp_path_factory.mktemp("fuzz")), *fuzz_checks.STACK_ARGS)
+    s.pids = fuzz_checks.children(s.proc.popen.pid)
+    yield s
+    s.stop()
