@@ -36,8 +36,8 @@ def stack(shared_engine, tmp_path_factory):
 def cluster(tmp_path_factory):
     """`sluice engine` + two `sluice frontend`s over tcp, as an orchestrator runs them, with
     the shared engine's settings but an engine of its own: the reference test compares greedy
-    tokens with transformers' and has to find a prefix cache that holds only its own prompts'
-    pages, not pages the session's other tests left computed in other batches."""
+    tokens with transformers' and has only been checked on a prefix cache that holds nothing
+    but its own prompts' pages."""
     tmp = str(tmp_path_factory.mktemp("cluster"))
     engine = Engine(tmp, *SHARED_ENGINE_ARGS)
     try:
