@@ -1,38 +1,58 @@
 import pytest
 
-from tests.servers import Stack
+from tests.servers import Cluster, Engine, Stack
+
+SHARED_ENGINE_ARGS = ("--max-num-batched-tokens", "256", "--dtype", "float32")
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory):
-    """One full stack (engine + frontend) on the default model, shared by a test session.
+def shared_engine(tmp_path_factory):
+    """The session's `sluice engine` on the default model, over tcp: `stack` and the tests
+    whose flags are all the frontend's (`Engine.frontend`) put frontends on it rather than
+    load the model again.
 
     A small step budget makes multi-chunk prefill happen with moderately long prompts.
     float32: many tests compare the answers of requests sent at once, which the engine may
     batch differently; in bfloat16 the logits are 1/8 apart near 20, so another batch's
-    summation order can swap two near-tied tokens. (`edge_url` runs the bf16 default.)
+    summation order can swap two near-tied tokens; and the reference test compares with
+    transformers' float32 greedy tokens. (`edge_url` runs the bf16 default.)
     """
-    s = Stack(str(tmp_path_factory.mktemp("stack")), "--max-num-batched-tokens", "256",
-              "--dtype", "float32")
+    e = Engine(str(tmp_path_factory.mktemp("engine")), *SHARED_ENGINE_ARGS)
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(shared_engine, tmp_path_factory):
+    """The session's default server: a frontend over the shared engine that exports the
+    engine's series on its /metrics, as `sluice serve`'s frontend does."""
+    s = shared_engine.frontend(str(tmp_path_factory.mktemp("stack")), "frontend",
+                               "--export-engine-metrics")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="session")
-def base_url(stack):
-    return stack.base_url
+def cluster(tmp_path_factory):
+    """`sluice engine` + two `sluice frontend`s over tcp, as an orchestrator runs them, with
+    the shared engine's settings but an engine of its own: the reference test compares greedy
+    tokens with transformers' and has only been checked on a prefix cache that holds nothing
+    but its own prompts' pages."""
+    tmp = str(tmp_path_factory.mktemp("cluster"))
+    engine = Engine(tmp, *SHARED_ENGINE_ARGS)
+    try:
+        c = Cluster(engine, tmp)
+    except Exception:
+        engine.stop()
+        raise
+    yield c
+    c.stop()
+    engine.stop()
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """`sluice engine` + two `sluice frontend`s over tcp (step budget 256: chunked prefill)."""
-    from tests.servers import Cluster
-
-    # float32: the reference test compares with transformers' float32 greedy tokens.
-    c = Cluster(str(tmp_path_factory.mktemp("cluster")), "--max-num-batched-tokens", "256",
-                "--dtype", "float32")
-    yield c
-    c.stop()
+def base_url(stack):
+    return stack.base_url
 
 
 @pytest.fixture(scope="session")
@@ -42,4 +62,19 @@ def edge_url(tmp_path_factory):
     s = Stack(str(tmp_path_factory.mktemp("edge")), "--tool-call-parser", "hermes",
               "--reasoning-parser", "qwen3", "--max-stored-responses", "3")
     yield s.base_url
+    s.stop()
+
+
+
+@pytest.fixture(scope="session")
+def fuzz_stack(tmp_path_factory):
+    """`sluice serve` as the fuzzers attack it (fuzz_checks.STACK_ARGS: postproc workers, a
+    short context, a request timeout), shared by test_fuzz and test_schemathesis: each checks
+    afterwards that none of its processes died and that it is idle again. `pids`: the
+    processes `serve` started."""
+    from tests import fuzz_checks
+
+    s = Stack(str(tmp_path_factory.mktemp("fuzz")), *fuzz_checks.STACK_ARGS)
+    s.pids = fuzz_checks.children(s.proc.popen.pid)
+    yield s
     s.stop()

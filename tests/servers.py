@@ -104,29 +104,78 @@ def start_frontend(tmp_dir: str, engine_address: str, name: str, *extra: str) ->
     return proc, f"http://127.0.0.1:{port}"
 
 
-class Cluster:
-    """One engine and two frontends as separate processes over tcp, as an orchestrator runs
-    them; the engine serves its own metrics (`engine_metrics_url`), the frontends theirs."""
+class Frontend:
+    """One more `sluice frontend` over an engine that is already running (`Engine.frontend`):
+    a test whose flags are all the frontend's gets its own server without loading the model
+    again. Like `Stack`, it has `proc` and `base_url`."""
 
-    def __init__(self, tmp_dir: str, *engine_extra: str) -> None:
-        self.engine_address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    def __init__(self, tmp_dir: str, engine: Engine, name: str, *extra: str) -> None:
+        self.proc, self.base_url = start_frontend(tmp_dir, engine.address, name, *extra)
+        try:
+            wait_healthy(self.base_url, [engine.proc, self.proc])
+        except Exception:
+            self.proc.stop()
+            raise
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class Engine:
+    """`sluice engine` over tcp, serving its own metrics (`metrics_url`), once it answers a
+    ping; `frontend()` puts frontends on it."""
+
+    def __init__(self, tmp_dir: str, *extra: str) -> None:
+        self.address = f"tcp://127.0.0.1:{free_tcp_port()}"
         metrics_port = free_tcp_port()
-        self.engine_metrics_url = f"http://127.0.0.1:{metrics_port}"
-        self.engine = Proc(
-            ["engine", "--engine-address", self.engine_address,
-             "--metrics-port", str(metrics_port), *engine_extra],
-            os.path.join(tmp_dir, "engine.log"),
-        )
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}"
+        self.proc = Proc(["engine", "--engine-address", self.address,
+                          "--metrics-port", str(metrics_port), *extra],
+                         os.path.join(tmp_dir, "engine.log"))
+        try:
+            self._wait_ready()
+        except Exception:
+            self.proc.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        from tests.engine_client import engine_stats
+
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if self.proc.popen.poll() is not None:
+                raise RuntimeError(f"the engine exited early:\n{self.proc.log()[-4000:]}")
+            try:
+                engine_stats(self.address, timeout_s=2)
+                return
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def frontend(self, tmp_dir: str, name: str, *extra: str) -> Frontend:
+        """A frontend with these flags over this engine; whoever asks for it stops it."""
+        return Frontend(tmp_dir, self, name, *extra)
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class Cluster:
+    """Two frontends over one engine, separate processes over tcp, as an orchestrator runs
+    them; the engine serves its own metrics (`engine_metrics_url`), the frontends theirs.
+    Stopping it stops its frontends, not the engine."""
+
+    def __init__(self, engine: Engine, tmp_dir: str) -> None:
+        self.engine = engine.proc
+        self.engine_address = engine.address
+        self.engine_metrics_url = engine.metrics_url
         self.frontends: list[Proc] = []
         self.base_urls: list[str] = []
         try:
-            for i in range(2):
-                port = free_tcp_port()
-                self.base_urls.append(f"http://127.0.0.1:{port}")
-                self.frontends.append(Proc(
-                    ["frontend", "--engine-address", self.engine_address, "--port", str(port)],
-                    os.path.join(tmp_dir, f"frontend{i}.log"),
-                ))
+            for i in range(2):  # both start at once, then both must be healthy
+                proc, url = start_frontend(tmp_dir, engine.address, f"frontend{i}")
+                self.frontends.append(proc)
+                self.base_urls.append(url)
             for url in self.base_urls:
                 wait_healthy(url, [self.engine, *self.frontends])
         except Exception:
@@ -134,7 +183,7 @@ class Cluster:
             raise
 
     def stop(self) -> None:
-        for p in [*self.frontends, self.engine]:
+        for p in self.frontends:
             p.stop()
 
 

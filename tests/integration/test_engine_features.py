@@ -1,13 +1,16 @@
-"""Engine features through real processes: prefix caching and preemption under memory
-pressure, on the real model."""
-
-import concurrent.futures
-import time
+"""Engine features on the real model: prefix caching through real processes (the shared
+stack), and preemption under memory pressure in an in-process engine (no process boundary is
+under test there, so it loads no server of its own)."""
 
 import httpx
 import pytest
 
-from tests.servers import Stack, metrics
+from engine.build import build_engine
+from shared.config import EngineConfig
+from shared.model_source import default_model_path
+from shared.tokenizer import load_tokenizer
+from tests.servers import metrics
+from tests.unit.engine_builders import request, run
 
 SYSTEM = ("You are a meticulous assistant for a shipping company. Answer briefly, cite the "
           "relevant policy number, and never invent policies. ") * 12
@@ -45,33 +48,24 @@ def test_cache_salt_keeps_tenants_apart(base_url):
 
 
 @pytest.fixture(scope="module")
-def starved(tmp_path_factory):
+def starved():
     # 16 pages of 16 tokens: any one request fits, six at once do not.
-    stack = Stack(str(tmp_path_factory.mktemp("starved")), "--num-kv-pages", "16",
-                  "--max-model-len", "256", "--dtype", "float32")
-    yield stack.base_url
-    stack.stop()
+    return build_engine(EngineConfig(
+        model=default_model_path(), served_model_name="m", request_address="inproc://starved",
+        dtype="float32", num_pages=16, max_model_len=256))
 
 
 @pytest.mark.slow
 def test_memory_starved_engine_preempts_and_completes_everything(starved):
-    prompts = [f"Write a short poem about the number {i}." for i in range(6)]
+    tokenizer = load_tokenizer(default_model_path())
+    prompts = [tokenizer.encode(f"Write a short poem about the number {i}.") for i in range(6)]
 
-    def ask(prompt: str) -> str:
-        body = {"prompt": prompt, "temperature": 0, "max_tokens": 40, "ignore_eos": True}
-        r = httpx.post(f"{starved}/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
+    def asks(tag: str) -> list:
+        return [request(f"{tag}{i}", p, max_tokens=40, ignore_eos=True)
+                for i, p in enumerate(prompts)]
 
-    alone = [ask(p) for p in prompts]
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        together = list(pool.map(ask, prompts))
-    assert together == alone
-    deadline = time.monotonic() + 10  # stats arrive with the next heartbeat
-    while time.monotonic() < deadline:
-        stats = metrics(starved)
-        if stats["sluice:kv_cache_free_pages"] == stats["sluice:kv_cache_total_pages"]:
-            break
-        time.sleep(0.5)
-    assert stats["sluice:num_preemptions_total"] > 0
-    assert stats["sluice:kv_cache_free_pages"] == stats["sluice:kv_cache_total_pages"]
+    alone = [run(starved, [r])[r.request_id].tokens for r in asks("alone")]
+    together = run(starved, asks("together"))  # run() checks every page is free again
+    assert [together[f"together{i}"].tokens for i in range(6)] == alone
+    assert all(len(tokens) == 40 for tokens in alone)
+    assert starved.num_preemptions > 0

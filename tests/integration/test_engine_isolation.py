@@ -1,10 +1,10 @@
 """The engine trusts no client (issue 15, item 4): a raw wire client sends values no frontend
 would let through, each gets its own 400 while a concurrent request completes, and the engine
-stays up."""
+stays up. The engine is the session's shared one (`shared_engine`): a crash here would fail
+every later test on it too."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import msgspec
@@ -12,11 +12,9 @@ import pytest
 
 from shared.codec import encode
 from shared.protocol import EngineRequest, OutputBatch, SamplingParams, pack_ids, unpack_ids
-from shared.transport import free_tcp_port
 from tests.engine_client import RawEngineClient, engine_stats
-from tests.servers import Proc
 
-pytestmark = pytest.mark.slow  # starts an engine of its own
+pytestmark = pytest.mark.slow
 
 PROMPT = [1, 9690, 28, 253, 3575, 282, 4649, 314]
 GOOD = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -57,15 +55,8 @@ BAD_REQUESTS = {
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("isolation"))
-    address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    proc = Proc(["engine", "--engine-address", address], os.path.join(tmp, "engine.log"))
-    try:
-        engine_stats(address, timeout_s=180)
-        yield proc, address
-    finally:
-        proc.stop()
+def engine(shared_engine):
+    return shared_engine.proc, shared_engine.address
 
 
 def _request(client: RawEngineClient, request_id: str, params=GOOD, **fields) -> EngineRequest:

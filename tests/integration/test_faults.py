@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow  # starts its own engine (twice) and frontends
 
 LONG = {"prompt": "Count slowly to one thousand:", "max_tokens": 400, "temperature": 0,
         "ignore_eos": True}
+DRAIN_WINDOW_S = 3600
 
 
 class Faults:
@@ -31,10 +32,11 @@ class Faults:
         self.urls: list[str] = []
         self.start_engine()
         for i in range(2):
-            # A long drain window: a loaded test machine streams slowly.
+            # A drain window no stream here outlasts, however slowly the machine decodes:
+            # the drained stream is bounded by its tokens, and pytest's timeout bounds the run.
             # Each test reads the engine's series off one frontend's /metrics.
-            proc, url = start_frontend(tmp_dir, self.address, f"frontend{i}",
-                                       "--shutdown-timeout", "120", "--export-engine-metrics")
+            proc, url = start_frontend(tmp_dir, self.address, f"frontend{i}", "--shutdown-timeout",
+                                       str(DRAIN_WINDOW_S), "--export-engine-metrics")
             self.frontends.append(proc)
             self.urls.append(url)
         for url in self.urls:
@@ -57,11 +59,11 @@ def faults(tmp_path_factory):
     f.stop()
 
 
-def _stream(url: str, out: dict, key) -> None:
+def _stream(url: str, out: dict, key, body: dict = LONG) -> None:
     """A streamed completion; out[key] = the data lines, as they come."""
     events = out.setdefault(key, [])
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
                           timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -77,6 +79,10 @@ def _plain(url: str, out: dict, key) -> None:
     except httpx.HTTPError as exc:
         out[key] = (0, repr(exc))
 
+
+
+def _idle(m: dict[str, float]) -> bool:
+    return m["sluice:num_requests_running"] + m["sluice:num_requests_waiting"] == 0
 
 
 def _error_shape(body: dict, status: int) -> None:
@@ -130,8 +136,7 @@ def test_engine_killed_under_load_fails_requests_then_recovers(faults):
     # The failed requests stayed dead: none reached the new engine from an old queue.
     time.sleep(1)
     for url in faults.urls:
-        m = metrics(url)
-        assert m["sluice:num_requests_running"] + m["sluice:num_requests_waiting"] == 0
+        assert _idle(metrics(url))
     for url in faults.urls:
         r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 3}, timeout=120)
         assert r.status_code == 200, r.text
@@ -162,7 +167,9 @@ def test_sigterm_drains_a_running_stream(faults):
     r = httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and "Retry-After" in r.headers
     _error_shape(r.json(), 503)
-    t.join(timeout=180)
+    # 200 tokens outlast the signal on any machine: the drain found the stream running.
+    assert "draining: 1 requests in flight" in proc.log()
+    t.join()  # its 200 tokens, however long they take (the drain window is longer)
     events = out["events"]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 200
@@ -170,8 +177,41 @@ def test_sigterm_drains_a_running_stream(faults):
     assert proc.popen.wait(timeout=30) == 0  # then it exits, cleanly
 
 
+def test_a_drain_that_runs_out_ends_the_stream_with_an_error(faults):
+    """The other side of the drain: a stream still running when --shutdown-timeout runs out
+    gets an error event and [DONE], not a cut connection, and the engine frees its pages."""
+    proc, url = start_frontend(faults.tmp_dir, faults.address, "frontend-short-drain",
+                               "--shutdown-timeout", "1", "--export-engine-metrics")
+    try:
+        wait_healthy(url, [faults.engines[-1], proc])
+        out: dict = {}
+        # 2,000 tokens outlast a one-second window on any machine.
+        body = {**LONG, "max_tokens": 2000}
+        t = threading.Thread(target=_stream, args=(url, out, "s"), kwargs={"body": body})
+        t.start()
+        wait_until(lambda: len(out.get("s", [])) >= 2, 120, "the first tokens")
+        proc.popen.send_signal(signal.SIGTERM)
+        t.join()
+        events = out["s"]
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])
+        _error_shape(error, 503)
+        assert "shutting down" in error["error"]["message"]
+        assert all("error" not in json.loads(e) for e in events[:-2])
+        assert proc.popen.wait(timeout=30) == 0
+    finally:
+        proc.stop()
+    other = faults.urls[0]
+    wait_until(lambda: _idle(metrics(other)), 60, "the engine to let the stream go")
+    m = metrics(other)
+    assert m["sluice:kv_cache_free_pages"] == m["sluice:kv_cache_total_pages"]
+
+
 def test_disconnect_of_a_plain_request_frees_its_pages(faults):
     url = faults.urls[0]
+    # An idle engine first: an earlier request's abort still on its way (a stream a test
+    # left mid-way) would otherwise land after `before` and count as this one's.
+    wait_until(lambda: _idle(metrics(url)), 60, "an idle engine")
     before = metrics(url)
     payload = json.dumps(LONG).encode()
     port = int(url.rsplit(":", 1)[1])

@@ -4,7 +4,8 @@ responses, messages, tokenize, detokenize): ints where int32/int64/uint64 end an
 that vanish or overflow in float32, empty, huge and odd strings, JSON nested 1,000 deep
 wherever free-form JSON goes, long lists, wrong types. No 5xx, every refusal in its API's
 error shape (req R-3), and afterwards every process alive, /health 200 and the engine idle
-(tests.fuzz_checks). One stack, the issue's configuration, for the whole module."""
+(tests.fuzz_checks). One stack, the issue's configuration (`fuzz_stack`, shared with
+test_schemathesis)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from frontend.responses_models import ResponsesRequest
 from tests import fuzz_checks
 from tests.servers import Stack
 
-pytestmark = pytest.mark.slow  # its own stack, thousands of requests
+pytestmark = pytest.mark.slow  # thousands of requests
 
 EXAMPLES = 1000
 COMBINATIONS = 75  # boundary combinations per request model
@@ -74,15 +75,6 @@ def malformed(draw) -> tuple[str, bytes]:
     if how == "truncate":
         raw = raw[: draw(st.integers(0, len(raw) - 1))]
     return path, raw
-
-
-@pytest.fixture(scope="module")
-def fuzz_stack(tmp_path_factory):
-    # A short context and a request timeout bound what an accidentally valid request costs.
-    stack = Stack(str(tmp_path_factory.mktemp("fuzz")), *fuzz_checks.STACK_ARGS)
-    stack.pids = fuzz_checks.children(stack.proc.popen.pid)
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture(scope="module")

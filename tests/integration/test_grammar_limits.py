@@ -1,11 +1,11 @@
 """Grammars cannot crash or wedge a process (issue 15 item 3), through real processes: the
 fuzzer's 5,000 chained rules and other limit-busters are 400s naming their field, from the
-frontend over HTTP and from the engine to a raw wire client, and both stay up."""
+frontend over HTTP and from the engine to a raw wire client, and both stay up: the session's
+shared engine and default frontend (`shared_engine`, `stack`), which later tests then use."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 
@@ -15,11 +15,9 @@ from llguidance import grammar_from
 
 from shared.codec import encode
 from shared.protocol import Constraint, EngineRequest, OutputBatch, SamplingParams, pack_ids
-from shared.transport import free_tcp_port
 from tests.engine_client import RawEngineClient, engine_stats
-from tests.servers import Proc, start_frontend, wait_healthy
 
-pytestmark = pytest.mark.slow  # starts an engine and a frontend of its own
+pytestmark = pytest.mark.slow
 
 PROMPT = [1, 9690, 28, 253, 3575, 282, 4649, 314]
 
@@ -37,17 +35,9 @@ def nested(depth: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("grammar-limits"))
-    address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    engine = Proc(["engine", "--engine-address", address], os.path.join(tmp, "engine.log"))
-    frontend, url = start_frontend(tmp, address, "frontend")
-    try:
-        wait_healthy(url, [engine, frontend])
-        yield engine, frontend, address, url
-    finally:
-        frontend.stop()
-        engine.stop()
+def servers(shared_engine, stack):
+    """(engine process, frontend process, engine address, frontend URL)."""
+    return shared_engine.proc, stack.proc, shared_engine.address, stack.base_url
 
 
 def post(url: str, route: str, body: dict) -> httpx.Response:
@@ -69,8 +59,8 @@ BUSTERS = [
 ]
 
 
-def test_limit_busters_are_400s_naming_the_field_and_the_stack_stays_up(stack):
-    engine, frontend, _, url = stack
+def test_limit_busters_are_400s_naming_the_field_and_the_stack_stays_up(servers):
+    engine, frontend, _, url = servers
     for route, body, param in BUSTERS:
         response = post(url, route, body)
         assert response.status_code == 400, (param, response.text[:300])
@@ -82,8 +72,8 @@ def test_limit_busters_are_400s_naming_the_field_and_the_stack_stays_up(stack):
     assert re.fullmatch("[0-9]{3}", ok.json()["choices"][0]["message"]["content"])
 
 
-def test_a_batched_completion_with_a_grammar_runs_every_prompt(stack):
-    url = stack[3]
+def test_a_batched_completion_with_a_grammar_runs_every_prompt(servers):
+    url = servers[3]
     response = post(url, "completions", {"prompt": [f"Number {i}:" for i in range(8)],
                                          "guided_regex": "[0-9]{2}"})
     assert response.status_code == 200, response.text[:300]
@@ -91,8 +81,8 @@ def test_a_batched_completion_with_a_grammar_runs_every_prompt(stack):
     assert len(texts) == 8 and all(re.fullmatch("[0-9]{2}", t) for t in texts), texts
 
 
-def test_the_engine_refuses_grammars_past_the_limits_from_a_raw_client(stack):
-    engine, _, address, _ = stack
+def test_the_engine_refuses_grammars_past_the_limits_from_a_raw_client(servers):
+    engine, _, address, _ = servers
     client = RawEngineClient(address)
     free = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     grammars = {

@@ -4,7 +4,8 @@ under /v1/messages, whose message names it), and the engine lives on. The fuzzer
 are here too: top_k 2**63 killed the engine, big seeds and priorities, `"--5"` bias keys and
 JSON a thousand levels deep were 500s.
 
-One `sluice serve` with small maxima, so the boundary requests stay cheap (n = 2, not 128).
+A frontend with small maxima (so the boundary requests stay cheap: n = 2, not 128) over the
+session's shared engine (`shared_engine`): every bound here is the frontend's.
 tests/unit/test_input_bounds.py has the exact edges of every range without processes."""
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ import json
 import httpx
 import pytest
 
-from tests.servers import Stack
-
-pytestmark = pytest.mark.slow  # starts its own stack
+pytestmark = pytest.mark.slow  # starts a frontend of its own
 
 MODEL = "SmolLM2-135M-Instruct"
 DEPTH = 10
@@ -51,10 +50,10 @@ def deep_text(levels: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    s = Stack(str(tmp_path_factory.mktemp("bounds")), *LIMITS)
-    yield s.base_url
-    s.stop()
+def url(shared_engine, tmp_path_factory):
+    frontend = shared_engine.frontend(str(tmp_path_factory.mktemp("bounds")), "bounds", *LIMITS)
+    yield frontend.base_url
+    frontend.stop()
 
 
 @pytest.fixture(scope="module")

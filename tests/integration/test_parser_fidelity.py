@@ -1,5 +1,6 @@
 """Output-side fidelity through the HTTP API with the official openai client, on the default
-model with `--tool-call-parser hermes` (issue 17): forced calls over pydantic-style schemas,
+model with `--tool-call-parser hermes` (issue 17), a frontend of its own over the session's shared
+engine (`shared_engine`): forced calls over pydantic-style schemas,
 bounded JSON numbers, forced calls cut by max_tokens, streamed arguments, and stop strings
 under min_tokens."""
 
@@ -10,7 +11,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.servers import Stack
 from tests.unit.test_parser_fidelity import PYDANTIC_SCHEMA
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -19,10 +19,11 @@ SHIP = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    stack = Stack(str(tmp_path_factory.mktemp("fidelity")), "--tool-call-parser", "hermes")
-    yield openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
-    stack.stop()
+def client(shared_engine, tmp_path_factory):
+    frontend = shared_engine.frontend(str(tmp_path_factory.mktemp("fidelity")), "fidelity",
+                                      "--tool-call-parser", "hermes")
+    yield openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0)
+    frontend.stop()
 
 
 def ask(client, content: str, **extra):

@@ -32,7 +32,6 @@ import pytest
 import requests
 
 from tests import fuzz_checks
-from tests.servers import Stack
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
@@ -145,17 +144,11 @@ class Run:
         fuzz()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    stack = Stack(str(tmp_path_factory.mktemp("schemathesis")), *fuzz_checks.STACK_ARGS)
-    yield stack
-    stack.stop()
-
-
-def test_schemathesis_finds_no_server_error(stack):
+def test_schemathesis_finds_no_server_error(fuzz_stack):
+    stack = fuzz_stack
     schema = schemathesis.openapi.from_url(f"{stack.base_url}/openapi.json")
     schema.hook("flatmap_body")(lambda ctx, body: extremes(body))
-    pids = fuzz_checks.children(stack.proc.popen.pid)
+    pids = stack.pids
     started = time.monotonic()
     with requests.Session() as session:
         run = Run(stack.base_url, session)

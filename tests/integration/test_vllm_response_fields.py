@@ -13,7 +13,6 @@ import pytest
 
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
-from tests.servers import Stack
 
 MODEL = "SmolLM2-135M-Instruct"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -142,10 +141,11 @@ def test_the_model_card_names_its_root_and_start(base_url):
 
 
 @pytest.fixture(scope="module")
-def detailed(tmp_path_factory):
-    """`sluice serve --enable-prompt-tokens-details --enable-force-include-usage`."""
-    s = Stack(str(tmp_path_factory.mktemp("details")), "--enable-prompt-tokens-details",
-              "--enable-force-include-usage", "--dtype", "float32")
+def detailed(shared_engine, tmp_path_factory):
+    """`sluice frontend --enable-prompt-tokens-details --enable-force-include-usage` over the
+    session's shared float32 engine (both flags are the frontend's)."""
+    s = shared_engine.frontend(str(tmp_path_factory.mktemp("details")), "details",
+                               "--enable-prompt-tokens-details", "--enable-force-include-usage")
     yield openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0)
     s.stop()
 
