@@ -78,6 +78,11 @@ def create_attention_backend(
     if name == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
+        if model.layer_attention:
+            raise ValueError(
+                f"{model.architecture} needs sliding-window / soft-capped / sink attention, "
+                "which the flashinfer backend does not plan yet; use --attention-backend torch")
+
         return FlashInferAttentionBackend(
             model.num_layers, num_pages, page_size, model.num_heads, model.num_kv_heads,
             model.head_dim, dtype, device, batch_invariant=batch_invariant,
@@ -88,4 +93,5 @@ def create_attention_backend(
     return TorchAttentionBackend(
         model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim, dtype, device,
         kernels=kernels() if device.type == "cpu" else None, batch_invariant=batch_invariant,
+        layers=model.layer_attention,
     )

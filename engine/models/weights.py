@@ -37,44 +37,10 @@ _GGUF_GLOBAL_NAMES = {
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, by HF name, with HF's shape."""
-    shapes = {
-        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
-        "model.norm.weight": (config.hidden_size,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    for i in range(config.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in _layer_shapes(config).items()})
-    return shapes
+    """Every tensor the model needs, by HF name, with HF's shape: its family's list."""
+    from engine.models.registry import family_of  # the registry imports the model modules
 
-
-def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes = {
-        "input_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (q_out, hidden),
-        "self_attn.k_proj.weight": (kv_out, hidden),
-        "self_attn.v_proj.weight": (kv_out, hidden),
-        "self_attn.o_proj.weight": (hidden, q_out),
-        "post_attention_layernorm.weight": (hidden,),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-    }
-    if config.attention_bias:
-        shapes.update(
-            {
-                "self_attn.q_proj.bias": (q_out,),
-                "self_attn.k_proj.bias": (kv_out,),
-                "self_attn.v_proj.bias": (kv_out,),
-            }
-        )
-    if config.qk_norm:
-        shapes["self_attn.q_norm.weight"] = (config.head_dim,)
-        shapes["self_attn.k_norm.weight"] = (config.head_dim,)
-    return shapes
+    return family_of(config).tensor_shapes(config)
 
 
 def load_weights(

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.batch import ScheduledChunk
 from engine.models.config import load_model_config
-from engine.models.llama import LlamaModel, RotaryEmbedding
+from engine.models.llama import LlamaModel
 from engine.models.ops import QUANTIZED_MAX_ROWS, CpuKernelOps, TorchOps, make_ops, rms_norm
+from engine.models.rotary import RotaryEmbedding
 from engine.models.weights import (
     BLOCK_KINDS,
     QuantizedWeight,
