@@ -7,12 +7,22 @@ greedy generate in float32, logits within float32 tolerance.
 Sliding windows (8) are shorter than most prompts and generations, so a missing or
 off-by-one window changes tokens; MoE models have 4-8 experts, top-2."""
 
+import json
+import os
+import re
+import shutil
+
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
+from engine.build import build_engine
 from engine.cpu_kernels import kernels
 from engine.models.config import load_model_config
+from shared.config import EngineConfig
+from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
+from tests.tiny_vlm import tiny_vlm_tokenizer
 from tests.unit.test_model_reference import STEPS, TINY, VOCAB, _run, make_reference
 
 WINDOW = 8
@@ -117,3 +127,108 @@ def test_matches_transformers(reference, mode, use_kernels):
         torch.testing.assert_close(logits[i][0], ref.first_logits[i], atol=1e-4, rtol=0)
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
         assert tokens[i] == ref.tokens[i], f"prompt {i} (length {len(prompt)})"
+
+
+# --- through the engine's own start: build_engine on the folder ----------------------------------
+
+
+def _engine_config(path: str, **overrides) -> EngineConfig:
+    return EngineConfig(model=path, served_model_name="m", request_address="inproc://x",
+                        device="cpu", dtype="float32", attention_backend="torch",
+                        num_pages=64, max_num_batched_tokens=8, **overrides)
+
+
+def test_served_by_build_engine(reference):
+    """`sluice serve DIR`'s engine: the registry's model, the backend told each layer's
+    attention, the default ops; all prompts at once, chunked."""
+    _, ref = reference
+    tiny_vlm_tokenizer().save_pretrained(ref.path)  # a byte-level one, as llguidance needs
+    core = build_engine(_engine_config(ref.path, threads=1))
+    for i, prompt in enumerate(ref.prompts):
+        core.add(EngineRequest(
+            request_id=f"r{i}", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
+            params=SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True),
+            arrival_time=0.0))
+    tokens = {f"r{i}": [] for i in range(len(ref.prompts))}
+    while core.has_work:
+        for _, out in core.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
+    assert [tokens[f"r{i}"] for i in range(len(ref.prompts))] == ref.tokens
+
+
+# --- bad checkpoints stop the engine at start, naming the key or tensor ---------------------------
+
+
+def _save_tiny(path, config_cls, model_cls, **overrides) -> str:
+    model = model_cls._from_config(config_cls(**{**TINY, **overrides}))
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> str:
+    return _save_tiny(tmp_path_factory.mktemp("moe"), transformers.Qwen3MoeConfig,
+                      transformers.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, num_hidden_layers=1)
+
+
+def _rewrite_tensors(folder: str, edit) -> None:
+    file = os.path.join(folder, "model.safetensors")
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _rewrite_config(folder: str, **fields) -> None:
+    file = os.path.join(folder, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    with open(file, "w") as f:
+        json.dump(config | fields, f)
+
+
+def _refused(folder: str, match: str) -> None:
+    with pytest.raises(SystemExit, match=match):
+        build_engine(_engine_config(folder))
+
+
+def test_missing_expert_refused(tiny_moe, tmp_path):
+    folder = str(shutil.copytree(tiny_moe, tmp_path / "m"))
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    _rewrite_tensors(folder, lambda t: t.pop(name))
+    _refused(folder, re.escape(name))
+
+
+def test_misshapen_router_refused(tiny_moe, tmp_path):
+    folder = str(shutil.copytree(tiny_moe, tmp_path / "m"))
+    name = "model.layers.0.mlp.gate.weight"
+    _rewrite_tensors(folder, lambda t: t.update({name: t[name][:3]}))  # 3 experts, not 4
+    _refused(folder, re.escape(name) + r" has shape \(3, 64\), expected \(4, 64\)")
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"architectures": ["FalconForCausalLM"], "model_type": "falcon"},
+     "unsupported model.*FalconForCausalLM.*supported architectures: .*Qwen3MoeForCausalLM"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok: 5 is not within 1..4"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok: 0 is not within 1..4"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_bad_moe_config_refused(tiny_moe, tmp_path, fields, match):
+    folder = str(shutil.copytree(tiny_moe, tmp_path / "m"))
+    _rewrite_config(folder, **fields)
+    _refused(folder, match)
+
+
+@pytest.mark.parametrize(("window", "ok"), [(0, False), (1, True), (128, True), (129, False)])
+def test_window_must_lie_within_the_context(tmp_path, window, ok):
+    """Gemma 2's sliding_window: 1..max_position_embeddings (128 here)."""
+    folder = _save_tiny(tmp_path / "g", transformers.Gemma2Config,
+                        transformers.Gemma2ForCausalLM, head_dim=16, num_hidden_layers=2,
+                        sliding_window=8)
+    _rewrite_config(folder, sliding_window=window)
+    if ok:
+        assert load_model_config(folder).attention_of(0).window == window
+    else:
+        _refused(folder, rf"sliding_window: {window} is not a window within the context "
+                         r"\(1\.\.128\)")
