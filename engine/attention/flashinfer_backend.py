@@ -28,6 +28,7 @@ import msgspec
 import torch
 
 from engine.batch import ScheduledChunk
+from engine.models.config import PLAIN_ATTENTION, LayerAttention
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
 
@@ -180,10 +181,14 @@ class FlashInferAttentionBackend:
         dtype: torch.dtype,
         device: torch.device,
         batch_invariant: bool = False,
+        attention: LayerAttention = PLAIN_ATTENTION,
     ) -> None:
         """batch_invariant: every row through the decode kernel, one entry per token
         (build_step_plan's per_token), with the split of the KV sequence over thread blocks
-        turned off, since FlashInfer sizes that split by the batch."""
+        turned off, since FlashInfer sizes that split by the batch. attention: how every
+        layer attends (one plan serves all layers, so they must agree; no sinks): a window
+        becomes FlashInfer's window_left (the keys before the query's own), with the score
+        scale and soft-cap (unverified on a GPU so far: docs/gpu.md)."""
         import flashinfer
 
         # The device is the selector's to check (engine.attention.selector); the kernels run
@@ -212,12 +217,19 @@ class FlashInferAttentionBackend:
         )
         self._graph_meta: dict[int, FlashInferMetadata] = {}
         self.batch_invariant = batch_invariant
-        self._decode_plan_options = {}
+        if attention.sinks:
+            raise ValueError("the flashinfer backend does not plan attention sinks")
+        self._layer_plan_options = {
+            "window_left": attention.window - 1 if attention.window is not None else -1,
+            "logits_soft_cap": attention.softcap,
+            "sm_scale": attention.scale,
+        }
+        self._decode_plan_options = dict(self._layer_plan_options)
         if batch_invariant:
             if "disable_split_kv" not in inspect.signature(self.decode_wrapper.plan).parameters:
                 raise ValueError("--batch-invariant needs a FlashInfer whose decode plan takes "
                                  "disable_split_kv (0.3 or newer)")
-            self._decode_plan_options = {"disable_split_kv": True}
+            self._decode_plan_options["disable_split_kv"] = True
 
     # ---------------------------------------------------------------- planning
 
@@ -248,6 +260,7 @@ class FlashInferAttentionBackend:
             _i32(table.qo_indptr), _i32(table.kv_indptr), _i32(table.kv_indices),
             _i32(table.kv_last_page_len), self.num_heads, self.num_kv_heads, self.head_dim,
             self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype,
+            **self._layer_plan_options,
         )
 
     def _plan_decode(self, wrapper, table: PageTable) -> None:
