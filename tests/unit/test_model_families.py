@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from tests.tiny_vlm import tiny_vlm_tokenizer
 from tests.unit.test_model_reference import STEPS, TINY, VOCAB, _run, make_reference
 
 WINDOW = 8
+CPU = torch.device("cpu")
 _NO_THETA = {k: v for k, v in TINY.items() if k != "rope_theta"}
 _FREQS = 8  # Phi-3's rotary frequencies: head_dim 16 (hidden 64 over 4 heads) / 2
 
@@ -232,3 +234,42 @@ def test_window_must_lie_within_the_context(tmp_path, window, ok):
     else:
         _refused(folder, rf"sliding_window: {window} is not a window within the context "
                          r"\(1\.\.128\)")
+
+
+# --- pieces the engine-level comparisons cannot reach ------------------------------------------
+
+
+def test_longrope_uses_long_factors_past_the_original_length():
+    """Positions at or past original_max_position_embeddings rotate with the long factors:
+    the cos/sin transformers computes for a sequence longer than the original length."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from engine.models.rotary import RotaryEmbedding
+
+    original, length = 16, 40
+    rope = {"rope_type": "longrope", "rope_theta": 1000.0, "original_max_position_embeddings":
+            original, "short_factor": [1.0 + 0.1 * i for i in range(_FREQS)],
+            "long_factor": [2.0 + 0.5 * i for i in range(_FREQS)]}
+    hf_config = transformers.Phi3Config(**{**_NO_THETA, "max_position_embeddings": 64,
+                                           "rope_parameters": rope})
+    path = tempfile.mkdtemp()
+    hf_config.save_pretrained(path)
+    ours = RotaryEmbedding(load_model_config(path), 64, torch.float32, CPU)
+    x = torch.zeros(1, length, 16)
+    cos, sin = Phi3RotaryEmbedding(hf_config)(x, torch.arange(length)[None])
+    past = slice(original, length)
+    torch.testing.assert_close(ours.cos[past], cos[0, past], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.sin[past], sin[0, past], atol=1e-5, rtol=0)
+
+
+def test_flashinfer_refuses_mixed_layers_at_start(tmp_path):
+    """One FlashInfer plan serves every layer: Gemma's sliding + global mix is refused
+    before any flashinfer import, naming the backend that serves it."""
+    from engine.attention.selector import create_attention_backend
+
+    folder = _save_tiny(tmp_path / "g", transformers.Gemma2Config,
+                        transformers.Gemma2ForCausalLM, head_dim=16, num_hidden_layers=2,
+                        sliding_window=8)
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        create_attention_backend("flashinfer", load_model_config(folder), 8, 4,
+                                 torch.bfloat16, torch.device("cuda"))
