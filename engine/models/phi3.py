@@ -54,11 +54,11 @@ def read_phi3_config(raw: bytes) -> ModelConfig:
             f"{hf.hidden_act!r} is not implemented (only silu)")
     require(not hf.attention_bias, "attention_bias", "not implemented for Phi-3")
     max_positions = hf.max_position_embeddings or 4096
-    # transformers < 5 keeps LongRoPE's original length beside rope_scaling, not in it.
+    # LongRoPE's original length is the top-level key where there is one (transformers'
+    # Phi3Config overrides the rotary parameters' copy with it).
     params = dict(hf.rope_parameters or hf.rope_scaling or {})
     if params and hf.original_max_position_embeddings:
-        params.setdefault("original_max_position_embeddings",
-                          hf.original_max_position_embeddings)
+        params["original_max_position_embeddings"] = hf.original_max_position_embeddings
         hf.rope_parameters, hf.rope_scaling = params, None
     layers = ()
     if hf.sliding_window is not None:  # transformers' Phi-3 windows every layer when set

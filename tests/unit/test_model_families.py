@@ -58,7 +58,7 @@ CASES = {
     # Fused qkv / gate_up in the checkpoint, LongRoPE (short factors below the original
     # length, with its attention factor).
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
-        _NO_THETA, rope_parameters={
+        _NO_THETA, original_max_position_embeddings=64, rope_parameters={
             "rope_type": "longrope", "rope_theta": 1000.0,
             "short_factor": [1.0 + 0.1 * i for i in range(_FREQS)],
             "long_factor": [2.0 + 0.5 * i for i in range(_FREQS)],
@@ -251,6 +251,7 @@ def test_longrope_uses_long_factors_past_the_original_length():
             original, "short_factor": [1.0 + 0.1 * i for i in range(_FREQS)],
             "long_factor": [2.0 + 0.5 * i for i in range(_FREQS)]}
     hf_config = transformers.Phi3Config(**{**_NO_THETA, "max_position_embeddings": 64,
+                                           "original_max_position_embeddings": original,
                                            "rope_parameters": rope})
     path = tempfile.mkdtemp()
     hf_config.save_pretrained(path)
