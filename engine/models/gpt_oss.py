@@ -6,7 +6,9 @@ g = min(gate, limit).
 
 The checkpoint stores each projection's experts stacked as [experts, in, out], gate and up
 interleaved column by column; they load as our per-expert [out, in] rows, gate rows then
-up rows. MXFP4-quantized expert weights (the published checkpoints) are refused for now.
+up rows. The published checkpoints quantize the experts to MXFP4 (blocks of 32 FP4 values
+sharing a power-of-two scale); those are dequantized at load, as transformers does on a
+machine without its MXFP4 kernels.
 """
 
 from __future__ import annotations
@@ -32,6 +34,26 @@ from engine.models.moe import ExpertLinear, MoeBlock
 class GptOssOptions(msgspec.Struct, frozen=True):
     swiglu_alpha: float
     swiglu_limit: float
+    mxfp4: bool = False  # experts stored as MXFP4 blocks and scales
+
+
+# The FP4 (e2m1) values of codes 0..15.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # values per shared scale: 16 bytes of two codes each
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [E, out, in / 32, 16] (bytes: low nibble first), scales [E, out, in / 32]
+    (exponents biased by 127) -> float32 [E, in, out], the dense checkpoint's layout. The
+    loader hands them over as floats; byte values are exact in every float dtype."""
+    codes = blocks.to(torch.uint8)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1)
+    values = values.reshape(*codes.shape[:-1], -1)  # [E, out, in / 32, 32]
+    exponents = scales.to(torch.int32) - 127
+    dense = torch.ldexp(values, exponents.unsqueeze(-1))
+    return dense.reshape(*dense.shape[:2], -1).transpose(1, 2)
 
 
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -51,9 +73,9 @@ class GptOssModel(LlamaModel):
 
     def _mlp_fields(self, w, i: int) -> dict:
         p = f"model.layers.{i}.mlp."
-        stacked_gate_up = w(p + "experts.gate_up_proj")  # [E, hidden, 2 * inter]
+        stacked_gate_up = self._experts(w, p + "experts.gate_up_proj")  # [E, hidden, 2 * inter]
         gate_up_bias = w(p + "experts.gate_up_proj_bias")  # [E, 2 * inter]
-        down = w(p + "experts.down_proj")  # [E, inter, hidden]
+        down = self._experts(w, p + "experts.down_proj")  # [E, inter, hidden]
         down_bias = w(p + "experts.down_proj_bias")
         experts = range(self.config.moe.num_experts)
 
@@ -72,6 +94,12 @@ class GptOssModel(LlamaModel):
                          gate_up, down_linear, activation=activation)
         return dict(gate_up_weight=None, down_weight=None, moe=block)
 
+    def _experts(self, w, name: str) -> torch.Tensor:
+        if not self.config.family_options.mxfp4:
+            return w(name)
+        dense = dequantize_mxfp4(w(name + "_blocks"), w(name + "_scales"))
+        return dense.to(dtype=self.dtype, device=self.device)
+
 
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     hidden, moe = config.hidden_size, config.moe
@@ -87,11 +115,18 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.sinks": (config.num_heads,),
         "mlp.router.weight": (experts, hidden),
         "mlp.router.bias": (experts,),
-        "mlp.experts.gate_up_proj": (experts, hidden, 2 * inter),
         "mlp.experts.gate_up_proj_bias": (experts, 2 * inter),
-        "mlp.experts.down_proj": (experts, inter, hidden),
         "mlp.experts.down_proj_bias": (experts, hidden),
     }
+    if config.family_options.mxfp4:
+        for name, (rows, width) in {"gate_up_proj": (2 * inter, hidden),
+                                    "down_proj": (hidden, inter)}.items():
+            groups = width // MXFP4_BLOCK
+            layer[f"mlp.experts.{name}_blocks"] = (experts, rows, groups, MXFP4_BLOCK // 2)
+            layer[f"mlp.experts.{name}_scales"] = (experts, rows, groups)
+    else:
+        layer["mlp.experts.gate_up_proj"] = (experts, hidden, 2 * inter)
+        layer["mlp.experts.down_proj"] = (experts, inter, hidden)
     for i in range(config.num_layers):
         shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
     return shapes
@@ -107,9 +142,14 @@ class _GptOssHF(HFConfig):
 
 def read_gpt_oss_config(raw: bytes) -> ModelConfig:
     hf = msgspec.json.decode(raw, type=_GptOssHF)
-    require(hf.quantization_config is None, "quantization_config",
-            "quantized (MXFP4) gpt-oss experts are not implemented; dequantize the "
-            "checkpoint to bfloat16 first")
+    method = (hf.quantization_config or {}).get("quant_method")
+    require(method in (None, "mxfp4"), "quantization_config",
+            f"quant_method {method!r} is not implemented (only mxfp4)")
+    mxfp4 = method == "mxfp4"
+    for key, width in (("hidden_size", hf.hidden_size),
+                       ("intermediate_size", hf.intermediate_size)):
+        require(not mxfp4 or width % MXFP4_BLOCK == 0, key,
+                f"{width} is not a multiple of MXFP4's {MXFP4_BLOCK}-value blocks")
     require(0 < hf.num_experts_per_tok <= hf.num_local_experts, "num_experts_per_tok",
             f"{hf.num_experts_per_tok} is not within 1..{hf.num_local_experts}")
     max_positions = hf.max_position_embeddings or 131072
@@ -123,4 +163,4 @@ def read_gpt_oss_config(raw: bytes) -> ModelConfig:
     return config_from_hf(
         hf, "gpt_oss", max_positions, attention_bias=True, moe=moe,
         layer_attention=tuple(LayerAttention(window=w, sinks=True) for w in windows),
-        family_options=GptOssOptions(hf.swiglu_alpha, hf.swiglu_limit))
+        family_options=GptOssOptions(hf.swiglu_alpha, hf.swiglu_limit, mxfp4))

@@ -274,3 +274,45 @@ def test_flashinfer_refuses_mixed_layers_at_start(tmp_path):
     with pytest.raises(ValueError, match="--attention-backend torch"):
         create_attention_backend("flashinfer", load_model_config(folder), 8, 4,
                                  torch.bfloat16, torch.device("cuda"))
+
+
+def test_gpt_oss_mxfp4_experts(tmp_path):
+    """The published gpt-oss checkpoints' MXFP4 experts (blocks + scales) load dequantized:
+    the same tokens and logits as transformers running the dense weights its own MXFP4
+    converter makes of those blocks."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(3)
+    packed = {}
+
+    def quantize_experts(model):
+        with torch.no_grad():
+            for i, layer in enumerate(model.model.layers):
+                for name, param in (("gate_up_proj", layer.mlp.experts.gate_up_proj),
+                                    ("down_proj", layer.mlp.experts.down_proj)):
+                    experts, width, rows = param.shape  # dense layout: [E, in, out]
+                    blocks = torch.randint(0, 256, (experts, rows, width // 32, 16),
+                                           generator=gen, dtype=torch.uint8)
+                    # 2 ** -5..-3 times FP4 values up to 6: weights around width ** -0.5
+                    scales = torch.randint(122, 125, (experts, rows, width // 32),
+                                           generator=gen, dtype=torch.uint8)
+                    param.copy_(convert_moe_packed_tensors(blocks, scales,
+                                                           dtype=torch.float32))
+                    packed[f"model.layers.{i}.mlp.experts.{name}"] = (blocks, scales)
+
+    config_cls, model_cls, overrides = CASES["gpt_oss"]
+    ref = make_reference(tmp_path, config_cls, model_cls, {**TINY, **overrides}, seed=8,
+                         prepare=quantize_experts)
+
+    def swap_in_blocks(tensors):
+        for name, (blocks, scales) in packed.items():
+            del tensors[name]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+
+    _rewrite_tensors(ref.path, swap_in_blocks)
+    _rewrite_config(ref.path, quantization_config={"quant_method": "mxfp4"})
+    assert load_model_config(ref.path).family_options.mxfp4
+    tokens, logits, _ = _run(ref.path, ref.prompts, "together", kernels())
+    for i in range(len(ref.prompts)):
+        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+        assert tokens[i] == ref.tokens[i]

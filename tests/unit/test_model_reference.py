@@ -117,13 +117,17 @@ def reference(request, tmp_path_factory) -> tuple[str, Reference]:
     return case, make_reference(path, config_cls, model_cls, {**TINY, **overrides}, seed=8)
 
 
-def make_reference(path, config_cls, model_cls, config_kwargs: dict, seed: int) -> Reference:
+def make_reference(path, config_cls, model_cls, config_kwargs: dict, seed: int,
+                   prepare=None) -> Reference:
     """A random-weight transformers model saved under `path`, and its greedy generations
-    (transformers' eager attention: the reference arithmetic) for the test prompts."""
+    (transformers' eager attention: the reference arithmetic) for the test prompts.
+    prepare(model): sets weights of its own after the random draw."""
     hf_config = config_cls(**config_kwargs)
     model = model_cls._from_config(hf_config, attn_implementation="eager")
     model = model.to(torch.float32).eval()
     _randomize(model, seed=seed)  # seed 8: every Llama-family case's top-2 gaps > 5e-3
+    if prepare is not None:
+        prepare(model)
     if hf_config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     model.save_pretrained(path, safe_serialization=True)
