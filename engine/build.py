@@ -177,8 +177,10 @@ def build_engine(config: EngineConfig) -> EngineCore:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     # Graphs replay decode batches padded to captured sizes through the decode-only plan;
-    # the batch-invariant mode plans every row alike and runs eagerly.
-    if choice.name == "flashinfer" and not (config.enforce_eager or config.batch_invariant):
+    # the batch-invariant mode plans every row alike and runs eagerly, and so do MoE models:
+    # their expert groups are sized on the host each step, which a captured graph cannot do.
+    eager = config.enforce_eager or config.batch_invariant or model_config.moe is not None
+    if choice.name == "flashinfer" and not eager:
         from engine.cuda_graphs import DecodeGraphModel, graph_batch_sizes
 
         model = DecodeGraphModel(
