@@ -75,12 +75,13 @@ class MoeBlock:
         return out
 
     def grouped_experts(self, x, experts, weights, ops) -> torch.Tensor:
-        k = experts.shape[1]
+        tokens, k = experts.shape
         flat = experts.reshape(-1)  # [T * k]: token t's j-th choice at t * k + j
         order = torch.argsort(flat, stable=True)
-        token_of = order // k
         counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
-        rows = x[token_of]  # the tokens, grouped by expert
+        # index_select, not x[...] or index_add_: torch's CPU indexing and scatter kernels
+        # cost more than the experts' matmuls at decode sizes (docs/benchmarks.md).
+        rows = x.index_select(0, order // k)  # the tokens, grouped by expert
         results = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts):
@@ -88,9 +89,9 @@ class MoeBlock:
                 part = slice(start, start + count)
                 results[part] = self._expert(expert, rows[part], ops)
                 start += count
-        results *= weights.reshape(-1)[order].unsqueeze(1)
-        out = torch.zeros_like(x)
-        return out.index_add_(0, token_of, results)
+        # Back to token order (each token's k results side by side), weighted and summed.
+        per_choice = results.index_select(0, torch.argsort(order)).view(tokens, k, -1)
+        return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
 
     def _expert(self, e: int, rows: torch.Tensor, ops) -> torch.Tensor:
         up_bias = self.gate_up.biases[e] if self.gate_up.biases else None
