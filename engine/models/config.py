@@ -245,13 +245,14 @@ def gguf_architecture(reader: gguf.GGUFReader) -> str:
 
 
 def config_from_gguf(reader: gguf.GGUFReader, **fields) -> ModelConfig:
-    """The ModelConfig of a GGUF file's llama-style metadata; `fields` are the family's
-    (e.g. attention_bias), which the metadata does not say."""
+    """The ModelConfig of a GGUF file's llama-style metadata; `fields` set what the metadata
+    does not say (e.g. attention_bias) or name the family where it differs from the file's
+    architecture."""
     arch = gguf_architecture(reader)
     meta = functools.partial(_gguf_arch_value, reader, arch)
     tensor_names = {t.name for t in reader.tensors}
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
-    return ModelConfig(
+    base = dict(
         architecture=arch,
         vocab_size=meta("vocab_size", None) or _gguf_embedding_rows(reader),
         hidden_size=hidden,
@@ -268,8 +269,8 @@ def config_from_gguf(reader: gguf.GGUFReader, **fields) -> ModelConfig:
         # llama.cpp writes no output.weight when the head shares the embedding matrix.
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=_gguf_rope_scaling(meta, tensor_names),
-        **fields,
     )
+    return ModelConfig(**(base | fields))
 
 
 def _gguf_rope_scaling(meta, tensor_names: set[str]) -> RopeScaling | None:
@@ -284,6 +285,12 @@ def _gguf_rope_scaling(meta, tensor_names: set[str]) -> RopeScaling | None:
 
 
 _MISSING = object()
+
+
+def gguf_arch_value(reader: gguf.GGUFReader, key: str, default=_MISSING):
+    """The `{architecture}.{key}` metadata of a GGUF file (ValueError naming it if absent
+    and no default is given)."""
+    return _gguf_arch_value(reader, gguf_architecture(reader), key, default)
 
 
 def _gguf_arch_value(reader: gguf.GGUFReader, arch: str, key: str, default=_MISSING):

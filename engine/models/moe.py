@@ -18,7 +18,9 @@ from engine.models.config import (
     LayerAttention,
     ModelConfig,
     MoeConfig,
+    config_from_gguf,
     config_from_hf,
+    gguf_arch_value,
     require,
 )
 from engine.models.llama import LlamaModel, attention_shapes, mlp_shapes
@@ -250,3 +252,18 @@ def read_mixtral_config(raw: bytes) -> ModelConfig:
 def _check_experts_act(hf: HFConfig) -> None:
     require(hf.hidden_act == "silu", "hidden_act",
             f"{hf.hidden_act!r} is not implemented (only silu)")
+
+
+def read_qwen3_moe_gguf(reader) -> ModelConfig:
+    """llama.cpp's qwen3moe: its expert counts from the metadata; layers without a router
+    tensor are dense. llama.cpp renormalises the chosen experts' weights (norm_topk_prob),
+    as every released Qwen3-MoE config asks."""
+    routed = {int(t.name.split(".")[1]) for t in reader.tensors
+              if t.name.endswith("ffn_gate_inp.weight")}
+    layers = gguf_arch_value(reader, "block_count")
+    moe = MoeConfig(num_experts=gguf_arch_value(reader, "expert_count"),
+                    top_k=gguf_arch_value(reader, "expert_used_count"),
+                    intermediate_size=gguf_arch_value(reader, "expert_feed_forward_length"),
+                    norm_topk_prob=True,
+                    dense_layers=tuple(i for i in range(layers) if i not in routed))
+    return config_from_gguf(reader, qk_norm=True, moe=moe, architecture="qwen3_moe")

@@ -44,7 +44,7 @@ FAMILIES = (
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), moe.read_qwen2_moe_config,
            moe.tensor_shapes, moe.MoeModel),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), moe.read_qwen3_moe_config,
-           moe.tensor_shapes, moe.MoeModel),
+           moe.tensor_shapes, moe.MoeModel, ("qwen3moe",), moe.read_qwen3_moe_gguf),
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), moe.read_mixtral_config,
            moe.tensor_shapes, moe.MoeModel),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), gemma.read_gemma2_config,

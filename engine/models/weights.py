@@ -28,7 +28,11 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
 }
+# llama.cpp's stacked experts [experts, out, in] -> each expert's HF projection.
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                      "ffn_down_exps": "down_proj"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -71,6 +75,15 @@ def _check_complete(weights: dict[str, torch.Tensor], expected: dict[str, tuple[
 def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
     weights = {}
     for tensor in gguf_reader(path).tensors:
+        experts = _expert_names(tensor.name, int(tensor.shape[-1]))  # ggml: experts last
+        if experts is not None:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            unexpected = [name for name in experts if name not in expected]
+            if unexpected:
+                raise ValueError(f"unexpected GGUF tensor {tensor.name!r} (no "
+                                 f"{unexpected[0]} in this model)")
+            weights.update({name: _to_torch(array[e], dtype) for e, name in enumerate(experts)})
+            continue
         name = _hf_name(tensor.name)
         if name not in expected:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
@@ -106,6 +119,17 @@ def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, Qu
         rows = _undo_rope_permute(np.asarray(tensor.data), tensor.name, config)
         found[name] = QuantizedWeight(kind, torch.from_numpy(np.ascontiguousarray(rows).copy()))
     return found
+
+
+def _expert_names(gguf_name: str, count: int) -> list[str] | None:
+    """`blk.3.ffn_up_exps.weight` holding `count` experts -> each expert's HF name under
+    model.layers.3.mlp; None for any other tensor."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_EXPERT_NAMES:
+        return None
+    proj = _GGUF_EXPERT_NAMES[parts[2]]
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.{parts[3]}"
+            for e in range(count)]
 
 
 def _hf_name(gguf_name: str) -> str | None:

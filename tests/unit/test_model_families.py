@@ -316,3 +316,75 @@ def test_gpt_oss_mxfp4_experts(tmp_path):
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
         assert tokens[i] == ref.tokens[i]
+
+
+# llama.cpp's tensor names (convert_hf_to_gguf.py), written out here rather than taken from
+# the loader, so a wrong mapping in the loader cannot pass by writing the same wrong file.
+_LLAMACPP_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _write_qwen3moe_gguf(folder: str, path: str, hf: transformers.Qwen3MoeConfig) -> None:
+    """What convert_hf_to_gguf.py writes for Qwen3-MoE, in float32: each projection's
+    experts stacked into one tensor, layer 1 (mlp_only_layers) a dense MLP."""
+    import gguf
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer.add_context_length(hf.max_position_embeddings)
+    writer.add_embedding_length(hf.hidden_size)
+    writer.add_feed_forward_length(hf.intermediate_size)
+    writer.add_block_count(hf.num_hidden_layers)
+    writer.add_head_count(hf.num_attention_heads)
+    writer.add_head_count_kv(hf.num_key_value_heads)
+    writer.add_key_length(hf.head_dim)
+    writer.add_value_length(hf.head_dim)
+    writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    writer.add_expert_count(hf.num_experts)
+    writer.add_expert_used_count(hf.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(hf.moe_intermediate_size)
+    writer.add_tensor("token_embd.weight", tensors.pop("model.embed_tokens.weight").numpy())
+    writer.add_tensor("output_norm.weight", tensors.pop("model.norm.weight").numpy())
+    writer.add_tensor("output.weight", tensors.pop("lm_head.weight").numpy())
+    for i in range(hf.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for proj, stacked in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                              ("down_proj", "ffn_down_exps")):
+            names = [f"{prefix}mlp.experts.{e}.{proj}.weight" for e in range(hf.num_experts)]
+            if names[0] in tensors:
+                experts = torch.stack([tensors.pop(n) for n in names])
+                writer.add_tensor(f"blk.{i}.{stacked}.weight", experts.numpy())
+        for hf_name, gguf_name in _LLAMACPP_LAYER.items():
+            if prefix + hf_name in tensors:
+                writer.add_tensor(f"blk.{i}.{gguf_name}", tensors.pop(prefix + hf_name).numpy())
+    assert not tensors, f"not written: {sorted(tensors)}"
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_moe_gguf(tmp_path):
+    """A GGUF written from the Qwen3-MoE checkpoint (llama.cpp's qwen3moe layout) serves the
+    same tokens and logits as transformers on the checkpoint."""
+    config_cls, model_cls, overrides = CASES["qwen3_moe"]
+    kwargs = {**TINY, **overrides}
+    ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8)
+    path = str(tmp_path / "tiny-qwen3moe.gguf")
+    _write_qwen3moe_gguf(ref.path, path, config_cls(**kwargs))
+    config = load_model_config(path)
+    assert config.architecture == "qwen3_moe" and config.moe.dense_layers == (1,)
+    tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
+    for i in range(len(ref.prompts)):
+        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+        assert tokens[i] == ref.tokens[i]
