@@ -120,19 +120,17 @@ _QWEN = _Names("mlp.", "gate", "gate_proj", "up_proj", "down_proj")
 _MIXTRAL = _Names("block_sparse_moe.", "gate", "w1", "w3", "w2")
 
 
-def _names(config: ModelConfig) -> _Names:
-    return _MIXTRAL if config.architecture == "mixtral" else _QWEN
-
-
 class MoeModel(LlamaModel):
     """The Llama-family model with an MoE MLP in every layer the config does not list as
-    dense."""
+    dense; tensors named as Qwen-MoE names them."""
+
+    names = _QWEN
 
     def _mlp_fields(self, w, i: int) -> dict:
         moe = self.config.moe
         if i in moe.dense_layers:
             return super()._mlp_fields(w, i)
-        names = _names(self.config)
+        names = self.names
         p = f"model.layers.{i}.{names.block}"
 
         def expert(e: int, proj: str) -> str:
@@ -152,8 +150,16 @@ class MoeModel(LlamaModel):
         return dict(gate_up_weight=None, down_weight=None, moe=block)
 
 
-def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    moe, names, hidden = config.moe, _names(config), config.hidden_size
+class MixtralModel(MoeModel):
+    names = _MIXTRAL
+
+
+def mixtral_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return tensor_shapes(config, _MIXTRAL)
+
+
+def tensor_shapes(config: ModelConfig, names: _Names = _QWEN) -> dict[str, tuple[int, ...]]:
+    moe, hidden = config.moe, config.hidden_size
     inter = moe.intermediate_size
     shapes = {
         "model.embed_tokens.weight": (config.vocab_size, hidden),

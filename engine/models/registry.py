@@ -46,7 +46,7 @@ FAMILIES = (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), moe.read_qwen3_moe_config,
            moe.tensor_shapes, moe.MoeModel, ("qwen3moe",), moe.read_qwen3_moe_gguf),
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), moe.read_mixtral_config,
-           moe.tensor_shapes, moe.MoeModel),
+           moe.mixtral_tensor_shapes, moe.MixtralModel),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), gemma.read_gemma2_config,
            gemma.tensor_shapes, gemma.GemmaModel),
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), gemma.read_gemma3_config,
