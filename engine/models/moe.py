@@ -260,16 +260,29 @@ def _check_experts_act(hf: HFConfig) -> None:
             f"{hf.hidden_act!r} is not implemented (only silu)")
 
 
-def read_qwen3_moe_gguf(reader) -> ModelConfig:
-    """llama.cpp's qwen3moe: its expert counts from the metadata; layers without a router
-    tensor are dense. llama.cpp renormalises the chosen experts' weights (norm_topk_prob),
-    as every released Qwen3-MoE config asks."""
+def _gguf_moe(reader, norm_topk_prob: bool, shared: int = 0) -> MoeConfig:
+    """An MoE GGUF's experts: counts from the metadata; layers without a router tensor are
+    dense."""
     routed = {int(t.name.split(".")[1]) for t in reader.tensors
               if t.name.endswith("ffn_gate_inp.weight")}
     layers = gguf_arch_value(reader, "block_count")
-    moe = MoeConfig(num_experts=gguf_arch_value(reader, "expert_count"),
-                    top_k=gguf_arch_value(reader, "expert_used_count"),
-                    intermediate_size=gguf_arch_value(reader, "expert_feed_forward_length"),
-                    norm_topk_prob=True,
-                    dense_layers=tuple(i for i in range(layers) if i not in routed))
+    return MoeConfig(num_experts=gguf_arch_value(reader, "expert_count"),
+                     top_k=gguf_arch_value(reader, "expert_used_count"),
+                     intermediate_size=gguf_arch_value(reader, "expert_feed_forward_length"),
+                     norm_topk_prob=norm_topk_prob, shared_expert_intermediate_size=shared,
+                     dense_layers=tuple(i for i in range(layers) if i not in routed))
+
+
+def read_qwen3_moe_gguf(reader) -> ModelConfig:
+    """llama.cpp's qwen3moe, which renormalises the chosen experts' weights
+    (norm_topk_prob), as every released Qwen3-MoE config asks."""
+    moe = _gguf_moe(reader, norm_topk_prob=True)
     return config_from_gguf(reader, qk_norm=True, moe=moe, architecture="qwen3_moe")
+
+
+def read_qwen2_moe_gguf(reader) -> ModelConfig:
+    """llama.cpp's qwen2moe: q/k/v biases, a shared expert, no renormalising (as
+    Qwen1.5-MoE and Qwen2-57B-A14B's configs ask)."""
+    shared = gguf_arch_value(reader, "expert_shared_feed_forward_length")
+    moe = _gguf_moe(reader, norm_topk_prob=False, shared=shared)
+    return config_from_gguf(reader, attention_bias=True, moe=moe, architecture="qwen2_moe")

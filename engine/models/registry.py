@@ -42,7 +42,7 @@ FAMILIES = (
     Family("idefics3", ("Idefics3ForConditionalGeneration",), ("idefics3",),
            idefics3.read_idefics3_config, llama.tensor_shapes, llama.LlamaModel),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), moe.read_qwen2_moe_config,
-           moe.tensor_shapes, moe.MoeModel),
+           moe.tensor_shapes, moe.MoeModel, ("qwen2moe",), moe.read_qwen2_moe_gguf),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), moe.read_qwen3_moe_config,
            moe.tensor_shapes, moe.MoeModel, ("qwen3moe",), moe.read_qwen3_moe_gguf),
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), moe.read_mixtral_config,

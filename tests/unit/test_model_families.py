@@ -330,24 +330,33 @@ _LLAMACPP_LAYER = {
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 
 
-def _write_qwen3moe_gguf(folder: str, path: str, hf: transformers.Qwen3MoeConfig) -> None:
-    """What convert_hf_to_gguf.py writes for Qwen3-MoE, in float32: each projection's
-    experts stacked into one tensor, layer 1 (mlp_only_layers) a dense MLP."""
+def _write_moe_gguf(folder: str, path: str, hf, arch: str) -> None:
+    """What convert_hf_to_gguf.py writes for Qwen2-MoE / Qwen3-MoE, in float32: each
+    projection's experts stacked into one tensor."""
     import gguf
 
     tensors = load_file(os.path.join(folder, "model.safetensors"))
-    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(hf.max_position_embeddings)
     writer.add_embedding_length(hf.hidden_size)
     writer.add_feed_forward_length(hf.intermediate_size)
     writer.add_block_count(hf.num_hidden_layers)
     writer.add_head_count(hf.num_attention_heads)
     writer.add_head_count_kv(hf.num_key_value_heads)
-    writer.add_key_length(hf.head_dim)
-    writer.add_value_length(hf.head_dim)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if getattr(hf, "shared_expert_intermediate_size", 0):
+        writer.add_expert_shared_feed_forward_length(hf.shared_expert_intermediate_size)
     writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
     writer.add_expert_count(hf.num_experts)
@@ -374,17 +383,37 @@ def _write_qwen3moe_gguf(folder: str, path: str, hf: transformers.Qwen3MoeConfig
     writer.close()
 
 
-def test_qwen3_moe_gguf(tmp_path):
-    """A GGUF written from the Qwen3-MoE checkpoint (llama.cpp's qwen3moe layout) serves the
-    same tokens and logits as transformers on the checkpoint."""
-    config_cls, model_cls, overrides = CASES["qwen3_moe"]
+@pytest.mark.parametrize(("case", "arch", "dense_layers"),
+                         [("qwen3_moe", "qwen3moe", (1,)), ("qwen2_moe", "qwen2moe", ())])
+def test_moe_gguf(tmp_path, case, arch, dense_layers):
+    """A GGUF written from the MoE checkpoint (llama.cpp's layout for it) serves the same
+    tokens and logits as transformers on the checkpoint; Qwen3-MoE's layer 1 is dense."""
+    config_cls, model_cls, overrides = CASES[case]
     kwargs = {**TINY, **overrides}
     ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8)
-    path = str(tmp_path / "tiny-qwen3moe.gguf")
-    _write_qwen3moe_gguf(ref.path, path, config_cls(**kwargs))
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    _write_moe_gguf(ref.path, path, config_cls(**kwargs), arch)
     config = load_model_config(path)
-    assert config.architecture == "qwen3_moe" and config.moe.dense_layers == (1,)
+    assert config.architecture == case and config.moe.dense_layers == dense_layers
     tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
         assert tokens[i] == ref.tokens[i]
+
+
+def test_mixtral_gguf_refused(tmp_path):
+    """llama.cpp writes Mixtral as a "llama" GGUF with experts: refused, not misread as a
+    dense Llama."""
+    import gguf
+
+    path = str(tmp_path / "mixtral.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(4)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="llama.expert_count"):
+        load_model_config(path)
