@@ -221,6 +221,17 @@ def hf_rope(params: dict) -> tuple[float, RopeScaling | None]:
     return float(theta), msgspec.convert({**fields, "rope_type": rope_type}, RopeScaling)
 
 
+def whole_model_window(hf: HFConfig, max_positions: int) -> tuple[LayerAttention, ...]:
+    """The layer attention of a model whose `sliding_window`, where set, windows every layer
+    (Mistral v0.1, Mixtral, Phi-3). A window as long as the context never engages, so it is
+    none (Phi-3-mini-128k sets 262144 over a 131072 context)."""
+    window = hf.sliding_window
+    if window is None or window >= max_positions:
+        return ()
+    require(window > 0, "sliding_window", f"{window} is not a positive window")
+    return (LayerAttention(window=window),) * hf.num_hidden_layers
+
+
 def layer_windows(hf: HFConfig, max_positions: int) -> list[int | None]:
     """Each layer's sliding window from `layer_types` and `sliding_window` (None: full
     attention). A window must be positive and within the model's context."""

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend
 from engine.models.config import (
     HFConfig,
-    LayerAttention,
     ModelConfig,
     config_from_gguf,
     config_from_hf,
     gguf_arch_value,
     require,
+    whole_model_window,
 )
 from engine.models.ops import TorchOps
 from engine.models.rotary import RotaryEmbedding
@@ -209,12 +209,8 @@ def read_llama_config(raw: bytes) -> ModelConfig:
     _check_dense_features(hf)
     # For llama attention_bias also adds an o_proj bias, which we do not implement.
     require(not hf.attention_bias, "attention_bias", "an o_proj bias is not implemented")
-    # Mistral v0.1 sets sliding_window without a use_ flag; it only matters below max length.
-    window = hf.sliding_window if hf.model_type == "mistral" else None
-    layers = ()
-    if window is not None and window < max_positions:
-        require(window > 0, "sliding_window", f"{window} is not a positive window")
-        layers = (LayerAttention(window=window),) * hf.num_hidden_layers
+    # Mistral v0.1 sets sliding_window without a use_ flag; Llama's config has no window.
+    layers = whole_model_window(hf, max_positions) if hf.model_type == "mistral" else ()
     return config_from_hf(hf, "llama", max_positions, layer_attention=layers)
 
 

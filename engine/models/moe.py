@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 from engine.models.config import (
     HFConfig,
-    LayerAttention,
     ModelConfig,
     MoeConfig,
     config_from_gguf,
     config_from_hf,
     gguf_arch_value,
     require,
+    whole_model_window,
 )
 from engine.models.llama import LlamaModel, attention_shapes, mlp_shapes
 
@@ -244,11 +244,7 @@ def read_mixtral_config(raw: bytes) -> ModelConfig:
     require(0 < hf.num_experts_per_tok <= hf.num_local_experts, "num_experts_per_tok",
             f"{hf.num_experts_per_tok} is not within 1..{hf.num_local_experts}")
     max_positions = hf.max_position_embeddings or 4096 * 32
-    layers = ()
-    if hf.sliding_window is not None:  # transformers' Mixtral windows every layer when set
-        require(0 < hf.sliding_window <= max_positions, "sliding_window",
-                f"{hf.sliding_window} is not a window within the context (1..{max_positions})")
-        layers = (LayerAttention(window=hf.sliding_window),) * hf.num_hidden_layers
+    layers = whole_model_window(hf, max_positions)
     # Mixtral always renormalises the chosen experts' weights.
     moe = MoeConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
                     intermediate_size=hf.intermediate_size, norm_topk_prob=True)

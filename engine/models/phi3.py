@@ -8,7 +8,13 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from engine.models.config import HFConfig, LayerAttention, ModelConfig, config_from_hf, require
+from engine.models.config import (
+    HFConfig,
+    ModelConfig,
+    config_from_hf,
+    require,
+    whole_model_window,
+)
 from engine.models.llama import LlamaModel
 
 
@@ -60,9 +66,5 @@ def read_phi3_config(raw: bytes) -> ModelConfig:
     if params and hf.original_max_position_embeddings:
         params["original_max_position_embeddings"] = hf.original_max_position_embeddings
         hf.rope_parameters, hf.rope_scaling = params, None
-    layers = ()
-    if hf.sliding_window is not None:  # transformers' Phi-3 windows every layer when set
-        require(0 < hf.sliding_window <= max_positions, "sliding_window",
-                f"{hf.sliding_window} is not a window within the context (1..{max_positions})")
-        layers = (LayerAttention(window=hf.sliding_window),) * hf.num_hidden_layers
-    return config_from_hf(hf, "phi3", max_positions, layer_attention=layers)
+    return config_from_hf(hf, "phi3", max_positions,
+                          layer_attention=whole_model_window(hf, max_positions))

@@ -417,3 +417,22 @@ def test_mixtral_gguf_refused(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="llama.expert_count"):
         load_model_config(path)
+
+
+@pytest.mark.parametrize(("window", "expected"), [
+    (262144, None),  # Phi-3-mini-128k's: past the context, it never engages
+    (128, None),  # as long as the context (128): none either
+    (127, 127), (1, 1),
+    (0, "refused"), (-4, "refused"),
+])
+def test_whole_model_window(tmp_path, window, expected):
+    """Phi-3 (as Mistral and Mixtral) windows every layer where its config sets a window."""
+    folder = _save_tiny(tmp_path / "p", transformers.Phi3Config,
+                        transformers.Phi3ForCausalLM, num_hidden_layers=1, pad_token_id=None,
+                        eos_token_id=None, bos_token_id=None)
+    _rewrite_config(folder, sliding_window=window)
+    if expected == "refused":
+        with pytest.raises(ValueError, match=rf"sliding_window: {window} is not a positive"):
+            load_model_config(folder)
+    else:
+        assert load_model_config(folder).attention_of(0).window == expected
