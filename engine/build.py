@@ -24,8 +24,8 @@ from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, load_model_config
-from engine.models.llama import LlamaModel
 from engine.models.ops import QUANTIZED_MAX_ROWS, make_ops
+from engine.models.registry import build_model
 from engine.models.weights import load_quantized_weights, load_weights
 from engine.scheduler import Scheduler
 from engine.spec_decode import Drafter
@@ -135,7 +135,10 @@ def build_engine(config: EngineConfig) -> EngineCore:
     except BackendUnavailable as exc:
         raise StartupError(str(exc)) from None
     log.info("attention backend: %s (%s)", choice.name, choice.reason)
-    model_config = load_model_config(config.model)
+    try:  # an unknown architecture, a bad config.json key: refused before anything loads
+        model_config = load_model_config(config.model)
+    except ValueError as exc:
+        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     on_gpu = device.type == "cuda"
     if on_gpu and device.index is not None:
@@ -144,15 +147,18 @@ def build_engine(config: EngineConfig) -> EngineCore:
         num_pages = kv_pages_for(config, model_config, dtype)
         _check_cache_holds(num_pages, config, max_model_len)
     started = time.monotonic()
-    weights = load_weights(config.model, model_config, torch.float32)
+    try:  # a missing or misshapen tensor: named
+        weights = load_weights(config.model, model_config, torch.float32)
+    except ValueError as exc:
+        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     try:
         ops = make_ops(choice.name, device, config.batch_invariant)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     quantized = load_quantized_weights(config.model, model_config) if device.type == "cpu" else {}
     try:
-        model = LlamaModel(model_config, weights, max_model_len, dtype, device, ops=ops,
-                           quantized=quantized)
+        model = build_model(model_config, weights, max_model_len, dtype, device, ops=ops,
+                            quantized=quantized)
     except ValueError as exc:  # a weight the batch-invariant kernels cannot take
         raise StartupError(str(exc)) from None
     del weights
@@ -174,8 +180,10 @@ def build_engine(config: EngineConfig) -> EngineCore:
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     # Graphs replay decode batches padded to captured sizes through the decode-only plan;
-    # the batch-invariant mode plans every row alike and runs eagerly.
-    if choice.name == "flashinfer" and not (config.enforce_eager or config.batch_invariant):
+    # the batch-invariant mode plans every row alike and runs eagerly, and so do MoE models:
+    # their expert groups are sized on the host each step, which a captured graph cannot do.
+    eager = config.enforce_eager or config.batch_invariant or model_config.moe is not None
+    if choice.name == "flashinfer" and not eager:
         from engine.cuda_graphs import DecodeGraphModel, graph_batch_sizes
 
         model = DecodeGraphModel(

@@ -28,6 +28,7 @@ import msgspec
 import torch
 
 from engine.batch import ScheduledChunk
+from engine.models.config import PLAIN_ATTENTION, LayerAttention
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
 # The decode plan's disable_split_kv came in FlashInfer 0.4.0. Asked by version, not by
@@ -202,11 +203,14 @@ class FlashInferAttentionBackend:
         dtype: torch.dtype,
         device: torch.device,
         batch_invariant: bool = False,
+        attention: LayerAttention = PLAIN_ATTENTION,
     ) -> None:
-        """batch_invariant: every row through the tensor-core decode kernel, one entry per
-        token (build_step_plan's per_token), with the split of the KV sequence over thread
-        blocks turned off (disable_split_kv), since FlashInfer sizes that split by the
-        batch."""
+        """batch_invariant: every row through the tensor-core decode kernel, one entry per token
+        (build_step_plan's per_token), with the split of the KV sequence over thread blocks
+        turned off, since FlashInfer sizes that split by the batch. attention: how every
+        layer attends (one plan serves all layers, so they must agree; no sinks): a window
+        becomes FlashInfer's window_left (the keys before the query's own), with the score
+        scale and soft-cap (unverified on a GPU so far: docs/gpu.md)."""
         import flashinfer
 
         # The device is the selector's to check (engine.attention.selector); the kernels run
@@ -235,13 +239,20 @@ class FlashInferAttentionBackend:
             backend=ATTENTION_KERNELS)
         self._graph_meta: dict[int, FlashInferMetadata] = {}
         self.batch_invariant = batch_invariant
-        self._decode_plan_options = {}
+        if attention.sinks:
+            raise ValueError("the flashinfer backend does not plan attention sinks")
+        self._layer_plan_options = {
+            "window_left": attention.window - 1 if attention.window is not None else -1,
+            "logits_soft_cap": attention.softcap,
+            "sm_scale": attention.scale,
+        }
+        self._decode_plan_options = dict(self._layer_plan_options)
         if batch_invariant:
             if release(flashinfer.__version__) < SPLIT_KV_SWITCH_SINCE:
                 raise ValueError(
                     f"--batch-invariant needs FlashInfer 0.4.0 or newer (its decode plan's "
                     f"disable_split_kv); this is {flashinfer.__version__}")
-            self._decode_plan_options = {"disable_split_kv": True}
+            self._decode_plan_options["disable_split_kv"] = True
 
     # ---------------------------------------------------------------- planning
 
@@ -272,6 +283,7 @@ class FlashInferAttentionBackend:
             _i32(table.qo_indptr), _i32(table.kv_indptr), _i32(table.kv_indices),
             _i32(table.kv_last_page_len), self.num_heads, self.num_kv_heads, self.head_dim,
             self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype,
+            **self._layer_plan_options,
         )
 
     def _plan_decode(self, wrapper, table: PageTable) -> None:

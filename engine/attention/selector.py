@@ -78,9 +78,19 @@ def create_attention_backend(
     if name == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
+        # One plan serves every layer: layers that attend differently (Gemma's sliding and
+        # global ones) would need a plan each.
+        kinds = set(model.layer_attention)
+        if len(kinds) > 1 or any(kind.sinks for kind in kinds):
+            raise ValueError(
+                f"{model.architecture} mixes sliding-window and global layers or uses "
+                "attention sinks, which the flashinfer backend does not plan yet; use "
+                "--attention-backend torch")
+
         return FlashInferAttentionBackend(
             model.num_layers, num_pages, page_size, model.num_heads, model.num_kv_heads,
             model.head_dim, dtype, device, batch_invariant=batch_invariant,
+            attention=model.attention_of(0),
         )
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.cpu_kernels import kernels
@@ -88,4 +98,5 @@ def create_attention_backend(
     return TorchAttentionBackend(
         model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim, dtype, device,
         kernels=kernels() if device.type == "cpu" else None, batch_invariant=batch_invariant,
+        layers=model.layer_attention,
     )

@@ -13,6 +13,13 @@ work every layer waits for.
 Given the engine's compiled CPU kernels (`engine.cpu_kernels`), the decode batch skips the
 gather altogether: `decode_attention` reads each sequence's pages where they lie.
 
+Layers that attend other than plainly (engine.models.config.LayerAttention: a sliding
+window, a score scale, soft-capping, attention sinks) take `_attend_special`: the same
+pages, gathered, under an explicit mask of causality and window, through SDPA or, for
+soft-caps and sinks, through the scores written out as transformers' eager attention
+computes them. Every page stays in the cache (a window only masks), so prefix caching and
+preemption work as for any model.
+
 In the batch-invariant mode every token of the step is attended as a decode row of its own
 (context: its sequence's tokens up to and including it), by that one kernel, which sums
 each (token, head) over the keys in order. A prefill chunk's tokens then get exactly the
@@ -28,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import ScheduledChunk
+from engine.models.config import PLAIN_ATTENTION, LayerAttention
 
 
 class PrefillSlice(msgspec.Struct):
@@ -46,6 +54,11 @@ class TorchAttentionMetadata(msgspec.Struct):
     decode_mask: torch.Tensor | None  # [B, 1, 1, P * page_size] True where a key is real
     decode_lens: torch.Tensor | None  # [B]
     prefills: list[PrefillSlice]
+    # For layers that attend specially (`_attend_special`): the decodes' page table [B, P]
+    # and context lengths [B] on the device, and the masks built so far, by window.
+    decode_table: torch.Tensor | None = None
+    decode_context: torch.Tensor | None = None
+    masks: dict = {}
 
 
 class TorchAttentionBackend:
@@ -62,11 +75,14 @@ class TorchAttentionBackend:
         device: torch.device,
         kernels=None,
         batch_invariant: bool = False,
+        layers: tuple[LayerAttention, ...] = (),
     ) -> None:
         """kernels: the compiled CPU kernels module, or None for plain torch. They take
         float32 and bfloat16 caches; float16 stays on the torch path. batch_invariant needs
-        them (ValueError)."""
+        them (ValueError). layers: how each layer attends, where any differs from plain
+        causal attention (empty: none does)."""
         self.page_size = page_size
+        self.special = [spec if spec != PLAIN_ATTENTION else None for spec in layers]
         self.device = device
         self.kernels = kernels if dtype in (torch.float32, torch.bfloat16) else None
         if batch_invariant and self.kernels is None:
@@ -147,6 +163,9 @@ class TorchAttentionBackend:
         for i, (owned, count) in enumerate(zip(pages, counts.tolist(), strict=True)):
             table[i, :count] = owned[:count]
         meta.decode_rows = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device)
+        if any(self.special):
+            meta.decode_table = torch.from_numpy(table).to(self.device)
+            meta.decode_context = torch.from_numpy(lens.astype(np.int64)).to(self.device)
         if self.kernels is not None:
             meta.decode_pages = torch.from_numpy(table)
             meta.decode_lens = torch.from_numpy(lens.astype(np.int64))
@@ -164,11 +183,16 @@ class TorchAttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         meta: TorchAttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """sinks: [heads] learned logits of a layer with attention sinks (gpt-oss)."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         k_pages, v_pages = self._k_pages[layer], self._v_pages[layer]
+        spec = self.special[layer] if self.special else None
+        if spec is not None:
+            return self._attend_special(spec, q, k, v, meta, k_pages, v_pages, sinks)
         if not meta.prefills:  # a pure decode step: no scatter into a fresh output
             return self._attend_decodes(q, meta, k_pages, v_pages, k.shape[1:])
         out = torch.empty_like(q)
@@ -218,3 +242,76 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return o.squeeze(2)
+
+    # ---------------------------------------------------------------- special layers
+
+    def _attend_special(self, spec: LayerAttention, q, k, v, meta: TorchAttentionMetadata,
+                        k_pages, v_pages, sinks) -> torch.Tensor:
+        out = torch.empty_like(q)
+        head_shape = k.shape[1:]
+        for p in meta.prefills:
+            n = p.rows.stop - p.rows.start
+            end = p.start + n
+            if p.context_pages is None:
+                kh, vh = k[p.rows], v[p.rows]
+            else:
+                kh = self._gather(k_pages, p.context_pages, head_shape)[:end]
+                vh = self._gather(v_pages, p.context_pages, head_shape)[:end]
+            mask = self._mask(meta, ("prefill", p.rows.start), spec.window,
+                              torch.arange(p.start, end, device=q.device), end)
+            o = special_attention(q[p.rows].transpose(0, 1).unsqueeze(0),
+                                  kh.transpose(0, 1).unsqueeze(0),
+                                  vh.transpose(0, 1).unsqueeze(0), mask, spec, sinks)
+            out[p.rows] = o.squeeze(0).transpose(0, 1)
+        if meta.decode_rows is not None:
+            table = meta.decode_table
+            batch, keys = table.shape[0], table.shape[1] * self.page_size
+            kd = self._gather(k_pages, table.reshape(-1), head_shape).view(batch, keys,
+                                                                            *head_shape)
+            vd = self._gather(v_pages, table.reshape(-1), head_shape).view(batch, keys,
+                                                                            *head_shape)
+            mask = self._mask(meta, ("decode",), spec.window, meta.decode_context - 1, keys)
+            o = special_attention(q[meta.decode_rows].unsqueeze(2), kd.transpose(1, 2),
+                                  vd.transpose(1, 2), mask[:, None, None, :], spec, sinks)
+            out[meta.decode_rows] = o.squeeze(2)
+        return out
+
+    @staticmethod
+    def _mask(meta: TorchAttentionMetadata, key, window: int | None, query_pos: torch.Tensor,
+              num_keys: int) -> torch.Tensor:
+        """[queries, keys], True where a query (at query_pos) may see a key (at
+        0..num_keys-1): causal, and within the window; built once per step per window."""
+        key = (*key, window)
+        mask = meta.masks.get(key)
+        if mask is None:
+            key_pos = torch.arange(num_keys, device=query_pos.device).unsqueeze(0)
+            mask = key_pos <= query_pos.unsqueeze(1)
+            if window is not None:
+                mask &= key_pos > query_pos.unsqueeze(1) - window
+            meta.masks[key] = mask
+        return mask
+
+
+def special_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      spec: LayerAttention, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, n, D], k/v [B, KV, m, D], mask broadcastable to [B, H, n, m] -> [B, H, n, D].
+    Soft-capping and sinks need the scores themselves (transformers' eager attention);
+    otherwise SDPA with the mask and scale."""
+    scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
+    if spec.softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # one more logit per head that takes probability but contributes no value
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = F.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1]
+    return torch.matmul(probs, v)

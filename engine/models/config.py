@@ -1,7 +1,9 @@
-"""Model configuration for the engine's own Llama-family implementation.
+"""Model configuration: one frozen `ModelConfig` for every supported checkpoint.
 
-One frozen `ModelConfig` describes every supported checkpoint, whether it comes from a GGUF
-file or a Hugging Face folder, so the model code never looks at either format's metadata.
+Whether it comes from a GGUF file or a Hugging Face folder, the model code never looks at
+either format's metadata. Which family reads a config.json (and so which model class runs
+it) is `engine.models.registry`'s choice; the families' readers build their ModelConfig
+with `config_from_hf` over the keys every decoder shares (`HFConfig`).
 """
 
 import functools
@@ -10,40 +12,80 @@ import os
 import gguf
 import msgspec
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
-
-# HF model_type -> our architecture; mistral is llama with a different name.
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-# HF config-class defaults for keys a config.json may leave out.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
 _DEFAULT_ROPE_THETA = 10000.0
+
+ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
 
 
 class RopeScaling(msgspec.Struct, frozen=True):
-    """RoPE frequency scaling; only the two kinds the engine implements."""
+    """RoPE frequency scaling; only the kinds the engine implements (ROPE_TYPES)."""
 
-    rope_type: str  # "linear" | "llama3"
-    factor: float
+    rope_type: str
+    factor: float | None = None
     # llama3 only: the band edges and the context length the scaling is relative to.
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
+    # yarn: the ramp's edges (in rotations), its rounding, and the cos/sin scale.
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    truncate: bool = True
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    # longrope (Phi-3 "su"): per-frequency divisors below / past the original length.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("linear", "llama3"):
-            raise ValueError(f"unsupported rope scaling type {self.rope_type!r}")
-        llama3_fields = (
-            self.low_freq_factor,
-            self.high_freq_factor,
-            self.original_max_position_embeddings,
-        )
-        if self.rope_type == "llama3" and None in llama3_fields:
-            raise ValueError("llama3 rope scaling needs low/high_freq_factor and original length")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling type {self.rope_type!r}; "
+                             f"supported: {ROPE_TYPES}")
+        needs = {
+            "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings"),
+            "yarn": ("factor", "original_max_position_embeddings"),
+            "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+        }[self.rope_type]
+        missing = [name for name in needs if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"{self.rope_type} rope scaling needs {', '.join(missing)}")
+
+
+class LayerAttention(msgspec.Struct, frozen=True):
+    """How one layer attends, where it differs from plain causal attention over the whole
+    context with scale head_dim ** -0.5 (the default value of every field)."""
+
+    window: int | None = None  # a query sees itself and the window - 1 tokens before it
+    scale: float | None = None  # the score scale; None: head_dim ** -0.5
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    sinks: bool = False  # a learned per-head logit joins the softmax (gpt-oss)
+
+
+PLAIN_ATTENTION = LayerAttention()
+
+
+class MoeConfig(msgspec.Struct, frozen=True):
+    """A mixture-of-experts MLP: each token through its top-k of num_experts gated MLPs."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    # Routing: softmax over all experts then top-k ("softmax_topk"), optionally renormalised
+    # over the chosen k; or top-k over the logits, then softmax over those k ("topk_softmax").
+    routing: str = "softmax_topk"
+    norm_topk_prob: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    # Qwen2-MoE: one always-on expert of this width, scaled by sigmoid(its gate); 0: none.
+    shared_expert_intermediate_size: int = 0
+    # Layers whose MLP is a plain dense one (Qwen-MoE's mlp_only_layers / sparse step).
+    dense_layers: tuple[int, ...] = ()
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # the family's name in engine.models.registry
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,51 +104,28 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # positions take the vision encoder's outputs; None for a text-only model.
     multimodal: str | None = None
     image_token_id: int | None = None
+    moe: MoeConfig | None = None
+    # One entry per layer where any layer attends other than plainly; empty: none does.
+    layer_attention: tuple[LayerAttention, ...] = ()
+    # A family's own settings (a msgspec Struct its module defines), None for most.
+    family_options: msgspec.Struct | None = None
 
-
-# Vision-language model types -> the text model their config.json nests (text_config).
-_MULTIMODAL_MODEL_TYPES = ("idefics3",)
+    def attention_of(self, layer: int) -> LayerAttention:
+        return self.layer_attention[layer] if self.layer_attention else PLAIN_ATTENTION
 
 
 def load_model_config(model_path: str) -> ModelConfig:
-    """Read the config of a `.gguf` file or of an HF folder holding config.json."""
+    """Read the config of a `.gguf` file or of an HF folder holding config.json; the
+    registry picks the family that reads it and refuses an unknown one."""
+    from engine.models import registry  # it imports the families, which import this module
+
     if model_path.endswith(".gguf"):
-        return _config_from_gguf(gguf_reader(model_path))
+        return registry.config_from_gguf(gguf_reader(model_path))
     config_file = os.path.join(model_path, "config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"{model_path!r} is neither a .gguf file nor a folder with config.json")
     with open(config_file, "rb") as f:
-        raw = f.read()
-    outer = msgspec.json.decode(raw, type=_HFOuterConfig)
-    if outer.model_type in _MULTIMODAL_MODEL_TYPES:
-        return _multimodal_config(outer)
-    return _config_from_hf(msgspec.json.decode(raw, type=_HFConfig))
-
-
-class _HFOuterConfig(msgspec.Struct):
-    """A config.json's top: enough to tell a vision-language model and find its text side."""
-
-    model_type: str = ""
-    text_config: dict | None = None
-    image_token_id: int | None = None
-    tie_word_embeddings: bool | None = None
-
-
-def _multimodal_config(outer: _HFOuterConfig) -> ModelConfig:
-    """Idefics3 / SmolVLM: a Llama text model (ours) behind a vision encoder (engine.models
-    .idefics3); the text side is read from text_config."""
-    if outer.text_config is None or outer.image_token_id is None:
-        raise ValueError(f"{outer.model_type} config.json lacks text_config or image_token_id")
-    text = dict(outer.text_config)
-    text.setdefault("model_type", "llama")
-    if outer.tie_word_embeddings is not None:  # the top-level flag is the one HF ties by
-        text["tie_word_embeddings"] = outer.tie_word_embeddings
-    config = _config_from_hf(msgspec.convert(text, _HFConfig))
-    if config.architecture != "llama":
-        raise ValueError(f"{outer.model_type} with a {text['model_type']} text model is not "
-                         "supported")
-    return msgspec.structs.replace(config, multimodal=outer.model_type,
-                                   image_token_id=outer.image_token_id)
+        return registry.config_from_hf(f.read())
 
 
 @functools.lru_cache(maxsize=1)
@@ -122,8 +141,9 @@ def gguf_reader(path: str) -> gguf.GGUFReader:
 # --- Hugging Face folders ---------------------------------------------------------------------
 
 
-class _HFConfig(msgspec.Struct):
-    """The config.json keys we read; defaults are the HF config classes' own."""
+class HFConfig(msgspec.Struct):
+    """The config.json keys every decoder family shares; defaults are the HF config classes'
+    own. A family reads its own keys with a subclass."""
 
     model_type: str
     vocab_size: int
@@ -145,19 +165,17 @@ class _HFConfig(msgspec.Struct):
     hidden_act: str = "silu"
     sliding_window: int | None = None
     use_sliding_window: bool = False
+    layer_types: list[str] | None = None
 
 
-def _config_from_hf(hf: _HFConfig) -> ModelConfig:
-    arch = _HF_MODEL_TYPES.get(hf.model_type)
-    if arch is None:
-        raise ValueError(
-            f"unsupported model_type {hf.model_type!r}; supported: {sorted(_HF_MODEL_TYPES)}"
-        )
-    max_positions = hf.max_position_embeddings or _DEFAULT_MAX_POSITIONS[arch]
-    _check_hf_features(hf, arch, max_positions)
-    rope_theta, rope_scaling = _hf_rope(hf)
-    return ModelConfig(
-        architecture=arch,
+def config_from_hf(hf: HFConfig, architecture: str, default_max_positions: int,
+                   rope: dict | None = None, **fields) -> ModelConfig:
+    """The ModelConfig of the shared keys; `fields` set or override the rest. rope: the
+    rotary parameters when not the config's top-level ones (Gemma 3's per layer type)."""
+    theta, scaling = hf_rope(rope if rope is not None else hf_rope_parameters(hf))
+    max_positions = hf.max_position_embeddings or default_max_positions
+    base = dict(
+        architecture=architecture,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size,
@@ -166,50 +184,86 @@ def _config_from_hf(hf: _HFConfig) -> ModelConfig:
         num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
         head_dim=hf.head_dim or hf.hidden_size // hf.num_attention_heads,
         rms_norm_eps=hf.rms_norm_eps,
-        rope_theta=rope_theta,
+        rope_theta=theta,
         max_position_embeddings=max_positions,
         tie_word_embeddings=hf.tie_word_embeddings,
-        # Qwen2 always has q/k/v biases; its attention_bias key is not consulted by HF either.
-        attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        rope_scaling=rope_scaling,
+        rope_scaling=scaling,
     )
+    return ModelConfig(**(base | fields))
 
 
-def _check_hf_features(hf: _HFConfig, arch: str, max_positions: int) -> None:
-    """Refuse variants the engine would silently compute wrongly."""
-    if hf.hidden_act != "silu":
-        raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; only silu is implemented")
-    # For llama and qwen3 attention_bias also adds an o_proj bias, which we do not implement.
-    if hf.mlp_bias or (hf.attention_bias and arch != "qwen2"):
-        raise ValueError(f"{hf.model_type} with attention_bias/mlp_bias is not supported")
-    # Mistral v0.1 sets sliding_window without a use_ flag; it only matters below max length.
-    window = hf.sliding_window if hf.model_type == "mistral" else None
-    if hf.use_sliding_window or (window is not None and window < max_positions):
-        raise ValueError("sliding-window attention is not supported")
+def require(condition: bool, key: str, why: str) -> None:
+    """Refuse a config.json whose `key` asks for what the engine does not compute."""
+    if not condition:
+        raise ValueError(f"config.json {key}: {why}")
 
 
-def _hf_rope(hf: _HFConfig) -> tuple[float, RopeScaling | None]:
+def hf_rope_parameters(hf: HFConfig) -> dict:
     params = dict(hf.rope_parameters or hf.rope_scaling or {})
-    theta = params.pop("rope_theta", None) or hf.rope_theta or _DEFAULT_ROPE_THETA
-    # Older configs spell the kind "type"; "default" means no scaling.
+    params.setdefault("rope_theta", hf.rope_theta or _DEFAULT_ROPE_THETA)
+    return params
+
+
+def hf_rope(params: dict) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of one rotary parameter dict, in either transformers' spelling."""
+    params = dict(params)
+    theta = params.pop("rope_theta", None) or _DEFAULT_ROPE_THETA
+    # Older configs spell the kind "type" (and Phi-3's longrope "su"); "default": no scaling.
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)
+    if params.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("config.json partial_rotary_factor: only 1.0 (rotary over the whole "
+                         "head) is implemented")
     if rope_type == "default":
         return float(theta), None
-    return float(theta), msgspec.convert({**params, "rope_type": rope_type}, RopeScaling)
+    known = set(RopeScaling.__struct_fields__)
+    fields = {k: v for k, v in params.items() if k in known}
+    return float(theta), msgspec.convert({**fields, "rope_type": rope_type}, RopeScaling)
+
+
+def whole_model_window(hf: HFConfig, max_positions: int) -> tuple[LayerAttention, ...]:
+    """The layer attention of a model whose `sliding_window`, where set, windows every layer
+    (Mistral v0.1, Mixtral, Phi-3). A window as long as the context never engages, so it is
+    none (Phi-3-mini-128k sets 262144 over a 131072 context)."""
+    window = hf.sliding_window
+    if window is None or window >= max_positions:
+        return ()
+    require(window > 0, "sliding_window", f"{window} is not a positive window")
+    return (LayerAttention(window=window),) * hf.num_hidden_layers
+
+
+def layer_windows(hf: HFConfig, max_positions: int) -> list[int | None]:
+    """Each layer's sliding window from `layer_types` and `sliding_window` (None: full
+    attention). A window must be positive and within the model's context."""
+    types = hf.layer_types or ["full_attention"] * hf.num_hidden_layers
+    require(len(types) == hf.num_hidden_layers, "layer_types",
+            f"{len(types)} entries for {hf.num_hidden_layers} layers")
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    require(not unknown, "layer_types", f"unsupported layer types {unknown}")
+    if "sliding_attention" not in types:
+        return [None] * len(types)
+    window = hf.sliding_window
+    require(window is not None and 0 < window <= max_positions, "sliding_window",
+            f"{window} is not a window within the context (1..{max_positions})")
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 # --- GGUF files -------------------------------------------------------------------------------
 
 
-def _config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
-    arch = _gguf_value(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {ARCHITECTURES}")
+def gguf_architecture(reader: gguf.GGUFReader) -> str:
+    return _gguf_value(reader, "general.architecture")
+
+
+def config_from_gguf(reader: gguf.GGUFReader, **fields) -> ModelConfig:
+    """The ModelConfig of a GGUF file's llama-style metadata; `fields` set what the metadata
+    does not say (e.g. attention_bias) or name the family where it differs from the file's
+    architecture."""
+    arch = gguf_architecture(reader)
     meta = functools.partial(_gguf_arch_value, reader, arch)
     tensor_names = {t.name for t in reader.tensors}
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
-    return ModelConfig(
+    base = dict(
         architecture=arch,
         vocab_size=meta("vocab_size", None) or _gguf_embedding_rows(reader),
         hidden_size=hidden,
@@ -225,10 +279,9 @@ def _config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
         max_position_embeddings=meta("context_length"),
         # llama.cpp writes no output.weight when the head shares the embedding matrix.
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
         rope_scaling=_gguf_rope_scaling(meta, tensor_names),
     )
+    return ModelConfig(**(base | fields))
 
 
 def _gguf_rope_scaling(meta, tensor_names: set[str]) -> RopeScaling | None:
@@ -243,6 +296,12 @@ def _gguf_rope_scaling(meta, tensor_names: set[str]) -> RopeScaling | None:
 
 
 _MISSING = object()
+
+
+def gguf_arch_value(reader: gguf.GGUFReader, key: str, default=_MISSING):
+    """The `{architecture}.{key}` metadata of a GGUF file (ValueError naming it if absent
+    and no default is given)."""
+    return _gguf_arch_value(reader, gguf_architecture(reader), key, default)
 
 
 def _gguf_arch_value(reader: gguf.GGUFReader, arch: str, key: str, default=_MISSING):

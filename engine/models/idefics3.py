@@ -13,9 +13,38 @@ import msgspec
 import torch
 from safetensors import safe_open
 
+from engine.models.config import ModelConfig
+from engine.models.llama import read_llama_config
 from engine.models.weights import _safetensors_shards
 
 _PREFIXES = {"model.vision_model.": "vision", "model.connector.": "connector"}
+
+
+class _Idefics3Config(msgspec.Struct):
+    """A config.json's top: the text model it nests and the image token."""
+
+    model_type: str = ""
+    text_config: dict | None = None
+    image_token_id: int | None = None
+    tie_word_embeddings: bool | None = None
+
+
+def read_idefics3_config(raw: bytes) -> ModelConfig:
+    """Idefics3 / SmolVLM: a Llama text model (ours) behind a vision encoder (this module);
+    the text side is read from text_config."""
+    outer = msgspec.json.decode(raw, type=_Idefics3Config)
+    if outer.text_config is None or outer.image_token_id is None:
+        raise ValueError(f"{outer.model_type} config.json lacks text_config or image_token_id")
+    text = dict(outer.text_config)
+    text.setdefault("model_type", "llama")
+    if text["model_type"] not in ("llama", "mistral"):
+        raise ValueError(f"{outer.model_type} with a {text['model_type']} text model is not "
+                         "supported")
+    if outer.tie_word_embeddings is not None:  # the top-level flag is the one HF ties by
+        text["tie_word_embeddings"] = outer.tie_word_embeddings
+    config = read_llama_config(msgspec.json.encode(text))
+    return msgspec.structs.replace(config, multimodal=outer.model_type,
+                                   image_token_id=outer.image_token_id)
 
 
 class ImageSpec(msgspec.Struct, frozen=True):

@@ -1,4 +1,6 @@
-"""The Llama family (Llama, Mistral, SmolLM) plus Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+"""The Llama family (Llama, Mistral, SmolLM) plus Qwen2 (q/k/v bias) and Qwen3 (q/k norm):
+their config readers, tensor names and the model, which the mixture-of-experts families
+(engine.models.moe) and Phi-3 extend.
 
 Written against the attention-backend interface: the model sees a flattened batch of tokens
 from many sequences (prefill chunks and decodes mixed) and never knows how the KV cache is
@@ -8,72 +10,23 @@ follows transformers' implementation step for step, since it is our numerical re
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
-from engine.models.config import ModelConfig
+from engine.models.config import (
+    HFConfig,
+    ModelConfig,
+    config_from_gguf,
+    config_from_hf,
+    gguf_arch_value,
+    require,
+    whole_model_window,
+)
 from engine.models.ops import TorchOps
+from engine.models.rotary import RotaryEmbedding
 from engine.models.weights import QuantizedWeight
-
-
-class RotaryEmbedding:
-    """cos/sin tables for every position up to max_positions, looked up per token."""
-
-    def __init__(self, config: ModelConfig, max_positions: int, dtype, device) -> None:
-        dim = config.head_dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
-        inv_freq = 1.0 / (config.rope_theta**exponents)
-        inv_freq = _scale_inv_freq(inv_freq, config)
-        self.inv_freq = inv_freq  # float32; fused RoPE kernels build their own tables from it
-        self.max_positions = max_positions
-        t = torch.arange(max_positions, dtype=torch.int64).to(torch.float)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype).to(device)
-        self.sin = emb.sin().to(dtype).to(device)
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of each token's position, [T, 1, head_dim]: looked up once per step
-        and shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]."""
-        return self.rotate(x, *self.tables(positions))
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
-
-def _scale_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_scaling type {scaling.rope_type!r}")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 class DecoderLayer(msgspec.Struct):
@@ -84,8 +37,11 @@ class DecoderLayer(msgspec.Struct):
     k_norm: torch.Tensor | None
     o_weight: torch.Tensor
     post_attention_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # gate and up projections fused into one matmul
-    down_weight: torch.Tensor
+    gate_up_weight: torch.Tensor | None  # gate and up projections fused into one matmul
+    down_weight: torch.Tensor | None
+    moe: object | None = None  # a mixture-of-experts MLP instead (engine.models.moe)
+    o_bias: torch.Tensor | None = None  # gpt-oss
+    sinks: torch.Tensor | None = None  # gpt-oss: per-head logits joining the softmax
 
 
 class LlamaModel:
@@ -136,7 +92,9 @@ class LlamaModel:
 
     def _linear_weights(self) -> list[torch.Tensor]:
         names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-        return [getattr(layer, n) for layer in self.layers for n in names] + [self.lm_head]
+        dense = [getattr(layer, n) for layer in self.layers for n in names]
+        experts = [w for layer in self.layers if layer.moe for w in layer.moe.linear_weights()]
+        return [w for w in dense if w is not None] + experts + [self.lm_head]
 
     def _attach_quantized(self, quantized: dict[str, QuantizedWeight]) -> None:
         """Hand the ops the block-quantized rows behind each fused weight, where every part
@@ -162,18 +120,31 @@ class LlamaModel:
 
     def _layer(self, w, i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        bias = None
-        if self.config.attention_bias:
-            bias = torch.cat([w(attn + f"{x}_proj.bias") for x in "qkv"])
+        attn = p + "self_attn."
         return DecoderLayer(
             input_norm=w(p + "input_layernorm.weight"),
-            qkv_weight=torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]),
-            qkv_bias=bias,
+            qkv_weight=self._qkv_weight(w, attn),
+            qkv_bias=self._qkv_bias(w, attn),
             q_norm=w(attn + "q_norm.weight") if self.config.qk_norm else None,
             k_norm=w(attn + "k_norm.weight") if self.config.qk_norm else None,
             o_weight=w(attn + "o_proj.weight"),
             post_attention_norm=w(p + "post_attention_layernorm.weight"),
+            **self._mlp_fields(w, i),
+        )
+
+    def _qkv_weight(self, w, attn: str) -> torch.Tensor:
+        return torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"])
+
+    def _qkv_bias(self, w, attn: str) -> torch.Tensor | None:
+        if not self.config.attention_bias:
+            return None
+        return torch.cat([w(attn + f"{x}_proj.bias") for x in "qkv"])
+
+    def _mlp_fields(self, w, i: int) -> dict:
+        """Layer i's MLP as DecoderLayer fields: here the dense gated one; the MoE
+        families return `moe` instead."""
+        mlp = f"model.layers.{i}.mlp."
+        return dict(
             gate_up_weight=torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]),
             down_weight=w(mlp + "down_proj.weight"),
         )
@@ -191,13 +162,13 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         if embeds is not None:
             h[embeds[0]] = embeds[1].to(h.dtype)
-        rope_tables = self.ops.rope_tables(self.rope, positions)
+        rope_at = (self.rope, positions, self.ops.rope_tables(self.rope, positions))
         eps, last = self.config.rms_norm_eps, len(self.layers) - 1
         # x: the normed input of the next block; each residual add is fused with the norm
         # after it (one pass over the hidden states instead of two ops).
         x = self.ops.rms_norm(h, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            attn = self._attention(index, layer, x, (positions, rope_tables), backend, meta)
+            attn = self._attention(index, layer, x, rope_at, backend, meta)
             x, h = self.ops.add_rms_norm(h, attn, layer.post_attention_norm, eps)
             mlp = self._mlp(layer, x)
             if index == last:
@@ -206,8 +177,8 @@ class LlamaModel:
         return h  # no layers
 
     def _attention(self, index, layer: DecoderLayer, x, rope_at, backend, meta) -> torch.Tensor:
-        """x: the normed hidden states. rope_at: the step's positions and their rotary
-        tables (see TorchOps.rope)."""
+        """x: the normed hidden states. rope_at: the layer's rotary embedding, the step's
+        positions and their rotary tables (see TorchOps.rope)."""
         c = self.config
         qkv = self.ops.linear(x, layer.qkv_weight, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -217,12 +188,17 @@ class LlamaModel:
         if layer.q_norm is not None:
             q = self.ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
             k = self.ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q, k = self.ops.rope(self.rope, q, k, *rope_at)
-        o = backend.attend(index, q, k, v.contiguous(), meta)
-        return self.ops.linear(o.reshape(-1, self.q_size), layer.o_weight)
+        rope, positions, tables = rope_at
+        q, k = self.ops.rope(rope, q, k, positions, tables)
+        # Only a layer with sinks passes them: backends without sinks take no such argument.
+        sinks = {} if layer.sinks is None else {"sinks": layer.sinks}
+        o = backend.attend(index, q, k, v.contiguous(), meta, **sinks)
+        return self.ops.linear(o.reshape(-1, self.q_size), layer.o_weight, layer.o_bias)
 
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         """x: the normed hidden states."""
+        if layer.moe is not None:
+            return layer.moe(x, self.ops)
         gate_up = self.ops.linear(x, layer.gate_up_weight)
         return self.ops.linear(self.ops.silu_and_mul(gate_up), layer.down_weight)
 
@@ -230,3 +206,111 @@ class LlamaModel:
         """Float32 logits for the given rows of `forward`'s output."""
         h = self.ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         return self.ops.linear(h, self.lm_head).to(torch.float32)
+
+
+# --- the family: config.json keys and tensor names ---------------------------------------------
+
+# HF config-class defaults for keys a config.json may leave out.
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+
+
+def read_llama_config(raw: bytes) -> ModelConfig:
+    """Llama and Mistral (Mistral is Llama with a sliding window in its v0.1)."""
+    hf = msgspec.json.decode(raw, type=HFConfig)
+    max_positions = hf.max_position_embeddings or _DEFAULT_MAX_POSITIONS["llama"]
+    _check_dense_features(hf)
+    # For llama attention_bias also adds an o_proj bias, which we do not implement.
+    require(not hf.attention_bias, "attention_bias", "an o_proj bias is not implemented")
+    # Mistral v0.1 sets sliding_window without a use_ flag; Llama's config has no window.
+    layers = whole_model_window(hf, max_positions) if hf.model_type == "mistral" else ()
+    return config_from_hf(hf, "llama", max_positions, layer_attention=layers)
+
+
+def read_qwen2_config(raw: bytes) -> ModelConfig:
+    hf = msgspec.json.decode(raw, type=HFConfig)
+    _check_dense_features(hf)
+    require(not hf.use_sliding_window, "use_sliding_window", "not implemented for Qwen2")
+    # Qwen2 always has q/k/v biases; its attention_bias key is not consulted by HF either.
+    return config_from_hf(hf, "qwen2", _DEFAULT_MAX_POSITIONS["qwen2"], attention_bias=True)
+
+
+def read_qwen3_config(raw: bytes) -> ModelConfig:
+    hf = msgspec.json.decode(raw, type=HFConfig)
+    _check_dense_features(hf)
+    require(not hf.attention_bias, "attention_bias", "an o_proj bias is not implemented")
+    require(not hf.use_sliding_window, "use_sliding_window", "not implemented for Qwen3")
+    return config_from_hf(hf, "qwen3", _DEFAULT_MAX_POSITIONS["qwen3"], qk_norm=True)
+
+
+def _check_dense_features(hf: HFConfig) -> None:
+    """Refuse variants the engine would silently compute wrongly."""
+    require(hf.hidden_act == "silu", "hidden_act",
+            f"{hf.hidden_act!r} is not implemented (only silu)")
+    require(not hf.mlp_bias, "mlp_bias", "MLP biases are not implemented")
+
+
+def read_llama_gguf(reader) -> ModelConfig:
+    # llama.cpp writes Mixtral as "llama" with experts, named its own way: not read yet.
+    if gguf_arch_value(reader, "expert_count", 0):
+        raise ValueError("GGUF llama.expert_count: mixture-of-experts llama files (Mixtral) "
+                         "are not supported; serve the HF folder")
+    return config_from_gguf(reader)
+
+
+def read_qwen2_gguf(reader) -> ModelConfig:
+    return config_from_gguf(reader, attention_bias=True)
+
+
+def read_qwen3_gguf(reader) -> ModelConfig:
+    return config_from_gguf(reader, qk_norm=True)
+
+
+def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, by HF name, with HF's shape."""
+    shapes = {
+        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+        "model.norm.weight": (config.hidden_size,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    for i in range(config.num_layers):
+        layer = attention_shapes(config) | mlp_shapes(config)
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    return shapes
+
+
+def attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's norms and attention tensors, relative to model.layers.{i}."""
+    hidden = config.hidden_size
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = {
+        "input_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_out, hidden),
+        "self_attn.k_proj.weight": (kv_out, hidden),
+        "self_attn.v_proj.weight": (kv_out, hidden),
+        "self_attn.o_proj.weight": (hidden, q_out),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+    if config.attention_bias:
+        shapes.update(
+            {
+                "self_attn.q_proj.bias": (q_out,),
+                "self_attn.k_proj.bias": (kv_out,),
+                "self_attn.v_proj.bias": (kv_out,),
+            }
+        )
+    if config.qk_norm:
+        shapes["self_attn.q_norm.weight"] = (config.head_dim,)
+        shapes["self_attn.k_norm.weight"] = (config.head_dim,)
+    return shapes
+
+
+def mlp_shapes(config: ModelConfig, prefix: str = "mlp.", inter: int | None = None
+               ) -> dict[str, tuple[int, ...]]:
+    """A dense gated MLP's tensors under `prefix` (width `inter`, the config's default)."""
+    hidden, inter = config.hidden_size, inter or config.intermediate_size
+    return {
+        f"{prefix}gate_proj.weight": (inter, hidden),
+        f"{prefix}up_proj.weight": (inter, hidden),
+        f"{prefix}down_proj.weight": (hidden, inter),
+    }

@@ -320,9 +320,7 @@ class FlashInferOps(TorchOps):
         (rope scaling already folded in), so it is finer than the model-dtype tables."""
         cache = self._cos_sin.get(id(rope))
         if cache is None:
-            t = torch.arange(rope.max_positions, dtype=torch.int64).to(torch.float)
-            freqs = torch.outer(t, rope.inv_freq.to(torch.float))
-            cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(rope.cos.device)
+            cache = rope.float32_cos_sin().to(rope.cos.device)
             self._cos_sin[id(rope)] = cache
         return cache
 

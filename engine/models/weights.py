@@ -28,7 +28,16 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
+    # Qwen2-MoE's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# llama.cpp's stacked experts [experts, out, in] -> each expert's HF projection.
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                      "ffn_down_exps": "down_proj"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -37,44 +46,10 @@ _GGUF_GLOBAL_NAMES = {
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, by HF name, with HF's shape."""
-    shapes = {
-        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
-        "model.norm.weight": (config.hidden_size,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    for i in range(config.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in _layer_shapes(config).items()})
-    return shapes
+    """Every tensor the model needs, by HF name, with HF's shape: its family's list."""
+    from engine.models.registry import family_of  # the registry imports the model modules
 
-
-def _layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes = {
-        "input_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (q_out, hidden),
-        "self_attn.k_proj.weight": (kv_out, hidden),
-        "self_attn.v_proj.weight": (kv_out, hidden),
-        "self_attn.o_proj.weight": (hidden, q_out),
-        "post_attention_layernorm.weight": (hidden,),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-    }
-    if config.attention_bias:
-        shapes.update(
-            {
-                "self_attn.q_proj.bias": (q_out,),
-                "self_attn.k_proj.bias": (kv_out,),
-                "self_attn.v_proj.bias": (kv_out,),
-            }
-        )
-    if config.qk_norm:
-        shapes["self_attn.q_norm.weight"] = (config.head_dim,)
-        shapes["self_attn.k_norm.weight"] = (config.head_dim,)
-    return shapes
+    return family_of(config).tensor_shapes(config)
 
 
 def load_weights(
@@ -105,6 +80,15 @@ def _check_complete(weights: dict[str, torch.Tensor], expected: dict[str, tuple[
 def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
     weights = {}
     for tensor in gguf_reader(path).tensors:
+        experts = _expert_names(tensor.name, int(tensor.shape[-1]))  # ggml: experts last
+        if experts is not None:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            unexpected = [name for name in experts if name not in expected]
+            if unexpected:
+                raise ValueError(f"unexpected GGUF tensor {tensor.name!r} (no "
+                                 f"{unexpected[0]} in this model)")
+            weights.update({name: _to_torch(array[e], dtype) for e, name in enumerate(experts)})
+            continue
         name = _hf_name(tensor.name)
         if name not in expected:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
@@ -140,6 +124,17 @@ def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, Qu
         rows = _undo_rope_permute(np.asarray(tensor.data), tensor.name, config)
         found[name] = QuantizedWeight(kind, torch.from_numpy(np.ascontiguousarray(rows).copy()))
     return found
+
+
+def _expert_names(gguf_name: str, count: int) -> list[str] | None:
+    """`blk.3.ffn_up_exps.weight` holding `count` experts -> each expert's HF name under
+    model.layers.3.mlp; None for any other tensor."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_EXPERT_NAMES:
+        return None
+    proj = _GGUF_EXPERT_NAMES[parts[2]]
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.{parts[3]}"
+            for e in range(count)]
 
 
 def _hf_name(gguf_name: str) -> str | None:

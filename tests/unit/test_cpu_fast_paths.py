@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import RotaryEmbedding
 from engine.models.ops import PACKED_MAX_ROWS, TorchOps, can_prepack, rms_norm
+from engine.models.rotary import RotaryEmbedding
 from tests.unit.engine_builders import CONFIG
 
 

@@ -17,7 +17,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.batch import ScheduledChunk
 from engine.cpu_kernels import cpu_runs, kernels_for
 from engine.models.config import load_model_config
-from engine.models.llama import LlamaModel, RotaryEmbedding
+from engine.models.llama import LlamaModel
 from engine.models.ops import (
     QUANTIZED_MAX_ROWS_FLOAT32,
     WIDENED_MAX_ROWS,
@@ -26,6 +26,7 @@ from engine.models.ops import (
     make_ops,
     rms_norm,
 )
+from engine.models.rotary import RotaryEmbedding
 from engine.models.weights import (
     BLOCK_KINDS,
     QuantizedWeight,

@@ -15,8 +15,8 @@ from engine.cpu_kernels import kernels
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.models.config import load_model_config
-from engine.models.llama import LlamaModel
 from engine.models.ops import CpuKernelOps
+from engine.models.registry import build_model
 from engine.models.weights import load_weights
 from engine.scheduler import Scheduler
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
@@ -86,7 +86,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith("norm.weight"):
                 # Per-channel gains in [0.5, 1.5]: a skipped or misplaced norm shows.
                 value = 0.5 + torch.rand(shape, generator=gen)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "sinks")):
                 value = 0.5 * torch.randn(shape, generator=gen)
             else:
                 # Linear [out, in]: unit-variance outputs. The embedding too: at unit scale a
@@ -113,12 +113,23 @@ class Reference:
 def reference(request, tmp_path_factory) -> tuple[str, Reference]:
     case = request.param
     config_cls, model_cls, overrides = CASES[case]
-    hf_config = config_cls(**{**TINY, **overrides})
-    model = model_cls(hf_config).to(torch.float32).eval()
-    _randomize(model, seed=8)  # chosen: every case's top-2 gaps > 5e-3
+    path = tmp_path_factory.mktemp(case)
+    return case, make_reference(path, config_cls, model_cls, {**TINY, **overrides}, seed=8)
+
+
+def make_reference(path, config_cls, model_cls, config_kwargs: dict, seed: int,
+                   prepare=None) -> Reference:
+    """A random-weight transformers model saved under `path`, and its greedy generations
+    (transformers' eager attention: the reference arithmetic) for the test prompts.
+    prepare(model): sets weights of its own after the random draw."""
+    hf_config = config_cls(**config_kwargs)
+    model = model_cls._from_config(hf_config, attn_implementation="eager")
+    model = model.to(torch.float32).eval()
+    _randomize(model, seed=seed)  # seed 8: every Llama-family case's top-2 gaps > 5e-3
+    if prepare is not None:
+        prepare(model)
     if hf_config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    path = tmp_path_factory.mktemp(case)
     model.save_pretrained(path, safe_serialization=True)
     assert (path / "model.safetensors").is_file()
 
@@ -147,7 +158,7 @@ def reference(request, tmp_path_factory) -> tuple[str, Reference]:
             tokens.append(generated)
             step_logits.append(logits)
             first_logits.append(model(ids).logits[0, -1].float())
-    return case, Reference(str(path), prompts, tokens, step_logits, first_logits)
+    return Reference(str(path), prompts, tokens, step_logits, first_logits)
 
 
 def test_reference_is_not_degenerate(reference):
@@ -185,7 +196,7 @@ def _build_core(
     config = load_model_config(path)
     weights = load_weights(path, config, torch.float32)
     ops = CpuKernelOps(compiled) if compiled is not None else None
-    model = LlamaModel(config, weights, MAX_MODEL_LEN, torch.float32, CPU, ops=ops)
+    model = build_model(config, weights, MAX_MODEL_LEN, torch.float32, CPU, ops=ops)
     backend = TorchAttentionBackend(
         config.num_layers,
         NUM_PAGES,
@@ -195,6 +206,7 @@ def _build_core(
         torch.float32,
         CPU,
         kernels=compiled,
+        layers=config.layer_attention,
     )
     runner = ModelRunner(model, backend, config.vocab_size)
     allocator = PageAllocator(NUM_PAGES, PAGE_SIZE)

@@ -330,7 +330,6 @@ def test_transformers4_style_config(tmp_path):
         {"model_type": "gpt2"},
         {"hidden_act": "gelu"},
         {"attention_bias": True},
-        {"model_type": "mistral", "sliding_window": 1024, "max_position_embeddings": 4096},
         {"model_type": "qwen2", "use_sliding_window": True},
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
         {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},

@@ -1,0 +1,166 @@
+"""gpt-oss: the Llama layout with biases on q/k/v/o, attention sinks (a learned logit per
+head in each softmax), sliding-window layers alternating with full ones, YaRN rotary
+scaling, and an MoE MLP (engine.models.moe) whose router and experts carry biases and whose
+experts use a clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), with
+g = min(gate, limit).
+
+The checkpoint stores each projection's experts stacked as [experts, in, out], gate and up
+interleaved column by column; they load as our per-expert [out, in] rows, gate rows then
+up rows. The published checkpoints quantize the experts to MXFP4 (blocks of 32 FP4 values
+sharing a power-of-two scale); those are dequantized at load, as transformers does on a
+machine without its MXFP4 kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import msgspec
+import torch
+
+from engine.models.config import (
+    HFConfig,
+    LayerAttention,
+    ModelConfig,
+    MoeConfig,
+    config_from_hf,
+    layer_windows,
+    require,
+)
+from engine.models.llama import LlamaModel, attention_shapes
+from engine.models.moe import ExpertLinear, MoeBlock
+
+
+class GptOssOptions(msgspec.Struct, frozen=True):
+    swiglu_alpha: float
+    swiglu_limit: float
+    mxfp4: bool = False  # experts stored as MXFP4 blocks and scales
+
+
+# The FP4 (e2m1) values of codes 0..15.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # values per shared scale: 16 bytes of two codes each
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [E, out, in / 32, 16] (bytes: low nibble first), scales [E, out, in / 32]
+    (exponents biased by 127) -> float32 [E, in, out], the dense checkpoint's layout. The
+    loader hands them over as floats; byte values are exact in every float dtype."""
+    codes = blocks.to(torch.uint8)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1)
+    values = values.reshape(*codes.shape[:-1], -1)  # [E, out, in / 32, 32]
+    exponents = scales.to(torch.int32) - 127
+    dense = torch.ldexp(values, exponents.unsqueeze(-1))
+    return dense.reshape(*dense.shape[:2], -1).transpose(1, 2)
+
+
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """x: [n, 2 * inter], gate then up -> [n, inter], as transformers' GptOssExperts."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class GptOssModel(LlamaModel):
+    def _layer(self, w, i: int):
+        layer = super()._layer(w, i)
+        layer.o_bias = w(f"model.layers.{i}.self_attn.o_proj.bias")
+        layer.sinks = w(f"model.layers.{i}.self_attn.sinks")
+        return layer
+
+    def _mlp_fields(self, w, i: int) -> dict:
+        p = f"model.layers.{i}.mlp."
+        stacked_gate_up = self._experts(w, p + "experts.gate_up_proj")  # [E, hidden, 2 * inter]
+        gate_up_bias = w(p + "experts.gate_up_proj_bias")  # [E, 2 * inter]
+        down = self._experts(w, p + "experts.down_proj")  # [E, inter, hidden]
+        down_bias = w(p + "experts.down_proj_bias")
+        experts = range(self.config.moe.num_experts)
+
+        def deinterleave(t: torch.Tensor) -> torch.Tensor:  # columns g0 u0 g1 u1 ...
+            return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+        gate_up = ExpertLinear(
+            [deinterleave(stacked_gate_up[e]).t().contiguous() for e in experts],
+            [deinterleave(gate_up_bias[e]).contiguous() for e in experts])
+        down_linear = ExpertLinear([down[e].t().contiguous() for e in experts],
+                                   [down_bias[e] for e in experts])
+        options = self.config.family_options
+        activation = functools.partial(clamped_swiglu, alpha=options.swiglu_alpha,
+                                       limit=options.swiglu_limit)
+        block = MoeBlock(self.config.moe, w(p + "router.weight"), w(p + "router.bias"),
+                         gate_up, down_linear, activation=activation)
+        return dict(gate_up_weight=None, down_weight=None, moe=block)
+
+    def _experts(self, w, name: str) -> torch.Tensor:
+        if not self.config.family_options.mxfp4:
+            return w(name)
+        dense = dequantize_mxfp4(w(name + "_blocks"), w(name + "_scales"))
+        return dense.to(dtype=self.dtype, device=self.device)
+
+
+def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    hidden, moe = config.hidden_size, config.moe
+    experts, inter = moe.num_experts, moe.intermediate_size
+    shapes = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    layer = attention_shapes(config) | {
+        "self_attn.o_proj.bias": (hidden,),
+        "self_attn.sinks": (config.num_heads,),
+        "mlp.router.weight": (experts, hidden),
+        "mlp.router.bias": (experts,),
+        "mlp.experts.gate_up_proj_bias": (experts, 2 * inter),
+        "mlp.experts.down_proj_bias": (experts, hidden),
+    }
+    if config.family_options.mxfp4:
+        for name, (rows, width) in {"gate_up_proj": (2 * inter, hidden),
+                                    "down_proj": (hidden, inter)}.items():
+            groups = width // MXFP4_BLOCK
+            layer[f"mlp.experts.{name}_blocks"] = (experts, rows, groups, MXFP4_BLOCK // 2)
+            layer[f"mlp.experts.{name}_scales"] = (experts, rows, groups)
+    else:
+        layer["mlp.experts.gate_up_proj"] = (experts, hidden, 2 * inter)
+        layer["mlp.experts.down_proj"] = (experts, inter, hidden)
+    for i in range(config.num_layers):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    return shapes
+
+
+class _GptOssHF(HFConfig):
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    quantization_config: dict | None = None
+
+
+def read_gpt_oss_config(raw: bytes) -> ModelConfig:
+    hf = msgspec.json.decode(raw, type=_GptOssHF)
+    method = (hf.quantization_config or {}).get("quant_method")
+    require(method in (None, "mxfp4"), "quantization_config",
+            f"quant_method {method!r} is not implemented (only mxfp4)")
+    mxfp4 = method == "mxfp4"
+    for key, width in (("hidden_size", hf.hidden_size),
+                       ("intermediate_size", hf.intermediate_size)):
+        require(not mxfp4 or width % MXFP4_BLOCK == 0, key,
+                f"{width} is not a multiple of MXFP4's {MXFP4_BLOCK}-value blocks")
+    require(0 < hf.num_experts_per_tok <= hf.num_local_experts, "num_experts_per_tok",
+            f"{hf.num_experts_per_tok} is not within 1..{hf.num_local_experts}")
+    max_positions = hf.max_position_embeddings or 131072
+    if hf.layer_types is None:  # transformers' default: even layers slide
+        hf.layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                          for i in range(hf.num_hidden_layers)]
+    windows = layer_windows(hf, max_positions)
+    moe = MoeConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
+                    intermediate_size=hf.intermediate_size, routing="topk_softmax",
+                    router_bias=True, expert_bias=True)
+    return config_from_hf(
+        hf, "gpt_oss", max_positions, attention_bias=True, moe=moe,
+        layer_attention=tuple(LayerAttention(window=w, sinks=True) for w in windows),
+        family_options=GptOssOptions(hf.swiglu_alpha, hf.swiglu_limit, mxfp4))

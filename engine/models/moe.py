@@ -1,0 +1,284 @@
+"""Mixture-of-experts decoders: Qwen2-MoE, Qwen3-MoE and Mixtral, and the MoE MLP block they
+(and gpt-oss) share.
+
+Attention and norms are the Llama family's (engine.models.llama); each MoE layer's MLP
+routes every token to its top-k experts. Tokens are grouped by expert, so each expert's rows
+go through one matmul per projection (a loop over the experts a step uses, never over
+tokens), and the results are summed back per token, weighted by the router.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from engine.models.config import (
+    HFConfig,
+    ModelConfig,
+    MoeConfig,
+    config_from_gguf,
+    config_from_hf,
+    gguf_arch_value,
+    require,
+    whole_model_window,
+)
+from engine.models.llama import LlamaModel, attention_shapes, mlp_shapes
+
+
+class ExpertLinear(msgspec.Struct):
+    """Every expert's weight of one projection, [out, in] each, with optional biases."""
+
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor] | None = None
+
+
+class MoeBlock:
+    """Router, experts and (Qwen2-MoE) the gated shared expert of one layer.
+
+    gate_up: each expert's gate rows then up rows; `activation` turns [n, 2 * inter] into
+    [n, inter] (ops.silu_and_mul for SwiGLU experts)."""
+
+    def __init__(self, config: MoeConfig, router: torch.Tensor, router_bias, gate_up:
+                 ExpertLinear, down: ExpertLinear, activation=None, shared=None) -> None:
+        self.config = config
+        self.router, self.router_bias = router, router_bias
+        self.gate_up, self.down = gate_up, down
+        self.activation = activation
+        # (gate_up [2 * inter, hidden], down [hidden, inter], gate [1, hidden]) or None
+        self.shared = shared
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        shared = [self.shared[0], self.shared[1]] if self.shared else []
+        return self.gate_up.weights + self.down.weights + shared
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their weights [T, k], as the checkpoint's
+        transformers router computes them."""
+        c = self.config
+        logits = F.linear(x, self.router, self.router_bias)
+        if c.routing == "topk_softmax":  # gpt-oss: softmax over the chosen k logits
+            top, experts = torch.topk(logits, c.top_k, dim=-1)
+            return experts, F.softmax(top, dim=-1, dtype=top.dtype)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        top, experts = torch.topk(probs, c.top_k, dim=-1)
+        if c.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return experts, top.to(x.dtype)
+
+    def __call__(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """x: [T, hidden], normed -> [T, hidden]."""
+        experts, weights = self.route(x)
+        out = self.grouped_experts(x, experts, weights, ops)
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            shared = ops.linear(ops.silu_and_mul(ops.linear(x, gate_up)), down)
+            out = out + torch.sigmoid(F.linear(x, gate)) * shared
+        return out
+
+    def grouped_experts(self, x, experts, weights, ops) -> torch.Tensor:
+        tokens, k = experts.shape
+        flat = experts.reshape(-1)  # [T * k]: token t's j-th choice at t * k + j
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
+        # index_select, not x[...] or index_add_: torch's CPU indexing and scatter kernels
+        # cost more than the experts' matmuls at decode sizes (docs/benchmarks.md).
+        rows = x.index_select(0, order // k)  # the tokens, grouped by expert
+        results = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                part = slice(start, start + count)
+                results[part] = self._expert(expert, rows[part], ops)
+                start += count
+        # Back to token order (each token's k results side by side), weighted and summed.
+        per_choice = results.index_select(0, torch.argsort(order)).view(tokens, k, -1)
+        return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _expert(self, e: int, rows: torch.Tensor, ops) -> torch.Tensor:
+        up_bias = self.gate_up.biases[e] if self.gate_up.biases else None
+        down_bias = self.down.biases[e] if self.down.biases else None
+        hidden = ops.linear(rows, self.gate_up.weights[e], up_bias)
+        act = self.activation(hidden) if self.activation else ops.silu_and_mul(hidden)
+        return ops.linear(act, self.down.weights[e], down_bias)
+
+
+# --- Qwen2-MoE, Qwen3-MoE, Mixtral ---------------------------------------------------------------
+
+
+class _Names(msgspec.Struct, frozen=True):
+    """Where a family keeps one MoE layer's tensors, relative to model.layers.{i}."""
+
+    block: str  # the MoE MLP's module
+    router: str
+    gate: str  # an expert's gate / up / down projection, under {block}experts.{e}.
+    up: str
+    down: str
+
+
+_QWEN = _Names("mlp.", "gate", "gate_proj", "up_proj", "down_proj")
+_MIXTRAL = _Names("block_sparse_moe.", "gate", "w1", "w3", "w2")
+
+
+class MoeModel(LlamaModel):
+    """The Llama-family model with an MoE MLP in every layer the config does not list as
+    dense; tensors named as Qwen-MoE names them."""
+
+    names = _QWEN
+
+    def _mlp_fields(self, w, i: int) -> dict:
+        moe = self.config.moe
+        if i in moe.dense_layers:
+            return super()._mlp_fields(w, i)
+        names = self.names
+        p = f"model.layers.{i}.{names.block}"
+
+        def expert(e: int, proj: str) -> str:
+            return f"{p}experts.{e}.{proj}.weight"
+
+        experts = range(moe.num_experts)
+        gate_up = ExpertLinear([torch.cat([w(expert(e, names.gate)), w(expert(e, names.up))])
+                                for e in experts])
+        down = ExpertLinear([w(expert(e, names.down)) for e in experts])
+        shared = None
+        if moe.shared_expert_intermediate_size:
+            s = p + "shared_expert."
+            shared = (torch.cat([w(s + "gate_proj.weight"), w(s + "up_proj.weight")]),
+                      w(s + "down_proj.weight"), w(p + "shared_expert_gate.weight"))
+        block = MoeBlock(moe, w(f"{p}{names.router}.weight"), None, gate_up, down,
+                         shared=shared)
+        return dict(gate_up_weight=None, down_weight=None, moe=block)
+
+
+class MixtralModel(MoeModel):
+    names = _MIXTRAL
+
+
+def mixtral_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return tensor_shapes(config, _MIXTRAL)
+
+
+def tensor_shapes(config: ModelConfig, names: _Names = _QWEN) -> dict[str, tuple[int, ...]]:
+    moe, hidden = config.moe, config.hidden_size
+    inter = moe.intermediate_size
+    shapes = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_layers):
+        layer = attention_shapes(config)
+        if i in moe.dense_layers:
+            layer |= mlp_shapes(config)
+        else:
+            p = names.block
+            layer[f"{p}{names.router}.weight"] = (moe.num_experts, hidden)
+            for e in range(moe.num_experts):
+                layer[f"{p}experts.{e}.{names.gate}.weight"] = (inter, hidden)
+                layer[f"{p}experts.{e}.{names.up}.weight"] = (inter, hidden)
+                layer[f"{p}experts.{e}.{names.down}.weight"] = (hidden, inter)
+            if moe.shared_expert_intermediate_size:
+                layer |= mlp_shapes(config, p + "shared_expert.",
+                                    moe.shared_expert_intermediate_size)
+                layer[f"{p}shared_expert_gate.weight"] = (1, hidden)
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    return shapes
+
+
+class _QwenMoeHF(HFConfig):
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts.
+    num_experts: int | None = None
+    num_local_experts: int | None = None
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = []
+    shared_expert_intermediate_size: int = 0
+    qkv_bias: bool = True  # Qwen2-MoE's q/k/v biases
+
+
+def _qwen_moe(raw: bytes, architecture: str, **fields) -> ModelConfig:
+    hf = msgspec.json.decode(raw, type=_QwenMoeHF)
+    _check_experts_act(hf)
+    require(not hf.use_sliding_window, "use_sliding_window",
+            f"not implemented for {hf.model_type}")
+    num_experts = hf.num_experts or hf.num_local_experts or 0
+    require(num_experts > 0, "num_experts", "an MoE model needs experts")
+    require(0 < hf.num_experts_per_tok <= num_experts, "num_experts_per_tok",
+            f"{hf.num_experts_per_tok} is not within 1..{num_experts}")
+    require(hf.decoder_sparse_step > 0, "decoder_sparse_step", "must be positive")
+    dense = tuple(i for i in range(hf.num_hidden_layers)
+                  if i in hf.mlp_only_layers or (i + 1) % hf.decoder_sparse_step)
+    moe = MoeConfig(num_experts=num_experts, top_k=hf.num_experts_per_tok,
+                    intermediate_size=hf.moe_intermediate_size,
+                    norm_topk_prob=hf.norm_topk_prob, dense_layers=dense,
+                    shared_expert_intermediate_size=fields.pop("shared", 0))
+    return config_from_hf(hf, architecture, 32768, moe=moe, **fields)
+
+
+def read_qwen3_moe_config(raw: bytes) -> ModelConfig:
+    hf = msgspec.json.decode(raw, type=_QwenMoeHF)
+    require(not hf.attention_bias, "attention_bias", "an o_proj bias is not implemented")
+    return _qwen_moe(raw, "qwen3_moe", qk_norm=True)
+
+
+def read_qwen2_moe_config(raw: bytes) -> ModelConfig:
+    hf = msgspec.json.decode(raw, type=_QwenMoeHF)
+    require(hf.shared_expert_intermediate_size > 0, "shared_expert_intermediate_size",
+            "Qwen2-MoE needs its shared expert")
+    return _qwen_moe(raw, "qwen2_moe", attention_bias=hf.qkv_bias,
+                     shared=hf.shared_expert_intermediate_size)
+
+
+class _MixtralHF(HFConfig):
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+
+
+def read_mixtral_config(raw: bytes) -> ModelConfig:
+    hf = msgspec.json.decode(raw, type=_MixtralHF)
+    _check_experts_act(hf)
+    require(not hf.attention_bias, "attention_bias", "not implemented for Mixtral")
+    require(0 < hf.num_experts_per_tok <= hf.num_local_experts, "num_experts_per_tok",
+            f"{hf.num_experts_per_tok} is not within 1..{hf.num_local_experts}")
+    max_positions = hf.max_position_embeddings or 4096 * 32
+    layers = whole_model_window(hf, max_positions)
+    # Mixtral always renormalises the chosen experts' weights.
+    moe = MoeConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
+                    intermediate_size=hf.intermediate_size, norm_topk_prob=True)
+    return config_from_hf(hf, "mixtral", max_positions, moe=moe, layer_attention=layers)
+
+
+def _check_experts_act(hf: HFConfig) -> None:
+    require(hf.hidden_act == "silu", "hidden_act",
+            f"{hf.hidden_act!r} is not implemented (only silu)")
+
+
+def _gguf_moe(reader, norm_topk_prob: bool, shared: int = 0) -> MoeConfig:
+    """An MoE GGUF's experts: counts from the metadata; layers without a router tensor are
+    dense."""
+    routed = {int(t.name.split(".")[1]) for t in reader.tensors
+              if t.name.endswith("ffn_gate_inp.weight")}
+    layers = gguf_arch_value(reader, "block_count")
+    return MoeConfig(num_experts=gguf_arch_value(reader, "expert_count"),
+                     top_k=gguf_arch_value(reader, "expert_used_count"),
+                     intermediate_size=gguf_arch_value(reader, "expert_feed_forward_length"),
+                     norm_topk_prob=norm_topk_prob, shared_expert_intermediate_size=shared,
+                     dense_layers=tuple(i for i in range(layers) if i not in routed))
+
+
+def read_qwen3_moe_gguf(reader) -> ModelConfig:
+    """llama.cpp's qwen3moe, which renormalises the chosen experts' weights
+    (norm_topk_prob), as every released Qwen3-MoE config asks."""
+    moe = _gguf_moe(reader, norm_topk_prob=True)
+    return config_from_gguf(reader, qk_norm=True, moe=moe, architecture="qwen3_moe")
+
+
+def read_qwen2_moe_gguf(reader) -> ModelConfig:
+    """llama.cpp's qwen2moe: q/k/v biases, a shared expert, no renormalising (as
+    Qwen1.5-MoE and Qwen2-57B-A14B's configs ask)."""
+    shared = gguf_arch_value(reader, "expert_shared_feed_forward_length")
+    moe = _gguf_moe(reader, norm_topk_prob=False, shared=shared)
+    return config_from_gguf(reader, attention_bias=True, moe=moe, architecture="qwen2_moe")

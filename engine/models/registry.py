@@ -1,0 +1,110 @@
+"""The model registry: which family serves a checkpoint, and the one place that says so.
+
+A family is one module under engine/models/ (its config reader, tensor names and model
+class, over the shared blocks: engine.models.rotary, engine.models.moe, the ops and the
+attention-backend interface) plus its `Family` entry here. config.json's `architectures`
+(else its `model_type`) or a GGUF file's `general.architecture` picks the entry; a checkpoint
+no entry names is refused at start with the list of what is served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from engine.models import gemma, gpt_oss, idefics3, llama, moe, phi3
+from engine.models.config import ModelConfig, gguf_architecture
+
+
+class Family(msgspec.Struct, frozen=True):
+    name: str  # ModelConfig.architecture
+    hf_architectures: tuple[str, ...]  # config.json `architectures` entries it reads
+    hf_model_types: tuple[str, ...]  # config.json `model_type`s it reads
+    read_hf_config: Callable[[bytes], ModelConfig]  # config.json's bytes -> ModelConfig
+    tensor_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]  # by HF name
+    # (config, weights, max_positions, dtype, device, ops=, quantized=) -> the model
+    model_class: type
+    gguf_architectures: tuple[str, ...] = ()
+    read_gguf_config: Callable | None = None  # GGUFReader -> ModelConfig
+
+
+FAMILIES = (
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"),
+           llama.read_llama_config, llama.tensor_shapes, llama.LlamaModel,
+           ("llama",), llama.read_llama_gguf),
+    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), llama.read_qwen2_config,
+           llama.tensor_shapes, llama.LlamaModel, ("qwen2",), llama.read_qwen2_gguf),
+    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), llama.read_qwen3_config,
+           llama.tensor_shapes, llama.LlamaModel, ("qwen3",), llama.read_qwen3_gguf),
+    # A vision encoder before a Llama text model: read as the text model (architecture
+    # "llama") marked multimodal; the encoder loads beside it (engine.models.idefics3).
+    Family("idefics3", ("Idefics3ForConditionalGeneration",), ("idefics3",),
+           idefics3.read_idefics3_config, llama.tensor_shapes, llama.LlamaModel),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), moe.read_qwen2_moe_config,
+           moe.tensor_shapes, moe.MoeModel, ("qwen2moe",), moe.read_qwen2_moe_gguf),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), moe.read_qwen3_moe_config,
+           moe.tensor_shapes, moe.MoeModel, ("qwen3moe",), moe.read_qwen3_moe_gguf),
+    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), moe.read_mixtral_config,
+           moe.mixtral_tensor_shapes, moe.MixtralModel),
+    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), gemma.read_gemma2_config,
+           gemma.tensor_shapes, gemma.GemmaModel),
+    Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), gemma.read_gemma3_config,
+           gemma.tensor_shapes, gemma.GemmaModel),
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), phi3.read_phi3_config,
+           phi3.tensor_shapes, phi3.Phi3Model),
+    Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss.read_gpt_oss_config,
+           gpt_oss.tensor_shapes, gpt_oss.GptOssModel),
+)
+
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def supported() -> list[str]:
+    """config.json architectures the engine serves, for error messages and docs."""
+    return sorted(a for f in FAMILIES for a in f.hf_architectures)
+
+
+class _ConfigHead(msgspec.Struct):
+    """The keys of a config.json that pick its family."""
+
+    model_type: str = ""
+    architectures: list[str] | None = None
+
+
+def family_for_hf(raw: bytes) -> Family:
+    head = msgspec.json.decode(raw, type=_ConfigHead)
+    for arch in head.architectures or []:
+        for family in FAMILIES:
+            if arch in family.hf_architectures:
+                return family
+    for family in FAMILIES:
+        if head.model_type in family.hf_model_types:
+            return family
+    raise ValueError(
+        f"unsupported model: config.json architectures {head.architectures} / model_type "
+        f"{head.model_type!r}; supported architectures: {', '.join(supported())}")
+
+
+def config_from_hf(raw: bytes) -> ModelConfig:
+    return family_for_hf(raw).read_hf_config(raw)
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    arch = gguf_architecture(reader)
+    for family in FAMILIES:
+        if arch in family.gguf_architectures:
+            return family.read_gguf_config(reader)
+    served = sorted(a for f in FAMILIES for a in f.gguf_architectures)
+    raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {served}")
+
+
+def family_of(config: ModelConfig) -> Family:
+    return _BY_NAME[config.architecture]
+
+
+def build_model(config: ModelConfig, weights, max_positions: int, dtype, device, ops=None,
+                quantized=None):
+    """The family's model over loaded weights (see engine.models.llama.LlamaModel)."""
+    return family_of(config).model_class(config, weights, max_positions, dtype, device,
+                                         ops=ops, quantized=quantized)
