@@ -462,6 +462,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where to bind for postproc workers, e.g. "
                              f"{DEFAULT_POSTPROC_ADDRESS} (default: no fleet; frontends "
                              "post-process their own requests)")
+    engine.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                        help="on SIGTERM, seconds the engine runs the requests it holds while "
+                             "frontends send it nothing new; then it exits and frontends move "
+                             "what is left to other engines (default: 30; a second SIGTERM: "
+                             "at once)")
     engine.add_argument("--metrics-port", type=_int_at_least(1), default=None,
                         help="serve the engine's Prometheus /metrics on this port (its series "
                              "once per engine, whatever the number of frontends; default: "
@@ -655,6 +660,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         scheduling_policy=args.scheduling_policy, postproc_address=postproc_address,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         frontend_timeout_s=args.frontend_timeout, seed=args.seed,
+        shutdown_timeout_s=getattr(args, "shutdown_timeout", 30.0),
         max_logprobs=args.max_logprobs, metrics_port=getattr(args, "metrics_port", None),
         speculative=args.speculative_config,
         engine_id=getattr(args, "engine_id", None) or f"{socket.gethostname()}@{address}",

@@ -32,6 +32,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     long_prefill_token_threshold: int | None = None
     # A frontend silent this long has its requests aborted (engine.server).
     frontend_timeout_s: float = 10.0
+    # SIGTERM: how long the engine runs what it holds before exiting (frontends move the rest).
+    shutdown_timeout_s: float = 30.0
     threads: int | None = None
     # --seed: seeds torch's default generators at start, which requests without their own
     # seed draw from, so a run repeats (vLLM's --seed). None: not seeded.
