@@ -91,6 +91,7 @@ class EngineConnection:
         # frozen, not dead) it must drop them, so their aborts go out once it answers.
         self.orphans: set[str] = set()
         self.stats_task: asyncio.Task | None = None
+        self.monitor: zmq.asyncio.Socket | None = None  # the dealer's disconnect events
         self.monitor_task: asyncio.Task | None = None
         self.stats_arrived = asyncio.Event()
 
@@ -211,17 +212,19 @@ class EngineClient:
         conn.dealer = make_socket(self._ctx, zmq.DEALER)
         if conn.address.startswith("tcp://["):
             conn.dealer.setsockopt(zmq.IPV6, 1)
-        monitor = conn.dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        conn.monitor = conn.dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         conn.dealer.connect(conn.address)
         conn.stats_task = asyncio.create_task(self._stats_loop(conn))
-        conn.monitor_task = asyncio.create_task(self._monitor_loop(conn, monitor))
+        conn.monitor_task = asyncio.create_task(self._monitor_loop(conn, conn.monitor))
 
     def _disconnect(self, conn: EngineConnection) -> None:
         for task in (conn.stats_task, conn.monitor_task):
             if task is not None:
                 task.cancel()
-        if conn.dealer is not None:
+        if conn.monitor is not None:  # closed here, not when its task ends: stop() terms
             conn.dealer.disable_monitor()
+            conn.monitor.close(linger=0)
+        if conn.dealer is not None:
             conn.dealer.close(linger=0)
 
     def _reconnect(self, conn: EngineConnection) -> None:
@@ -339,15 +342,16 @@ class EngineClient:
     async def _monitor_loop(self, conn: EngineConnection, monitor) -> None:
         """A dropped connection is a dead engine (a frozen one keeps its socket): known at
         once, not a heartbeat timeout later."""
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED and conn.was_alive:
-                    conn.last_heard = 0.0
-                    conn.was_alive = False
-                    await self._engine_lost(conn, "drain" if conn.draining else "death")
-        finally:
-            monitor.close(linger=0)
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            # Also when it had frozen first: requests waiting for it must not wait for a
+            # restarted engine on its address, which never heard of them.
+            holds = any(s.engine is conn for s in self._streams.values())
+            if event["event"] == zmq.EVENT_DISCONNECTED and (conn.was_alive or holds):
+                conn.last_heard = 0.0
+                conn.was_alive = False
+                await self._engine_lost(conn, "drain" if conn.draining else "death")
+                return  # that reconnected it: a new monitor watches the new socket
 
     async def _stats_loop(self, conn: EngineConnection) -> None:
         decoder = frontend_inbound_decoder()

@@ -132,3 +132,27 @@ def test_replayed_frames_leave_the_text_where_the_client_has_it(tokenizer, stop)
         assert "".join(f.text for f in before + after) == expected, cut
         assert [f.seq for f in before + after] == list(range(len(before) + len(after)))
         assert after[-1].finish_reason == reference[-1].finish_reason
+
+
+# --- the flags ----------------------------------------------------------------------------------
+
+
+def test_migration_flags_take_their_range_and_reach_the_configs(capsys, monkeypatch):
+    from shared import cli
+
+    monkeypatch.delenv("SLUICE_API_KEY", raising=False)
+    for argv in (["frontend", "--migration-limit", "-1"], ["frontend", "--migration-limit", "1.5"],
+                 ["serve", "--migration-limit", "x"], ["frontend", "--engine-timeout", "-1"],
+                 ["frontend", "--engine-timeout", "inf"], ["serve", "--engine-timeout", "nan"],
+                 ["engine", "--shutdown-timeout", "-0.5"]):
+        with pytest.raises(SystemExit) as exited:
+            cli.build_parser().parse_args(argv)
+        assert exited.value.code == 2, argv
+        assert argv[1] in capsys.readouterr().err
+    parse = cli.build_parser().parse_args
+    config = cli.frontend_config(parse(["frontend"]), "tcp://127.0.0.1:1", None)
+    assert (config.migration_limit, config.engine_timeout_s) == (3, 30.0)
+    config = cli.frontend_config(parse(["frontend", "--migration-limit", "0",
+                                        "--engine-timeout", "0"]), "tcp://127.0.0.1:1", None)
+    assert (config.migration_limit, config.engine_timeout_s) == (0, 0.0)
+    assert parse(["engine", "--shutdown-timeout", "0"]).shutdown_timeout == 0.0
