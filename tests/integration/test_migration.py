@@ -87,6 +87,38 @@ class Stream:
         return len(self.events) >= 3
 
 
+class Whole(threading.Thread):
+    """A non-streamed answer of the other faces, Messages and Responses, on a thread."""
+
+    def __init__(self, url: str, face: str) -> None:
+        super().__init__(daemon=True)
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        question = CHAT["messages"][0]["content"]
+        if face == "messages":
+            self.path, self.body = "/v1/messages", {
+                "model": model, "messages": [{"role": "user", "content": question}],
+                "max_tokens": MAX_TOKENS, "temperature": 0}
+        else:
+            self.path, self.body = "/v1/responses", {
+                "model": model, "input": question, "max_output_tokens": MAX_TOKENS,
+                "temperature": 0}
+        self.url, self.face, self.answer = url, face, None
+        self.start()
+
+    def run(self) -> None:
+        self.answer = httpx.post(self.url + self.path, json=self.body, timeout=300).json()
+
+    def result(self) -> tuple[str, int]:
+        self.join(timeout=300)
+        a = self.answer
+        assert a is not None and not a.get("error") and a.get("type") != "error", a
+        if self.face == "messages":
+            return "".join(b["text"] for b in a["content"]), a["usage"]["output_tokens"]
+        texts = [c["text"] for item in a["output"] if item["type"] == "message"
+                 for c in item["content"]]
+        return "".join(texts), a["usage"]["output_tokens"]
+
+
 def start_engine(tmp_dir: str, name: str, address: str) -> Proc:
     # A short drain: SIGTERM leaves streams running for the frontends to move.
     return Proc(["engine", "--engine-address", address, "--engine-id", name, "--threads", "1",
@@ -156,6 +188,11 @@ def reference(two):
     return [s.result() for s in streams]
 
 
+@pytest.fixture(scope="module")
+def face_reference(two):
+    return [Whole(two.urls[0], face).result() for face in ("messages", "responses")]
+
+
 def _expect(streams: list[Stream], reference) -> None:
     for s, (text, tokens, _) in zip(streams, reference, strict=True):
         s.join()
@@ -191,13 +228,15 @@ def test_a_frozen_engine_s_streams_move_or_wait(two, reference):
     assert "moved to engine engine-0" in log and "(freeze)" in log
 
 
-def test_a_killed_engine_s_streams_continue_on_the_other(two, reference):
-    """SIGKILL one engine mid-stream: streams and a plain request complete exactly on the
-    survivor; the frontend with --migration-limit 0 ends the dead engine's streams with a
-    503 error event; the survivor keeps no page; the dead engine's series leave /metrics."""
+def test_a_killed_engine_s_streams_continue_on_the_other(two, reference, face_reference):
+    """SIGKILL one engine mid-stream: streams, plain requests and the Messages and Responses
+    faces complete exactly on the survivor; the frontend with --migration-limit 0 ends the
+    dead engine's stream with a 503 error event; the survivor keeps no page; the dead
+    engine's series leave /metrics."""
     both, limit0 = two.urls[0], two.urls[1]
     moving = [Stream(both, b) for b in [*BODIES, CHAT]]
     plain = [Stream(both, b, stream=False) for b in BODIES[:2]]
+    faces = [Whole(both, face) for face in ("messages", "responses")]
     # Round-robin: one on each engine; long, so both still run when the engine dies.
     stuck = [Stream(limit0, {**b, "max_tokens": 150}) for b in BODIES[:2]]
     wait_until(lambda: all(s.started() for s in moving + stuck), 120, "streams started")
@@ -205,6 +244,7 @@ def test_a_killed_engine_s_streams_continue_on_the_other(two, reference):
     two.engines[0].popen.kill()  # SIGKILL: no goodbye on any socket
     _expect(moving, reference)
     _expect(plain, reference[:2])
+    assert [f.result() for f in faces] == face_reference
     for s in stuck:
         s.join()
     errors = [json.loads(e) for s in stuck for e in s.events[:-1] if '"error"' in e]
