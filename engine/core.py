@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
-import torch
 
 from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
@@ -110,7 +110,9 @@ class EngineCore:
             self._reject(request, 0, "prompt_token_ids must be a buffer of int32 values")
             return
         prompt = unpack_ids(request.prompt_token_ids).tolist()
-        problem = self._validate(request, prompt)
+        resumed = self._resumed_ids(request)
+        problem = self._validate(request, prompt) or self._validate_continuation(
+            request, prompt, resumed)
         if problem is not None:
             self._reject(request, len(prompt), problem)
             return
@@ -120,25 +122,25 @@ class EngineCore:
             self._reject(request, len(prompt), str(exc))
             return
         params = request.params
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
         seq = Sequence(
             request_id=request.request_id,
-            token_ids=prompt,
+            token_ids=prompt + (resumed or []),
             num_prompt_tokens=len(prompt),
             params=params,
             reply_to=request.reply_to,
             arrival_time=request.arrival_time,
             queued_time=time.time(),
             max_output_tokens=min(params.max_tokens, self.max_model_len - len(prompt)),
-            generator=generator,
             min_tokens_banned=self._min_tokens_banned(params),
             cache_salt=request.cache_salt,
             priority=request.priority,
             peer=peer,
             images=images,
         )
+        if resumed:
+            # A continuation: its earlier tokens were reported by the engine that drew them.
+            seq.num_reported = len(resumed)
+            seq.cumulative_logprob = request.continuation.cumulative_logprob
         if params.constraint is not None:
             seq.grammar = self.grammar.compile(params.constraint)
             self._compiling[seq.request_id] = seq
@@ -183,6 +185,35 @@ class EngineCore:
             check_priority(request.priority)
         except RangeProblem as problem:
             return problem.message
+        return None
+
+    @staticmethod
+    def _resumed_ids(request: EngineRequest) -> list[int] | None:
+        if request.continuation is None:
+            return None
+        ids = request.continuation.output_token_ids
+        return unpack_ids(ids).tolist() if len(ids) % 4 == 0 else None
+
+    def _validate_continuation(self, request: EngineRequest, prompt: list[int],
+                               resumed: list[int] | None) -> str | None:
+        """Why a continuation cannot run here, or None (none to check: None)."""
+        continuation = request.continuation
+        if continuation is None:
+            return None
+        if resumed is None:
+            return "continuation output_token_ids must be a buffer of int32 values"
+        if resumed and (min(resumed) < 0 or max(resumed) >= self.vocab_size):
+            return f"continuation token ids must lie in [0, {self.vocab_size})"
+        if len(resumed) >= request.params.max_tokens:
+            return "a continuation must leave max_tokens room for at least one token"
+        if len(prompt) + len(resumed) >= self.max_model_len:
+            return f"prompt + continuation leave no room within max_model_len={self.max_model_len}"
+        sizes = continuation.frame_sizes
+        if (len(sizes) > len(resumed) + 1 or any(n < 0 for n in sizes)
+                or sum(sizes) != len(resumed)):
+            return "continuation frame_sizes must be counts that sum to its tokens"
+        if not math.isfinite(continuation.cumulative_logprob):
+            return "continuation cumulative_logprob must be finite"
         return None
 
     def _reject(self, request: EngineRequest, num_prompt: int, message: str,
@@ -323,6 +354,9 @@ class EngineCore:
                 continue
             del self._compiling[request_id]
             problem = seq.grammar.poll()
+            if problem is None and not all(seq.grammar.advance(t) for t in seq.output_ids):
+                # A continuation's grammar catches up with the tokens drawn elsewhere.
+                problem = "the continued tokens do not follow it"
             if problem is not None:
                 self._fail(seq, f"invalid grammar: {problem}", 400)
 

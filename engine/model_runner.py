@@ -15,7 +15,7 @@ from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
 from engine.multimodal import step_embeddings
 from engine.records import SampledToken
-from engine.sampler import SamplingRows, sample, token_logprobs, token_ranks
+from engine.sampler import SamplingRows, row_generators, sample, token_logprobs, token_ranks
 from engine.spec_decode import DraftCheck, verify
 from shared.protocol import TokenLogprobs
 
@@ -109,11 +109,9 @@ class ModelRunner:
                          mask_error: Exception | None, failed: dict[str, str],
                          logits: torch.Tensor | None = None) -> list[SampledToken | None]:
         """The batch at once, as always; only if that raises, row by row, so the requests at
-        fault fail and the others get the tokens they would have got anyway (their seeded
-        generators rewound to where this step started). `logits`: of `hidden`, when the
-        caller has them already."""
-        states = {i: s.generator.get_state() for i, s in enumerate(seqs)
-                  if s.generator is not None}
+        fault fail and the others get the tokens they would have got anyway (a seeded
+        row's generator depends only on its seed and position). `logits`: of `hidden`, when
+        the caller has them already."""
         if mask_error is None:
             try:
                 if logits is None:
@@ -125,8 +123,6 @@ class ModelRunner:
                             type(exc).__name__, exc)
         else:
             _reraise_device_fault(mask_error)
-        for i, state in states.items():
-            seqs[i].generator.set_state(state)
         logits = self.model.logits(hidden)  # afresh: the failed attempt changed them in place
         sampled: list[SampledToken | None] = []
         for i, seq in enumerate(seqs):
@@ -152,7 +148,7 @@ class ModelRunner:
             masks.apply(logits)
         self.stage = "sampling"
         params = [s.params for s in seqs]
-        rows = SamplingRows.build(params, [s.generator for s in seqs], self.vocab_size)
+        rows = SamplingRows.build(params, row_generators(seqs), self.vocab_size)
         tokens = sample(logits, rows)
         self.stage = "logprobs"
         sampled = [SampledToken(t) for t in tokens.tolist()]

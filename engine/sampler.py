@@ -3,16 +3,36 @@
 Greedy rows take the argmax. Other rows are scaled by temperature, cut by top-k and top-p,
 and sampled with the exponential-race trick (argmax of p / Exp(1) noise), which equals
 multinomial sampling but lets every row draw its noise from its own seeded generator, so a
-seeded request gets the same tokens whatever else shares its batch.
+seeded request gets the same tokens whatever else shares its batch. A seeded row's generator
+is made afresh for each token from (seed, position) (`position_generator`): the draw at
+output position k is the same whichever engine makes it, so a stream moved to another
+engine mid-way (frontend migration) goes on exactly as it would have.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import msgspec
 import torch
 
 from engine.models.ops import top_k_top_p_sample
 from shared.protocol import GREEDY_TEMPERATURE, SamplingParams
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator for output token `position` of a request seeded with `seed` (any
+    value below 2**64): a hash of both, so neighbouring positions and seeds are unrelated."""
+    digest = hashlib.blake2b(seed.to_bytes(8, "little") + position.to_bytes(8, "little"),
+                             digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
+def row_generators(seqs) -> list[torch.Generator | None]:
+    """Each sequence's generator for the token it draws next (None: unseeded)."""
+    return [None if s.params.seed is None else position_generator(s.params.seed,
+                                                                  s.num_output_tokens)
+            for s in seqs]
 
 
 class SamplingRows(msgspec.Struct):

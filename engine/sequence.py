@@ -6,7 +6,6 @@ import enum
 from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from engine.records import DraftState
 from engine.thinking import ThinkingTracker
@@ -48,7 +47,6 @@ class Sequence(msgspec.Struct, kw_only=True):
     num_cached_tokens: int | None = None
     # Outputs already reported to the frontend, so a step reports only what is new.
     num_reported: int = 0
-    generator: torch.Generator | None = None
     # The engine's clock (time.time()) at its phases, for vLLM's per-request histograms:
     # admitted (queued), first scheduled, first and latest token.
     queued_time: float = 0.0

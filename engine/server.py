@@ -5,6 +5,11 @@ flow even during a long step; a frontend connection that stops sending for
 --frontend-timeout has its requests aborted); one encodes and routes outputs to postproc workers or
 frontends (`engine.output_router`). The main thread only drains
 the inbox, steps the model and hands outputs over, so compute overlaps with (de)serialization.
+
+SIGTERM drains: the engine tells every frontend at once (its stats say `draining`, so they
+send it nothing new), runs what it holds for up to --shutdown-timeout, then exits; the
+frontends move whatever it still ran to other engines as continuations. A second SIGTERM,
+or SIGINT, stops it at once.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class PeerWatch:
         if is_ping or peer in self._last_heard:
             self._last_heard[peer] = time.monotonic()
 
+    def watched(self) -> list[bytes]:
+        return list(self._last_heard)
+
     def silent(self) -> list[bytes]:
         """Connections silent past the timeout, forgotten as they are returned."""
         now = time.monotonic()
@@ -97,6 +105,8 @@ class EngineServer:
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
+        self.draining = threading.Event()
+        self.drain_deadline = 0.0  # time.monotonic() when a drain gives up on what is left
         self.latest_stats = core.stats()
         self.fleet_counts = FleetCounts()
         self.peers = PeerWatch(frontend_timeout_s)
@@ -121,9 +131,27 @@ class EngineServer:
                 t.join(timeout=2)
             self.ctx.term()
 
+    def drain(self, timeout_s: float) -> None:
+        """Take nothing new (the frontends hear it now), finish within `timeout_s`."""
+        self.drain_deadline = time.monotonic() + timeout_s
+        self.draining.set()
+
+    def _drained(self) -> bool:
+        if not self.draining.is_set():
+            return False
+        if not self.core.has_work:
+            log.info("drained: every request finished")
+            return True
+        if time.monotonic() >= self.drain_deadline:
+            log.warning("--shutdown-timeout passed with %d requests still running: exiting; "
+                        "their frontends move them to other engines",
+                        len(self.core.sequences))
+            return True
+        return False
+
     def _busy_loop(self) -> None:
         core = self.core
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() and not self._drained():
             abandoned = self._drain_inbox(block=not core.has_work)
             if core.has_work:
                 started = time.perf_counter()
@@ -164,7 +192,13 @@ class EngineServer:
         decoder = engine_inbound_decoder()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        announced = False
         while not self.stopping.is_set():
+            if self.draining.is_set() and not announced:
+                # Every frontend learns now, not at its next ping, to send nothing new.
+                announced = True
+                for peer in self.peers.watched():
+                    sock.send_multipart([peer, encode(self._stats())])
             for peer in self.peers.silent():
                 self.inbox.put(PeerGone(peer))
             if not poller.poll(100):
@@ -192,6 +226,7 @@ class EngineServer:
         return msgspec.structs.replace(
             self.latest_stats, num_postproc_workers=fleet.live_workers,
             postproc_assigned=fleet.assigned, postproc_replayed=fleet.replayed,
+            draining=self.draining.is_set(),
         )
 
     def _send_loop(self) -> None:
@@ -233,7 +268,15 @@ def run_engine(config: EngineConfig) -> None:
     def stop(signum, frame):
         server.stopping.set()
 
-    signal.signal(signal.SIGTERM, stop)
+    def drain(signum, frame):
+        if server.draining.is_set():
+            server.stopping.set()  # a second SIGTERM: now
+            return
+        log.info("SIGTERM: draining (up to %gs), taking no new requests",
+                 config.shutdown_timeout_s)
+        server.drain(config.shutdown_timeout_s)
+
+    signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, stop)
     try:
         server.run()

@@ -6,9 +6,18 @@ seconds, so engines join and leave without a restart). Each engine gets its own 
 connected to the engine's ROUTER: requests and aborts go out on it, pings ride it and the
 engine's stats come back on it, which doubles as that engine's heartbeat. `frontend.placement`
 picks the engine for each request among the live ones; the engine that took a request gets
-its aborts and stop-string finishes. When an engine goes silent its requests that have not
-produced a frame yet are sent again to another live engine (under a new wire id, so a late
-frame of the lost attempt cannot mix in); the ones already streaming end with an error.
+its aborts and stop-string finishes.
+
+Migration: when an engine dies (its connection drops, seen at once by a socket monitor) or
+stays silent past the heartbeat timeout while another engine is live, each of its requests
+moves to a live engine as a continuation (`Continuation`: the tokens the client already has,
+grouped as its frames), so the client's stream goes on with the next token. Each attempt
+has its own wire id (`request~N-xxxx`, the request's epoch): a late frame of a lost attempt
+is dropped, and the engine it was on is told to abort it (freeing its KV pages) when it
+answers again. With no engine to go to, requests wait up to --engine-timeout for one (a
+frozen engine that wakes simply goes on with them; new requests wait too), then end with an
+error. A started request moves at most --migration-limit times. A draining engine (SIGTERM)
+takes no new requests; what it still runs when it exits moves.
 
 Outputs arrive on this frontend's own PULL socket (`reply_to`), read by a receiver thread:
 text frames from postproc workers, or token batches that it post-processes itself (when
@@ -28,6 +37,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from frontend.placement import Candidate, Placement, prefix_key
 from frontend.tracking import RequestTracker
@@ -35,6 +45,7 @@ from postproc.processor import OutputProcessor
 from shared.codec import encode, frontend_inbound_decoder
 from shared.protocol import (
     AbortRequest,
+    Continuation,
     EngineRequest,
     EngineStats,
     FrameBatch,
@@ -52,6 +63,9 @@ from shared.transport import (
 )
 
 log = logging.getLogger("sluice.frontend")
+
+LOST_MESSAGE = "the engine stopped responding"  # the error of a request that cannot move
+MIGRATION_REASONS = ("death", "freeze", "drain")
 
 Resolver = Callable[[str, int], list[str]]  # (name, port) -> IP addresses
 
@@ -77,7 +91,14 @@ class EngineConnection:
         # frozen, not dead) it must drop them, so their aborts go out once it answers.
         self.orphans: set[str] = set()
         self.stats_task: asyncio.Task | None = None
+        self.monitor: zmq.asyncio.Socket | None = None  # the dealer's disconnect events
+        self.monitor_task: asyncio.Task | None = None
         self.stats_arrived = asyncio.Event()
+
+    @property
+    def draining(self) -> bool:
+        """It said it is shutting down: it finishes what it runs and takes nothing new."""
+        return self.stats is not None and self.stats.draining
 
     @property
     def engine_id(self) -> str:
@@ -102,15 +123,28 @@ class EngineConnection:
 
 class RequestStream(msgspec.Struct):
     queue: asyncio.Queue
+    request: EngineRequest  # as first sent: a move sends it again as a continuation
+    prompt_ids: object
     next_seq: int = 0
     finished: bool = False
-    # Where it runs and under which id (a resubmitted request gets a new one).
+    # Where it runs and under which id (each attempt gets a new one); engine None: its
+    # engine died and it waits for another (since `waiting_since`).
     engine: EngineConnection | None = None
     wire_id: str = ""
-    # Kept until its first frame, to send it again if its engine dies before that.
-    request: EngineRequest | None = None
-    prompt_ids: object = None
     attempts: int = 0
+    moves: int = 0  # times it moved after its first frame (--migration-limit)
+    waiting_since: float | None = None  # lost its engine with nowhere to go
+    lost_reason: str = ""  # why it is waiting: death | freeze | drain
+    # What the client has: the tokens of the frames delivered, and how many each held.
+    output_ids: bytearray = msgspec.field(default_factory=bytearray)
+    frame_sizes: list[int] = msgspec.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    def continuation(self) -> Continuation | None:
+        if not self.frame_sizes:
+            return None
+        return Continuation(bytes(self.output_ids), list(self.frame_sizes),
+                            self.cumulative_logprob)
 
 
 class EngineClient:
@@ -120,10 +154,12 @@ class EngineClient:
         processor: OutputProcessor,
         result_address: str | None = None,
         heartbeat_interval_s: float = 1.0,
-        engine_timeout_s: float = 5.0,
+        heartbeat_timeout_s: float = 5.0,
         routing: str = "prefix",
         resolver: Resolver | None = None,
         resolve_interval_s: float = 5.0,
+        engine_timeout_s: float = 30.0,
+        migration_limit: int = 3,
     ) -> None:
         sources = [engine_address] if isinstance(engine_address, str) else list(engine_address)
         if not sources:
@@ -136,7 +172,11 @@ class EngineClient:
         self.result_address = result_address or new_ipc_address("frontend")
         self.processor = processor
         self.heartbeat_interval_s = heartbeat_interval_s
+        # Silent this long: not live (no new requests; its requests move if they can).
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        # How long requests wait for an engine when none is live, then fail.
         self.engine_timeout_s = engine_timeout_s
+        self.migration_limit = migration_limit
         self.placement = Placement(routing)
         self.resolver: Resolver = resolver or resolve_host
         self.resolve_interval_s = resolve_interval_s
@@ -149,7 +189,9 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._sends: set[asyncio.Future] = set()
         self.tracker = RequestTracker(self)  # request metrics and timeouts
-        self.resubmitted = 0  # requests moved to another engine when theirs died
+        self.migrated = dict.fromkeys(MIGRATION_REASONS, 0)  # requests moved, by why
+        self.migration_failures = 0  # requests that had to move and could not
+        self.last_live = 0.0  # time.monotonic() when an engine was last live
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -170,12 +212,18 @@ class EngineClient:
         conn.dealer = make_socket(self._ctx, zmq.DEALER)
         if conn.address.startswith("tcp://["):
             conn.dealer.setsockopt(zmq.IPV6, 1)
+        conn.monitor = conn.dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         conn.dealer.connect(conn.address)
         conn.stats_task = asyncio.create_task(self._stats_loop(conn))
+        conn.monitor_task = asyncio.create_task(self._monitor_loop(conn, conn.monitor))
 
     def _disconnect(self, conn: EngineConnection) -> None:
-        if conn.stats_task is not None:
-            conn.stats_task.cancel()
+        for task in (conn.stats_task, conn.monitor_task):
+            if task is not None:
+                task.cancel()
+        if conn.monitor is not None:  # closed here, not when its task ends: stop() terms
+            conn.dealer.disable_monitor()
+            conn.monitor.close(linger=0)
         if conn.dealer is not None:
             conn.dealer.close(linger=0)
 
@@ -243,13 +291,21 @@ class EngineClient:
             await self._resolve()
 
     def live_engines(self) -> list[EngineConnection]:
+        """The engines new work may go to: heard lately, not retired, not draining."""
         return [c for c in self.engines.values()
-                if c.alive(self.engine_timeout_s) and not c.retired]
+                if c.alive(self.heartbeat_timeout_s) and not c.retired and not c.draining]
 
     @property
     def engine_alive(self) -> bool:
         """Whether any engine answers: the frontend can serve."""
         return bool(self.live_engines())
+
+    @property
+    def may_serve(self) -> bool:
+        """Whether a request may be taken: an engine is live, or one was within
+        --engine-timeout (it froze or restarts: requests wait for it)."""
+        return self.engine_alive or (
+            self.last_live > 0 and time.monotonic() - self.last_live < self.engine_timeout_s)
 
     @property
     def stats(self) -> EngineStats | None:
@@ -263,7 +319,7 @@ class EngineClient:
 
     def engine_states(self) -> list[tuple[str, str, bool, EngineStats | None]]:
         """(engine id, address, alive, last stats) of every engine, for /metrics."""
-        return [(c.engine_id, c.address, c.alive(self.engine_timeout_s), c.stats)
+        return [(c.engine_id, c.address, c.alive(self.heartbeat_timeout_s), c.stats)
                 for c in sorted(self.engines.values(), key=lambda c: c.address)]
 
     async def _ping_loop(self) -> None:
@@ -274,13 +330,28 @@ class EngineClient:
                     await conn.dealer.send(ping)
             await asyncio.sleep(self.heartbeat_interval_s)
             for conn in list(self.engines.values()):
-                alive = conn.alive(self.engine_timeout_s)
+                alive = conn.alive(self.heartbeat_timeout_s)
                 if conn.was_alive and not alive:
-                    await self._engine_lost(conn)
+                    await self._engine_lost(conn, "drain" if conn.draining else "freeze")
                 elif alive and not conn.was_alive:
                     log.info("engine %s at %s is live", conn.engine_id, conn.address)
                 conn.was_alive = alive
                 self._drop_if_retired(conn)
+            await self._place_waiting()
+
+    async def _monitor_loop(self, conn: EngineConnection, monitor) -> None:
+        """A dropped connection is a dead engine (a frozen one keeps its socket): known at
+        once, not a heartbeat timeout later."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            # Also when it had frozen first: requests waiting for it must not wait for a
+            # restarted engine on its address, which never heard of them.
+            holds = any(s.engine is conn for s in self._streams.values())
+            if event["event"] == zmq.EVENT_DISCONNECTED and (conn.was_alive or holds):
+                conn.last_heard = 0.0
+                conn.was_alive = False
+                await self._engine_lost(conn, "drain" if conn.draining else "death")
+                return  # that reconnected it: a new monitor watches the new socket
 
     async def _stats_loop(self, conn: EngineConnection) -> None:
         decoder = frontend_inbound_decoder()
@@ -290,6 +361,8 @@ class EngineClient:
                 conn.stats = message
                 conn.own_at_stats = len(conn.requests)
                 conn.last_heard = time.monotonic()
+                if not message.draining and not conn.retired:
+                    self.last_live = conn.last_heard
                 if conn.orphans:
                     orphans, conn.orphans = sorted(conn.orphans), set()
                     log.info("engine %s answers again; aborting the %d requests failed "
@@ -314,25 +387,80 @@ class EngineClient:
             for task in tasks:
                 task.cancel()
 
-    async def _engine_lost(self, conn: EngineConnection) -> None:
-        """`conn` stopped answering: move its requests that have produced nothing yet to
-        another live engine, fail the rest, and start a fresh connection."""
+    async def _engine_lost(self, conn: EngineConnection, reason: str) -> None:
+        """`conn` died, froze or drained away: its requests move to live engines. A frozen
+        engine with none to take over keeps them (it may wake: they wait, see
+        `_place_waiting`); a dead one's wait for an engine without it."""
         mine = [(rid, s) for rid, s in self._streams.items() if s.engine is conn]
+        others = [c for c in self.live_engines() if c is not conn]
+        now = time.monotonic()
+        if reason == "freeze" and not others:
+            for _, stream in mine:
+                stream.waiting_since, stream.lost_reason = now, reason
+            log.error("engine %s at %s stopped answering; its %d requests wait for it (or "
+                      "another engine) up to --engine-timeout %gs", conn.engine_id,
+                      conn.address, len(mine), self.engine_timeout_s)
+            return
         conn.orphans.update(s.wire_id for _, s in mine)
         conn.requests.clear()
-        others = [c for c in self.live_engines() if c is not conn]
-        moved = 0
+        log.error("engine %s at %s is gone (%s); moving its %d requests", conn.engine_id,
+                  conn.address, reason, len(mine))
         for request_id, stream in mine:
-            if stream.next_seq == 0 and stream.request is not None and others:
-                self._aliases.pop(stream.wire_id, None)
-                await self._send_to(self._place(stream.request, others), request_id, stream)
-                moved += 1
-            else:
-                self._end_with_error(request_id, stream, "the engine stopped responding", 503)
-        self.resubmitted += moved
-        log.error("engine %s at %s stopped answering: %d requests moved to other engines, "
-                  "%d failed", conn.engine_id, conn.address, moved, len(mine) - moved)
+            stream.engine = None
+            stream.waiting_since, stream.lost_reason = now, reason
+            await self._move(request_id, stream, others)
         self._reconnect(conn)
+
+    async def _place_waiting(self) -> None:
+        """Each tick: requests that lost their engine go on where they can (their frozen
+        engine woke, or another is live), or fail once they waited --engine-timeout."""
+        live = self.live_engines()
+        now = time.monotonic()
+        for request_id, stream in list(self._streams.items()):
+            if stream.waiting_since is None:
+                continue
+            home = stream.engine
+            if home is not None and home in live:
+                log.info("engine %s answers again: request %s goes on there",
+                         home.engine_id, request_id)
+                stream.waiting_since = None
+                continue
+            if not live and now - stream.waiting_since < self.engine_timeout_s:
+                continue
+            if home is not None:  # frozen: it must drop the request should it wake
+                home.orphans.add(stream.wire_id)
+                home.requests.discard(stream.wire_id)
+                stream.engine = None
+            if live:
+                await self._move(request_id, stream, live)
+            else:
+                self.migration_failures += 1
+                self._end_with_error(request_id, stream, LOST_MESSAGE, 503)
+
+    async def _move(self, request_id: str, stream: RequestStream,
+                    live: list[EngineConnection]) -> None:
+        """Send a request that lost its engine to one of `live` as a continuation; with
+        none, it waits (`_place_waiting`); past --migration-limit it fails."""
+        if stream.next_seq > 0 and stream.moves >= self.migration_limit:
+            self.migration_failures += 1
+            log.error("request %s cannot move: it moved %d times (--migration-limit %d)",
+                      request_id, stream.moves, self.migration_limit)
+            self._end_with_error(request_id, stream, LOST_MESSAGE, 503)
+            return
+        if not live:
+            return  # it waits
+        request = msgspec.structs.replace(stream.request, continuation=stream.continuation())
+        target = self._place(request, live)
+        old_wire = stream.wire_id
+        self._aliases.pop(old_wire, None)
+        await self._send_to(target, request_id, stream, request)
+        if stream.next_seq > 0:
+            stream.moves += 1
+        self.migrated[stream.lost_reason] += 1
+        stream.waiting_since = None
+        log.warning("request %s (%s) moved to engine %s as %s after %d tokens (%s)",
+                    request_id, old_wire, target.engine_id, stream.wire_id,
+                    len(stream.output_ids) // 4, stream.lost_reason)
 
     # ---------------------------------------------------------------- requests
 
@@ -353,8 +481,7 @@ class EngineClient:
         return names[chosen]
 
     async def _send_to(self, conn: EngineConnection, request_id: str,
-                       stream: RequestStream) -> None:
-        request = stream.request
+                       stream: RequestStream, request: EngineRequest) -> None:
         if stream.attempts > 0:
             # A new id for each further attempt: a late frame of a lost one is dropped. The
             # random part keeps it from being any other request's id (clients choose ids).
@@ -367,18 +494,29 @@ class EngineClient:
         stream.attempts += 1
         stream.engine = conn
         conn.requests.add(stream.wire_id)
-        self.processor.register(stream.wire_id, stream.prompt_ids, request.output)
+        self.processor.register(stream.wire_id, stream.prompt_ids, request.output,
+                                request.continuation)
         await conn.dealer.send(encode(request))
 
     async def submit(self, request: EngineRequest, prompt_ids, queue: asyncio.Queue) -> None:
-        """Send a request; its TextFrames will arrive on `queue` (which several may share)."""
-        live = self.live_engines()
+        """Send a request; its TextFrames will arrive on `queue` (which several may share).
+        With no live engine but one live within --engine-timeout (frozen, restarting,
+        draining away), it waits for one that long."""
+        live = await self._wait_for_live()
         if not live:
             raise EngineUnavailable("no engine is connected")
-        stream = RequestStream(queue, request=request, prompt_ids=prompt_ids)
+        stream = RequestStream(queue, request, prompt_ids)
         self._streams[request.request_id] = stream
         self.tracker.submitted(request)
-        await self._send_to(self._place(request, live), request.request_id, stream)
+        await self._send_to(self._place(request, live), request.request_id, stream, request)
+
+    async def _wait_for_live(self) -> list[EngineConnection]:
+        while not (live := self.live_engines()):
+            left = self.last_live + self.engine_timeout_s - time.monotonic()
+            if self.last_live == 0.0 or left <= 0:
+                return []
+            await asyncio.sleep(min(left, 0.1))
+        return live
 
     def _forget(self, request_id: str) -> RequestStream | None:
         stream = self._streams.pop(request_id, None)
@@ -461,7 +599,10 @@ class EngineClient:
             if frame.request_id != request_id:
                 frame = msgspec.structs.replace(frame, request_id=request_id)
             stream.next_seq = frame.seq + 1
-            stream.request = stream.prompt_ids = None  # started: no resubmission now
+            stream.output_ids += frame.token_ids
+            stream.frame_sizes.append(len(frame.token_ids) // 4)
+            if frame.cumulative_logprob is not None:
+                stream.cumulative_logprob = frame.cumulative_logprob
             if frame.finish_reason is not None:
                 stream.finished = True
                 self._forget(request_id)

@@ -1,5 +1,5 @@
 """Per-engine series of one frontend's engine connections (issue 18): which engines it hears,
-how many of its requests each holds, how many requests it moved off a dead engine. Read
+how many of its requests each holds, how many requests moved off a lost engine. Read
 from the engine client at scrape time, labelled `engine` (the engine's id) and `address`."""
 
 from __future__ import annotations
@@ -16,16 +16,25 @@ def connection_families(client, model_name: str = ""):
                              "This frontend's requests running on this engine.", labels=labels)
     for conn in sorted(client.engines.values(), key=lambda c: c.address):
         key = [model_name, conn.engine_id, conn.address]
-        live.add_metric(key, 1.0 if conn.alive(client.engine_timeout_s) else 0.0)
+        live.add_metric(key, 1.0 if conn.alive(client.heartbeat_timeout_s) else 0.0)
         held.add_metric(key, float(len(conn.requests)))
     yield live
     yield held
     moved = CounterMetricFamily(
-        "sluice:requests_resubmitted",
-        "Requests sent again to another engine because theirs died before their first token.",
-        labels=["model_name"])
-    moved.add_metric([model_name], float(client.resubmitted))
+        "sluice:requests_migrated",
+        "Requests moved to another engine (as a continuation when they had streamed), by "
+        "why their engine was lost: death, freeze or drain.",
+        labels=["model_name", "reason"])
+    for reason, count in client.migrated.items():
+        moved.add_metric([model_name, reason], float(count))
     yield moved
+    failed = CounterMetricFamily(
+        "sluice:migration_failures",
+        "Requests that lost their engine and could not move (no engine within "
+        "--engine-timeout, or --migration-limit reached): they ended with an error.",
+        labels=["model_name"])
+    failed.add_metric([model_name], float(client.migration_failures))
+    yield failed
 
 
 def every_engine_families(client):
@@ -36,8 +45,8 @@ def every_engine_families(client):
 
     merged: dict = {}
     for conn in sorted(client.engines.values(), key=lambda c: c.address):
-        if conn.stats is None:
-            continue
+        if conn.stats is None or not conn.alive(client.heartbeat_timeout_s):
+            continue  # a dead engine's last gauges would read as alive and busy
         for family in engine_families(conn.stats):
             if family.name in merged:
                 merged[family.name].samples.extend(family.samples)

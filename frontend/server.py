@@ -89,8 +89,10 @@ def run_frontend(config: FrontendConfig) -> None:
         processor,
         result_address=config.result_address,
         heartbeat_interval_s=config.heartbeat_interval_s,
-        engine_timeout_s=config.engine_timeout_s,
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
         routing=config.routing,
+        engine_timeout_s=config.engine_timeout_s,
+        migration_limit=config.migration_limit,
     )
     client.tracker.request_timeout_s = config.request_timeout_s
     log_requests(config.log_requests)

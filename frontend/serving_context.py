@@ -70,9 +70,10 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
 
 
 def max_model_len(ctx: ServingContext) -> int:
-    """The engine's context length; a 503 while no engine is there to say it."""
+    """The engine's context length; a 503 while no engine is there to say it (one frozen
+    or restarting for less than --engine-timeout still counts: the request waits for it)."""
     stats = ctx.client.stats
-    if stats is None or not ctx.client.engine_alive:
+    if stats is None or not ctx.client.may_serve:
         raise APIError(503, "The engine is not available; try again shortly.")
     return stats.max_model_len
 

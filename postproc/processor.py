@@ -7,7 +7,10 @@ it is off the engine and off the HTTP event loop (req S-4).
 
 A request's frames are a pure function of its EngineRequest and its outputs, in order: frame
 k comes from the k-th output. So a dead worker's requests replay on another worker, which
-produces the same frames, and the frontend drops the ones it already has.
+produces the same frames, and the frontend drops the ones it already has. A request moved to
+another engine mid-stream (`Continuation`) starts by replaying the frames the client already
+has from the tokens it carries, unsent: its detokenizer, stop matcher, parsers and chunk
+writer then stand where the client's stream stopped, and its next frame number follows.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from postproc.logprobs import TokenTexts, logprob_entries, token_id_name
 from postproc.reasoning import ReasoningParser, get_reasoning_parser
 from postproc.stop_strings import StopMatcher
 from postproc.tool_parsers import ToolDelta, ToolParser, get_tool_parser
-from shared.protocol import OutputParams, RequestOutput, TextFrame, unpack_ids
+from shared.protocol import Continuation, OutputParams, RequestOutput, TextFrame, unpack_ids
 
 _log = logging.getLogger(__name__)
 
@@ -35,6 +38,7 @@ class Registration(msgspec.Struct):
 
     prompt_ids: Sequence[int]
     params: OutputParams
+    continuation: Continuation | None = None
 
 
 class RequestState(msgspec.Struct):
@@ -66,10 +70,11 @@ class OutputProcessor:
         self._lock = threading.Lock()
 
     def register(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: OutputParams
+        self, request_id: str, prompt_token_ids: Sequence[int], params: OutputParams,
+        continuation: Continuation | None = None,
     ) -> None:
         with self._lock:
-            self._states[request_id] = Registration(prompt_token_ids, params)
+            self._states[request_id] = Registration(prompt_token_ids, params, continuation)
 
     def discard(self, request_id: str) -> None:
         with self._lock:
@@ -119,7 +124,7 @@ class OutputProcessor:
             declared = msgspec.json.decode(params.tools) if params.tools else None
             tools = get_tool_parser(params.tool_parser)(
                 declared, call_id_seed=request_id, prefill=params.tool_prefill)
-        return RequestState(
+        state = RequestState(
             prompt_ids=spec.prompt_ids,
             params=params,
             detokenizer=self._detokenizer(spec.prompt_ids, params, reasoning is not None,
@@ -131,6 +136,20 @@ class OutputProcessor:
             writer=(ChunkWriter(params.chunk, spec.prompt_ids)
                     if params.chunk is not None else None),
         )
+        if spec.continuation is not None:
+            self._replay(state, spec.continuation, request_id)
+        return state
+
+    def _replay(self, state: RequestState, continuation: Continuation, request_id: str) -> None:
+        """Runs the frames the client already has through `state`, dropping them."""
+        ids = unpack_ids(continuation.output_token_ids)
+        done = 0
+        for size in continuation.frame_sizes:
+            chunk = ids[done:done + size]
+            done += size
+            self._frame(state, RequestOutput(
+                request_id=request_id, new_token_ids=chunk.tobytes(),
+                num_prompt_tokens=len(state.prompt_ids), num_output_tokens=done), request_id)
 
     def _detokenizer(self, prompt_ids, params: OutputParams, reasoning: bool,
                      tools: bool) -> IncrementalDetokenizer:

@@ -142,7 +142,8 @@ class PostprocWorker:
         owned = self._owned[address]
         for request in batch.assignments:
             prompt = unpack_ids(request.prompt_token_ids)
-            self.processor.register(request.request_id, prompt, request.output)
+            self.processor.register(request.request_id, prompt, request.output,
+                                    request.continuation)
             self._reply_to[request.request_id] = request.reply_to
             owned.add(request.request_id)
         processed = self.processor.process(batch.outputs)

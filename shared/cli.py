@@ -527,6 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where to bind for postproc workers, e.g. "
                              f"{DEFAULT_POSTPROC_ADDRESS} (default: no fleet; frontends "
                              "post-process their own requests)")
+    engine.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                        help="on SIGTERM, seconds the engine runs the requests it holds while "
+                             "frontends send it nothing new; then it exits and frontends move "
+                             "what is left to other engines (default: 30; a second SIGTERM: "
+                             "at once)")
     engine.add_argument("--metrics-port", type=_int_at_least(1), default=None,
                         help="serve the engine's Prometheus /metrics on this port (its series "
                              "once per engine, whatever the number of frontends; default: "
@@ -575,6 +580,18 @@ def _add_routing_argument(p: argparse.ArgumentParser) -> None:
                    help="how a frontend picks an engine per request: prefix (the same first "
                         "prompt pages and cache_salt prefer the same engine, bounded by "
                         "load), least-loaded or round-robin (default: %(default)s)")
+    # Migration (frontend.engine_client): what a frontend does when an engine is lost.
+    p.add_argument("--migration-limit", type=_int_at_least(0), default=3,
+                   help="how many times one streaming request may move to another engine "
+                        "when its engine dies, freezes or drains: it goes on there with the "
+                        "tokens generated so far; past the limit it ends with an error "
+                        "(default: %(default)s; 0: never move a started request; "
+                        "vLLM/Dynamo's name)")
+    p.add_argument("--engine-timeout", type=_seconds, default=30.0,
+                   help="seconds requests wait for an engine when none answers (a frozen "
+                        "or restarting one): in-flight requests go on when one is back, new "
+                        "ones wait instead of a 503; then they end with an error "
+                        "(default: %(default)s)")
 
 
 def resolve_device(name: str) -> str:
@@ -719,6 +736,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         scheduling_policy=args.scheduling_policy, postproc_address=postproc_address,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         frontend_timeout_s=args.frontend_timeout, seed=args.seed,
+        shutdown_timeout_s=getattr(args, "shutdown_timeout", 30.0),
         max_logprobs=args.max_logprobs, metrics_port=getattr(args, "metrics_port", None),
         speculative=args.speculative_config,
         engine_id=getattr(args, "engine_id", None) or f"{socket.gethostname()}@{address}",
@@ -757,6 +775,8 @@ def frontend_config(args, engine_address: str | list[str] | None,
         force_include_usage=args.enable_force_include_usage,
         max_logprobs=args.max_logprobs,
         export_engine_metrics=getattr(args, "export_engine_metrics", False),
+        engine_timeout_s=getattr(args, "engine_timeout", 30.0),
+        migration_limit=getattr(args, "migration_limit", 3),
         http=HttpSettings(root_path=args.root_path, uds=args.uds,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                           ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
@@ -914,7 +934,8 @@ def _serve(args) -> int:
     addresses = [address, *(new_ipc_address("engine") for _ in range(n - 1))]
     for extra in addresses[1:]:
         frontend_argv += ["--engine-address", extra]
-    frontend_argv += ["--routing", args.routing]
+    frontend_argv += ["--routing", args.routing, "--migration-limit", str(args.migration_limit),
+                      "--engine-timeout", str(args.engine_timeout)]
     at = engine_argv.index("--engine-address") + 1
     engine_argvs = [[*engine_argv[:at], a, *engine_argv[at + 1:]] for a in addresses]
     for i, argv in enumerate(engine_argvs):  # vLLM's data-parallel ranks: engine-0, -1...

@@ -32,6 +32,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     long_prefill_token_threshold: int | None = None
     # A frontend silent this long has its requests aborted (engine.server).
     frontend_timeout_s: float = 10.0
+    # SIGTERM: how long the engine runs what it holds before exiting (frontends move the rest).
+    shutdown_timeout_s: float = 30.0
     threads: int | None = None
     # --seed: seeds torch's default generators at start, which requests without their own
     # seed draw from, so a run repeats (vLLM's --seed). None: not seeded.
@@ -89,7 +91,11 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     allowed_local_media_path: str | None = None
     limit_mm_per_prompt: int = 8
     heartbeat_interval_s: float = 1.0
-    engine_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = 5.0  # an engine silent this long is not live
+    # --engine-timeout: how long requests wait for an engine when none is live, and
+    # --migration-limit: how often one started request may move to another engine.
+    engine_timeout_s: float = 30.0
+    migration_limit: int = 3
     log_level: str = "info"
     # Output parsers by name (postproc.reasoning / postproc.tool_parsers); None = off.
     reasoning_parser: str | None = None

@@ -199,6 +199,19 @@ class ImageInput(msgspec.Struct, frozen=True):
     length: int
 
 
+class Continuation(msgspec.Struct, frozen=True):
+    """A request moved to this engine mid-stream (its engine died, froze or drained): what it
+    had generated so far, which the client already has. The engine prefills prompt + these
+    and goes on with the next token as if it had drawn them itself (usage, max_tokens,
+    penalties, stops and a seeded draw at each position all count them); whoever
+    post-processes it first replays them as the frames the client got (`frame_sizes`
+    tokens each), so the text goes on where it stopped and frame numbers line up."""
+
+    output_token_ids: TokenIds
+    frame_sizes: list[int]  # tokens per frame already delivered; they sum to the ids' count
+    cumulative_logprob: float = 0.0
+
+
 class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     request_id: str
     prompt_token_ids: TokenIds
@@ -216,6 +229,8 @@ class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     priority: int = 0
     # A multimodal prompt's images, in prompt order (req T-13); the engine checks them.
     images: list[ImageInput] = []
+    # Set when the request continues a stream another engine started (frontend migration).
+    continuation: Continuation | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
@@ -270,6 +285,8 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     # Per-step and per-request distributions (shared.histograms names them): tokens per step;
     # each request's queue, prefill, decode and inference time on the engine's clock.
     histograms: dict[str, HistogramCounts] = {}
+    # SIGTERM: it finishes what it runs (for --shutdown-timeout) and takes nothing new.
+    draining: bool = False
 
 
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):

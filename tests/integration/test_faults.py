@@ -35,8 +35,10 @@ class Faults:
             # A drain window no stream here outlasts, however slowly the machine decodes:
             # the drained stream is bounded by its tokens, and pytest's timeout bounds the run.
             # Each test reads the engine's series off one frontend's /metrics.
+            # A short wait for a lost engine: with none to move to, requests fail after it.
             proc, url = start_frontend(tmp_dir, self.address, f"frontend{i}", "--shutdown-timeout",
-                                       str(DRAIN_WINDOW_S), "--export-engine-metrics")
+                                       str(DRAIN_WINDOW_S), "--export-engine-metrics",
+                                       "--engine-timeout", "2")
             self.frontends.append(proc)
             self.urls.append(url)
         for url in self.urls:
@@ -112,7 +114,8 @@ def test_engine_killed_under_load_fails_requests_then_recovers(faults):
         threads[-1].start()
     for t in threads:
         t.join(timeout=60)
-    # Heartbeats go silent for 5 s, then each frontend fails its requests at once.
+    # The dropped connection is seen at once; with no engine to move to, each frontend
+    # waits --engine-timeout (2 s) for one, then fails its requests.
     assert time.monotonic() - killed < 20
     for url in faults.urls:
         for i in range(2):

@@ -33,9 +33,9 @@ def engine(tmp_path_factory):
     proc.stop()
 
 
-def _frontend(engine, name: str) -> tuple[Proc, str]:
+def _frontend(engine, name: str, *extra: str) -> tuple[Proc, str]:
     proc, address, tmp = engine
-    frontend, url = start_frontend(tmp, address, name)
+    frontend, url = start_frontend(tmp, address, name, *extra)
     wait_healthy(url, [proc, frontend])
     return frontend, url
 
@@ -95,13 +95,14 @@ def test_engine_aborts_requests_of_a_killed_frontend(engine):
 
 def test_resumed_engine_drops_requests_its_frontend_gave_up_on(engine):
     proc, address, _ = engine
-    frontend, url = _frontend(engine, "patient")
+    # It waits 2 s (--engine-timeout) for the silent engine, then gives up on its requests.
+    frontend, url = _frontend(engine, "patient", "--engine-timeout", "2")
     try:
         before = engine_stats(address)
         threads = _start_load(url, 3)
         wait_until(lambda: engine_stats(address).num_running == 3, 120, "the load")
         os.kill(proc.popen.pid, signal.SIGSTOP)
-        # Past the frontend's engine timeout (5 s): it fails the three with 503s.
+        # Past the heartbeat timeout (5 s) and --engine-timeout: it fails the three.
         for t in threads:
             t.join(timeout=30)
         assert not any(t.is_alive() for t in threads)

@@ -23,7 +23,7 @@ class EngineStub:
             engine_id="stub", model_name="m", max_model_len=max_model_len, num_total_pages=0,
             num_free_pages=0, num_running=0, num_waiting=0, num_steps=0, max_seqs_in_step=0,
             num_finished=0, num_aborted=0, sent_at=0.0)
-        self.engine_alive = True
+        self.engine_alive = self.may_serve = True
         self.result_address = "tcp://127.0.0.1:1"
 
 

@@ -16,6 +16,7 @@ from shared.protocol import (
     AbortRequest,
     ChunkFormat,
     Constraint,
+    Continuation,
     EngineRequest,
     EngineStats,
     FrameBatch,
@@ -107,6 +108,8 @@ ENGINE_INBOUND = {
         priority=-7,
         images=[ImageInput(pack_tensor(np.full((2, 3, 4, 4), 0.5, np.float32)),
                            pack_tensor(np.ones((2, 4, 4), bool)), offset=3, length=9)],
+        continuation=Continuation(pack_ids([9, 8, 7]), frame_sizes=[1, 0, 2],
+                                  cumulative_logprob=-2.5),
     ),
     "request-defaults": EngineRequest(
         request_id="req-2",
@@ -227,6 +230,7 @@ FRONTEND_INBOUND = {
         postproc_replayed=7,
         page_size=16,
         histograms={"queue_time": HistogramCounts(counts=[1, 0, 3], total=0.75)},
+        draining=True,
     ),
 }
 

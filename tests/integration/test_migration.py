@@ -1,0 +1,281 @@
+"""A stream survives its engine (issue 39): two --batch-invariant engines, and frontends as
+separate processes over tcp. Streams in flight on an engine that freezes or dies go on, as
+continuations, on the other one: every stream completes, its text is the fault-free text
+token for token (greedy and seeded), usage counts every token once, and no engine keeps a
+KV page. A frontend that knows only the frozen engine waits for it; one with
+--migration-limit 0 ends its streams with today's error."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from shared.transport import free_tcp_port
+from tests.engine_client import engine_stats
+from tests.servers import Proc, metrics, start_frontend, wait_healthy, wait_until
+
+pytestmark = pytest.mark.slow  # two engines and three frontends of its own
+
+MAX_TOKENS = 48
+# Greedy and seeded-sampled completions, and a greedy chat: four streams per frontend.
+BODIES = [
+    {"prompt": "Count slowly to one thousand:", "temperature": 0},
+    {"prompt": "The history of the river town begins", "temperature": 0},
+    {"prompt": "Write a list of fruits:", "temperature": 0.9, "seed": 1234},
+]
+CHAT = {"messages": [{"role": "user", "content": "Tell me about boats."}], "temperature": 0}
+
+
+def _body(body: dict, stream: bool) -> dict:
+    return {"max_tokens": MAX_TOKENS, **body, "ignore_eos": True, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+
+
+class Stream:
+    """One request on a thread: its SSE data lines as they come (or its whole answer)."""
+
+    def __init__(self, url: str, body: dict, stream: bool = True) -> None:
+        self.chat = "messages" in body
+        self.url, self.body = url, _body(body, stream)
+        self.events: list[str] = []
+        self.answer: dict | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        try:
+            if not self.body["stream"]:
+                self.answer = httpx.post(self.url + path, json=self.body, timeout=300).json()
+                return
+            with httpx.stream("POST", self.url + path, json=self.body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+        except httpx.HTTPError as exc:
+            self.events.append(f"transport error: {exc!r}")
+
+    def join(self) -> None:
+        self.thread.join(timeout=300)
+        assert not self.thread.is_alive(), "a stream hangs"
+
+    def result(self) -> tuple[str, int, list[str]]:
+        """(text, completion tokens, finish reasons) of a finished request."""
+        if self.answer is not None:
+            choice = self.answer["choices"][0]
+            text = choice["message"]["content"] if self.chat else choice["text"]
+            return text, self.answer["usage"]["completion_tokens"], [choice["finish_reason"]]
+        assert self.events and self.events[-1] == "[DONE]", self.events[-3:]
+        chunks = [json.loads(e) for e in self.events[:-1]]
+        assert not any("error" in c for c in chunks), chunks[-1]
+        pieces, reasons = [], []
+        for c in chunks:
+            for choice in c["choices"]:
+                pieces.append((choice.get("delta") or {}).get("content") or ""
+                              if self.chat else choice.get("text", ""))
+                if choice.get("finish_reason"):
+                    reasons.append(choice["finish_reason"])
+        return "".join(pieces), chunks[-1]["usage"]["completion_tokens"], reasons
+
+    def started(self) -> bool:
+        return len(self.events) >= 3
+
+
+class Whole(threading.Thread):
+    """A non-streamed answer of the other faces, Messages and Responses, on a thread."""
+
+    def __init__(self, url: str, face: str) -> None:
+        super().__init__(daemon=True)
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        question = CHAT["messages"][0]["content"]
+        if face == "messages":
+            self.path, self.body = "/v1/messages", {
+                "model": model, "messages": [{"role": "user", "content": question}],
+                "max_tokens": MAX_TOKENS, "temperature": 0}
+        else:
+            self.path, self.body = "/v1/responses", {
+                "model": model, "input": question, "max_output_tokens": MAX_TOKENS,
+                "temperature": 0}
+        self.url, self.face, self.answer = url, face, None
+        self.start()
+
+    def run(self) -> None:
+        self.answer = httpx.post(self.url + self.path, json=self.body, timeout=300).json()
+
+    def result(self) -> tuple[str, int]:
+        self.join(timeout=300)
+        a = self.answer
+        assert a is not None and not a.get("error") and a.get("type") != "error", a
+        if self.face == "messages":
+            return "".join(b["text"] for b in a["content"]), a["usage"]["output_tokens"]
+        texts = [c["text"] for item in a["output"] if item["type"] == "message"
+                 for c in item["content"]]
+        return "".join(texts), a["usage"]["output_tokens"]
+
+
+def start_engine(tmp_dir: str, name: str, address: str) -> Proc:
+    # A short drain: SIGTERM leaves streams running for the frontends to move.
+    return Proc(["engine", "--engine-address", address, "--engine-id", name, "--threads", "1",
+                 "--batch-invariant", "--shutdown-timeout", "0.5"],
+                os.path.join(tmp_dir, f"{name}.log"))
+
+
+class TwoEngines:
+    def __init__(self, tmp_dir: str) -> None:
+        self.tmp_dir = tmp_dir
+        self.addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2)]
+        self.engines = [start_engine(tmp_dir, f"engine-{i}", a)
+                        for i, a in enumerate(self.addresses)]
+        both = ["--engine-address", self.addresses[1], "--routing", "round-robin",
+                "--export-engine-metrics"]
+        self.frontends, self.urls = [], []
+        try:
+            for name, extra in (("both", both), ("limit0", [*both, "--migration-limit", "0"]),
+                                ("alone", [])):
+                address = self.addresses[1] if name == "alone" else self.addresses[0]
+                proc, url = start_frontend(tmp_dir, address, name, *extra)
+                self.frontends.append(proc)
+                self.urls.append(url)
+            for url in self.urls:
+                wait_healthy(url, [*self.engines, *self.frontends])
+            for url in self.urls[:2]:
+                wait_until(lambda url=url: _engines_live(url) == 2, 60, "both engines live")
+        except Exception:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for p in [*self.frontends, *self.engines]:
+            p.stop()
+
+
+def _engines_live(url: str) -> int:
+    return sum(1 for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+               if line.startswith("sluice:engine_live{") and line.endswith(" 1.0"))
+
+
+def _migrated(url: str, reason: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("sluice:requests_migrated_total{") and f'reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _idle(address: str) -> bool:
+    s = engine_stats(address)
+    return s.num_running + s.num_waiting == 0 and s.num_free_pages == s.num_total_pages
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    t = TwoEngines(str(tmp_path_factory.mktemp("migration")))
+    yield t
+    t.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(two):
+    """Every body's fault-free answer, streamed, through the frontend on both engines."""
+    streams = [Stream(two.urls[0], b) for b in [*BODIES, CHAT]]
+    for s in streams:
+        s.join()
+    return [s.result() for s in streams]
+
+
+@pytest.fixture(scope="module")
+def face_reference(two):
+    return [Whole(two.urls[0], face).result() for face in ("messages", "responses")]
+
+
+def _expect(streams: list[Stream], reference) -> None:
+    for s, (text, tokens, _) in zip(streams, reference, strict=True):
+        s.join()
+        got_text, got_tokens, reasons = s.result()
+        assert got_text == text, (s.body, got_text, text)
+        assert got_tokens == tokens == MAX_TOKENS
+        assert reasons == ["length"]
+
+
+def test_a_frozen_engine_s_streams_move_or_wait(two, reference):
+    """SIGSTOP one engine past the heartbeat timeout: the frontend with another engine moves
+    its streams there; the one that knows only it waits, and goes on when it wakes. After
+    SIGCONT the woken engine drops what moved (no duplicated text, no pages kept)."""
+    both, alone = two.urls[0], two.urls[2]
+    moving = [Stream(both, b) for b in [*BODIES, CHAT, BODIES[0]]]  # round-robin: 3 each
+    waiting = [Stream(alone, b) for b in BODIES[:2]]
+    wait_until(lambda: all(s.started() for s in moving + waiting), 120, "streams started")
+    frozen = two.engines[1]
+    os.kill(frozen.popen.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: _migrated(both, "freeze") >= 1, 30, "streams moved off it")
+        late = Stream(alone, BODIES[1])  # no engine answers: it waits instead of a 503
+        time.sleep(1)
+    finally:
+        os.kill(frozen.popen.pid, signal.SIGCONT)
+    _expect(moving, [*reference, reference[0]])
+    _expect(waiting, reference[:2])
+    _expect([late], reference[1:2])
+    assert _migrated(alone, "freeze") == 0  # it waited: nothing moved
+    for address in two.addresses:
+        wait_until(lambda a=address: _idle(a), 60, "engines idle with every page free")
+    log = two.frontends[0].log()
+    assert "moved to engine engine-0" in log and "(freeze)" in log
+
+
+def test_a_killed_engine_s_streams_continue_on_the_other(two, reference, face_reference):
+    """SIGKILL one engine mid-stream: streams, plain requests and the Messages and Responses
+    faces complete exactly on the survivor; the frontend with --migration-limit 0 ends the
+    dead engine's stream with a 503 error event; the survivor keeps no page; the dead
+    engine's series leave /metrics."""
+    both, limit0 = two.urls[0], two.urls[1]
+    moving = [Stream(both, b) for b in [*BODIES, CHAT]]
+    plain = [Stream(both, b, stream=False) for b in BODIES[:2]]
+    faces = [Whole(both, face) for face in ("messages", "responses")]
+    # Round-robin: one on each engine; long, so both still run when the engine dies.
+    stuck = [Stream(limit0, {**b, "max_tokens": 150}) for b in BODIES[:2]]
+    wait_until(lambda: all(s.started() for s in moving + stuck), 120, "streams started")
+    before = metrics(limit0)["sluice:migration_failures_total"]
+    two.engines[0].popen.kill()  # SIGKILL: no goodbye on any socket
+    _expect(moving, reference)
+    _expect(plain, reference[:2])
+    assert [f.result() for f in faces] == face_reference
+    for s in stuck:
+        s.join()
+    errors = [json.loads(e) for s in stuck for e in s.events[:-1] if '"error"' in e]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == 503, errors
+    assert metrics(limit0)["sluice:migration_failures_total"] == before + 1
+    assert _migrated(both, "death") >= 1
+    wait_until(lambda: _idle(two.addresses[1]), 60, "the survivor idle with every page free")
+    dead = [line for line in httpx.get(f"{both}/metrics", timeout=10).text.splitlines()
+            if 'engine="engine-0"' in line]
+    # Only this frontend's view of it stays: not live, none of our requests on it.
+    assert sorted(line.split("{")[0] for line in dead) == [
+        "sluice:engine_live", "sluice:engine_requests"], dead
+    assert all(line.endswith(" 0.0") for line in dead), dead
+
+
+def test_a_draining_engine_s_streams_finish_on_the_other(two, reference):
+    """After the kill, the dead engine restarts on its address (the frontends take it back);
+    then SIGTERM the other one with --shutdown-timeout 0.5: it takes nothing new, and the
+    streams it still runs at the deadline go on, exactly, on the restarted engine."""
+    both = two.urls[0]
+    two.engines[0].stop()
+    two.engines[0] = start_engine(two.tmp_dir, "engine-0-again", two.addresses[0])
+    wait_until(lambda: _engines_live(both) == 2, 120, "the restarted engine")
+    streams = [Stream(both, b) for b in [*BODIES, CHAT]]  # round-robin: two on each
+    wait_until(lambda: all(s.started() for s in streams), 120, "streams started")
+    draining = two.engines[1]
+    draining.popen.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    late = Stream(both, BODIES[0])  # routed around the draining engine at once
+    _expect([*streams, late], [*reference, reference[0]])
+    assert draining.popen.wait(timeout=30) == 0
+    assert _migrated(both, "drain") >= 1
+    wait_until(lambda: _idle(two.addresses[0]), 60, "the restarted engine idle")
+    assert "--shutdown-timeout passed with" in draining.log()
