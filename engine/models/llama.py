@@ -87,7 +87,9 @@ class LlamaModel:
         names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
         for layer in self.layers:
             for name in names:
-                setattr(layer, name, self.ops.stored_weight(getattr(layer, name)))
+                weight = getattr(layer, name)
+                if weight is not None:  # an MoE layer has experts instead of one MLP
+                    setattr(layer, name, self.ops.stored_weight(weight))
         self.lm_head = self.ops.stored_weight(self.lm_head)
 
     def _linear_weights(self) -> list[torch.Tensor]:

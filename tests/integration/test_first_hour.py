@@ -163,7 +163,7 @@ def test_ctrl_c_drains_names_sigint_and_leaves_no_socket_files(first_hour):
 
     def long_request() -> None:
         answer["response"] = httpx.post(f"{url}/v1/completions", timeout=180, json={
-            "prompt": "Count:", "max_tokens": 8, "ignore_eos": True})
+            "prompt": "Count:", "max_tokens": 256, "ignore_eos": True})
 
     running = threading.Thread(target=long_request)
     running.start()
@@ -179,7 +179,11 @@ def test_ctrl_c_drains_names_sigint_and_leaves_no_socket_files(first_hour):
     assert "sluice: SIGINT: stopping" in log and "sluice.frontend: SIGINT: draining" in log
     # Nothing alarming on the way out (the grammar checker's pool warned of leaked
     # semaphores on every stop).
-    assert "SIGTERM" not in log and "Traceback" not in log and "leaked" not in log, log
+    # serve stops its engines with SIGTERM after the frontend drained (their own drain);
+    # Ctrl+C itself is named SIGINT wherever it is reported.
+    frontend_lines = [line for line in log.splitlines() if "sluice.engine" not in line]
+    assert not [line for line in frontend_lines if "SIGTERM" in line], log
+    assert "Traceback" not in log and "leaked" not in log, log
     assert not [s for s in sockets if os.path.exists(s)]
 
 

@@ -30,8 +30,17 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def engine_id(samples: dict) -> str:
+    """The stack's one engine's id, as the frontend labels it."""
+    ids = {dict(labels).get("engine") for (series, labels) in samples
+           if series == "sluice:engine_live"}
+    assert len(ids) == 1, f"expected one engine, the frontend exports {ids}"
+    return ids.pop()
+
+
 def engine(samples: dict, name: str) -> float:
-    return value(samples, name, engine="engine-0")
+    """The one engine's sample of `name` (the stack's engine, whatever its id)."""
+    return value(samples, name, engine=engine_id(samples))
 
 
 def _stream(base_url: str, i: int, out: dict, barrier: threading.Barrier) -> None:
@@ -115,7 +124,7 @@ def test_metrics_follow_the_load(base_url):
     fleet = ("sluice:postproc_workers", "sluice:postproc_requests_assigned_total",
              "sluice:postproc_requests_replayed_total")
     for name in fleet:
-        key = (name, (("engine", "engine-0"), ("model_name", MODEL)))
+        key = (name, (("engine", engine_id(after)), ("model_name", MODEL)))
         assert key in after, f"{name} is not exported"
     workers = engine(after, "sluice:postproc_workers")
     assigned = engine(after, fleet[1]) - engine(before, fleet[1])
@@ -128,11 +137,11 @@ def test_metrics_follow_the_load(base_url):
     assert delta("vllm:time_per_output_token_seconds_count") == N * (TOKENS - 1)
     for phase in ("queue", "prefill", "decode", "inference"):
         name = f"vllm:request_{phase}_time_seconds_count"
-        assert delta(name, engine="engine-0") == N, name
-    decode = delta("vllm:request_decode_time_seconds_sum", engine="engine-0")
-    inference = delta("vllm:request_inference_time_seconds_sum", engine="engine-0")
+        assert delta(name, engine=engine_id(after)) == N, name
+    decode = delta("vllm:request_decode_time_seconds_sum", engine=engine_id(after))
+    inference = delta("vllm:request_inference_time_seconds_sum", engine=engine_id(after))
     assert 0 < decode < inference <= e2e
-    assert delta("vllm:iteration_tokens_total_count", engine="engine-0") >= TOKENS
+    assert delta("vllm:iteration_tokens_total_count", engine=engine_id(after)) >= TOKENS
     assert engine(after, "vllm:num_requests_running") == 0
     # vLLM's request parameter histograms: n 1 and max_tokens TOKENS for each request, and
     # its longest answer TOKENS long.

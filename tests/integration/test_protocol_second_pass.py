@@ -150,7 +150,9 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(client):
 
 
 def test_continuous_usage_needs_include_usage(base_url):
-    """Item 3: vLLM's continuous_usage_stats applies only with include_usage."""
+    """Item 3: vLLM's continuous_usage_stats applies only with include_usage, which defaults
+    to true once stream_options is sent: alone it gives usage on every chunk, and
+    include_usage false turns it off."""
     def chunks(options):
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True,
                 "stream_options": options}
@@ -158,8 +160,10 @@ def test_continuous_usage_needs_include_usage(base_url):
             return [json.loads(line[6:]) for line in r.iter_lines()
                     if line.startswith("data: {")]
 
+    off = chunks({"continuous_usage_stats": True, "include_usage": False})
+    assert off and all(c.get("usage") is None for c in off)
     alone = chunks({"continuous_usage_stats": True})
-    assert alone and all(c.get("usage") is None for c in alone)
+    assert all(c.get("usage") for c in alone)
     both = chunks({"continuous_usage_stats": True, "include_usage": True})
     assert all(c.get("usage") for c in both)
 

