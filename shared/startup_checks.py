@@ -27,6 +27,7 @@ def check_startup(args) -> None:
     if command in ("serve", "engine", "frontend", "postproc"):
         check_model(args)
     if command in ("serve", "engine"):
+        check_cpu_isa()
         check_device(args.device)
         check_batch_invariant(args)
     if command in ("serve", "frontend"):
@@ -74,6 +75,17 @@ def check_device(name: str) -> None:
     if device.index is not None and device.index >= count:
         raise StartupError(f"--device {name}: torch sees {count} CUDA device(s), "
                            f"cuda:0 to cuda:{count - 1}")
+
+
+def check_cpu_isa() -> None:
+    """SLUICE_CPU_ISA names a target the kernels can be built for (engine.cpu_kernels); a
+    misspelt one would otherwise end the engine in a ValueError traceback at its load."""
+    from engine.cpu_kernels import target_isa
+
+    try:
+        target_isa()
+    except ValueError as exc:
+        raise StartupError(f"{exc}; unset it for this CPU's own") from None
 
 
 def check_batch_invariant(args) -> None:

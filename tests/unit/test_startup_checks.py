@@ -38,6 +38,8 @@ def _sluice(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     (["frontend", "--tokenizer", "./nowhere"], {}, "--tokenizer ./nowhere: model path"),
     (["serve", "--batch-invariant"], {"SLUICE_CPU_KERNELS": "0"},
      "SLUICE_CPU_KERNELS=0 switches off"),
+    (["engine"], {"SLUICE_CPU_ISA": "avx9"}, "SLUICE_CPU_ISA='avx9': expected one of native"),
+    (["serve"], {"SLUICE_CPU_ISA": "AVX2 extra"}, "SLUICE_CPU_ISA='avx2 extra'"),
 ])
 def test_a_mistake_is_one_line_naming_the_flag_before_anything_loads(argv, env, says):
     started = time.monotonic()
