@@ -100,6 +100,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     attention_bias: bool = False  # qwen2: bias on q/k/v projections
     qk_norm: bool = False  # qwen3: RMSNorm on q and k per head
     rope_scaling: RopeScaling | None = None
+    # Rotary over only the first rotary_dim dims of each head (partial_rotary_factor);
+    # None: over the whole head.
+    rotary_dim: int | None = None
     # A vision-language model (req T-13): its family ("idefics3") and the token id whose
     # positions take the vision encoder's outputs; None for a text-only model.
     multimodal: str | None = None
@@ -166,14 +169,18 @@ class HFConfig(msgspec.Struct):
     sliding_window: int | None = None
     use_sliding_window: bool = False
     layer_types: list[str] | None = None
+    # transformers < 5 writes it at the top level; 5.x inside rope_parameters.
+    partial_rotary_factor: float | None = None
 
 
 def config_from_hf(hf: HFConfig, architecture: str, default_max_positions: int,
                    rope: dict | None = None, **fields) -> ModelConfig:
     """The ModelConfig of the shared keys; `fields` set or override the rest. rope: the
     rotary parameters when not the config's top-level ones (Gemma 3's per layer type)."""
-    theta, scaling = hf_rope(rope if rope is not None else hf_rope_parameters(hf))
+    params = rope if rope is not None else hf_rope_parameters(hf)
+    theta, scaling = hf_rope(params)
     max_positions = hf.max_position_embeddings or default_max_positions
+    head_dim = hf.head_dim or hf.hidden_size // hf.num_attention_heads
     base = dict(
         architecture=architecture,
         vocab_size=hf.vocab_size,
@@ -182,7 +189,8 @@ def config_from_hf(hf: HFConfig, architecture: str, default_max_positions: int,
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
         num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
-        head_dim=hf.head_dim or hf.hidden_size // hf.num_attention_heads,
+        head_dim=head_dim,
+        rotary_dim=_rotary_dim(hf, params, head_dim),
         rms_norm_eps=hf.rms_norm_eps,
         rope_theta=theta,
         max_position_embeddings=max_positions,
@@ -204,6 +212,17 @@ def hf_rope_parameters(hf: HFConfig) -> dict:
     return params
 
 
+def _rotary_dim(hf: HFConfig, params: dict, head_dim: int) -> int | None:
+    """How many leading dims of each head rotate (Phi-4-mini: 3/4 of them); None: all."""
+    factor = params.get("partial_rotary_factor", hf.partial_rotary_factor)
+    if factor is None or factor == 1.0:
+        return None
+    dim = int(head_dim * factor)
+    require(0 < factor < 1 and dim > 0 and dim % 2 == 0, "partial_rotary_factor",
+            f"{factor} gives {dim} of {head_dim} head dims, not an even count in (0, head_dim]")
+    return dim
+
+
 def hf_rope(params: dict) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) of one rotary parameter dict, in either transformers' spelling."""
     params = dict(params)
@@ -211,9 +230,7 @@ def hf_rope(params: dict) -> tuple[float, RopeScaling | None]:
     # Older configs spell the kind "type" (and Phi-3's longrope "su"); "default": no scaling.
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     rope_type = {"su": "longrope"}.get(rope_type, rope_type)
-    if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("config.json partial_rotary_factor: only 1.0 (rotary over the whole "
-                         "head) is implemented")
+    params.pop("partial_rotary_factor", None)  # read by _rotary_dim
     if rope_type == "default":
         return float(theta), None
     known = set(RopeScaling.__struct_fields__)

@@ -238,7 +238,8 @@ class CpuKernelOps(TorchOps):
 
     def rope(self, rope, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
              tables=None):
-        if not self._fits(q) or rope.cos.dtype != q.dtype:
+        # The kernel rotates whole heads; a partial rotary takes the torch path.
+        if not self._fits(q) or rope.cos.dtype != q.dtype or rope.cos.shape[-1] != q.shape[-1]:
             return super().rope(rope, q, k, positions, tables)
         both = self._k.rope(q, k, rope.cos, rope.sin, positions.contiguous())
         return both[:, : q.shape[1]], both[:, q.shape[1] :]
@@ -315,9 +316,10 @@ class FlashInferOps(TorchOps):
         return self._fi.rmsnorm(x.reshape(-1, shape[-1]).contiguous(), weight, eps).view(shape)
 
     def cos_sin_cache(self, rope) -> torch.Tensor:
-        """float32 [max_positions, head_dim]: cos of each frequency, then sin, as
-        `apply_rope_with_cos_sin_cache` wants; built from the float32 inverse frequencies
-        (rope scaling already folded in), so it is finer than the model-dtype tables."""
+        """float32 [max_positions, rotary dims]: cos of each frequency, then sin, as
+        `apply_rope_with_cos_sin_cache` wants (fewer than head_dim: a partial rotary); built
+        from the float32 inverse frequencies (rope scaling already folded in), so it is finer
+        than the model-dtype tables."""
         cache = self._cos_sin.get(id(rope))
         if cache is None:
             cache = rope.float32_cos_sin().to(rope.cos.device)

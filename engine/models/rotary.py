@@ -20,7 +20,7 @@ class RotaryEmbedding:
     def __init__(self, config: ModelConfig, max_positions: int, dtype, device,
                  theta: float | None = None, scaling: RopeScaling | None = None,
                  use_config_scaling: bool = True) -> None:
-        dim = config.head_dim
+        dim = config.rotary_dim or config.head_dim
         theta = config.rope_theta if theta is None else theta
         if scaling is None and use_config_scaling:
             scaling = config.rope_scaling
@@ -39,7 +39,7 @@ class RotaryEmbedding:
         self.sin = (emb.sin() * self.attention_factor).to(dtype).to(device)
 
     def float32_cos_sin(self) -> torch.Tensor:
-        """float32 [max_positions, head_dim]: cos of each frequency, then sin (FlashInfer's
+        """float32 [max_positions, rotary dims]: cos of each frequency, then sin (FlashInfer's
         cos/sin cache), from the float32 frequencies, scaled as the tables are."""
         t = torch.arange(self.max_positions, dtype=torch.int64).to(torch.float)
         angles = _angles(t, self._freqs)
@@ -56,7 +56,11 @@ class RotaryEmbedding:
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
+        dim = cos.shape[-1]
+        if dim < x.shape[-1]:  # partial rotary: the rest of each head passes unrotated
+            turned = RotaryEmbedding.rotate(x[..., :dim], cos, sin)
+            return torch.cat((turned, x[..., dim:]), dim=-1)
+        half = dim // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 

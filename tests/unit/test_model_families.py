@@ -63,6 +63,13 @@ CASES = {
             "short_factor": [1.0 + 0.1 * i for i in range(_FREQS)],
             "long_factor": [2.0 + 0.5 * i for i in range(_FREQS)],
             "original_max_position_embeddings": 64})),
+    # Phi-4-mini: rotary over 3/4 of each head (12 of 16 dims), LongRoPE over those.
+    "phi4_mini": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        _NO_THETA, original_max_position_embeddings=64, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 1000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(_FREQS * 3 // 4)],
+            "long_factor": [2.0 + 0.5 * i for i in range(_FREQS * 3 // 4)],
+            "original_max_position_embeddings": 64})),
     # Sinks, biases everywhere, alternating windows, YaRN, clamped SwiGLU experts.
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
         _NO_THETA, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
@@ -78,6 +85,7 @@ EXPECTED = {
     "gemma2": ("gemma2", 0, 2),
     "gemma3": ("gemma3", 0, 2),
     "phi3": ("phi3", 0, 0),
+    "phi4_mini": ("phi3", 0, 0),
     "gpt_oss": ("gpt_oss", 4, 2),
 }
 # Cases whose seed-8 weights have a greedy near-tie (top-2 gap under 1e-3) take another.
@@ -234,6 +242,28 @@ def test_window_must_lie_within_the_context(tmp_path, window, ok):
     else:
         _refused(folder, rf"sliding_window: {window} is not a window within the context "
                          r"\(1\.\.128\)")
+
+
+@pytest.mark.parametrize(("factor", "rotary_dim"), [
+    (1.0, None), (0.5, 8), (0.75, 12), (0.3, 4), (0.0, "refused"), (1.5, "refused"),
+    (0.1, "refused"), ("half", "refused")])
+def test_partial_rotary_factor_bounds(tmp_path, factor, rotary_dim):
+    """partial_rotary_factor (top level, as Phi-4-mini's config.json writes it) rotates an
+    even number of each head's 16 dims, more than none and at most all; int() truncates as
+    transformers does (0.3: 4 dims; 0.1: 1, odd)."""
+    folder = _save_tiny(tmp_path / "p", transformers.Phi3Config, transformers.Phi3ForCausalLM,
+                        num_hidden_layers=1)
+    with open(os.path.join(folder, "config.json")) as f:
+        raw = json.load(f)
+    raw.get("rope_parameters", {}).pop("partial_rotary_factor", None)
+    raw["partial_rotary_factor"] = factor
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(raw, f)
+    if rotary_dim == "refused":
+        with pytest.raises((ValueError, TypeError), match="partial_rotary_factor"):
+            load_model_config(folder)
+    else:
+        assert load_model_config(folder).rotary_dim == rotary_dim
 
 
 # --- pieces the engine-level comparisons cannot reach ------------------------------------------
