@@ -7,7 +7,7 @@ ignored), the ones that change nothing about the tokens in `ACCEPTED_AND_IGNORED
 `docs/openai-compat.md` lists every field with its status; a unit test keeps it true.
 
 OpenAI marks most optional fields nullable, and clients do send `"n": null`: a null in a field
-with a non-null default means that default (`_NullMeansDefault`).
+with a non-null default means that default (`NullMeansDefault`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from shared.tool_specs import ChatTool, ToolName
 _NULL_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
 
 
-class _NullMeansDefault(msgspec.Struct):
+class NullMeansDefault(msgspec.Struct):
     """After decoding, a field sent as null that has a non-null default takes that default."""
 
     def __post_init__(self) -> None:
@@ -41,7 +41,7 @@ class _NullMeansDefault(msgspec.Struct):
                 setattr(self, name, default())
 
 
-class StreamOptions(_NullMeansDefault, forbid_unknown_fields=True):
+class StreamOptions(NullMeansDefault, forbid_unknown_fields=True):
     # vLLM's default: once stream_options is sent at all, the usage chunk comes unless
     # include_usage is false.
     include_usage: bool | None = True
@@ -116,7 +116,7 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     function: NamedFunction
 
 
-class _SamplingFields(_NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
+class _SamplingFields(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
@@ -212,7 +212,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     add_special_tokens: bool | None = True
 
 
-class TokenizeRequest(_NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
+class TokenizeRequest(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """vLLM's /tokenize: either `prompt` (text) or `messages` (rendered with the chat
     template first), never both. add_special_tokens defaults as on the generation endpoints:
     True for a prompt, False for messages (the template already holds BOS, req T-4)."""

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from frontend.api_models import NullMeansDefault
 from shared.param_ranges import INT32_MAX
 from shared.tool_specs import ToolName
 
@@ -83,7 +84,7 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_obfuscation: bool | None = None  # we never pad events: changes nothing
 
 
-class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ResponsesRequest(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None
@@ -128,15 +129,15 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
     request_id: str | None = None
     cache_salt: str | None = None
-    priority: int = 0
+    priority: int | None = 0
     chat_template_kwargs: dict[str, Any] | None = None
     # Continue the last input message when it is the assistant's (a prefill), instead of
     # starting a new assistant turn.
-    continue_final_message: bool = False
+    continue_final_message: bool | None = False
 
 
 class InputTokensRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -1,5 +1,5 @@
-"""docs/openai-compat.md: `null` in any field of the OpenAI routes means its default
-(OpenAI marks its fields nullable, and clients send them as null)."""
+"""docs/openai-compat.md: `null` in any field of the OpenAI routes (Responses too) means its
+default (OpenAI marks its fields nullable, and clients send them as null)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import msgspec
 import pytest
 
 from frontend.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.responses_models import ResponsesRequest
 
 # The least each body needs besides the field under test.
 BASES = {ChatCompletionRequest: {"messages": [{"role": "user", "content": "hi"}]},
-         CompletionRequest: {"prompt": "hi"}}
+         CompletionRequest: {"prompt": "hi"}, ResponsesRequest: {"input": "hi"}}
 
 
 def _defaulted_fields(cls):
