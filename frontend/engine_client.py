@@ -333,8 +333,6 @@ class EngineClient:
                 alive = conn.alive(self.heartbeat_timeout_s)
                 if conn.was_alive and not alive:
                     await self._engine_lost(conn, "drain" if conn.draining else "freeze")
-                elif alive and not conn.was_alive:
-                    log.info("engine %s at %s is live", conn.engine_id, conn.address)
                 conn.was_alive = alive
                 self._drop_if_retired(conn)
             await self._place_waiting()
@@ -361,6 +359,10 @@ class EngineClient:
                 conn.stats = message
                 conn.own_at_stats = len(conn.requests)
                 conn.last_heard = time.monotonic()
+                if not conn.was_alive:
+                    # Said here, as it becomes live, so it comes before the "ready" line.
+                    conn.was_alive = True
+                    log.info("engine %s at %s is live", conn.engine_id, conn.address)
                 if not message.draining and not conn.retired:
                     self.last_live = conn.last_heard
                 if conn.orphans:

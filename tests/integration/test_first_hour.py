@@ -111,7 +111,7 @@ def test_ready_is_said_once_when_the_stack_answers(first_hour):
     assert [line.split(": ", 1)[-1] for line in log.splitlines() if " ready: " in line] == \
         [f"ready: {url} serves SmolLM2-135M-Instruct (Ctrl+C to stop)"], log
     assert "running" not in log.lower(), log  # uvicorn's early "Uvicorn running on ..."
-    assert log.index("engine listening on") < log.index(" ready: ")
+    assert log.index("engine listening on") < log.index(" is live") < log.index(" ready: ")
 
 
 @pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s.text.splitlines()[0]
