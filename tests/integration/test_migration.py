@@ -3,7 +3,10 @@ separate processes over tcp. Streams in flight on an engine that freezes or dies
 continuations, on the other one: every stream completes, its text is the fault-free text
 token for token (greedy and seeded), usage counts every token once, and no engine keeps a
 KV page. A frontend that knows only the frozen engine waits for it; one with
---migration-limit 0 ends its streams with today's error."""
+--migration-limit 0 ends its streams with today's error. The second engine's outputs go
+through a postproc worker, so a stream that moves crosses from the frontend's detokenizer to
+the fleet's (and back, in the drain test), and an n=2 stream's two candidates, one per
+engine, move apart."""
 
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ BODIES = [
     {"prompt": "Write a list of fruits:", "temperature": 0.9, "seed": 1234},
 ]
 CHAT = {"messages": [{"role": "user", "content": "Tell me about boats."}], "temperature": 0}
+# Two seeded candidates: round-robin places one on each engine.
+TWO_CHOICES = {"prompt": "Name some colours:", "temperature": 0.9, "seed": 99, "n": 2}
 
 
 def _body(body: dict, stream: bool) -> dict:
@@ -65,8 +70,9 @@ class Stream:
         self.thread.join(timeout=300)
         assert not self.thread.is_alive(), "a stream hangs"
 
-    def result(self) -> tuple[str, int, list[str]]:
-        """(text, completion tokens, finish reasons) of a finished request."""
+    def result(self) -> tuple[str | tuple[str, ...], int, list[str]]:
+        """(text, completion tokens, finish reasons) of a finished request; with n > 1 the
+        text is each choice's, by index."""
         if self.answer is not None:
             choice = self.answer["choices"][0]
             text = choice["message"]["content"] if self.chat else choice["text"]
@@ -74,14 +80,18 @@ class Stream:
         assert self.events and self.events[-1] == "[DONE]", self.events[-3:]
         chunks = [json.loads(e) for e in self.events[:-1]]
         assert not any("error" in c for c in chunks), chunks[-1]
-        pieces, reasons = [], []
+        pieces: dict[int, list[str]] = {}
+        reasons = []
         for c in chunks:
             for choice in c["choices"]:
-                pieces.append((choice.get("delta") or {}).get("content") or ""
-                              if self.chat else choice.get("text", ""))
+                pieces.setdefault(choice["index"], []).append(
+                    (choice.get("delta") or {}).get("content") or ""
+                    if self.chat else choice.get("text", ""))
                 if choice.get("finish_reason"):
                     reasons.append(choice["finish_reason"])
-        return "".join(pieces), chunks[-1]["usage"]["completion_tokens"], reasons
+        texts = tuple("".join(pieces[i]) for i in sorted(pieces))
+        return (texts if len(texts) > 1 else texts[0],
+                chunks[-1]["usage"]["completion_tokens"], reasons)
 
     def started(self) -> bool:
         return len(self.events) >= 3
@@ -119,10 +129,10 @@ class Whole(threading.Thread):
         return "".join(texts), a["usage"]["output_tokens"]
 
 
-def start_engine(tmp_dir: str, name: str, address: str) -> Proc:
+def start_engine(tmp_dir: str, name: str, address: str, *extra: str) -> Proc:
     # A short drain: SIGTERM leaves streams running for the frontends to move.
     return Proc(["engine", "--engine-address", address, "--engine-id", name, "--threads", "1",
-                 "--batch-invariant", "--shutdown-timeout", "0.5"],
+                 "--batch-invariant", "--shutdown-timeout", "0.5", *extra],
                 os.path.join(tmp_dir, f"{name}.log"))
 
 
@@ -130,8 +140,12 @@ class TwoEngines:
     def __init__(self, tmp_dir: str) -> None:
         self.tmp_dir = tmp_dir
         self.addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2)]
-        self.engines = [start_engine(tmp_dir, f"engine-{i}", a)
-                        for i, a in enumerate(self.addresses)]
+        postproc = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.engines = [start_engine(tmp_dir, "engine-0", self.addresses[0]),
+                        start_engine(tmp_dir, "engine-1", self.addresses[1],
+                                     "--postproc-address", postproc)]
+        self.worker = Proc(["postproc", "--engine-postproc-address", postproc],
+                           os.path.join(tmp_dir, "postproc.log"))
         both = ["--engine-address", self.addresses[1], "--routing", "round-robin",
                 "--export-engine-metrics"]
         self.frontends, self.urls = [], []
@@ -146,12 +160,14 @@ class TwoEngines:
                 wait_healthy(url, [*self.engines, *self.frontends])
             for url in self.urls[:2]:
                 wait_until(lambda url=url: _engines_live(url) == 2, 60, "both engines live")
+            wait_until(lambda: engine_stats(self.addresses[1]).num_postproc_workers == 1, 60,
+                       "the postproc worker joined engine-1")
         except Exception:
             self.stop()
             raise
 
     def stop(self) -> None:
-        for p in [*self.frontends, *self.engines]:
+        for p in [*self.frontends, *self.engines, self.worker]:
             p.stop()
 
 
@@ -189,6 +205,13 @@ def reference(two):
 
 
 @pytest.fixture(scope="module")
+def two_choices_reference(two):
+    stream = Stream(two.urls[0], TWO_CHOICES)
+    stream.join()
+    return stream.result()
+
+
+@pytest.fixture(scope="module")
 def face_reference(two):
     return [Whole(two.urls[0], face).result() for face in ("messages", "responses")]
 
@@ -197,9 +220,10 @@ def _expect(streams: list[Stream], reference) -> None:
     for s, (text, tokens, _) in zip(streams, reference, strict=True):
         s.join()
         got_text, got_tokens, reasons = s.result()
+        n = s.body.get("n", 1)
         assert got_text == text, (s.body, got_text, text)
-        assert got_tokens == tokens == MAX_TOKENS
-        assert reasons == ["length"]
+        assert got_tokens == tokens == MAX_TOKENS * n
+        assert reasons == ["length"] * n
 
 
 def test_a_frozen_engine_s_streams_move_or_wait(two, reference):
@@ -228,13 +252,16 @@ def test_a_frozen_engine_s_streams_move_or_wait(two, reference):
     assert "moved to engine engine-0" in log and "(freeze)" in log
 
 
-def test_a_killed_engine_s_streams_continue_on_the_other(two, reference, face_reference):
-    """SIGKILL one engine mid-stream: streams, plain requests and the Messages and Responses
-    faces complete exactly on the survivor; the frontend with --migration-limit 0 ends the
-    dead engine's stream with a 503 error event; the survivor keeps no page; the dead
+def test_a_killed_engine_s_streams_continue_on_the_other(two, reference, face_reference,
+                                                         two_choices_reference):
+    """SIGKILL one engine mid-stream: streams (one with n=2), plain requests and the Messages
+    and Responses faces complete exactly on the survivor, whose postproc worker takes the
+    moved streams' text on from the frontend's; the frontend with --migration-limit 0 ends
+    the dead engine's stream with a 503 error event; the survivor keeps no page; the dead
     engine's series leave /metrics."""
     both, limit0 = two.urls[0], two.urls[1]
-    moving = [Stream(both, b) for b in [*BODIES, CHAT]]
+    assigned = engine_stats(two.addresses[1]).postproc_assigned
+    moving = [Stream(both, b) for b in [*BODIES, CHAT, TWO_CHOICES]]
     plain = [Stream(both, b, stream=False) for b in BODIES[:2]]
     faces = [Whole(both, face) for face in ("messages", "responses")]
     # Round-robin: one on each engine; long, so both still run when the engine dies.
@@ -242,7 +269,9 @@ def test_a_killed_engine_s_streams_continue_on_the_other(two, reference, face_re
     wait_until(lambda: all(s.started() for s in moving + stuck), 120, "streams started")
     before = metrics(limit0)["sluice:migration_failures_total"]
     two.engines[0].popen.kill()  # SIGKILL: no goodbye on any socket
-    _expect(moving, reference)
+    _expect(moving, [*reference, two_choices_reference])
+    assert isinstance(two_choices_reference[0], tuple)  # two distinct candidates
+    assert len(set(two_choices_reference[0])) == 2
     _expect(plain, reference[:2])
     assert [f.result() for f in faces] == face_reference
     for s in stuck:
@@ -252,6 +281,9 @@ def test_a_killed_engine_s_streams_continue_on_the_other(two, reference, face_re
     assert metrics(limit0)["sluice:migration_failures_total"] == before + 1
     assert _migrated(both, "death") >= 1
     wait_until(lambda: _idle(two.addresses[1]), 60, "the survivor idle with every page free")
+    # The survivor's worker took the moved requests (as well as its own).
+    moved = _migrated(both, "death") + _migrated(limit0, "death")
+    assert engine_stats(two.addresses[1]).postproc_assigned >= assigned + 6 + moved
     dead = [line for line in httpx.get(f"{both}/metrics", timeout=10).text.splitlines()
             if 'engine="engine-0"' in line]
     # Only this frontend's view of it stays: not live, none of our requests on it.
