@@ -11,10 +11,13 @@ import os
 
 import gguf
 import msgspec
+import numpy as np
 
 _DEFAULT_ROPE_THETA = 10000.0
 
-ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
+# "freq_factors": per-frequency divisors as a GGUF file stores them (llama.cpp's rope_freqs
+# tensor, which is how it writes Llama 3's scaling).
+ROPE_TYPES = ("linear", "llama3", "yarn", "longrope", "freq_factors")
 
 
 class RopeScaling(msgspec.Struct, frozen=True):
@@ -36,6 +39,8 @@ class RopeScaling(msgspec.Struct, frozen=True):
     # longrope (Phi-3 "su"): per-frequency divisors below / past the original length.
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    # freq_factors: each rotary frequency divided by its factor.
+    freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -47,6 +52,7 @@ class RopeScaling(msgspec.Struct, frozen=True):
                        "original_max_position_embeddings"),
             "yarn": ("factor", "original_max_position_embeddings"),
             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+            "freq_factors": ("freq_factors",),
         }[self.rope_type]
         missing = [name for name in needs if getattr(self, name) is None]
         if missing:
@@ -296,17 +302,23 @@ def config_from_gguf(reader: gguf.GGUFReader, **fields) -> ModelConfig:
         max_position_embeddings=meta("context_length"),
         # llama.cpp writes no output.weight when the head shares the embedding matrix.
         tie_word_embeddings="output.weight" not in tensor_names,
-        rope_scaling=_gguf_rope_scaling(meta, tensor_names),
+        rope_scaling=_gguf_rope_scaling(reader, meta, tensor_names),
     )
     return ModelConfig(**(base | fields))
 
 
-def _gguf_rope_scaling(meta, tensor_names: set[str]) -> RopeScaling | None:
-    # llama.cpp bakes llama3 scaling into per-frequency factors; their source parameters are
-    # lost, and ignoring the factors would shift every rotary frequency.
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError("GGUF rope_freqs (llama3-style scaling) is not supported")
+def _gguf_rope_scaling(reader, meta, tensor_names: set[str]) -> RopeScaling | None:
     kind = meta("rope.scaling.type", "none")
+    # llama.cpp bakes Llama 3's scaling into per-frequency divisors (the rope_freqs tensor,
+    # which it applies on top of any rope.scaling); we read the divisors as they are.
+    if "rope_freqs.weight" in tensor_names:
+        if kind not in ("none", "linear") or float(meta("rope.scaling.factor", 1.0)) != 1.0:
+            raise ValueError(f"GGUF rope_freqs beside rope.scaling.type {kind!r} is not "
+                             "supported")
+        tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        factors = np.asarray(tensor.data, dtype=np.float32).ravel()
+        return RopeScaling(rope_type="freq_factors",
+                           freq_factors=tuple(float(f) for f in factors))
     if kind == "none":
         return None
     return RopeScaling(rope_type=kind, factor=float(meta("rope.scaling.factor")))

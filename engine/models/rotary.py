@@ -1,6 +1,6 @@
 """Rotary position embeddings: the cos/sin tables every family looks up per token, with the
-frequency scalings checkpoints ask for (linear, llama3, YaRN, LongRoPE), computed as
-transformers' `modeling_rope_utils` does."""
+frequency scalings checkpoints ask for (linear, llama3, YaRN, LongRoPE, and a GGUF file's
+per-frequency divisors), computed as transformers' `modeling_rope_utils` does."""
 
 from __future__ import annotations
 
@@ -83,6 +83,12 @@ def _scaled_freqs(inv_freq: torch.Tensor, scaling: RopeScaling | None, max_posit
         return _yarn_inv_freq(inv_freq, scaling, config, dim)
     if scaling.rope_type == "longrope":
         return _longrope_freqs(inv_freq, scaling, max_positions, config)
+    if scaling.rope_type == "freq_factors":
+        factors = torch.tensor(scaling.freq_factors, dtype=torch.float32)
+        if factors.shape != inv_freq.shape or not bool((factors > 0).all()):
+            raise ValueError(f"rope_freqs: {len(scaling.freq_factors)} factors for "
+                             f"{len(inv_freq)} rotary frequencies, or one not positive")
+        return inv_freq / factors, 1.0
     raise ValueError(f"unsupported rope_scaling type {scaling.rope_type!r}")
 
 

@@ -38,6 +38,8 @@ _GGUF_LAYER_NAMES = {
 # llama.cpp's stacked experts [experts, out, in] -> each expert's HF projection.
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                       "ffn_down_exps": "down_proj"}
+# Tensors a GGUF file stores that are configuration, read by engine.models.config.
+_GGUF_CONFIG_TENSORS = {"rope_freqs.weight"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -80,6 +82,8 @@ def _check_complete(weights: dict[str, torch.Tensor], expected: dict[str, tuple[
 def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
     weights = {}
     for tensor in gguf_reader(path).tensors:
+        if tensor.name in _GGUF_CONFIG_TENSORS:
+            continue
         experts = _expert_names(tensor.name, int(tensor.shape[-1]))  # ggml: experts last
         if experts is not None:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)

@@ -369,9 +369,38 @@ _LLAMACPP_LAYER = {
 }
 
 
-def _write_moe_gguf(folder: str, path: str, hf, arch: str) -> None:
-    """What convert_hf_to_gguf.py writes for Qwen2-MoE / Qwen3-MoE, in float32: each
-    projection's experts stacked into one tensor."""
+def _llama_cpp_rope_freqs(hf) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel rope_freqs for llama3 scaling: each frequency's
+    divisor (1 above the high band, `factor` below the low one, smoothed between)."""
+    import math
+
+    rope, dim = hf.rope_parameters, hf.hidden_size // hf.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(divisors, dtype=torch.float32)
+
+
+def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF's rotate-half rows to ggml's pairs."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _write_gguf(folder: str, path: str, hf, arch: str) -> None:
+    """What convert_hf_to_gguf.py writes for these checkpoints, in float32: MoE experts
+    stacked into one tensor per projection; a Llama's q/k rows permuted to ggml's rope
+    layout and its llama3 scaling as the rope_freqs divisors."""
     import gguf
 
     tensors = load_file(os.path.join(folder, "model.safetensors"))
@@ -389,18 +418,28 @@ def _write_moe_gguf(folder: str, path: str, hf, arch: str) -> None:
         writer.add_expert_shared_feed_forward_length(hf.shared_expert_intermediate_size)
     writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
-    writer.add_expert_count(hf.num_experts)
-    writer.add_expert_used_count(hf.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(hf.moe_intermediate_size)
+    if getattr(hf, "num_experts", 0):
+        writer.add_expert_count(hf.num_experts)
+        writer.add_expert_used_count(hf.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(hf.moe_intermediate_size)
+    if arch == "llama" and hf.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(hf).numpy())
     writer.add_tensor("token_embd.weight", tensors.pop("model.embed_tokens.weight").numpy())
     writer.add_tensor("output_norm.weight", tensors.pop("model.norm.weight").numpy())
-    writer.add_tensor("output.weight", tensors.pop("lm_head.weight").numpy())
+    if "lm_head.weight" in tensors:
+        writer.add_tensor("output.weight", tensors.pop("lm_head.weight").numpy())
     for i in range(hf.num_hidden_layers):
         prefix = f"model.layers.{i}."
+        if arch == "llama":
+            for proj, heads in (("q_proj", hf.num_attention_heads),
+                                ("k_proj", hf.num_key_value_heads)):
+                name = f"{prefix}self_attn.{proj}.weight"
+                tensors[name] = _llama_cpp_permute(tensors[name], heads)
         for proj, stacked in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
                               ("down_proj", "ffn_down_exps")):
-            names = [f"{prefix}mlp.experts.{e}.{proj}.weight" for e in range(hf.num_experts)]
-            if names[0] in tensors:
+            names = [f"{prefix}mlp.experts.{e}.{proj}.weight"
+                     for e in range(getattr(hf, "num_experts", 0))]
+            if names and names[0] in tensors:
                 experts = torch.stack([tensors.pop(n) for n in names])
                 writer.add_tensor(f"blk.{i}.{stacked}.weight", experts.numpy())
         for hf_name, gguf_name in _LLAMACPP_LAYER.items():
@@ -422,9 +461,29 @@ def test_moe_gguf(tmp_path, case, arch, dense_layers):
     kwargs = {**TINY, **overrides}
     ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8)
     path = str(tmp_path / f"tiny-{arch}.gguf")
-    _write_moe_gguf(ref.path, path, config_cls(**kwargs), arch)
+    _write_gguf(ref.path, path, config_cls(**kwargs), arch)
     config = load_model_config(path)
     assert config.architecture == case and config.moe.dense_layers == dense_layers
+    tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
+    for i in range(len(ref.prompts)):
+        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+        assert tokens[i] == ref.tokens[i]
+
+
+def test_llama3_gguf_reads_rope_freqs(tmp_path):
+    """A Llama 3.x GGUF: llama.cpp stores its llama3 rope scaling only as the rope_freqs
+    divisors. Read as they are, they give transformers' tokens and logits on the checkpoint
+    the file was written from."""
+    rope = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    kwargs = {**_NO_THETA, "rope_parameters": rope}
+    ref = make_reference(tmp_path / "hf", transformers.LlamaConfig,
+                         transformers.LlamaForCausalLM, kwargs, seed=8)
+    path = str(tmp_path / "tiny-llama3.gguf")
+    _write_gguf(ref.path, path, transformers.LlamaConfig(**kwargs), "llama")
+    scaling = load_model_config(path).rope_scaling
+    assert scaling.rope_type == "freq_factors" and len(set(scaling.freq_factors)) > 2
     tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
