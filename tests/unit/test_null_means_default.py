@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from frontend.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
 
 # The least each body needs besides the field under test.
 BASES = {ChatCompletionRequest: {"messages": [{"role": "user", "content": "hi"}]},

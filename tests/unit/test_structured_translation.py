@@ -1,4 +1,4 @@
-"""frontend.structured: requests -> llguidance grammars (req P-6, P-8, C-1 to C-3). The
+"""frontend.input.structured: requests -> llguidance grammars (req P-6, P-8, C-1 to C-3). The
 grammars are checked by running llguidance matchers on the real SmolLM2 tokenizer."""
 
 import json
@@ -8,10 +8,10 @@ import msgspec
 import pytest
 from llguidance import LLMatcher
 
-from frontend.api_models import ChatCompletionRequest, CompletionRequest
-from frontend.errors import APIError
-from frontend.sampling import check_request, plan_request
-from frontend.structured import StructuredSettings, build_constraint, forced_call_prefix
+from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.base.errors import APIError
+from frontend.core.sampling import check_request, plan_request
+from frontend.input.structured import StructuredSettings, build_constraint, forced_call_prefix
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
 
