@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from frontend.base.errors import ErrorBody, ErrorDetail  # noqa: F401 (its face's error shape)
 from shared.param_ranges import INT32_MAX
 from shared.tool_specs import ToolName
 
@@ -213,17 +214,3 @@ class MessageDelta(msgspec.Struct, tag="message_delta", tag_field="type"):
 
 class MessageStop(msgspec.Struct, tag="message_stop", tag_field="type"):
     pass
-
-
-# ---------------------------------------------------------------- errors
-
-
-class ErrorDetail(msgspec.Struct):
-    type: str
-    message: str
-
-
-class ErrorBody(msgspec.Struct, tag="error", tag_field="type"):
-    """Anthropic's error shape, as a response body and as a stream's `error` event."""
-
-    error: ErrorDetail

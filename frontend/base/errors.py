@@ -11,7 +11,6 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-from frontend.anthropic.models import ErrorBody, ErrorDetail
 from postproc.openai_shapes import ErrorInfo, ErrorResponse
 
 _TYPES = {
@@ -43,6 +42,19 @@ _ANTHROPIC_TYPES = {
     504: "timeout_error",
 }
 ANTHROPIC_PREFIX = "/v1/messages"
+
+
+# Anthropic's error shape lives here, below every face, since the middleware answers in it
+# too; `frontend.anthropic.models` re-exports it beside its other bodies.
+class ErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class ErrorBody(msgspec.Struct, tag="error", tag_field="type"):
+    """Anthropic's error shape, as a response body and as a stream's `error` event."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):

@@ -14,8 +14,8 @@ import time
 import msgspec
 
 from frontend.engines import request_metrics as m
+from frontend.engines.admission import Ticket, current_ticket
 from frontend.engines.request_log import RequestLog
-from frontend.http.limits import Ticket, current_ticket
 from shared.protocol import EngineRequest, TextFrame
 
 

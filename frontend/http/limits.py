@@ -1,10 +1,11 @@
 """Admission control as ASGI middleware: request body size, the queue cap, and the drain.
 
 - Bodies above --max-request-body-bytes get a 413 before the app parses anything.
-- A POST holds a `Ticket` from arrival until its first generated token (or its end): those
-  are this frontend's queued requests. Beyond --max-queued-requests new ones get a 503 with
-  Retry-After, so a load balancer or client backs off instead of piling work on an engine
-  that cannot start it. The ticket travels to `EngineClient.submit` in a context variable.
+- A POST holds a `Ticket` (`frontend.engines.admission`) from arrival until its first
+  generated token (or its end): those are this frontend's queued requests. Beyond
+  --max-queued-requests new ones get a 503 with Retry-After, so a load balancer or client
+  backs off instead of piling work on an engine that cannot start it. The ticket
+  travels to `EngineClient.submit` in a context variable.
 - While draining (SIGTERM), everything but the open routes gets a 503 and `/health` says
   503, so balancers take the frontend out while its in-flight requests finish.
 """
@@ -14,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextvars import ContextVar
-
-import msgspec
 
 from frontend.base.errors import APIError, error_response, route_path
 from frontend.engines import request_metrics as m
+from frontend.engines.admission import Admission, Ticket, current_ticket
 from shared import config as shared_config
 
 log = logging.getLogger("sluice.frontend")
@@ -36,34 +35,6 @@ async def reject(scope, receive, send, error: APIError, reason: str, headers=Non
     response = error_response(error, route_path(scope))
     response.headers.update(headers or {})
     await response(scope, receive, send)
-
-
-class Admission:
-    def __init__(self, max_queued: int | None) -> None:
-        self.max_queued = max_queued
-        self.queued = 0
-        self.in_flight = 0
-        self.draining = False
-
-    def full(self) -> bool:
-        return self.max_queued is not None and self.queued >= self.max_queued
-
-
-class Ticket(msgspec.Struct):
-    """One admitted POST: queued until its first token arrives or it ends."""
-
-    admission: Admission
-    arrived: float  # time.monotonic() at admission: request timeouts count from here
-    waiting: bool = True
-
-    def started(self) -> None:
-        if self.waiting:
-            self.waiting = False
-            self.admission.queued -= 1
-            m.QUEUED.dec()
-
-
-current_ticket: ContextVar[Ticket | None] = ContextVar("sluice_ticket", default=None)
 
 
 class AdmissionMiddleware:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from frontend.engines import request_metrics as m
+from frontend.engines.admission import Admission, Ticket, current_ticket
 from frontend.engines.tracking import RequestTracker
-from frontend.http.limits import Admission, Ticket, current_ticket
 from shared.protocol import EngineRequest, SamplingParams, TextFrame
 
 
