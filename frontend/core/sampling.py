@@ -100,7 +100,9 @@ def _check_chat(request: ChatCompletionRequest) -> None:
     if request.tool_choice not in (None, "none") and not request.tools:
         raise bad_request("tool_choice requires tools", "tool_choice")
     named = isinstance(request.tool_choice, NamedToolChoice)
-    if named and request.response_format is not None:
+    # {"type": "text"} asks for no constraint (vLLM's default), so it leaves the call free.
+    constrains = request.response_format is not None and request.response_format.type != "text"
+    if named and constrains:
         raise bad_request(
             "a named tool_choice cannot be combined with response_format", "response_format"
         )

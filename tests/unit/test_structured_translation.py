@@ -186,6 +186,17 @@ def test_tool_conflicts_are_400s(hermes, fields, message):
     assert message in refused(chat(tools=[WEATHER], **fields), hermes).message
 
 
+def test_a_named_tool_choice_takes_a_text_response_format(llt, hermes):
+    # "text" asks for no constraint, so it cannot conflict with the forced call (issue 31).
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    plain = constraint(chat(tools=[WEATHER], tool_choice=named), hermes)
+    with_text = constraint(chat(tools=[WEATHER], tool_choice=named,
+                                response_format={"type": "text"}), hermes)
+    assert with_text is not None and with_text.grammar == plain.grammar
+    assert accepts(llt, with_text.grammar,
+                   '\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+
+
 def test_parsers_without_a_grammar_refuse_forced_calls(monkeypatch):
     # Every bundled parser has a grammar; one without (empty begin_lark) is refused.
     from postproc.tool_parsers.pythonic import PythonicToolParser
