@@ -4,7 +4,7 @@ They live in postproc because whoever post-processes a request (a postproc worke
 frontend's receiver thread without a fleet) writes the streamed chunks, and postproc may not
 import the frontend. The frontend builds its whole answers and its other bodies from this
 module too, so a whole answer and a streamed one are made of the same Structs, and
-`frontend.api_models` holds requests only.
+`frontend.base.api_models` holds requests only.
 """
 
 from __future__ import annotations

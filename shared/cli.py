@@ -471,7 +471,7 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
     _add_bound_arguments(p)
 
 
-# Bounds per request (frontend.input_bounds): flag -> (FrontendConfig field, default, help).
+# Bounds per request (frontend.input.input_bounds): flag -> (FrontendConfig field, default, help).
 _BOUNDS = {
     "--max-json-depth": ("max_json_depth", 64, "levels any JSON in a request may nest: the "
                          "body, and JSON strings such as schemas and tool-call arguments"),
@@ -580,7 +580,7 @@ def _add_routing_argument(p: argparse.ArgumentParser) -> None:
                    help="how a frontend picks an engine per request: prefix (the same first "
                         "prompt pages and cache_salt prefer the same engine, bounded by "
                         "load), least-loaded or round-robin (default: %(default)s)")
-    # Migration (frontend.engine_client): what a frontend does when an engine is lost.
+    # Migration (frontend.engines.engine_client): what a frontend does when an engine is lost.
     p.add_argument("--migration-limit", type=_int_at_least(0), default=3,
                    help="how many times one streaming request may move to another engine "
                         "when its engine dies, freezes or drains: it goes on there with the "
@@ -1090,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "frontend":
         prepare_prometheus_dir()  # before frontend.* imports prometheus_client
-        from frontend.server import run_frontend
+        from frontend.http.server import run_frontend
 
         run_frontend(frontend_config(args, args.engine_address, args.result_address))
         return 0

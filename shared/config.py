@@ -72,7 +72,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     served_model_name: str  # the name responses carry
     engine_address: str
     # Every --engine-address (each a zmq address or dns+tcp://NAME:PORT); empty: just
-    # engine_address. `routing` picks one per request (frontend.placement).
+    # engine_address. `routing` picks one per request (frontend.engines.placement).
     engine_addresses: list[str] = []
     routing: str = "prefix"
     tokenizer: str | None = None  # --tokenizer's resolved path; None: the model's
@@ -85,8 +85,8 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     render_timeout_s: float = 30.0  # a chat render running longer fails its request
     chat_template: str | None = None  # --chat-template: a file path or the template itself
     trust_request_chat_template: bool = False  # honour a request's chat_template
-    chat_template_content_format: str = "auto"  # auto | string | openai (frontend.rendering)
-    # Image parts (frontend.media): the folder file:// URLs may read (None: none), and the
+    chat_template_content_format: str = "auto"  # auto | string | openai (frontend.input.rendering)
+    # Image parts (frontend.input.media): the folder file:// URLs may read (None: none), and the
     # most images one prompt may carry (--limit-mm-per-prompt).
     allowed_local_media_path: str | None = None
     limit_mm_per_prompt: int = 8
@@ -109,16 +109,16 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     override_generation_config: str | None = None
     response_role: str = "assistant"  # --response-role
     default_chat_template_kwargs: dict = {}  # under each request's chat_template_kwargs
-    log_requests: bool = False  # --enable-log-requests (frontend.request_log)
+    log_requests: bool = False  # --enable-log-requests (frontend.engines.request_log)
     log_outputs: bool = False  # --enable-log-outputs
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
     force_include_usage: bool = False  # --enable-force-include-usage
     http: HttpSettings = msgspec.field(default_factory=HttpSettings)
     # --export-engine-metrics: this frontend's /metrics carries its engine's series too, as
-    # `sluice serve` (one frontend, one scrape target) wants; see frontend.metrics.
+    # `sluice serve` (one frontend, one scrape target) wants; see frontend.http.metrics.
     export_engine_metrics: bool = False
-    # Limits and security (frontend.auth, frontend.limits); see docs/operations.md.
+    # Limits and security (frontend.http.auth, frontend.http.limits); see docs/operations.md.
     api_keys: list[str] = []  # empty: no authentication
     allowed_origins: list[str] = []  # CORS; empty: no CORS headers at all
     allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
@@ -128,7 +128,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     max_queued_requests: int | None = None  # admitted requests not yet generating; None: no cap
     request_timeout_s: float | None = None  # from arrival to the last token; None: no limit
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may still run
-    # Bounds per request (frontend.input_bounds, docs/operations.md): JSON nesting, fan-out.
+    # Bounds per request (frontend.input.input_bounds, docs/operations.md): JSON nesting, fan-out.
     max_json_depth: int = 64
     max_n: int = 128  # n and best_of
     max_prompts_per_request: int = 128

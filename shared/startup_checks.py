@@ -109,7 +109,7 @@ def _sees_cuda() -> bool:
 
 def check_frontend_flags(args) -> None:
     """Frontend flags no request could be served with."""
-    from frontend.rendering import RESERVED_TEMPLATE_KWARGS, load_chat_template
+    from frontend.input.rendering import RESERVED_TEMPLATE_KWARGS, load_chat_template
 
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(args.default_chat_template_kwargs
                                                             or {}))

@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from frontend.errors import is_anthropic_path
+from frontend.base.errors import is_anthropic_path
 from tests.servers import Stack, metrics
 
 _ANTHROPIC_5XX = {"api_error", "overloaded_error", "timeout_error"}

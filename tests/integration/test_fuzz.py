@@ -19,14 +19,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from msgspec import inspect as mi
 
-from frontend.anthropic_models import MessagesRequest
-from frontend.api_models import (
+from frontend.anthropic.models import MessagesRequest
+from frontend.base.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from frontend.responses_models import ResponsesRequest
+from frontend.responses.models import ResponsesRequest
 from tests import fuzz_checks
 from tests.servers import Stack
 

@@ -221,7 +221,7 @@ def test_an_engine_started_later_is_used(two, tmp_path):
 def test_dns_form_follows_an_injected_resolver(two, tmp_path):
     """EngineClient in-process with `dns+tcp://engines.test:PORT` and a resolver the test
     controls: two loopback addresses, one engine on each, then one of them leaves."""
-    from frontend.engine_client import EngineClient
+    from frontend.engines.engine_client import EngineClient
     from postproc.processor import OutputProcessor
     from shared.protocol import EngineRequest, OutputParams, SamplingParams, pack_ids
     from shared.tokenizer import load_tokenizer

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from frontend.serving_context import ServingContext
-from frontend.tokenization import InputSettings, Tokenization
+from frontend.core.serving_context import ServingContext
+from frontend.input.tokenization import InputSettings, Tokenization
 from shared.protocol import EngineStats
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from frontend.budgets import (
+from frontend.input.budgets import (
     BudgetError,
     FittedText,
     PromptTokens,
@@ -12,7 +12,7 @@ from frontend.budgets import (
     fit_text,
     shift_offsets,
 )
-from frontend.tokenization import InputSettings, Tokenization
+from frontend.input.tokenization import InputSettings, Tokenization
 from shared.tokenizer import load_tokenizer, tokenizer_facts
 from tests.tiny_tokenizer import BOS_ID, MAX_CHARS_PER_TOKEN, tiny_tokenizer
 

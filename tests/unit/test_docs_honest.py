@@ -113,7 +113,7 @@ def test_the_allow_lists_hold_no_sluice_flag():
 
 
 def _route_table() -> set[str]:
-    from frontend.app import build_app
+    from frontend.http.app import build_app
 
     ctx = SimpleNamespace(client=SimpleNamespace(engine_alive=False, stats=None),
                           model_name="m", vocab_size=49152)
@@ -136,7 +136,7 @@ def _doc_routes() -> dict[str, str]:
 
 def test_every_route_the_docs_name_is_served():
     table = _route_table()
-    wrong = [f"{where}: {path} is not in the route table (frontend/app.py)"
+    wrong = [f"{where}: {path} is not in the route table (frontend/http/app.py)"
              for path, where in _doc_routes().items()
              if path not in table and path not in NOT_ROUTES]
     assert not wrong, "\n".join(wrong)

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from llguidance import LLMatcher, grammar_from
 
-from frontend.api_models import ChatCompletionRequest
-from frontend.errors import APIError
-from frontend.sampling import check_request, plan_request
-from frontend.structured import StructuredSettings, build_constraint, forced_call_prefix
+from frontend.base.api_models import ChatCompletionRequest
+from frontend.base.errors import APIError
+from frontend.core.sampling import check_request, plan_request
+from frontend.input.structured import StructuredSettings, build_constraint, forced_call_prefix
 from postproc.reasoning import REASONING_PARSERS, get_reasoning_parser
 from postproc.tool_parsers import get_tool_parser
 from postproc.tool_parsers.base import collect

@@ -8,8 +8,8 @@ import json
 import msgspec
 import pytest
 
-from frontend.api_models import ChatCompletionRequest, CompletionRequest
-from frontend.sampling import plan_request
+from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.core.sampling import plan_request
 from shared.generation_config import GenerationDefaults, load_generation_defaults
 
 

@@ -15,10 +15,10 @@ import pytest
 from llguidance import grammar_from
 
 from engine.grammar import GrammarBackend
-from frontend.api_models import ChatCompletionRequest, CompletionRequest
-from frontend.errors import APIError
-from frontend.grammar_check import GrammarChecker
-from frontend.structured import StructuredSettings, build_constraint, constraint_for
+from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.base.errors import APIError
+from frontend.input.grammar_check import GrammarChecker
+from frontend.input.structured import StructuredSettings, build_constraint, constraint_for
 from shared import grammar_limits
 from shared.grammar_limits import MAX_LARK_RULES, grammar_problem, lark_rule_count
 from shared.model_source import default_model_path
@@ -184,9 +184,9 @@ class CountingChecker:
 
 
 def test_a_batched_completion_is_checked_once_and_its_prompts_share_the_constraint(smol):
-    from frontend.budgets import PromptTokens
-    from frontend.input_stage import PromptInput
-    from frontend.pipeline import build_job
+    from frontend.core.input_stage import PromptInput
+    from frontend.core.pipeline import build_job
+    from frontend.input.budgets import PromptTokens
     from tests.unit.frontend_builders import serving_context
 
     checker = CountingChecker()

@@ -2,7 +2,10 @@
 level (type-only imports included, since a cycle there still ties the modules' meanings
 together). An import inside a function is a deliberate late binding and not counted: the
 model registry's entry points (engine.models.config, .weights) call into the registry that
-imports the families, which import them."""
+imports the families, which import them.
+
+The frontend's wings (frontend/README.md) import only downward, late imports included.
+"""
 
 from __future__ import annotations
 
@@ -19,10 +22,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path, package: str, known: set[str]) -> set[str]:
-    """The modules of `package` that the file at `path` imports, by absolute name."""
+def imports_of(path: Path, package: str, known: set[str], everywhere: bool = False) -> set[str]:
+    """The modules of `package` that the file at `path` imports, by absolute name: at module
+    level, or `everywhere` (function bodies too)."""
     found: set[str] = set()
-    for node in module_level(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if everywhere else module_level(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -44,10 +49,11 @@ def module_level(tree: ast.Module):
         pending.extend(ast.iter_child_nodes(node))
 
 
-def import_graph(package: str) -> dict[str, set[str]]:
+def import_graph(package: str, everywhere: bool = False) -> dict[str, set[str]]:
     files = {module_name(p): p for p in (ROOT / package).rglob("*.py")}
     known = set(files)
-    return {name: imports_of(path, package, known) - {name} for name, path in files.items()}
+    return {name: imports_of(path, package, known, everywhere) - {name}
+            for name, path in files.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -93,3 +99,54 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_engine_has_no_import_cycle():
     assert cycles(import_graph("engine")) == []
+
+
+# The frontend's wings from the top down (frontend/README.md); wings of one rank are siblings
+# and import neither each other nor anything above them.
+FRONTEND_WINGS = {
+    "http": 5,
+    "openai": 4, "responses": 4, "anthropic": 4,
+    "core": 3,
+    "input": 2, "engines": 2,
+    "base": 1,
+}
+
+
+def wing_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "frontend" else None
+
+
+def upward_imports(graph: dict[str, set[str]], ranks: dict[str, int]) -> list[str]:
+    """`a -> b` for every import from a wing into one above it or a sibling beside it."""
+    wrong = []
+    for module, imported in sorted(graph.items()):
+        here = wing_of(module)
+        for target in sorted(imported):
+            there = wing_of(target)
+            if here is None or there is None or here == there:
+                continue
+            if ranks[there] >= ranks[here]:
+                wrong.append(f"{module} -> {target}")
+    return wrong
+
+
+def test_every_frontend_module_sits_in_a_wing():
+    """A new flat file in frontend/ has no layer: put it in the wing it belongs to."""
+    outside = [m for m in import_graph("frontend")
+               if m != "frontend" and m.split(".")[1] not in FRONTEND_WINGS]
+    assert outside == []
+
+
+def test_the_wing_check_finds_an_upward_and_a_sideways_import():
+    graph = {"frontend.base.errors": {"frontend.anthropic.models"},
+             "frontend.input.tokenization": {"frontend.engines.tracking"},
+             "frontend.http.app": {"frontend.core.pipeline"}}
+    assert upward_imports(graph, FRONTEND_WINGS) == [
+        "frontend.base.errors -> frontend.anthropic.models",
+        "frontend.input.tokenization -> frontend.engines.tracking"]
+
+
+def test_frontend_imports_run_down_its_wings():
+    # A late import inside a function counts here: it ties the layers together all the same.
+    assert upward_imports(import_graph("frontend", everywhere=True), FRONTEND_WINGS) == []

@@ -10,11 +10,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from frontend.api_models import ChatCompletionRequest, CompletionRequest
-from frontend.errors import APIError
-from frontend.input_stage import chat_input, completion_input
-from frontend.rendering import TemplateSettings
-from frontend.tokenization import InputSettings, Tokenization
+from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.base.errors import APIError
+from frontend.core.input_stage import chat_input, completion_input
+from frontend.input.rendering import TemplateSettings
+from frontend.input.tokenization import InputSettings, Tokenization
 from shared.tokenizer import load_tokenizer, tokenizer_facts
 from tests.tiny_tokenizer import BOS_ID, MAX_CHARS_PER_TOKEN, tiny_tokenizer
 

@@ -16,19 +16,19 @@ from engine.models.idefics3 import ImageSpec
 from engine.multimodal import ImageProblem, cache_key, parse_images
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from frontend.api_models import ChatCompletionRequest, ChatMessage, ContentPart
-from frontend.budgets import PromptTokens
-from frontend.errors import APIError
-from frontend.input_stage import chat_input
-from frontend.media import MediaError, MediaSettings, decode_image, image_bytes
-from frontend.multimodal import (
+from frontend.base.api_models import ChatCompletionRequest, ChatMessage, ContentPart
+from frontend.base.errors import APIError
+from frontend.core.input_stage import chat_input
+from frontend.input.budgets import PromptTokens
+from frontend.input.media import MediaError, MediaSettings, decode_image, image_bytes
+from frontend.input.multimodal import (
     MultimodalError,
     PreparedImage,
     expand_placeholders,
     image_inputs,
     image_parts,
 )
-from frontend.rendering import template_messages
+from frontend.input.rendering import template_messages
 from shared.protocol import ImageInput, RawTensor, SamplingParams, pack_tensor
 from tests.tiny_vlm import data_url, png_bytes
 from tests.unit.frontend_builders import serving_context
@@ -292,7 +292,7 @@ def test_image_bytes_base64_round_trip():
 def test_images_load_while_the_template_renders():
     """Each side waits for the other to have started: run one after the other, they would
     deadlock (and time out) instead of finishing."""
-    from frontend.multimodal import ImagePart
+    from frontend.input.multimodal import ImagePart
     from tests.tiny_tokenizer import MAX_CHARS_PER_TOKEN, tiny_tokenizer
 
     loading, rendering = asyncio.Event(), asyncio.Event()
@@ -324,9 +324,10 @@ def test_images_load_while_the_template_renders():
 
 
 def test_other_apis_translate_image_parts():
-    from frontend import anthropic_api, responses_api
-    from frontend.anthropic_models import ContentBlock
-    from frontend.responses_models import InputItem, InputPart
+    from frontend.anthropic import api as anthropic_api
+    from frontend.anthropic.models import ContentBlock
+    from frontend.responses import api as responses_api
+    from frontend.responses.models import InputItem, InputPart
 
     [message] = responses_api.input_messages([InputItem(role="user", content=[
         InputPart(type="input_text", text="look"),

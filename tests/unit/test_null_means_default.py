@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from frontend.api_models import ChatCompletionRequest, CompletionRequest
-from frontend.responses_models import ResponsesRequest
+from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.responses.models import ResponsesRequest
 
 # The least each body needs besides the field under test.
 BASES = {ChatCompletionRequest: {"messages": [{"role": "user", "content": "hi"}]},

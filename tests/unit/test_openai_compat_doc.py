@@ -8,8 +8,8 @@ import re
 import msgspec
 import pytest
 
-from frontend import api_models
-from frontend.api_models import (
+from frontend.base import api_models
+from frontend.base.api_models import (
     ACCEPTED_AND_IGNORED,
     CHAT_UNSUPPORTED_WHEN_SET,
     COMPLETION_UNSUPPORTED_WHEN_SET,

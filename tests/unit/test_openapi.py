@@ -11,9 +11,9 @@ import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from frontend import openapi
-from frontend.api_models import ChatCompletionRequest
-from frontend.app import build_app
+from frontend.base.api_models import ChatCompletionRequest
+from frontend.http import openapi
+from frontend.http.app import build_app
 from shared.config import FrontendConfig
 
 MODEL = "SmolLM2-135M-Instruct"

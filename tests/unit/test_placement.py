@@ -1,4 +1,4 @@
-"""The placement policy (frontend/placement.py, issue 18 item 3): prefix affinity, the load
+"""The placement policy (frontend/engines/placement.py, issue 18 item 3): prefix affinity, the load
 bound, and that only the candidates given (the live engines) are ever chosen."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import collections
 
 import pytest
 
-from frontend.placement import (
+from frontend.engines.placement import (
     Candidate,
     Placement,
     load_bound,

@@ -11,13 +11,14 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from frontend import anthropic_api, responses_api
-from frontend.anthropic_models import MessagesRequest
-from frontend.api_models import ChatMessage
-from frontend.auth import AuthMiddleware
-from frontend.errors import APIError
-from frontend.protocol_edge import Blocks
-from frontend.responses_models import ResponseObject, ResponsesRequest, TextOut
+from frontend.anthropic import api as anthropic_api
+from frontend.anthropic.models import MessagesRequest
+from frontend.base.api_models import ChatMessage
+from frontend.base.errors import APIError
+from frontend.core.protocol_edge import Blocks
+from frontend.http.auth import AuthMiddleware
+from frontend.responses import api as responses_api
+from frontend.responses.models import ResponseObject, ResponsesRequest, TextOut
 from shared.protocol import FunctionCallDelta, TextFrame, ToolCallDelta
 
 

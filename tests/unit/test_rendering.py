@@ -5,8 +5,8 @@ import json
 import msgspec
 import pytest
 
-from frontend.api_models import ChatMessage
-from frontend.rendering import (
+from frontend.base.api_models import ChatMessage
+from frontend.input.rendering import (
     RenderError,
     RenderParams,
     TemplateSettings,
@@ -178,7 +178,7 @@ PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.content is strin
     ("{% for m in messages %", "string"),  # unparseable: the render reports it
 ])
 def test_content_format_is_read_from_the_template(template, expected):
-    from frontend.rendering import content_format
+    from frontend.input.rendering import content_format
 
     assert content_format(template) == expected
 

@@ -1,4 +1,4 @@
-"""frontend.structured: requests -> llguidance grammars (req P-6, P-8, C-1 to C-3). The
+"""frontend.input.structured: requests -> llguidance grammars (req P-6, P-8, C-1 to C-3). The
 grammars are checked by running llguidance matchers on the real SmolLM2 tokenizer."""
 
 import json
@@ -8,10 +8,10 @@ import msgspec
 import pytest
 from llguidance import LLMatcher
 
-from frontend.api_models import ChatCompletionRequest, CompletionRequest
-from frontend.errors import APIError
-from frontend.sampling import check_request, plan_request
-from frontend.structured import StructuredSettings, build_constraint, forced_call_prefix
+from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
+from frontend.base.errors import APIError
+from frontend.core.sampling import check_request, plan_request
+from frontend.input.structured import StructuredSettings, build_constraint, forced_call_prefix
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
 
@@ -184,6 +184,17 @@ def test_strict_tools_trigger_on_the_begin_marker(llt, hermes):
 ])
 def test_tool_conflicts_are_400s(hermes, fields, message):
     assert message in refused(chat(tools=[WEATHER], **fields), hermes).message
+
+
+def test_a_named_tool_choice_takes_a_text_response_format(llt, hermes):
+    # "text" asks for no constraint, so it cannot conflict with the forced call (issue 31).
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    plain = constraint(chat(tools=[WEATHER], tool_choice=named), hermes)
+    with_text = constraint(chat(tools=[WEATHER], tool_choice=named,
+                                response_format={"type": "text"}), hermes)
+    assert with_text is not None and with_text.grammar == plain.grammar
+    assert accepts(llt, with_text.grammar,
+                   '\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
 
 
 def test_parsers_without_a_grammar_refuse_forced_calls(monkeypatch):

@@ -7,11 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from frontend import input_metrics, tokenization
-from frontend.api_models import ChatMessage
-from frontend.budgets import BudgetError, TokenizeParams
-from frontend.rendering import RenderParams
-from frontend.tokenization import InputSettings, RenderTimeout, Tokenization
+from frontend.base.api_models import ChatMessage
+from frontend.input import input_metrics, tokenization
+from frontend.input.budgets import BudgetError, TokenizeParams
+from frontend.input.rendering import RenderParams
+from frontend.input.tokenization import InputSettings, RenderTimeout, Tokenization
 from shared.tokenizer import load_tokenizer, tokenizer_facts
 
 HANG = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

@@ -1,0 +1,3 @@
+"""The pipeline every face shares: request -> prompt -> engine parameters -> jobs -> frames
+(`pipeline.py` is the spine).
+"""

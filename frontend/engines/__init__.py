@@ -1,0 +1,1 @@
+"""The links to the engines: the client, placement, request tracking and their metrics."""

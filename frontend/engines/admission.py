@@ -1,0 +1,43 @@
+"""This frontend's admission state: the queue cap's count and the ticket each POST holds.
+
+A POST holds a `Ticket` from arrival until its first generated token (or its end); the
+HTTP middleware (`frontend.http.limits`) issues it and sets it in `current_ticket`, the
+request tracker (`frontend.engines.tracking`) ends its wait when the first token arrives.
+It lives here, below both, so the tracker need not import the HTTP layer.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+import msgspec
+
+from frontend.engines import request_metrics as m
+
+
+class Admission:
+    def __init__(self, max_queued: int | None) -> None:
+        self.max_queued = max_queued
+        self.queued = 0
+        self.in_flight = 0
+        self.draining = False
+
+    def full(self) -> bool:
+        return self.max_queued is not None and self.queued >= self.max_queued
+
+
+class Ticket(msgspec.Struct):
+    """One admitted POST: queued until its first token arrives or it ends."""
+
+    admission: Admission
+    arrived: float  # time.monotonic() at admission: request timeouts count from here
+    waiting: bool = True
+
+    def started(self) -> None:
+        if self.waiting:
+            self.waiting = False
+            self.admission.queued -= 1
+            m.QUEUED.dec()
+
+
+current_ticket: ContextVar[Ticket | None] = ContextVar("sluice_ticket", default=None)

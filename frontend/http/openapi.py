@@ -1,0 +1,196 @@
+"""The OpenAPI 3.1 document of the HTTP API, served at `GET /openapi.json`.
+
+Request bodies are the msgspec Structs the routes decode (msgspec writes their JSON Schema,
+2020-12 as OpenAPI 3.1 uses, with `additionalProperties: false` where a Struct forbids
+unknown fields), so the document cannot drift from what the server accepts. `model` is
+pinned to the served model's name: any other name is a 404. Error answers are OpenAI's
+shape, or Anthropic's under `/v1/messages` (`frontend.base.errors`).
+
+Like vLLM's, the document needs no API key (`frontend.http.limits.OPEN_PATHS`); it says nothing a
+client could not learn from the 400s. Schemathesis fuzzes every operation listed here
+(tests/integration/test_schemathesis.py), and a unit test keeps this table equal to the
+app's routes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from frontend.anthropic import models as anthropic_models
+from frontend.anthropic.models import CountTokensRequest, ErrorBody, MessagesRequest
+from frontend.base import api_models
+from frontend.base.api_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from frontend.base.errors import is_anthropic_path
+from frontend.responses import models as responses_models
+from frontend.responses.models import InputTokensRequest, ResponsesRequest
+from postproc.openai_shapes import (
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+)
+
+REF = "#/components/schemas/{name}"
+# Fields known but not run here: any value but these (the default, values meaning the same,
+# and null, which means the default) is a 400, so the document says so.
+_UNSUPPORTED: dict[type, tuple[tuple[str, Any], ...]] = {
+    ChatCompletionRequest: api_models.UNSUPPORTED_WHEN_SET
+    + api_models.CHAT_UNSUPPORTED_WHEN_SET,
+    CompletionRequest: api_models.UNSUPPORTED_WHEN_SET
+    + api_models.COMPLETION_UNSUPPORTED_WHEN_SET,
+    ResponsesRequest: responses_models.UNSUPPORTED_WHEN_SET,
+    MessagesRequest: tuple((name, None) for name in anthropic_models.UNSUPPORTED_WHEN_SET),
+    CountTokensRequest: tuple((name, None) for name in anthropic_models.UNSUPPORTED_WHEN_SET),
+}
+_NEUTRAL = {**api_models.NEUTRAL_VALUES, **responses_models.NEUTRAL_VALUES}
+
+
+class Operation(NamedTuple):
+    method: str
+    path: str
+    summary: str
+    body: type | None = None  # the request Struct; None: no body
+    answer: type | None = None  # the 200 body's Struct, where it has one
+    streams: bool = False  # `"stream": true` answers with server-sent events
+    answer_type: str = "application/json"
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("get", "/health", "200 while the engine is reachable and not draining, else 503",
+              answer_type=""),
+    Operation("get", "/ping", "SageMaker's health check: the same answer as /health",
+              answer_type=""),
+    Operation("post", "/ping", "SageMaker's health check: the same answer as /health",
+              answer_type=""),
+    Operation("get", "/load", "Requests being answered now: {\"server_load\": N}"),
+    Operation("get", "/version", "The server's version"),
+    Operation("get", "/metrics", "Prometheus metrics", answer_type="text/plain"),
+    Operation("get", "/openapi.json", "This document"),
+    Operation("get", "/v1/models", "The served model", answer=ModelList),
+    Operation("get", "/v1/models/{model_id:path}", "One served model by name (404 if unknown)",
+              answer=ModelCard),
+    Operation("post", "/v1/chat/completions", "OpenAI chat completion",
+              ChatCompletionRequest, streams=True),
+    Operation("post", "/v1/completions", "OpenAI (legacy) text completion",
+              CompletionRequest, streams=True),
+    Operation("post", "/v1/responses", "OpenAI Responses API: create a response",
+              ResponsesRequest, streams=True),
+    Operation("post", "/v1/responses/input_tokens", "Input tokens a response would take",
+              InputTokensRequest),
+    Operation("post", "/v1/responses/compact", "Not supported: always 404"),
+    Operation("get", "/v1/responses/{response_id}", "A stored response"),
+    Operation("delete", "/v1/responses/{response_id}", "Delete a stored response"),
+    Operation("post", "/v1/messages", "Anthropic Messages API", MessagesRequest, streams=True),
+    Operation("post", "/v1/messages/count_tokens", "Input tokens a message would take",
+              CountTokensRequest),
+    Operation("get", "/v1/messages/batches", "Not supported: always 404"),
+    Operation("post", "/v1/messages/batches", "Not supported: always 404"),
+    Operation("get", "/v1/messages/batches/{batch_id}/results", "Not supported: always 404"),
+    Operation("post", "/v1/messages/batches/{batch_id}/cancel", "Not supported: always 404"),
+    Operation("get", "/v1/messages/batches/{batch_id}", "Not supported: always 404"),
+    Operation("delete", "/v1/messages/batches/{batch_id}", "Not supported: always 404"),
+    Operation("post", "/invocations", "SageMaker's route: a chat completion when the body "
+              "has messages, else a completion when it has prompt", streams=True),
+    Operation("post", "/tokenize", "vLLM's /tokenize: a prompt or chat messages to token ids",
+              TokenizeRequest, answer=TokenizeResponse),
+    Operation("post", "/detokenize", "vLLM's /detokenize: token ids to text",
+              DetokenizeRequest, answer=DetokenizeResponse),
+)
+
+
+def document(model_name: str, version: str) -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document, as a JSON-ready dict."""
+    types = [t for op in OPERATIONS for t in (op.body, op.answer) if t is not None]
+    refs, components = msgspec.json.schema_components(
+        [*types, ErrorResponse, ErrorBody], ref_template=REF)
+    ref_of = dict(zip([*types, ErrorResponse, ErrorBody], refs, strict=True))
+    for op in OPERATIONS:
+        if op.body is not None:
+            _pin_model(components[op.body.__name__], model_name)
+            _pin_unsupported(components[op.body.__name__], _UNSUPPORTED.get(op.body, ()))
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        paths.setdefault(_openapi_path(op.path), {})[op.method] = _operation(op, ref_of)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "sluice", "version": version,
+                 "description": "OpenAI- and Anthropic-compatible LLM serving."},
+        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
+def endpoint(model_name: str, version: str):
+    """The `GET /openapi.json` handler: the document, encoded once."""
+    body = msgspec.json.encode(document(model_name, version))
+
+    async def openapi_json(request: Request) -> Response:
+        return Response(body, media_type="application/json")
+
+    return openapi_json
+
+
+def _openapi_path(path: str) -> str:
+    """Starlette's `{name:path}` (a parameter that may hold slashes) is OpenAPI's `{name}`."""
+    return re.sub(r"\{(\w+):\w+\}", r"{\1}", path)
+
+
+def _operation(op: Operation, ref_of: dict[type, dict]) -> dict[str, Any]:
+    path = _openapi_path(op.path)
+    name = path.strip("/").replace("/", "_").replace("{", "").replace("}", "").replace(".", "_")
+    spec: dict[str, Any] = {"operationId": f"{op.method}_{name}", "summary": op.summary}
+    parameters = [
+        {"name": part[1:-1], "in": "path", "required": True, "schema": {"type": "string"}}
+        for part in path.split("/") if part.startswith("{")
+    ]
+    if parameters:
+        spec["parameters"] = parameters
+    if op.body is not None:
+        spec["requestBody"] = {"required": True,
+                               "content": {"application/json": {"schema": ref_of[op.body]}}}
+    ok: dict[str, Any] = {"description": "OK"}
+    if op.answer_type:
+        content = {op.answer_type: {"schema": ref_of[op.answer]} if op.answer else {}}
+        if op.streams:
+            content["text/event-stream"] = {}
+        ok["content"] = content
+    error = ref_of[ErrorBody] if is_anthropic_path(op.path) else ref_of[ErrorResponse]
+    failed = {"content": {"application/json": {"schema": error}}}
+    spec["responses"] = {
+        "200": ok,
+        "4XX": {"description": "The request was refused", **failed},
+        "5XX": {"description": "Overloaded, timed out or failed", **failed},
+    }
+    return spec
+
+
+def _pin_model(component: dict[str, Any], model_name: str) -> None:
+    """A request's `model` may only name the served model (or be left out, where optional)."""
+    field = component.get("properties", {}).get("model")
+    if field is None:
+        return
+    for alternative in field.get("anyOf", [field]):
+        if alternative.get("type") == "string":
+            alternative["enum"] = [model_name]
+
+
+def _pin_unsupported(component: dict[str, Any], fields: tuple[tuple[str, Any], ...]) -> None:
+    properties = component.get("properties", {})
+    for name, default in fields:
+        if name in properties:
+            allowed = [default, *_NEUTRAL.get(name, ()), *([] if default is None else [None])]
+            properties[name] = {"enum": allowed, "default": default,
+                                "description": "Not supported by this server: any other "
+                                               "value is a 400."}

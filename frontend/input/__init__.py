@@ -1,0 +1,1 @@
+"""The input side: rendering, tokenization, budgets, media, bounds and structured output checks."""

@@ -1,0 +1,1 @@
+"""The OpenAI face: chat completions, completions, /tokenize and /detokenize."""

@@ -1,0 +1,555 @@
+"""OpenAI's Responses API (`/v1/responses`) as a translation layer over the chat pipeline.
+
+A create request becomes a `ChatCompletionRequest` (instructions -> system message, input
+items -> chat messages, function tools -> chat tools, `text.format` -> response_format) and
+runs through `pipeline.start_job` with stream off: same renderer, engine, reasoning and
+tool-call parsers. Its frames become output items (`frontend.core.protocol_edge.Blocks`):
+`reasoning` (from the reasoning parser), `message` (content) and `function_call` (from the
+tool-call parser), in the order the model wrote them, as one JSON body or as the Responses
+event stream (response.created, response.output_item.added, response.content_part.added,
+response.output_text.delta, ..., response.completed).
+
+Stored responses (`store`, default true) live in this frontend's memory, in an LRU bounded by
+`--max-stored-responses`: `GET /v1/responses/{id}` returns them and `previous_response_id`
+continues their conversation. They are not shared between frontends (docs/responses-api.md).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from contextlib import aclosing
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from frontend.base.api_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ContentPart,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+)
+from frontend.base.errors import APIError, bad_request
+from frontend.core import pipeline
+from frontend.core.input_stage import chat_input
+from frontend.core.protocol_edge import (
+    Block,
+    BlockEvent,
+    Blocks,
+    Outcome,
+    block_events,
+    function_tool,
+    gather,
+    renamed,
+    sse,
+)
+from frontend.core.sampling import check_request
+from frontend.core.serving_context import (
+    ServingContext,
+    check_model,
+    sse_response,
+    structured_settings,
+)
+from frontend.input.structured import check_tool_names
+from frontend.responses.models import (
+    NEUTRAL_VALUES,
+    UNSUPPORTED_WHEN_SET,
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
+    DeletedResponse,
+    FunctionCallItem,
+    IncompleteDetails,
+    InputItem,
+    InputPart,
+    InputTokens,
+    InputTokensDetails,
+    InputTokensRequest,
+    LifecycleEvent,
+    MessageItem,
+    OutputItem,
+    OutputItemEvent,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    ResponseError,
+    ResponseFormatOut,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    StreamError,
+    TextDeltaEvent,
+    TextDoneEvent,
+    TextOut,
+)
+from shared.tool_specs import ChatTool
+
+_json = msgspec.json.Encoder()
+DEFAULT_MAX_STORED = 1000
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Chat fields whose checks (after translation) name them as this API does.
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input",
+                "tool_choice.function.name": "tool_choice.name"}
+
+
+# ---------------------------------------------------------------- the store
+
+
+class StoredResponse(msgspec.Struct):
+    response: ResponseObject
+    # The conversation so far without the instructions (a follow-up's own instructions
+    # replace them, as OpenAI's do): input messages, then this response's answer.
+    conversation: list[ChatMessage]
+
+
+class ResponseStore:
+    """Stored responses of this frontend: at most `capacity`, least recently used evicted
+    first; 0 stores nothing."""
+
+    def __init__(self, capacity: int = DEFAULT_MAX_STORED) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        stored = self._items.get(response_id)
+        if stored is not None:
+            self._items.move_to_end(response_id)
+        return stored
+
+    def put(self, stored: StoredResponse) -> None:
+        if self.capacity <= 0:
+            return
+        self._items[stored.response.id] = stored
+        self._items.move_to_end(stored.response.id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
+
+
+def _not_found(response_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param)
+
+
+# ---------------------------------------------------------------- request -> chat request
+
+
+def check_unsupported(request: ResponsesRequest) -> None:
+    for field, default in UNSUPPORTED_WHEN_SET:
+        value = getattr(request, field)
+        if value != default and value not in NEUTRAL_VALUES.get(field, ()):
+            raise bad_request(f"'{field}' is not supported by this server", field)
+    if request.truncation == "auto":
+        raise bad_request("truncation 'auto' is not supported: an input that does not fit is "
+                          "a 400; drop earlier items yourself", "truncation")
+    if request.top_logprobs or _LOGPROBS_INCLUDE in (request.include or ()):
+        raise bad_request("logprobs are not supported on /v1/responses; use "
+                          "/v1/chat/completions", "top_logprobs")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def _part_text(part: InputPart, param: str) -> str:
+    if part.type in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
+        return part.text or ""
+    if part.type == "refusal":
+        return part.refusal or ""
+    raise bad_request(f"content of type {part.type!r} is not supported (text only)", param)
+
+
+def _text(content: str | list[InputPart] | None, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(_part_text(p, param) for p in content)
+
+
+def _input_content(content: str | list[InputPart] | None, param: str
+                   ) -> str | list[ContentPart]:
+    """A user or system message's content: its text, or with input_image parts the parts
+    in order, as chat image_url parts (frontend.input.multimodal takes them from there)."""
+    if not isinstance(content, list) or all(p.type != "input_image" for p in content):
+        return _text(content, param)
+    parts = []
+    for i, part in enumerate(content):
+        if part.type != "input_image":
+            parts.append(ContentPart(type="text", text=_part_text(part, param)))
+        elif part.image_url is None:
+            raise bad_request("input_image needs image_url (file_id is not supported)",
+                              f"{param}[{i}].image_url")
+        else:
+            parts.append(ContentPart(type="image_url", image_url={
+                "url": part.image_url, "detail": part.detail or "auto"}))
+    return parts
+
+
+def input_messages(items: str | list[InputItem] | None) -> list[ChatMessage]:
+    """Input items -> chat messages. A function_call joins the assistant message before it
+    (or starts one); a reasoning item goes with the assistant message that follows it."""
+    if items is None:
+        return []
+    if isinstance(items, str):
+        return [ChatMessage(role="user", content=items)]
+    out: list[ChatMessage] = []
+    reasoning: list[str] = []
+
+    def assistant() -> ChatMessage:
+        if out and out[-1].role == "assistant" and not reasoning:
+            return out[-1]
+        message = ChatMessage(role="assistant", content="",
+                              reasoning_content="\n".join(reasoning) or None)
+        reasoning.clear()
+        out.append(message)
+        return message
+
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        if item.type == "message":
+            if item.role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"unknown message role {item.role!r}", param + ".role")
+            if item.role == "assistant":
+                message = assistant()
+                message.content = (message.content or "") + _text(item.content,
+                                                                  param + ".content")
+            else:
+                out.append(ChatMessage(role=item.role,
+                                       content=_input_content(item.content, param + ".content")))
+        elif item.type == "function_call":
+            if not item.call_id or not item.name:
+                raise bad_request("a function_call item needs call_id and name", param)
+            message = assistant()
+            message.tool_calls = [*(message.tool_calls or []), {
+                "id": item.call_id, "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments or "{}"}}]
+        elif item.type == "function_call_output":
+            if not item.call_id:
+                raise bad_request("a function_call_output item needs call_id", param)
+            out.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                   content=_text(item.output, param + ".output")))
+        elif item.type == "reasoning":
+            parts = item.content if isinstance(item.content, list) else item.summary or []
+            reasoning.append("\n".join(_part_text(p, param) for p in parts))
+        else:
+            raise bad_request(f"input items of type {item.type!r} are not supported", param)
+    return out
+
+
+def chat_tools(request: ResponsesRequest | InputTokensRequest) -> list[ChatTool] | None:
+    if not request.tools:
+        return None
+    tools = []
+    for i, tool in enumerate(request.tools):
+        if tool.type != "function":
+            raise bad_request(f"tools of type {tool.type!r} are not supported (function "
+                              "tools only)", f"tools[{i}].type")
+        if tool.name is None:
+            raise bad_request("a function tool needs a name", f"tools[{i}].name")
+        tools.append(function_tool(tool.name, tool.parameters, tool.description, tool.strict))
+    check_tool_names([t.function.name for t in tools], "tools[{}].name")
+    return tools
+
+
+def chat_tool_choice(choice) -> str | NamedToolChoice | None:
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("a function tool_choice needs a name", "tool_choice.name")
+        return NamedToolChoice(type="function", function=NamedFunction(name))
+    raise bad_request('tool_choice must be "none", "auto", "required" or '
+                      '{"type": "function", "name": ...}', "tool_choice")
+
+
+def chat_response_format(request: ResponsesRequest | InputTokensRequest
+                         ) -> ResponseFormat | None:
+    fmt = request.text.format if request.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+        name=fmt.name, description=fmt.description, schema=fmt.schema, strict=fmt.strict))
+
+
+def conversation(request: ResponsesRequest | InputTokensRequest, store: ResponseStore
+                 ) -> list[ChatMessage]:
+    """The earlier turns (previous_response_id) and this request's input, as chat messages."""
+    history: list[ChatMessage] = []
+    if request.previous_response_id is not None:
+        stored = store.get(request.previous_response_id)
+        if stored is None:
+            raise _not_found(request.previous_response_id, "previous_response_id")
+        history = list(stored.conversation)
+    return history + input_messages(request.input)
+
+
+def to_chat(request: ResponsesRequest, messages: list[ChatMessage], request_id: str
+            ) -> ChatCompletionRequest:
+    if request.instructions:
+        messages = [ChatMessage(role="system", content=request.instructions), *messages]
+    if not messages:
+        raise bad_request("input must not be empty", "input")
+    prefill = request.continue_final_message
+    return ChatCompletionRequest(
+        messages=messages,
+        model=request.model,
+        max_completion_tokens=request.max_output_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        tools=chat_tools(request),
+        # "auto" is this API's default, so it is fine without tools (chat's is not).
+        tool_choice=(None if request.tool_choice == "auto" and not request.tools
+                     else chat_tool_choice(request.tool_choice)),
+        parallel_tool_calls=request.parallel_tool_calls,
+        response_format=chat_response_format(request),
+        stream=False,  # the chat pipeline writes no chunk bytes; we shape the frames here
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        seed=request.seed,
+        stop=request.stop,
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        request_id=request_id,
+        cache_salt=request.cache_salt,
+        priority=request.priority,
+        chat_template_kwargs=request.chat_template_kwargs,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+    )
+
+
+# ---------------------------------------------------------------- frames -> output items
+
+
+class _Shaper(msgspec.Struct):
+    """One response under way: its skeleton, ids and the stream's sequence numbers."""
+
+    base: ResponseObject
+    hex: str
+    prompt_tokens: int
+    seq: int = 0
+
+    def item_id(self, block: Block) -> str:
+        prefix = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}[block.kind]
+        return f"{prefix}_{self.hex}{block.index}"
+
+    def item(self, block: Block, status: str) -> OutputItem:
+        item_id = self.item_id(block)
+        if block.kind == "reasoning":
+            return ReasoningItem(item_id, status, [ReasoningText(block.text)])
+        if block.kind == "text":
+            return MessageItem(item_id, status, [OutputText(block.text)])
+        return FunctionCallItem(item_id, status, block.call_id, block.name, block.text)
+
+    def final(self, outcome: Outcome) -> ResponseObject:
+        last = outcome.last
+        items = [self.item(b, "completed") for b in outcome.blocks]
+        changes: dict = {}
+        if last.finish_reason == "length":
+            changes.update(status="incomplete",
+                           incomplete_details=IncompleteDetails("max_output_tokens"))
+            if items:
+                items[-1] = self.item(outcome.blocks[-1], "incomplete")
+        elif last.finish_reason == "abort":
+            changes.update(status="cancelled")
+        else:
+            changes.update(status="completed", completed_at=int(time.time()))
+        output_tokens = last.num_output_tokens
+        usage = ResponseUsage(self.prompt_tokens, output_tokens,
+                              self.prompt_tokens + output_tokens,
+                              InputTokensDetails(outcome.num_cached_tokens))
+        return msgspec.structs.replace(self.base, output=items, usage=usage, **changes)
+
+    # ------------------------------------------------------------ stream events
+
+    def event(self, event_type: str, make) -> bytes:
+        """`make(type, sequence_number)` builds the event; numbers count from 0."""
+        data = _json.encode(make(event_type, self.seq))
+        self.seq += 1
+        return sse(event_type, data)
+
+    def lifecycle(self, event_type: str, response: ResponseObject) -> bytes:
+        return self.event(event_type, lambda t, s: LifecycleEvent(t, s, response))
+
+    def error(self, error: APIError) -> bytes:
+        code = "server_error" if error.status >= 500 else "invalid_prompt"
+        return self.event("error", lambda t, s: StreamError(s, error.message, code, error.param))
+
+    def block_events(self, ev: BlockEvent, done: str = "completed") -> list[bytes]:
+        """A block's open, delta or close as events; `done` is the closed item's status."""
+        block = ev.block
+        item_id = self.item_id(block)
+        out = []
+
+        def emit(event_type: str, make) -> None:
+            out.append(self.event(event_type, make))
+
+        text_kind = "output_text" if block.kind == "text" else "reasoning_text"
+        part = OutputText if block.kind == "text" else ReasoningText
+        logprobs = [] if block.kind == "text" else None
+        if ev.what == "open":
+            empty = self.item(block, "in_progress")
+            if block.kind != "tool_call":
+                empty.content = []
+            emit("response.output_item.added",
+                 lambda t, s: OutputItemEvent(t, s, block.index, empty))
+            if block.kind != "tool_call":
+                emit("response.content_part.added",
+                     lambda t, s: ContentPartEvent(t, s, item_id, block.index, 0, part("")))
+        elif ev.what == "delta":
+            if block.kind == "tool_call":
+                emit("response.function_call_arguments.delta",
+                     lambda t, s: ArgumentsDeltaEvent(s, item_id, block.index, ev.delta))
+            else:
+                emit(f"response.{text_kind}.delta", lambda t, s: TextDeltaEvent(
+                    t, s, item_id, block.index, 0, ev.delta, logprobs))
+        else:
+            if block.kind == "tool_call":
+                emit("response.function_call_arguments.done", lambda t, s: ArgumentsDoneEvent(
+                    s, item_id, block.index, block.name, block.text))
+            else:
+                emit(f"response.{text_kind}.done", lambda t, s: TextDoneEvent(
+                    t, s, item_id, block.index, 0, block.text, logprobs))
+                emit("response.content_part.done",
+                     lambda t, s: ContentPartEvent(t, s, item_id, block.index, 0,
+                                                   part(block.text)))
+            emit("response.output_item.done", lambda t, s: OutputItemEvent(
+                t, s, block.index, self.item(block, done)))
+        return out
+
+
+def _answer_message(blocks: list[Block]) -> ChatMessage:
+    """The answer as the assistant turn a follow-up's conversation continues from."""
+    text = "".join(b.text for b in blocks if b.kind == "text")
+    reasoning = "\n".join(b.text for b in blocks if b.kind == "reasoning")
+    calls = [{"id": b.call_id, "type": "function",
+              "function": {"name": b.name, "arguments": b.text}}
+             for b in blocks if b.kind == "tool_call"]
+    # "" rather than null beside tool calls: templates that concatenate content (SmolLM2's)
+    # fail on null, and the ones that render calls treat both alike.
+    return ChatMessage(role="assistant", content=text,
+                       tool_calls=calls or None, reasoning_content=reasoning or None)
+
+
+def _skeleton(ctx: ServingContext, request: ResponsesRequest, response_id: str) -> ResponseObject:
+    fmt = request.text.format if request.text is not None else None
+    text = TextOut(ResponseFormatOut(type="text") if fmt is None else ResponseFormatOut(
+        type=fmt.type, name=fmt.name, description=fmt.description, schema=fmt.schema,
+        strict=fmt.strict))
+    return ResponseObject(
+        id=response_id, created_at=int(time.time()), model=ctx.model_name,
+        status="in_progress", output=[],
+        parallel_tool_calls=(True if request.parallel_tool_calls is None
+                             else request.parallel_tool_calls),
+        tool_choice=request.tool_choice if request.tool_choice is not None else "auto",
+        tools=list(request.tools or []), text=text, store=request.store is not False,
+        instructions=request.instructions, max_output_tokens=request.max_output_tokens,
+        previous_response_id=request.previous_response_id, reasoning=request.reasoning,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        metadata=request.metadata or {}, user=request.user,
+    )
+
+
+# ---------------------------------------------------------------- handlers
+
+
+async def create(ctx: ServingContext, http: Request, request: ResponsesRequest, store: ResponseStore
+                 ) -> Response:
+    check_unsupported(request)
+    messages = conversation(request, store)
+    hex_id = uuid.uuid4().hex
+    chat = to_chat(request, messages, request.request_id or hex_id)
+    try:
+        job, frames = await pipeline.start_job(ctx, http, chat, prefix="resp")
+    except APIError as exc:
+        raise renamed(exc, _FIELD_NAMES) from exc
+    shaper = _Shaper(_skeleton(ctx, request, f"resp_{hex_id}"), hex_id, job.num_prompt_tokens)
+
+    def remember(response: ResponseObject, blocks: list[Block]) -> None:
+        if response.store and response.status in ("completed", "incomplete"):
+            store.put(StoredResponse(response, [*messages, _answer_message(blocks)]))
+
+    if request.stream:
+        return sse_response(_stream(shaper, frames, remember))
+    outcome = await gather(frames)
+    if not outcome.finished:
+        return Response(status_code=499)  # the client left; nobody reads this
+    response = shaper.final(outcome)
+    remember(response, outcome.blocks)
+    return Response(_json.encode(response), media_type="application/json")
+
+
+async def _stream(shaper: _Shaper, frames, remember):
+    yield shaper.lifecycle("response.created", shaper.base)
+    yield shaper.lifecycle("response.in_progress", shaper.base)
+    blocks = Blocks()
+    try:
+        async with aclosing(block_events(frames, blocks)) as events:
+            async for ev in events:
+                for chunk in shaper.block_events(ev):
+                    yield chunk
+    except APIError as error:
+        code = "server_error" if error.status >= 500 else "invalid_prompt"
+        yield shaper.error(error)
+        failed = msgspec.structs.replace(
+            shaper.base, status="failed", error=ResponseError(code, error.message),
+            output=[shaper.item(b, "incomplete") for b in blocks.blocks])
+        yield shaper.lifecycle("response.failed", failed)
+        return
+    outcome = blocks.outcome()
+    if not outcome.finished:
+        return  # the client left
+    # The last block is cut short when the token limit ended the answer.
+    done = "incomplete" if outcome.last.finish_reason == "length" else "completed"
+    for ev in blocks.finish():
+        for chunk in shaper.block_events(ev, done):
+            yield chunk
+    response = shaper.final(outcome)
+    remember(response, outcome.blocks)
+    final = "response.incomplete" if response.status == "incomplete" else "response.completed"
+    yield shaper.lifecycle(final, response)
+
+
+def retrieve(store: ResponseStore, response_id: str) -> ResponseObject:
+    stored = store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored.response
+
+
+def delete(store: ResponseStore, response_id: str) -> DeletedResponse:
+    if not store.delete(response_id):
+        raise _not_found(response_id)
+    return DeletedResponse(response_id)
+
+
+async def input_tokens(ctx: ServingContext, request: InputTokensRequest, store: ResponseStore
+                       ) -> InputTokens:
+    """What the create request's prompt would be, in tokens: rendered and tokenized as it."""
+    if request.conversation is not None:
+        raise bad_request("'conversation' is not supported by this server", "conversation")
+    messages = conversation(request, store)
+    chat = to_chat(ResponsesRequest(
+        model=request.model, instructions=request.instructions, tools=request.tools,
+        tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
+        text=request.text), messages, uuid.uuid4().hex)
+    check_model(ctx, chat.model)
+    try:
+        check_request(chat, structured_settings(ctx), ctx.limits)
+    except APIError as exc:
+        raise renamed(exc, _FIELD_NAMES) from exc
+    prompt = await chat_input(ctx, chat)
+    return InputTokens(prompt.num_tokens)
