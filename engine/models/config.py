@@ -315,10 +315,8 @@ def _gguf_rope_scaling(reader, meta, tensor_names: set[str]) -> RopeScaling | No
         if kind not in ("none", "linear") or float(meta("rope.scaling.factor", 1.0)) != 1.0:
             raise ValueError(f"GGUF rope_freqs beside rope.scaling.type {kind!r} is not "
                              "supported")
-        tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        factors = np.asarray(tensor.data, dtype=np.float32).ravel()
         return RopeScaling(rope_type="freq_factors",
-                           freq_factors=tuple(float(f) for f in factors))
+                           freq_factors=gguf_tensor_values(reader, "rope_freqs.weight"))
     if kind == "none":
         return None
     return RopeScaling(rope_type=kind, factor=float(meta("rope.scaling.factor")))
@@ -344,6 +342,14 @@ def _gguf_value(reader: gguf.GGUFReader, key: str, default=_MISSING):
     if default is _MISSING:
         raise ValueError(f"GGUF metadata lacks {key!r}")
     return default
+
+
+def gguf_tensor_values(reader: gguf.GGUFReader, name: str) -> tuple[float, ...] | None:
+    """A small float tensor a GGUF file stores as configuration (rope factors), or None."""
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return tuple(float(v) for v in np.asarray(tensor.data, dtype=np.float32).ravel())
+    return None
 
 
 def _gguf_embedding_rows(reader: gguf.GGUFReader) -> int:

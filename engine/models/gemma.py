@@ -12,6 +12,8 @@ scores and the final logits.
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,9 @@ from engine.models.config import (
     HFConfig,
     LayerAttention,
     ModelConfig,
+    config_from_gguf,
     config_from_hf,
+    gguf_arch_value,
     hf_rope,
     hf_rope_parameters,
     layer_windows,
@@ -32,9 +36,17 @@ from engine.models.rotary import RotaryEmbedding
 
 class GemmaOptions(msgspec.Struct, frozen=True):
     final_logit_softcapping: float | None = None
+    # llama.cpp's GGUF files store each norm weight as (1 + w) already.
+    norms_hold_one: bool = False
     # Gemma 3: the sliding layers' rotary base and scaling (the global ones': the config's).
     local_rope_theta: float | None = None
     local_rope_scaling: object | None = None
+
+
+def _norm_offset(config: ModelConfig) -> float:
+    """What the (1 + w) RMSNorm adds to a stored norm weight: 1, or 0 where the file holds
+    1 + w already (GGUF)."""
+    return 0.0 if config.family_options.norms_hold_one else 1.0
 
 
 class GemmaLayer(DecoderLayer):
@@ -48,7 +60,7 @@ class GemmaModel(LlamaModel):
         super().__init__(config, weights, max_positions, dtype, device, ops=ops,
                          quantized=quantized)
         options = config.family_options
-        self.norm = self.norm + 1  # (1 + w) RMSNorm
+        self.norm = self.norm + _norm_offset(config)
         self.local_rope = self.rope
         if options.local_rope_theta is not None:
             self.local_rope = RotaryEmbedding(config, max_positions, dtype, device,
@@ -63,7 +75,7 @@ class GemmaModel(LlamaModel):
         attn = p + "self_attn."
 
         def norm(name: str) -> torch.Tensor:
-            return w(name) + 1
+            return w(name) + _norm_offset(self.config)
 
         return GemmaLayer(
             input_norm=norm(p + "input_layernorm.weight"),
@@ -176,3 +188,54 @@ def read_gemma3_config(raw: bytes) -> ModelConfig:
                            local_rope_theta=local_theta, local_rope_scaling=local_scaling)
     return config_from_hf(hf, "gemma3", max_positions, rope=full, qk_norm=True,
                           layer_attention=_layers(hf, windows, None), family_options=options)
+
+
+# --- GGUF (llama.cpp's convert_hf_to_gguf.py) ---------------------------------------------------
+
+# llama.cpp's names for Gemma's four block norms (its ffn_norm is the pre-feedforward one).
+GGUF_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def _gguf_layers(reader, pattern: int, layers_27b: int, softcap) -> tuple[LayerAttention, ...]:
+    """Each layer's attention as llama.cpp computes it from the file: every `pattern`-th
+    layer global, the rest windowed (or the file's own per-layer pattern); the score scale
+    1 / sqrt(head_dim), except for the 27B models (told by their layer count, as llama.cpp
+    tells them), whose query_pre_attn_scalar is hidden / heads."""
+    meta = functools.partial(gguf_arch_value, reader)
+    layers, window = meta("block_count"), meta("attention.sliding_window")
+    require(window > 0, "GGUF attention.sliding_window", f"{window} is not a positive window")
+    stated = meta("attention.sliding_window_pattern", None)
+    if isinstance(stated, list):
+        require(len(stated) == layers, "GGUF attention.sliding_window_pattern",
+                f"{len(stated)} entries for {layers} layers")
+        windowed = [bool(w) for w in stated]
+    else:
+        every = stated or pattern
+        windowed = [bool((i + 1) % every) for i in range(layers)]
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    scalar = hidden / heads if layers == layers_27b else meta("attention.key_length")
+    return tuple(LayerAttention(window=window if w else None, scale=scalar**-0.5,
+                                softcap=softcap) for w in windowed)
+
+
+def read_gemma2_gguf(reader) -> ModelConfig:
+    meta = functools.partial(gguf_arch_value, reader)
+    return config_from_gguf(
+        reader, layer_attention=_gguf_layers(reader, 2, 46, meta("attn_logit_softcapping", None)),
+        family_options=GemmaOptions(final_logit_softcapping=meta("final_logit_softcapping", None),
+                                    norms_hold_one=True))
+
+
+def read_gemma3_gguf(reader) -> ModelConfig:
+    """Gemma 3: the file's rotary base and scaling are the global layers'; the sliding
+    layers' base is rope.freq_base_swa where written, else llama.cpp's 10000, unscaled."""
+    meta = functools.partial(gguf_arch_value, reader)
+    options = GemmaOptions(final_logit_softcapping=meta("final_logit_softcapping", None),
+                           local_rope_theta=float(meta("rope.freq_base_swa", 10000.0)),
+                           norms_hold_one=True)
+    return config_from_gguf(reader, qk_norm=True, family_options=options,
+                            layer_attention=_gguf_layers(reader, 6, 62, None))

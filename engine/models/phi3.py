@@ -5,13 +5,20 @@ window over every layer where the config sets one."""
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 import torch
 
 from engine.models.config import (
     HFConfig,
+    LayerAttention,
     ModelConfig,
+    RopeScaling,
+    config_from_gguf,
     config_from_hf,
+    gguf_arch_value,
+    gguf_tensor_values,
     require,
     whole_model_window,
 )
@@ -68,3 +75,34 @@ def read_phi3_config(raw: bytes) -> ModelConfig:
         hf.rope_parameters, hf.rope_scaling = params, None
     return config_from_hf(hf, "phi3", max_positions,
                           layer_attention=whole_model_window(hf, max_positions))
+
+
+# --- GGUF (llama.cpp's convert_hf_to_gguf.py) ---------------------------------------------------
+
+# llama.cpp keeps Phi-3's fused projections, under these names.
+GGUF_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+
+
+def read_phi3_gguf(reader) -> ModelConfig:
+    """head_dim is hidden / heads (rope.dimension_count is the rotary width, less than the
+    head for Phi-4-mini); LongRoPE's factors are the rope_factors_short / _long tensors;
+    a sliding_window of 0 means none (llama.cpp's mark for Phi-4)."""
+    meta = functools.partial(gguf_arch_value, reader)
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    head_dim = hidden // heads
+    rotary = meta("rope.dimension_count", head_dim)
+    require(0 < rotary <= head_dim and rotary % 2 == 0, "GGUF rope.dimension_count",
+            f"{rotary} is not an even width within the head ({head_dim})")
+    fields = dict(head_dim=head_dim, rotary_dim=None if rotary == head_dim else rotary)
+    long = gguf_tensor_values(reader, "rope_factors_long.weight")
+    if long is not None:
+        attention_factor = meta("rope.scaling.attn_factor", None)
+        fields["rope_scaling"] = RopeScaling(
+            rope_type="longrope", long_factor=long,
+            short_factor=gguf_tensor_values(reader, "rope_factors_short.weight"),
+            original_max_position_embeddings=meta("rope.scaling.original_context_length"),
+            attention_factor=None if attention_factor is None else float(attention_factor))
+    window, context = meta("attention.sliding_window", 0), meta("context_length")
+    if 0 < window < context:
+        fields["layer_attention"] = (LayerAttention(window=window),) * meta("block_count")
+    return config_from_gguf(reader, **fields)

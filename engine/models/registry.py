@@ -27,6 +27,9 @@ class Family(msgspec.Struct, frozen=True):
     model_class: type
     gguf_architectures: tuple[str, ...] = ()
     read_gguf_config: Callable | None = None  # GGUFReader -> ModelConfig
+    # llama.cpp block tensor names that mean something else in this family than in Llama's
+    # (engine.models.weights), e.g. Phi-3's fused attn_qkv.
+    gguf_layer_names: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 FAMILIES = (
@@ -48,11 +51,14 @@ FAMILIES = (
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), moe.read_mixtral_config,
            moe.mixtral_tensor_shapes, moe.MixtralModel),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), gemma.read_gemma2_config,
-           gemma.tensor_shapes, gemma.GemmaModel),
+           gemma.tensor_shapes, gemma.GemmaModel, ("gemma2",), gemma.read_gemma2_gguf,
+           gemma.GGUF_LAYER_NAMES),
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), gemma.read_gemma3_config,
-           gemma.tensor_shapes, gemma.GemmaModel),
+           gemma.tensor_shapes, gemma.GemmaModel, ("gemma3",), gemma.read_gemma3_gguf,
+           gemma.GGUF_LAYER_NAMES),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), phi3.read_phi3_config,
-           phi3.tensor_shapes, phi3.Phi3Model),
+           phi3.tensor_shapes, phi3.Phi3Model, ("phi3",), phi3.read_phi3_gguf,
+           phi3.GGUF_LAYER_NAMES),
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss.read_gpt_oss_config,
            gpt_oss.tensor_shapes, gpt_oss.GptOssModel),
 )

@@ -39,7 +39,8 @@ _GGUF_LAYER_NAMES = {
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                       "ffn_down_exps": "down_proj"}
 # Tensors a GGUF file stores that are configuration, read by engine.models.config.
-_GGUF_CONFIG_TENSORS = {"rope_freqs.weight"}
+_GGUF_CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight",
+                        "rope_factors_short.weight"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -79,8 +80,15 @@ def _check_complete(weights: dict[str, torch.Tensor], expected: dict[str, tuple[
 # --- GGUF -------------------------------------------------------------------------------------
 
 
+def _family_names(config: ModelConfig) -> dict[str, str]:
+    from engine.models.registry import family_of  # the registry imports the model modules
+
+    return {**_GGUF_LAYER_NAMES, **family_of(config).gguf_layer_names}
+
+
 def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
     weights = {}
+    layer_names = _family_names(config)
     for tensor in gguf_reader(path).tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
@@ -93,7 +101,7 @@ def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
                                  f"{unexpected[0]} in this model)")
             weights.update({name: _to_torch(array[e], dtype) for e, name in enumerate(experts)})
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, layer_names)
         if name not in expected:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -120,9 +128,10 @@ def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, Qu
     if not model_path.endswith(".gguf"):
         return {}
     found = {}
+    layer_names = _family_names(config)
     for tensor in gguf_reader(model_path).tensors:
         kind = BLOCK_KINDS.get(tensor.tensor_type.name)
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, layer_names)
         if kind is None or name is None or len(tensor.shape) != 2:
             continue
         rows = _undo_rope_permute(np.asarray(tensor.data), tensor.name, config)
@@ -141,14 +150,15 @@ def _expert_names(gguf_name: str, count: int) -> list[str] | None:
             for e in range(count)]
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """Map `blk.3.attn_q.weight` to `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+def _hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:
+    """Map `blk.3.attn_q.weight` to `model.layers.3.self_attn.q_proj.weight`; None if unknown.
+    layer_names: the family's block names (_family_names)."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     return None
 
 

@@ -13,6 +13,7 @@ import re
 import shutil
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -488,6 +489,145 @@ def test_llama3_gguf_reads_rope_freqs(tmp_path):
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
         assert tokens[i] == ref.tokens[i]
+
+
+def _write_mapped_gguf(folder: str, path: str, arch, layers: int, metadata, shift_norms=False,
+                       extra_tensors=()) -> None:
+    """A GGUF of the checkpoint under llama.cpp's own tensor names (gguf's TensorNameMap,
+    not our loader's), float32; Gemma's norms stored as 1 + w, as convert_hf_to_gguf.py
+    writes them. metadata(writer) adds the architecture's keys."""
+    import gguf
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    names = gguf.get_tensor_name_map(arch, layers)
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    metadata(writer)
+    for name, tensor in sorted(tensors.items()):
+        mapped = names.get_name(name.removesuffix(".weight"))
+        assert mapped is not None, name
+        if shift_norms and name.endswith("norm.weight"):
+            tensor = tensor + 1
+        writer.add_tensor(f"{mapped}.weight", tensor.numpy())
+    for gguf_name, tensor in extra_tensors:  # already in llama.cpp's names
+        writer.add_tensor(f"{gguf_name}.weight", tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _common_metadata(writer, hf, head_dim: int) -> None:
+    writer.add_context_length(hf.max_position_embeddings)
+    writer.add_embedding_length(hf.hidden_size)
+    writer.add_feed_forward_length(hf.intermediate_size)
+    writer.add_block_count(hf.num_hidden_layers)
+    writer.add_head_count(hf.num_attention_heads)
+    writer.add_head_count_kv(hf.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+
+
+def _gemma_gguf_metadata(case: str, hf):
+    import gguf
+
+    def metadata(writer) -> None:
+        _common_metadata(writer, hf, hf.head_dim)
+        writer.add_sliding_window(hf.sliding_window)
+        # Which layers are windowed: the real models' every-2nd / every-6th global layer is
+        # the reader's default; three layers need the explicit form.
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in hf.layer_types])
+        if case == "gemma2":
+            writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+            writer.add_attn_logit_softcapping(hf.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(hf.final_logit_softcapping)
+        else:  # the global layers' rotary base and scaling; the sliding ones' base
+            full = hf.rope_parameters["full_attention"]
+            writer.add_rope_freq_base(full["rope_theta"])
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+            writer.add_rope_freq_base_swa(hf.rope_parameters["sliding_attention"]["rope_theta"])
+    return metadata
+
+
+def _phi3_gguf_metadata(hf):
+    def metadata(writer) -> None:
+        import math
+
+        rope = hf.rope_parameters
+        _common_metadata(writer, hf, hf.hidden_size // hf.num_attention_heads)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0)
+                                            * hf.hidden_size) // hf.num_attention_heads)
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = hf.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_sliding_window(0)
+    return metadata
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "phi3", "phi4_mini"])
+def test_llama_cpp_gguf_of_the_family(tmp_path, case):
+    """The file convert_hf_to_gguf.py writes for the checkpoint (llama.cpp's names, Gemma's
+    norms as 1 + w, Phi-3's fused projections and LongRoPE factor tensors, Phi-4-mini's
+    rotary width) serves transformers' tokens and logits. Gemma's score scale is
+    1 / sqrt(head_dim) here: llama.cpp's files do not store query_pre_attn_scalar."""
+    import gguf
+
+    config_cls, model_cls, overrides = CASES[case]
+    if case.startswith("gemma"):
+        overrides = {**overrides, "query_pre_attn_scalar": overrides["head_dim"]}
+    kwargs = {**TINY, **overrides}
+    ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8)
+    hf = config_cls(**kwargs)
+    path = str(tmp_path / f"tiny-{case}.gguf")
+    if case.startswith("gemma"):
+        arch = gguf.MODEL_ARCH.GEMMA2 if case == "gemma2" else gguf.MODEL_ARCH.GEMMA3
+        _write_mapped_gguf(ref.path, path, arch, hf.num_hidden_layers,
+                           _gemma_gguf_metadata(case, hf), shift_norms=True)
+    else:
+        rope = hf.rope_parameters
+        factors = [(f"rope_factors_{kind}", torch.tensor(rope[f"{kind}_factor"]))
+                   for kind in ("long", "short")]
+        _write_mapped_gguf(ref.path, path, gguf.MODEL_ARCH.PHI3, hf.num_hidden_layers,
+                           _phi3_gguf_metadata(hf), extra_tensors=factors)
+    config = load_model_config(path)
+    assert config.architecture == EXPECTED[case][0]
+    tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
+    for i in range(len(ref.prompts)):
+        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+        assert tokens[i] == ref.tokens[i]
+
+
+@pytest.mark.parametrize(("arch", "layers", "globals_", "scalar"), [
+    ("gemma2", 4, {1, 3}, 16), ("gemma3", 12, {5, 11}, 16),
+    ("gemma2", 46, set(range(1, 46, 2)), 64 / 4), ("gemma3", 62, set(range(5, 62, 6)), 64 / 4)])
+def test_gemma_gguf_layers_as_llama_cpp_reads_them(tmp_path, arch, layers, globals_, scalar):
+    """Without a stated pattern, every 2nd (Gemma 2) or 6th (Gemma 3) layer is global; the
+    score scale is 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 27B models, told
+    by their layer count (46, 62) as llama.cpp tells them."""
+    import gguf
+
+    path = str(tmp_path / "meta.gguf")
+    writer = gguf.GGUFWriter(path, arch)
+    for add, value in ((writer.add_context_length, 128), (writer.add_embedding_length, 64),
+                       (writer.add_feed_forward_length, 32), (writer.add_block_count, layers),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2),
+                       (writer.add_key_length, 16), (writer.add_value_length, 16),
+                       (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_sliding_window, 8)):
+        add(value)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = load_model_config(path)
+    attention = [config.attention_of(i) for i in range(layers)]
+    assert {i for i, a in enumerate(attention) if a.window is None} == globals_
+    assert {a.window for a in attention if a.window is not None} == {8}
+    assert {a.scale for a in attention} == {scalar**-0.5}
 
 
 def test_mixtral_gguf_refused(tmp_path):
