@@ -14,9 +14,11 @@ from engine.grammar import GrammarMasks, step_masks
 from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
 from engine.multimodal import step_embeddings
+from engine.pooling import pool_chunks
 from engine.records import SampledToken
 from engine.sampler import SamplingRows, row_generators, sample, token_logprobs, token_ranks
 from engine.spec_decode import DraftCheck, verify
+from shared.pooling_config import PoolerConfig
 from shared.protocol import TokenLogprobs
 
 log = logging.getLogger("sluice.engine")
@@ -42,6 +44,8 @@ class StepResult(msgspec.Struct):
     failed: dict[str, str] = msgspec.field(default_factory=dict)
     # By request id: the tokens verifying its draft gave after its sampled one, in order.
     verified: dict[str, list[SampledToken]] = msgspec.field(default_factory=dict)
+    # By request id: the pooled vector of each pooling request in the step (engine.pooling).
+    pooled: dict[str, np.ndarray] = msgspec.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -51,8 +55,10 @@ class ModelRunner:
         backend: AttentionBackend,
         vocab_size: int,
         vision=None,
+        pooler: PoolerConfig | None = None,
     ) -> None:
         self.model = model
+        self.pooler = pooler  # set: a pooling runner (vLLM's --runner pooling)
         self.backend = backend
         self.vocab_size = vocab_size
         self.vision = vision  # a VLM's encoder (engine.models.idefics3); None: text only
@@ -77,6 +83,8 @@ class ModelRunner:
             mask_error = exc
         failed: dict[str, str] = {}
         result = StepResult([], self._prompt_logprobs(chunks, hidden, failed), failed)
+        if self.pooler is not None:
+            result.pooled = self._pool(chunks, hidden, failed)
         if seqs:
             sampling = [c for c in chunks if c.samples]
             checks, draft_rows = _draft_rows(sampling, sample_rows.tolist())
@@ -165,6 +173,19 @@ class ModelRunner:
                     top_lps[r, :n].cpu().numpy().astype("<f4").tobytes(),
                 )
         return sampled
+
+    def _pool(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+              failed: dict[str, str]) -> dict[str, np.ndarray]:
+        if not any(c.seq.pooling is not None for c in chunks):
+            return {}
+        try:
+            return pool_chunks(self.model.final_hidden(hidden), chunks, self.pooler)
+        except Exception as exc:  # every pooling request of the step fails, nothing else
+            _reraise_device_fault(exc)
+            for chunk in chunks:
+                if chunk.seq.pooling is not None:
+                    failed[chunk.seq.request_id] = f"pooling failed: {type(exc).__name__}: {exc}"
+            return {}
 
     def _prompt_logprobs(self, chunks, hidden: torch.Tensor, failed: dict[str, str]
                          ) -> dict[str, PromptLogprobs]:

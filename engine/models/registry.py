@@ -29,13 +29,16 @@ class Family(msgspec.Struct, frozen=True):
     read_gguf_config: Callable | None = None  # GGUFReader -> ModelConfig
 
 
+# A bare `*Model` architecture is the same network without its LM head: an embedding
+# checkpoint, served by the pooling runner (shared.pooling_config).
 FAMILIES = (
-    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"),
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM", "LlamaModel", "MistralModel"),
+           ("llama", "mistral"),
            llama.read_llama_config, llama.tensor_shapes, llama.LlamaModel,
            ("llama",), llama.read_llama_gguf),
-    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), llama.read_qwen2_config,
+    Family("qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), ("qwen2",), llama.read_qwen2_config,
            llama.tensor_shapes, llama.LlamaModel, ("qwen2",), llama.read_qwen2_gguf),
-    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), llama.read_qwen3_config,
+    Family("qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), ("qwen3",), llama.read_qwen3_config,
            llama.tensor_shapes, llama.LlamaModel, ("qwen3",), llama.read_qwen3_gguf),
     # A vision encoder before a Llama text model: read as the text model (architecture
     # "llama") marked multimodal; the encoder loads beside it (engine.models.idefics3).

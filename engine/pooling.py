@@ -1,0 +1,52 @@
+"""Pooling a prefill's hidden states into one vector per request (vLLM's --runner pooling).
+
+A pooling request runs as one prefill chunk (the scheduler never splits it), so its chunk's
+rows of the step's final hidden states are the whole prompt: CLS takes the first, LAST the
+last, MEAN averages them. Then, in float32: Matryoshka truncation to the request's
+`dimensions`, and normalization (after the cut, so the short vector has unit length too).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.batch import ScheduledChunk
+from shared.pooling_config import PoolerConfig
+from shared.protocol import PoolingParams
+
+
+def pool_chunks(hidden: torch.Tensor, chunks: list[ScheduledChunk], pooler: PoolerConfig
+                ) -> dict[str, np.ndarray]:
+    """By request id: the pooled float32 vector of every pooling chunk in the step.
+    `hidden`: the final (normed) hidden states of every fed row, chunks in order."""
+    out: dict[str, np.ndarray] = {}
+    row = 0
+    for chunk in chunks:
+        rows = hidden[row : row + chunk.num_tokens]
+        row += chunk.num_tokens
+        params = chunk.seq.pooling
+        if params is None:
+            continue
+        out[chunk.seq.request_id] = finish_vector(pool_rows(rows, pooler.pooling_type),
+                                                  params, pooler)
+    return out
+
+
+def pool_rows(rows: torch.Tensor, pooling_type: str) -> torch.Tensor:
+    rows = rows.to(torch.float32)
+    if pooling_type == "CLS":
+        return rows[0]
+    if pooling_type == "MEAN":
+        return rows.mean(dim=0)
+    return rows[-1]
+
+
+def finish_vector(vector: torch.Tensor, params: PoolingParams, pooler: PoolerConfig
+                  ) -> np.ndarray:
+    if params.dimensions is not None:
+        vector = vector[: params.dimensions]
+    normalize = pooler.normalize if params.normalize is None else params.normalize
+    if normalize:
+        vector = torch.nn.functional.normalize(vector, p=2, dim=-1)
+    return vector.cpu().numpy().astype(np.float32)
