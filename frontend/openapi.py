@@ -29,6 +29,7 @@ from frontend.api_models import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from frontend.embeddings_models import EmbeddingRequest, EmbeddingResponse
 from frontend.errors import is_anthropic_path
 from frontend.responses_models import InputTokensRequest, ResponsesRequest
 from postproc.openai_shapes import (
@@ -100,6 +101,8 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("delete", "/v1/messages/batches/{batch_id}", "Not supported: always 404"),
     Operation("post", "/invocations", "SageMaker's route: a chat completion when the body "
               "has messages, else a completion when it has prompt", streams=True),
+    Operation("post", "/v1/embeddings", "OpenAI embeddings (a pooling model; 404 on a "
+              "generating one)", EmbeddingRequest, answer=EmbeddingResponse),
     Operation("post", "/tokenize", "vLLM's /tokenize: a prompt or chat messages to token ids",
               TokenizeRequest, answer=TokenizeResponse),
     Operation("post", "/detokenize", "vLLM's /detokenize: token ids to text",
