@@ -142,6 +142,9 @@ def build_engine(config: EngineConfig) -> EngineCore:
         raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     pooling = _pooling(config)
+    if pooling is None and model_config.architecture in ("bert", "roberta"):
+        raise StartupError(f"{config.model} is an encoder ({model_config.architecture}): it "
+                           "serves embeddings only; start it with --runner pooling")
     max_batched = config.max_num_batched_tokens
     if pooling is not None:
         # A pooling request is prefilled whole in one step (engine.scheduler), as vLLM

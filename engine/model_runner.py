@@ -71,9 +71,13 @@ class ModelRunner:
         be trusted) and then each request's own part of the step, where an exception fails
         only the requests that cause it (`StepResult.failed`)."""
         input_ids, positions, sample_rows = self._flatten(chunks)
-        meta = self.backend.prepare(chunks)
-        embeds = step_embeddings(chunks, self.vision)  # image tokens' inputs (req T-13)
-        hidden = self.model.forward(input_ids, positions, self.backend, meta, embeds)
+        if getattr(self.model, "bidirectional", False):
+            # An encoder (engine.models.bert): whole prompts, no paged KV cache.
+            hidden = self.model.encode(input_ids, positions, [c.num_tokens for c in chunks])
+        else:
+            meta = self.backend.prepare(chunks)
+            embeds = step_embeddings(chunks, self.vision)  # image tokens' inputs (req T-13)
+            hidden = self.model.forward(input_ids, positions, self.backend, meta, embeds)
         seqs = [c.seq for c in chunks if c.samples]
         masks, mask_error = None, None
         try:

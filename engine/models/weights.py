@@ -204,6 +204,10 @@ def _text_name_of(config: ModelConfig):
     """Checkpoint name -> the text model's HF name, or None for a tensor it does not use.
     Idefics3 nests the text model under model.text_model; its vision encoder and connector
     load separately (engine.models.idefics3)."""
+    if config.architecture in ("bert", "roberta"):
+        from engine.models.bert import checkpoint_name
+
+        return checkpoint_name
     if config.multimodal != "idefics3":
         return lambda name: name
     vision = ("model.vision_model.", "model.connector.")
