@@ -78,6 +78,8 @@ class EngineCore:
         # Set: a pooling engine (vLLM's --runner pooling), which takes pooling requests only.
         self.pooling = pooling
         self.hidden_size = hidden_size  # the pooled vector's size, before any Matryoshka cut
+        options = getattr(getattr(runner, "model", None), "options", None)
+        self.type_vocab_size = getattr(options, "type_vocab_size", 1)  # encoders' segments
         # What a VLM takes as an image (engine.multimodal); None: text only, images refused.
         vision = getattr(runner, "vision", None)
         self.image_spec = vision.spec if vision is not None else None
@@ -208,8 +210,16 @@ class EngineCore:
             return None
         if params is None:
             return "this engine runs a pooling model (--runner pooling): it does not generate"
-        if params.task != "embed":
-            return f"pooling task {params.task!r} is not served (only 'embed')"
+        if params.task not in self.pooling.tasks:
+            return (f"pooling task {params.task!r} is not served by this model (it serves "
+                    f"{', '.join(self.pooling.tasks)})")
+        types = params.token_type_ids
+        if types:
+            values = unpack_ids(types) if len(types) % 4 == 0 else None
+            if values is None or len(values) != len(prompt):
+                return "token_type_ids must be one int32 per prompt token"
+            if values.min() < 0 or values.max() >= self.type_vocab_size:
+                return f"token_type_ids must lie in [0, {self.type_vocab_size})"
         if len(prompt) > self.max_model_len:
             return (f"the prompt has {len(prompt)} tokens, more than "
                     f"max_model_len={self.max_model_len}")

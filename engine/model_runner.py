@@ -59,6 +59,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.pooler = pooler  # set: a pooling runner (vLLM's --runner pooling)
+        # A cross-encoder: its head turns the pooled row into label scores.
+        self.classifier = bool(getattr(getattr(model, "options", None), "num_labels", 0))
         self.backend = backend
         self.vocab_size = vocab_size
         self.vision = vision  # a VLM's encoder (engine.models.idefics3); None: text only
@@ -73,7 +75,8 @@ class ModelRunner:
         input_ids, positions, sample_rows = self._flatten(chunks)
         if getattr(self.model, "bidirectional", False):
             # An encoder (engine.models.bert): whole prompts, no paged KV cache.
-            hidden = self.model.encode(input_ids, positions, [c.num_tokens for c in chunks])
+            hidden = self.model.encode(input_ids, positions, [c.num_tokens for c in chunks],
+                                       _token_types(chunks, self.device))
         else:
             meta = self.backend.prepare(chunks)
             embeds = step_embeddings(chunks, self.vision)  # image tokens' inputs (req T-13)
@@ -183,7 +186,8 @@ class ModelRunner:
         if not any(c.seq.pooling is not None for c in chunks):
             return {}
         try:
-            return pool_chunks(self.model.final_hidden(hidden), chunks, self.pooler)
+            return pool_chunks(self.model.final_hidden(hidden), chunks, self.pooler,
+                               getattr(self.model, "classify", None) if self.classifier else None)
         except Exception as exc:  # every pooling request of the step fails, nothing else
             _reraise_device_fault(exc)
             for chunk in chunks:
@@ -232,6 +236,14 @@ class ModelRunner:
             positions.extend(range(chunk.start, end))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), as_tensor(sample_rows)
+
+
+def _token_types(chunks: list[ScheduledChunk], device) -> torch.Tensor:
+    """Each fed token's segment (0 unless a pooling request says otherwise)."""
+    parts = [np.frombuffer(c.seq.pooling.token_type_ids, dtype="<i4")
+             if c.seq.pooling is not None and c.seq.pooling.token_type_ids
+             else np.zeros(c.num_tokens, dtype="<i4") for c in chunks]
+    return torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
 
 
 def _draft_rows(sampling: list[ScheduledChunk], sample_rows: list[int]

@@ -16,10 +16,12 @@ from shared.pooling_config import PoolerConfig
 from shared.protocol import PoolingParams
 
 
-def pool_chunks(hidden: torch.Tensor, chunks: list[ScheduledChunk], pooler: PoolerConfig
-                ) -> dict[str, np.ndarray]:
+def pool_chunks(hidden: torch.Tensor, chunks: list[ScheduledChunk], pooler: PoolerConfig,
+                classify=None) -> dict[str, np.ndarray]:
     """By request id: the pooled float32 vector of every pooling chunk in the step.
-    `hidden`: the final (normed) hidden states of every fed row, chunks in order."""
+    `hidden`: the final (normed) hidden states of every fed row, chunks in order.
+    `classify`: a cross-encoder's head (pooled rows -> logits); its requests get
+    probabilities instead (`scores`)."""
     out: dict[str, np.ndarray] = {}
     row = 0
     for chunk in chunks:
@@ -28,9 +30,20 @@ def pool_chunks(hidden: torch.Tensor, chunks: list[ScheduledChunk], pooler: Pool
         params = chunk.seq.pooling
         if params is None:
             continue
-        out[chunk.seq.request_id] = finish_vector(pool_rows(rows, pooler.pooling_type),
-                                                  params, pooler)
+        pooled = pool_rows(rows, pooler.pooling_type)
+        if classify is not None:
+            out[chunk.seq.request_id] = scores(classify(pooled[None].to(hidden.dtype))[0],
+                                               params.task)
+        else:
+            out[chunk.seq.request_id] = finish_vector(pooled, params, pooler)
     return out
+
+
+def scores(logits: torch.Tensor, task: str) -> np.ndarray:
+    """vLLM's: score takes the sigmoid of a one-label head; else softmax over the labels."""
+    logits = logits.to(torch.float32)
+    probs = torch.sigmoid(logits) if task == "score" and len(logits) == 1 else logits.softmax(-1)
+    return probs.cpu().numpy().astype(np.float32)
 
 
 def pool_rows(rows: torch.Tensor, pooling_type: str) -> torch.Tensor:

@@ -36,6 +36,8 @@ class PoolingFacts(msgspec.Struct, frozen=True):
     """Everything a server needs to know about a pooling checkpoint."""
 
     pooler: PoolerConfig
+    tasks: tuple[str, ...] = ("embed",)  # ("classify", "score") for a cross-encoder
+    labels: list[str] = []  # a cross-encoder's class names, by index
     is_matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None  # None: any size up to the hidden size
 
@@ -140,4 +142,10 @@ def pooling_facts(model_path: str, pooler_config: str | None = None) -> PoolingF
     if not (isinstance(dims, list) and all(isinstance(d, int) and d > 0 for d in dims)):
         dims = None
     matryoshka = dims is not None or config.get("is_matryoshka") is True
-    return PoolingFacts(pooler, matryoshka, dims)
+    archs = _architectures(model_path)
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        # The head reads the CLS row (its pooler), whatever the embedding pooler says.
+        id2label = config.get("id2label") or {}
+        labels = [str(id2label.get(str(i), f"LABEL_{i}")) for i in range(len(id2label))]
+        return PoolingFacts(PoolerConfig("CLS", False), ("classify", "score"), labels)
+    return PoolingFacts(pooler, ("embed",), [], matryoshka, dims)

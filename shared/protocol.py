@@ -216,9 +216,14 @@ class PoolingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """A pooling request (vLLM's --runner pooling): prefill only, and the pooled hidden state
     comes back instead of tokens. How the states are pooled is the model's (engine.pooling)."""
 
-    task: str = "embed"  # what the vector is for; "embed" is the one served so far
+    # embed: the pooled hidden state; a cross-encoder's classify (softmax over its labels)
+    # or score (the sigmoid of its one logit, else classify's probabilities).
+    task: str = "embed"
     normalize: bool | None = None  # None: as the model's pooler config says
     dimensions: int | None = None  # Matryoshka: keep the first n, then normalize
+    # An encoder's segment of each prompt token (int32, as TokenIds); empty: all 0. A
+    # query-document pair's second segment is 1 for BERT cross-encoders.
+    token_type_ids: bytes = b""
 
 
 class EngineRequest(msgspec.Struct, tag="request", frozen=True):

@@ -25,6 +25,8 @@ class BertOptions(msgspec.Struct, frozen=True):
     type_vocab_size: int = 2
     position_offset: int = 0  # RoBERTa: pad_token_id + 1
     gelu_approximate: str = "none"  # torch's F.gelu `approximate`
+    # A cross-encoder (*ForSequenceClassification): its labels; 0: a plain encoder.
+    num_labels: int = 0
 
 
 class _BertHF(msgspec.Struct):
@@ -40,6 +42,9 @@ class _BertHF(msgspec.Struct):
     layer_norm_eps: float = 1e-12
     pad_token_id: int | None = 0
     position_embedding_type: str = "absolute"
+    architectures: list[str] = []
+    id2label: dict[str, str] | None = None
+    num_labels: int | None = None
 
 
 def read_bert_config(raw: bytes) -> ModelConfig:
@@ -51,6 +56,8 @@ def read_bert_config(raw: bytes) -> ModelConfig:
             "must divide hidden_size")
     roberta = hf.model_type in ("roberta", "xlm-roberta")
     offset = (hf.pad_token_id or 0) + 1 if roberta else 0
+    classifier = any(a.endswith("ForSequenceClassification") for a in hf.architectures)
+    labels = (len(hf.id2label) if hf.id2label else hf.num_labels or 2) if classifier else 0
     return ModelConfig(
         architecture="roberta" if roberta else "bert",
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
@@ -59,7 +66,8 @@ def read_bert_config(raw: bytes) -> ModelConfig:
         head_dim=hf.hidden_size // hf.num_attention_heads, rms_norm_eps=hf.layer_norm_eps,
         rope_theta=0.0, max_position_embeddings=hf.max_position_embeddings - offset,
         tie_word_embeddings=False, attention_bias=True,
-        family_options=BertOptions(hf.type_vocab_size, offset, _ACTIVATIONS[hf.hidden_act]),
+        family_options=BertOptions(hf.type_vocab_size, offset, _ACTIVATIONS[hf.hidden_act],
+                                   labels),
     )
 
 
@@ -86,17 +94,28 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     for n in range(config.num_layers):
         shapes.update({f"encoder.layer.{n}.{k}": v for k, v in layer.items()})
+    labels = options.num_labels
+    if labels and config.architecture == "bert":  # pooler (dense + tanh on CLS), classifier
+        shapes.update({"pooler.dense.weight": (h, h), "pooler.dense.bias": (h,),
+                       "classifier.weight": (labels, h), "classifier.bias": (labels,)})
+    elif labels:  # RoBERTa's head: dense + tanh, then out_proj
+        shapes.update({"classifier.dense.weight": (h, h), "classifier.dense.bias": (h,),
+                       "classifier.out_proj.weight": (labels, h),
+                       "classifier.out_proj.bias": (labels,)})
     return shapes
 
 
-def checkpoint_name(name: str) -> str | None:
-    """A stored tensor's BertModel name, or None for one the encoder does not use."""
-    for prefix in ("bert.", "roberta."):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-    if name.startswith(("embeddings.", "encoder.")) and not name.endswith("position_ids"):
-        return name
-    return None  # the pooler layer, a task head, buffers
+def checkpoint_names(config: ModelConfig):
+    """Stored tensor name -> its name here, or None for one the model does not use."""
+    expected = tensor_shapes(config)
+
+    def rename(name: str) -> str | None:
+        for prefix in ("bert.", "roberta."):
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+        return name if name in expected else None  # a pooler an embedder skips, buffers
+
+    return rename
 
 
 class BertModel:
@@ -120,14 +139,16 @@ class BertModel:
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[f"{name}.weight"], self.w[f"{name}.bias"])
 
-    def encode(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int]
-               ) -> torch.Tensor:
+    def encode(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int],
+               token_types: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states [T, hidden] of prompts laid back to back (`lengths` each)."""
         c, w = self.config, self.w
+        if token_types is None:
+            token_types = torch.zeros_like(input_ids)
         h = (F.embedding(input_ids, w["embeddings.word_embeddings.weight"])
              + F.embedding(positions + self.options.position_offset,
                            w["embeddings.position_embeddings.weight"])
-             + w["embeddings.token_type_embeddings.weight"][0])
+             + F.embedding(token_types, w["embeddings.token_type_embeddings.weight"]))
         h = self._norm(h, "embeddings.LayerNorm")
         # Each token sees exactly its own prompt: a block-diagonal mask over the step.
         seq = torch.repeat_interleave(torch.arange(len(lengths), device=self.device),
@@ -146,6 +167,14 @@ class BertModel:
                         approximate=self.options.gelu_approximate)
             h = self._norm(h + self._linear(up, p + "output.dense"), p + "output.LayerNorm")
         return h
+
+    def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's float32 logits [n, labels] from its prompts' CLS rows."""
+        if self.config.architecture == "bert":
+            pooled = torch.tanh(self._linear(cls_rows, "pooler.dense"))
+            return self._linear(pooled, "classifier").float()
+        pooled = torch.tanh(self._linear(cls_rows, "classifier.dense"))
+        return self._linear(pooled, "classifier.out_proj").float()
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden  # every block ends in its LayerNorm already

@@ -57,9 +57,10 @@ FAMILIES = (
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), phi3.read_phi3_config,
            phi3.tensor_shapes, phi3.Phi3Model),
     # Encoders (engine.models.bert): served by the pooling runner only.
-    Family("bert", ("BertModel",), ("bert",), bert.read_bert_config, bert.tensor_shapes,
-           bert.BertModel),
-    Family("roberta", ("RobertaModel", "XLMRobertaModel"), ("roberta", "xlm-roberta"),
+    Family("bert", ("BertModel", "BertForSequenceClassification"), ("bert",),
+           bert.read_bert_config, bert.tensor_shapes, bert.BertModel),
+    Family("roberta", ("RobertaModel", "XLMRobertaModel", "RobertaForSequenceClassification",
+                       "XLMRobertaForSequenceClassification"), ("roberta", "xlm-roberta"),
            bert.read_bert_config, bert.tensor_shapes, bert.BertModel),
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss.read_gpt_oss_config,
            gpt_oss.tensor_shapes, gpt_oss.GptOssModel),

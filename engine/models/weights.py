@@ -205,9 +205,9 @@ def _text_name_of(config: ModelConfig):
     Idefics3 nests the text model under model.text_model; its vision encoder and connector
     load separately (engine.models.idefics3)."""
     if config.architecture in ("bert", "roberta"):
-        from engine.models.bert import checkpoint_name
+        from engine.models.bert import checkpoint_names
 
-        return checkpoint_name
+        return checkpoint_names(config)
     if config.multimodal != "idefics3":
         return lambda name: name
     vision = ("model.vision_model.", "model.connector.")
