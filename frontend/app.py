@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from frontend import anthropic_api, embeddings_api, openapi, responses_api, serving
+from frontend import anthropic_api, embeddings_api, openapi, responses_api, scoring_api, serving
 from frontend.anthropic_models import CountTokensRequest, MessagesRequest
 from frontend.api_models import (
     ChatCompletionRequest,
@@ -307,6 +307,7 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         Route("/tokenize", _guarded(tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(detokenize), methods=["POST"]),
         *embeddings_api.routes(ctx, config, _decode_body, _guarded),  # pooling models
+        *scoring_api.routes(ctx, config, _decode_body, _guarded),  # cross-encoders
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi.endpoint(ctx.model_name, VERSION), methods=["GET"]),
     ]

@@ -156,7 +156,7 @@ async def create_embeddings(ctx: ServingContext, request: EmbeddingRequest,
                       arrival_time=now, priority=request.priority or 0, pooling=pooling)
         for i, p in enumerate(prompts)
     ]
-    frames = await _run(ctx, engine_requests, [p.ids for p in prompts])
+    frames = await run_pooling(ctx, engine_requests, [p.ids for p in prompts])
     data = [Embedding(_encode(frames[r.request_id], request.encoding_format), i)
             for i, r in enumerate(engine_requests)]
     used = sum(len(p.ids) for p in prompts)
@@ -164,7 +164,7 @@ async def create_embeddings(ctx: ServingContext, request: EmbeddingRequest,
                              EmbeddingUsage(prompt_tokens=used, total_tokens=used))
 
 
-async def _run(ctx: ServingContext, requests: list[EngineRequest], ids: list[list[int]]
+async def run_pooling(ctx: ServingContext, requests: list[EngineRequest], ids: list[list[int]]
                ) -> dict[str, TextFrame]:
     """Submits every request and waits for each one's last frame; the first error frame
     ends the request with its status (the others are aborted)."""

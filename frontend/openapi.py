@@ -32,6 +32,14 @@ from frontend.api_models import (
 from frontend.embeddings_models import EmbeddingRequest, EmbeddingResponse
 from frontend.errors import is_anthropic_path
 from frontend.responses_models import InputTokensRequest, ResponsesRequest
+from frontend.scoring_models import (
+    ClassifyRequest,
+    ClassifyResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from postproc.openai_shapes import (
     DetokenizeResponse,
     ErrorResponse,
@@ -103,6 +111,14 @@ OPERATIONS: tuple[Operation, ...] = (
               "has messages, else a completion when it has prompt", streams=True),
     Operation("post", "/v1/embeddings", "OpenAI embeddings (a pooling model; 404 on a "
               "generating one)", EmbeddingRequest, answer=EmbeddingResponse),
+    *(Operation("post", path, "vLLM's score: text pairs to relevance scores (a "
+                "cross-encoder; 404 on other models)", ScoreRequest, answer=ScoreResponse)
+      for path in ("/score", "/v1/score")),
+    *(Operation("post", path, "Rerank documents against a query, best first (a "
+                "cross-encoder; 404 on other models)", RerankRequest, answer=RerankResponse)
+      for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+    Operation("post", "/classify", "vLLM's classify: texts to label probabilities (a "
+              "cross-encoder; 404 on other models)", ClassifyRequest, answer=ClassifyResponse),
     Operation("post", "/tokenize", "vLLM's /tokenize: a prompt or chat messages to token ids",
               TokenizeRequest, answer=TokenizeResponse),
     Operation("post", "/detokenize", "vLLM's /detokenize: token ids to text",

@@ -69,3 +69,36 @@ def build_bert(path: str, kind: str = "bert", pooling: str = "mean", seed: int =
     with open(os.path.join(path, "sentence_bert_config.json"), "w") as f:
         json.dump({"max_seq_length": 60, "do_lower_case": False}, f)
     return tokenizer
+
+
+def build_cross_encoder(path: str, kind: str = "bert", num_labels: int = 1, seed: int = 6):
+    """A *ForSequenceClassification checkpoint; returns (tokenizer, the float32 model)."""
+    tokenizer = wordpiece_tokenizer()
+    common = dict(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=64, num_labels=num_labels,
+                  id2label={i: f"class_{i}" for i in range(num_labels)},
+                  label2id={f"class_{i}": i for i in range(num_labels)})
+    if kind == "bert":
+        model = transformers.BertForSequenceClassification(
+            transformers.BertConfig(**common, type_vocab_size=2, pad_token_id=0))
+    else:
+        model = transformers.XLMRobertaForSequenceClassification(
+            transformers.XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=1))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            param.copy_(0.5 * torch.randn(param.shape, generator=gen)
+                        if param.dim() == 1 else
+                        torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+    model = model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return tokenizer, model
+
+
+def reference_logits(tokenizer, model, a: str, b: str | None = None) -> torch.Tensor:
+    enc = tokenizer(a, b, return_tensors="pt", return_token_type_ids=True)
+    if model.config.type_vocab_size == 1:
+        enc.pop("token_type_ids")
+    with torch.no_grad():
+        return model(**enc).logits[0]

@@ -11,7 +11,7 @@ from shared.config import EngineConfig
 from shared.pooling_config import PoolerConfig, pooling_facts, resolve_runner
 from shared.protocol import EngineRequest, PoolingParams, SamplingParams, pack_ids, unpack_tensor
 from shared.startup_checks import StartupError
-from tests.tiny_bert import build_bert
+from tests.tiny_bert import build_bert, build_cross_encoder, reference_logits
 from tests.tiny_embedder import cosine
 
 TEXTS = ["hello world", "the cat sat on the mat . the dog runs", "hi",
@@ -64,3 +64,39 @@ def test_an_encoder_cannot_generate(tmp_path):
     build_bert(str(tmp_path))
     with pytest.raises(StartupError, match="--runner pooling"):
         _core(str(tmp_path), runner="generate")
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_cross_encoder_classify_and_score_match_transformers(tmp_path, kind):
+    tokenizer, model = build_cross_encoder(str(tmp_path), kind, num_labels=3)
+    facts = pooling_facts(str(tmp_path))
+    assert facts.tasks == ("classify", "score") and facts.labels == ["class_0", "class_1",
+                                                                      "class_2"]
+    core = _core(str(tmp_path))
+    pairs = [("hello world", "the cat sat on the mat"), ("hi", "a big dog . hello there")]
+    for task in ("classify", "score"):
+        for i, (a, b) in enumerate(pairs):
+            enc = tokenizer(a, b, return_token_type_ids=True)
+            types = enc["token_type_ids"] if kind == "bert" else [0] * len(enc["input_ids"])
+            core.add(EngineRequest(f"{task}{i}", pack_ids(enc["input_ids"]),
+                                   SamplingParams(max_tokens=1), "inproc://x", 0.0,
+                                   pooling=PoolingParams(task=task,
+                                                         token_type_ids=pack_ids(types))))
+    outs = {}
+    while core.has_work:
+        for _, out in core.step():
+            outs[out.request_id] = out
+    for task in ("classify", "score"):  # three labels: both are the softmax (vLLM's)
+        for i, (a, b) in enumerate(pairs):
+            probs = unpack_tensor(outs[f"{task}{i}"].pooled)
+            expected = reference_logits(tokenizer, model, a, b).softmax(-1).numpy()
+            assert np.allclose(probs, expected, atol=1e-5), (task, probs, expected)
+    # An embedding request, or token types past the model's, are refused.
+    core.add(EngineRequest("e", pack_ids([2, 5, 3]), SamplingParams(max_tokens=1),
+                           "inproc://x", 0.0, pooling=PoolingParams()))
+    core.add(EngineRequest("t", pack_ids([2, 5, 3]), SamplingParams(max_tokens=1),
+                           "inproc://x", 0.0,
+                           pooling=PoolingParams(task="score", token_type_ids=pack_ids([0, 0]))))
+    outs = {o.request_id: o for _, o in core.step()}
+    assert "not served by this model" in outs["e"].error
+    assert "one int32 per prompt token" in outs["t"].error
