@@ -144,5 +144,12 @@ def test_a_generating_route_is_refused_by_the_pooling_engine(server, client):
 
 
 def test_generating_server_has_no_embeddings(base_url):
-    r = httpx.post(f"{base_url}/v1/embeddings", json={"input": "hi"})
-    assert r.status_code == 404 and "--runner pooling" in r.json()["error"]["message"]
+    for path, body in (("/v1/embeddings", {"input": "hi"}),
+                       ("/v1/rerank", {"query": "q", "documents": ["d"]})):
+        r = httpx.post(f"{base_url}{path}", json=body)
+        assert r.status_code == 404 and "--runner pooling" in r.json()["error"]["message"]
+
+
+def test_an_embedding_model_has_no_rerank(server):
+    r = httpx.post(f"{server[0].base_url}/rerank", json={"query": "q", "documents": ["d"]})
+    assert r.status_code == 404 and "cross-encoder" in r.json()["error"]["message"]
