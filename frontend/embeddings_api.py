@@ -29,6 +29,9 @@ from frontend.embeddings_models import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
+    PoolingData,
+    PoolingResponse,
+    PoolingUsage,
 )
 from frontend.engine_client import EngineUnavailable
 from frontend.errors import APIError, bad_request
@@ -63,7 +66,24 @@ def routes(ctx: ServingContext, config: FrontendConfig, decode_body, guarded) ->
         result = await create_embeddings(ctx, body, facts, config.max_embedding_inputs)
         return Response(_ENCODER.encode(result), media_type="application/json")
 
-    return [Route("/v1/embeddings", guarded(embeddings), methods=["POST"])]
+    async def pooling(request: Request) -> Response:
+        # vLLM's /pooling: an embeddings request, answered with the raw pooled vectors.
+        if facts is None:
+            raise APIError(404, "This model generates text; /pooling needs a pooling model "
+                                "served with --runner pooling.")
+        body = await decode_body(request, EmbeddingRequest)
+        result = await create_embeddings(ctx, body, facts, config.max_embedding_inputs)
+        return Response(_ENCODER.encode(as_pooling(result)), media_type="application/json")
+
+    return [Route("/v1/embeddings", guarded(embeddings), methods=["POST"]),
+            Route("/pooling", guarded(pooling), methods=["POST"])]
+
+
+def as_pooling(result: EmbeddingResponse) -> PoolingResponse:
+    return PoolingResponse(
+        result.id.replace("embd-", "pool-", 1), result.created, result.model,
+        [PoolingData(d.embedding, d.index) for d in result.data],
+        PoolingUsage(result.usage.prompt_tokens, result.usage.total_tokens))
 
 
 # ---------------------------------------------------------------- inputs

@@ -35,6 +35,29 @@ class EmbeddingUsage(msgspec.Struct):
     total_tokens: int
 
 
+class PoolingData(msgspec.Struct):
+    data: list[float] | str
+    index: int
+    object: str = "pooling"
+
+
+class PoolingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class PoolingResponse(msgspec.Struct):
+    """vLLM's /pooling answer: the pooled vector of each input, under `data`."""
+
+    id: str
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: PoolingUsage
+    object: str = "list"
+
+
 class EmbeddingResponse(msgspec.Struct):
     id: str
     created: int

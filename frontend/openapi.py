@@ -29,7 +29,7 @@ from frontend.api_models import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from frontend.embeddings_models import EmbeddingRequest, EmbeddingResponse
+from frontend.embeddings_models import EmbeddingRequest, EmbeddingResponse, PoolingResponse
 from frontend.errors import is_anthropic_path
 from frontend.responses_models import InputTokensRequest, ResponsesRequest
 from frontend.scoring_models import (
@@ -111,6 +111,9 @@ OPERATIONS: tuple[Operation, ...] = (
               "has messages, else a completion when it has prompt", streams=True),
     Operation("post", "/v1/embeddings", "OpenAI embeddings (a pooling model; 404 on a "
               "generating one)", EmbeddingRequest, answer=EmbeddingResponse),
+    Operation("post", "/pooling", "vLLM's pooling: an embeddings request answered with the "
+              "pooled vectors (a pooling model; 404 on a generating one)", EmbeddingRequest,
+              answer=PoolingResponse),
     *(Operation("post", path, "vLLM's score: text pairs to relevance scores (a "
                 "cross-encoder; 404 on other models)", ScoreRequest, answer=ScoreResponse)
       for path in ("/score", "/v1/score")),

@@ -82,6 +82,19 @@ def test_base64_is_little_endian_float32(server, client):
     assert np.allclose(via_client.data[0].embedding, floats)
 
 
+def test_pooling_route_answers_the_same_vectors(server, client):
+    raw = httpx.post(f"{server[0].base_url}/pooling", json={"input": ["hello world", "hi"]})
+    out = raw.json()
+    assert raw.status_code == 200 and out["object"] == "list"
+    assert [(d["object"], d["index"]) for d in out["data"]] == [("pooling", 0), ("pooling", 1)]
+    floats = client.embeddings.create(model="tiny-embed", input="hello world",
+                                      encoding_format="float").data[0].embedding
+    assert np.allclose(out["data"][0]["data"], floats, atol=1e-6)
+    assert out["usage"]["prompt_tokens"] == len(_ids("hello world")) + len(_ids("hi"))
+    bad = httpx.post(f"{server[0].base_url}/pooling", json={"input": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+
+
 def test_matryoshka_dimensions_cut_then_renormalize(server, client):
     out = client.embeddings.create(model="tiny-embed", input="hello world", dimensions=16)
     vector = np.array(out.data[0].embedding)
