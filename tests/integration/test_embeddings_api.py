@@ -95,6 +95,23 @@ def test_pooling_route_answers_the_same_vectors(server, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
 
 
+def test_bench_embeddings_mode(server):
+    import asyncio
+
+    from shared.bench import BenchConfig
+    from shared.bench_embeddings import bench_embeddings
+
+    config = BenchConfig(base_url=f"{server[0].base_url}/v1", model=None, concurrency=2,
+                         num_requests=4, max_tokens=1, temperature=0.0, ignore_eos=False,
+                         api_key=None, fresh_connections=False, warmup=0,
+                         prompts=["hello world", "hi there", "user"])
+    result = asyncio.run(bench_embeddings(config, batch_size=3))
+    assert (result.completed, result.errors, result.embeddings) == (4, 0, 12)
+    assert result.model == "tiny-embed" and result.embeddings_per_s > 0
+    # Each request embeds the three prompts once: 3 + 3 + 2 tokens (BOS included).
+    assert result.prompt_tokens == 4 * 8
+
+
 def test_matryoshka_dimensions_cut_then_renormalize(server, client):
     out = client.embeddings.create(model="tiny-embed", input="hello world", dimensions=16)
     vector = np.array(out.data[0].embedding)
