@@ -19,8 +19,10 @@ class ScheduledChunk(msgspec.Struct):
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a new token is drawn."""
-        return self.start + self.num_tokens - len(self.draft) == len(self.seq.token_ids)
+        """True when this chunk reaches the end of the known tokens, so a new token is drawn
+        (a pooling request's never: it is pooled instead)."""
+        return (self.seq.pooling is None
+                and self.start + self.num_tokens - len(self.draft) == len(self.seq.token_ids))
 
 
 class SchedulerOutput(msgspec.Struct):

@@ -30,6 +30,7 @@ from engine.models.weights import load_quantized_weights, load_weights
 from engine.scheduler import Scheduler
 from engine.spec_decode import Drafter
 from shared.config import EngineConfig
+from shared.pooling_config import PoolingFacts, pooling_facts, resolve_runner
 from shared.startup_checks import StartupError
 from shared.tokenizer import load_tokenizer, tokenizer_facts
 
@@ -140,6 +141,15 @@ def build_engine(config: EngineConfig) -> EngineCore:
     except ValueError as exc:
         raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     max_model_len = config.max_model_len or model_config.max_position_embeddings
+    pooling = _pooling(config)
+    if pooling is None and model_config.architecture in ("bert", "roberta"):
+        raise StartupError(f"{config.model} is an encoder ({model_config.architecture}): it "
+                           "serves embeddings only; start it with --runner pooling")
+    max_batched = config.max_num_batched_tokens
+    if pooling is not None:
+        # A pooling request is prefilled whole in one step (engine.scheduler), as vLLM
+        # turns chunked prefill off for pooling models.
+        max_batched = max(max_batched, max_model_len)
     on_gpu = device.type == "cuda"
     if on_gpu and device.index is not None:
         torch.cuda.set_device(device)  # streams, graphs and kernel workspaces follow it
@@ -148,7 +158,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
         _check_cache_holds(num_pages, config, max_model_len)
     started = time.monotonic()
     try:  # a missing or misshapen tensor: named
-        weights = load_weights(config.model, model_config, torch.float32)
+        weights = load_weights(config.model, model_config, torch.float32,
+                               pooling=pooling is not None)
     except ValueError as exc:
         raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     try:
@@ -182,7 +193,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
     # Graphs replay decode batches padded to captured sizes through the decode-only plan;
     # the batch-invariant mode plans every row alike and runs eagerly, and so do MoE models:
     # their expert groups are sized on the host each step, which a captured graph cannot do.
-    eager = config.enforce_eager or config.batch_invariant or model_config.moe is not None
+    eager = (config.enforce_eager or config.batch_invariant or model_config.moe is not None
+             or pooling is not None)  # a pooling engine never decodes
     if choice.name == "flashinfer" and not eager:
         from engine.cuda_graphs import DecodeGraphModel, graph_batch_sizes
 
@@ -194,9 +206,10 @@ def build_engine(config: EngineConfig) -> EngineCore:
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     facts = tokenizer_facts(tokenizer, config.model)
     return EngineCore(
-        ModelRunner(model, backend, model_config.vocab_size, vision),
+        ModelRunner(model, backend, model_config.vocab_size, vision,
+                    pooler=pooling.pooler if pooling is not None else None),
         allocator,
-        Scheduler(allocator, config.max_num_batched_tokens, config.max_num_seqs,
+        Scheduler(allocator, max_batched, config.max_num_seqs,
                   config.scheduling_policy, config.long_prefill_token_threshold,
                   drafter=_drafter(config, device, quantized)),
         eos_token_ids=facts.eos_token_ids,
@@ -204,6 +217,23 @@ def build_engine(config: EngineConfig) -> EngineCore:
         vocab_size=model_config.vocab_size,
         engine_id=config.engine_id,
         model_name=config.served_model_name,
-        grammar=GrammarBackend(tokenizer, model_config.vocab_size, facts.eos_token_ids),
+        # A pooling engine samples nothing: no grammar (nor llguidance's tokenizer needs).
+        grammar=(None if pooling is not None else
+                 GrammarBackend(tokenizer, model_config.vocab_size, facts.eos_token_ids)),
         max_logprobs=config.max_logprobs,
+        pooling=pooling,
+        hidden_size=model_config.hidden_size,
     )
+
+
+def _pooling(config: EngineConfig) -> PoolingFacts | None:
+    """The pooling facts of a pooling engine (vLLM's --runner pooling); None: it generates."""
+    if resolve_runner(config.model, config.runner) != "pooling":
+        return None
+    try:
+        facts = pooling_facts(config.model, config.pooler_config)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    log.info("pooling runner: %s pooling, normalize=%s", facts.pooler.pooling_type,
+             facts.pooler.normalize)
+    return facts

@@ -24,12 +24,14 @@ from shared.param_ranges import (
     check_priority,
     check_sampling_params,
 )
+from shared.pooling_config import PoolingFacts
 from shared.protocol import (
     EngineRequest,
     EngineStats,
     RequestOutput,
     TokenLogprobs,
     pack_ids,
+    pack_tensor,
     unpack_ids,
 )
 
@@ -60,6 +62,8 @@ class EngineCore:
         model_name: str,
         grammar: GrammarBackend | None = None,
         max_logprobs: int = MAX_LOGPROBS,
+        pooling: PoolingFacts | None = None,
+        hidden_size: int = 0,
     ) -> None:
         self.runner = runner
         self.allocator = allocator
@@ -71,6 +75,11 @@ class EngineCore:
         self.engine_id = engine_id
         self.model_name = model_name
         self.sequences: dict[str, Sequence] = {}
+        # Set: a pooling engine (vLLM's --runner pooling), which takes pooling requests only.
+        self.pooling = pooling
+        self.hidden_size = hidden_size  # the pooled vector's size, before any Matryoshka cut
+        options = getattr(getattr(runner, "model", None), "options", None)
+        self.type_vocab_size = getattr(options, "type_vocab_size", 1)  # encoders' segments
         # What a VLM takes as an image (engine.multimodal); None: text only, images refused.
         vision = getattr(runner, "vision", None)
         self.image_spec = vision.spec if vision is not None else None
@@ -136,6 +145,7 @@ class EngineCore:
             priority=request.priority,
             peer=peer,
             images=images,
+            pooling=request.pooling,
         )
         if resumed:
             # A continuation: its earlier tokens were reported by the engine that drew them.
@@ -167,7 +177,10 @@ class EngineCore:
             return "reply_to must be a tcp://, ipc:// or inproc:// address"
         if not prompt:
             return "the prompt is empty"
-        if len(prompt) >= self.max_model_len:
+        pooling_problem = self._validate_pooling(request, prompt)
+        if pooling_problem is not None:
+            return pooling_problem
+        if request.pooling is None and len(prompt) >= self.max_model_len:
             return (
                 f"the prompt has {len(prompt)} tokens, which leaves no room to generate "
                 f"within max_model_len={self.max_model_len}"
@@ -185,6 +198,41 @@ class EngineCore:
             check_priority(request.priority)
         except RangeProblem as problem:
             return problem.message
+        return None
+
+    def _validate_pooling(self, request: EngineRequest, prompt: list[int]) -> str | None:
+        """A pooling engine takes pooling requests only, and a generating one none (vLLM
+        serves one runner per engine)."""
+        params = request.pooling
+        if self.pooling is None:
+            if params is not None:
+                return "this engine generates text; pooling needs an engine with --runner pooling"
+            return None
+        if params is None:
+            return "this engine runs a pooling model (--runner pooling): it does not generate"
+        if params.task not in self.pooling.tasks:
+            return (f"pooling task {params.task!r} is not served by this model (it serves "
+                    f"{', '.join(self.pooling.tasks)})")
+        types = params.token_type_ids
+        if types:
+            values = unpack_ids(types) if len(types) % 4 == 0 else None
+            if values is None or len(values) != len(prompt):
+                return "token_type_ids must be one int32 per prompt token"
+            if values.min() < 0 or values.max() >= self.type_vocab_size:
+                return f"token_type_ids must lie in [0, {self.type_vocab_size})"
+        if len(prompt) > self.max_model_len:
+            return (f"the prompt has {len(prompt)} tokens, more than "
+                    f"max_model_len={self.max_model_len}")
+        if request.images or request.continuation is not None:
+            return "a pooling request takes neither images nor a continuation"
+        dims = params.dimensions
+        if dims is not None:
+            if not self.pooling.is_matryoshka:
+                return "this model does not support matryoshka representation (dimensions)"
+            allowed = self.pooling.matryoshka_dimensions
+            if not 1 <= dims <= self.hidden_size or (allowed and dims not in allowed):
+                return (f"dimensions must be one of {allowed}" if allowed else
+                        f"dimensions must lie in [1, {self.hidden_size}]")
         return None
 
     @staticmethod
@@ -284,6 +332,9 @@ class EngineCore:
             problem = result.failed.get(seq.request_id)
             if problem is None:
                 try:
+                    if seq.pooling is not None:
+                        self._take_pooled(seq, result, now, outputs)
+                        continue
                     self._take_step_result(seq, result, token, now, outputs)
                     if chunk.draft:
                         self._take_verified(chunk, result.verified.get(seq.request_id, []),
@@ -303,6 +354,15 @@ class EngineCore:
         if token is None:
             return  # a prefill chunk short of the prompt's end
         self._take_token(seq, token, now, outputs)
+
+    def _take_pooled(self, seq: Sequence, result, now: float, outputs) -> None:
+        """A pooling request is done after its one prefill: its vector goes out and its
+        pages go back (none of them entered the prefix cache)."""
+        seq.pooled = result.pooled[seq.request_id]
+        seq.first_token_time = seq.last_token_time = now
+        seq.finish_reason = "stop"
+        outputs.append((seq.reply_to, self._output_for(seq)))
+        self._retire(seq)
 
     def _take_verified(self, chunk, tokens: list, now: float, outputs) -> None:
         """The tokens verifying a draft gave after the first: each one's draft token before
@@ -419,6 +479,7 @@ class EngineCore:
             logprobs=logprobs if new else None,
             prompt_logprobs=prompt_logprobs(seq) if is_first else None,
             cumulative_logprob=seq.cumulative_logprob if wants else None,
+            pooled=pack_tensor(seq.pooled) if seq.pooled is not None else None,
         )
 
     def _retire(self, seq: Sequence) -> None:

@@ -14,9 +14,11 @@ from engine.grammar import GrammarMasks, step_masks
 from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
 from engine.multimodal import step_embeddings
+from engine.pooling import pool_chunks
 from engine.records import SampledToken
 from engine.sampler import SamplingRows, row_generators, sample, token_logprobs, token_ranks
 from engine.spec_decode import DraftCheck, verify
+from shared.pooling_config import PoolerConfig
 from shared.protocol import TokenLogprobs
 
 log = logging.getLogger("sluice.engine")
@@ -42,6 +44,8 @@ class StepResult(msgspec.Struct):
     failed: dict[str, str] = msgspec.field(default_factory=dict)
     # By request id: the tokens verifying its draft gave after its sampled one, in order.
     verified: dict[str, list[SampledToken]] = msgspec.field(default_factory=dict)
+    # By request id: the pooled vector of each pooling request in the step (engine.pooling).
+    pooled: dict[str, np.ndarray] = msgspec.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -51,8 +55,12 @@ class ModelRunner:
         backend: AttentionBackend,
         vocab_size: int,
         vision=None,
+        pooler: PoolerConfig | None = None,
     ) -> None:
         self.model = model
+        self.pooler = pooler  # set: a pooling runner (vLLM's --runner pooling)
+        # A cross-encoder: its head turns the pooled row into label scores.
+        self.classifier = bool(getattr(getattr(model, "options", None), "num_labels", 0))
         self.backend = backend
         self.vocab_size = vocab_size
         self.vision = vision  # a VLM's encoder (engine.models.idefics3); None: text only
@@ -65,9 +73,14 @@ class ModelRunner:
         be trusted) and then each request's own part of the step, where an exception fails
         only the requests that cause it (`StepResult.failed`)."""
         input_ids, positions, sample_rows = self._flatten(chunks)
-        meta = self.backend.prepare(chunks)
-        embeds = step_embeddings(chunks, self.vision)  # image tokens' inputs (req T-13)
-        hidden = self.model.forward(input_ids, positions, self.backend, meta, embeds)
+        if getattr(self.model, "bidirectional", False):
+            # An encoder (engine.models.bert): whole prompts, no paged KV cache.
+            hidden = self.model.encode(input_ids, positions, [c.num_tokens for c in chunks],
+                                       _token_types(chunks, self.device))
+        else:
+            meta = self.backend.prepare(chunks)
+            embeds = step_embeddings(chunks, self.vision)  # image tokens' inputs (req T-13)
+            hidden = self.model.forward(input_ids, positions, self.backend, meta, embeds)
         seqs = [c.seq for c in chunks if c.samples]
         masks, mask_error = None, None
         try:
@@ -77,6 +90,8 @@ class ModelRunner:
             mask_error = exc
         failed: dict[str, str] = {}
         result = StepResult([], self._prompt_logprobs(chunks, hidden, failed), failed)
+        if self.pooler is not None:
+            result.pooled = self._pool(chunks, hidden, failed)
         if seqs:
             sampling = [c for c in chunks if c.samples]
             checks, draft_rows = _draft_rows(sampling, sample_rows.tolist())
@@ -166,6 +181,20 @@ class ModelRunner:
                 )
         return sampled
 
+    def _pool(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+              failed: dict[str, str]) -> dict[str, np.ndarray]:
+        if not any(c.seq.pooling is not None for c in chunks):
+            return {}
+        try:
+            return pool_chunks(self.model.final_hidden(hidden), chunks, self.pooler,
+                               getattr(self.model, "classify", None) if self.classifier else None)
+        except Exception as exc:  # every pooling request of the step fails, nothing else
+            _reraise_device_fault(exc)
+            for chunk in chunks:
+                if chunk.seq.pooling is not None:
+                    failed[chunk.seq.request_id] = f"pooling failed: {type(exc).__name__}: {exc}"
+            return {}
+
     def _prompt_logprobs(self, chunks, hidden: torch.Tensor, failed: dict[str, str]
                          ) -> dict[str, PromptLogprobs]:
         out, row = {}, 0
@@ -207,6 +236,14 @@ class ModelRunner:
             positions.extend(range(chunk.start, end))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), as_tensor(sample_rows)
+
+
+def _token_types(chunks: list[ScheduledChunk], device) -> torch.Tensor:
+    """Each fed token's segment (0 unless a pooling request says otherwise)."""
+    parts = [np.frombuffer(c.seq.pooling.token_type_ids, dtype="<i4")
+             if c.seq.pooling is not None and c.seq.pooling.token_type_ids
+             else np.zeros(c.num_tokens, dtype="<i4") for c in chunks]
+    return torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
 
 
 def _draft_rows(sampling: list[ScheduledChunk], sample_rows: list[int]

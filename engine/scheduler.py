@@ -141,9 +141,17 @@ class Scheduler:
             if seq.awaiting_grammar:
                 j += 1  # its grammar is still compiling: it keeps its place, others go first
                 continue
-            if seq.num_computed == 0 and not seq.pages:
-                self._take_cached_prefix(seq)
-            n = longs.take(seq, budget)
+            if seq.pooling is not None:
+                # Pooled whole in one step (a bidirectional encoder cannot be chunked, and a
+                # pooled vector needs every row at once); the engine makes the step budget
+                # hold max_model_len. No prefix cache: its pages die with it.
+                if seq.num_uncomputed > budget:
+                    break  # next step, at the head of the queue
+                n = seq.num_uncomputed
+            else:
+                if seq.num_computed == 0 and not seq.pages:
+                    self._take_cached_prefix(seq)
+                n = longs.take(seq, budget)
             if n == 0:
                 # A long prompt while another one prefills: short ones go first. Its cached
                 # prefix stays in the prefix cache, as when pages run out below.
@@ -235,6 +243,9 @@ class Scheduler:
 
     def _register_pages(self, seq: Sequence, num_filled: int) -> None:
         """Record the full pages among the first `num_filled` tokens in the prefix cache."""
+        if seq.pooling is not None:
+            return  # a pooling request's pages are never shared (and a bidirectional
+            # encoder's K/V of a prefix depends on what follows it)
         full = num_filled // self.allocator.page_size
         if full <= seq.num_registered_pages:
             return

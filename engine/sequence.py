@@ -9,7 +9,7 @@ import msgspec
 
 from engine.records import DraftState
 from engine.thinking import ThinkingTracker
-from shared.protocol import SamplingParams
+from shared.protocol import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from engine.grammar import RequestGrammar
@@ -72,6 +72,10 @@ class Sequence(msgspec.Struct, kw_only=True):
     error_status: int = 0
     # How its speculative drafts fare, once it has drafted (engine.spec_decode).
     draft_state: DraftState | None = None
+    # A pooling request (engine.pooling): prefilled whole in one step, never cached, never
+    # sampled; its result is the pooled vector.
+    pooling: PoolingParams | None = None
+    pooled: object = None  # numpy float32 vector, once computed
 
     @property
     def awaiting_grammar(self) -> bool:

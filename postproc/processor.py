@@ -205,6 +205,7 @@ class OutputProcessor:
             reasoning=reasoning,
             tool_calls=calls,
             chunk=chunk,
+            pooled=output.pooled,
         )
         state.next_seq += 1
         return frame

@@ -463,6 +463,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
              "the timed run, reported per output token; repeat to sum several (Linux)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    # Embeddings mode (shared.bench_embeddings).
+    parser.add_argument("--embeddings", action="store_true",
+                        help="load-test /v1/embeddings instead of chat completions")
+    parser.add_argument("--batch-size", type=_positive_int, default=1,
+                        help="--embeddings: inputs per request (default: %(default)s)")
 
 
 def _load_prompts(args: argparse.Namespace) -> list[str]:
@@ -607,6 +612,13 @@ def processes_cpu_s(pids: Sequence[int]) -> float:
 def run_bench(args: argparse.Namespace) -> BenchResult:
     """Entry point for `sluice bench`: run the load, print the report, return the result."""
     config = config_from_args(args)
+    if getattr(args, "embeddings", False):
+        from shared.bench_embeddings import bench_embeddings, format_embed_report
+
+        embed = asyncio.run(bench_embeddings(config, args.batch_size))
+        print(msgspec.json.format(msgspec.json.encode(embed), indent=2).decode() if args.json
+              else format_embed_report(embed, config.base_url))
+        return embed
     result = asyncio.run(bench(config))
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(result), indent=2).decode())

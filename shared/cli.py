@@ -22,6 +22,12 @@ import msgspec
 
 from shared.config import OPEN_PATHS, EngineConfig, FrontendConfig, HttpSettings
 from shared.param_ranges import MAX_LOGPROBS, UNBOUNDED_LOGPROBS
+from shared.pooling_config import (
+    GENERATE_TASKS,
+    POOLING_TASKS,
+    RUNNERS,
+    parse_pooler_config,
+)
 from shared.prometheus_dir import prepare_prometheus_dir
 from shared.speculative import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
@@ -77,6 +83,47 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "true`; flags on the command line win (underscores and dashes in flag "
                         "names are the same everywhere)")
     _add_vllm_compat_arguments(p)
+    _add_pooling_arguments(p)
+
+
+# ---------------------------------------------------------------- pooling (embeddings)
+
+
+def _add_pooling_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's runner choice and pooler settings (shared.pooling_config), for the engine and
+    the frontend alike: both read them from the same checkpoint."""
+    g = p.add_argument_group("pooling models (embeddings)")
+    g.add_argument("--runner", default="auto", choices=list(RUNNERS),
+                   help="generate text, or pool prompts into embeddings (/v1/embeddings); "
+                        "auto: pooling for a checkpoint whose architecture is a bare *Model "
+                        "or a classifier, else generate")
+    g.add_argument("--task", default=None, choices=[*GENERATE_TASKS, *POOLING_TASKS],
+                   help="vLLM's older name for --runner: embed / embedding / pooling mean "
+                        "--runner pooling, generate means --runner generate")
+    g.add_argument("--pooler-config", type=_pooler_config, default=None, metavar="JSON",
+                   help='how a pooling model pools: {"pooling_type": "LAST" | "MEAN" | '
+                        '"CLS", "normalize": true} (default: the checkpoint\'s '
+                        "sentence-transformers files, else the last token, normalized)")
+    g.add_argument("--max-embedding-inputs", type=_int_at_least(1), default=2048,
+                   help="most inputs one /v1/embeddings request may carry (default: "
+                        "%(default)s, as OpenAI)")
+
+
+def _pooler_config(text: str) -> str:
+    try:
+        parse_pooler_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def runner_of(args) -> str:
+    """--runner, or what --task says when --runner is left at auto."""
+    task = getattr(args, "task", None)
+    runner = getattr(args, "runner", "auto")
+    if runner == "auto" and task is not None and task != "auto":
+        return "pooling" if task in POOLING_TASKS else "generate"
+    return runner
 
 
 # vLLM flags that change nothing here: accepted, with one log line saying so.
@@ -741,6 +788,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         speculative=args.speculative_config,
         engine_id=getattr(args, "engine_id", None) or f"{socket.gethostname()}@{address}",
         metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
+        runner=runner_of(args), pooler_config=getattr(args, "pooler_config", None),
     )
 
 
@@ -781,6 +829,8 @@ def frontend_config(args, engine_address: str | list[str] | None,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                           ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
                           log_level=args.uvicorn_log_level or args.log_level),
+        runner=runner_of(args), pooler_config=getattr(args, "pooler_config", None),
+        max_embedding_inputs=getattr(args, "max_embedding_inputs", 2048),
         **_limit_config(args),
     )
 
@@ -852,6 +902,10 @@ def _serve(args) -> int:
                         ("--tokenizer", args.tokenizer)):
         if value is not None:
             common += [flag, value]
+    common += ["--runner", runner_of(args),  # pooling: every process reads it alike
+               "--max-embedding-inputs", str(args.max_embedding_inputs)]
+    if args.pooler_config is not None:
+        common += ["--pooler-config", args.pooler_config]
     engine_argv = [
         "engine", *common, "--engine-address", address, "--dtype", args.dtype,
         "--device", args.device, "--page-size", str(args.page_size),

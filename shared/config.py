@@ -48,6 +48,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     metrics_host: str = "127.0.0.1"
     # Where postproc workers connect (the engine binds a ROUTER); None = no fleet.
     postproc_address: str | None = None
+    # vLLM's --runner (shared.pooling_config): auto | generate | pooling; and --pooler-config's
+    # JSON (None: the checkpoint's sentence-transformers files, else last-token + normalize).
+    runner: str = "auto"
+    pooler_config: str | None = None
 
 
 # Frontend routes that answer without an API key and while draining: probes, scrapes and the
@@ -130,6 +134,11 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may still run
     # Bounds per request (frontend.input.input_bounds, docs/operations.md): JSON nesting, fan-out.
     max_json_depth: int = 64
+    # Pooling models (shared.pooling_config): --runner, --pooler-config, and the most inputs
+    # one /v1/embeddings request may carry.
+    runner: str = "auto"
+    pooler_config: str | None = None
+    max_embedding_inputs: int = 2048
     max_n: int = 128  # n and best_of
     max_prompts_per_request: int = 128
     max_messages: int = 2048

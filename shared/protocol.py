@@ -212,6 +212,20 @@ class Continuation(msgspec.Struct, frozen=True):
     cumulative_logprob: float = 0.0
 
 
+class PoolingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A pooling request (vLLM's --runner pooling): prefill only, and the pooled hidden state
+    comes back instead of tokens. How the states are pooled is the model's (engine.pooling)."""
+
+    # embed: the pooled hidden state; a cross-encoder's classify (softmax over its labels)
+    # or score (the sigmoid of its one logit, else classify's probabilities).
+    task: str = "embed"
+    normalize: bool | None = None  # None: as the model's pooler config says
+    dimensions: int | None = None  # Matryoshka: keep the first n, then normalize
+    # An encoder's segment of each prompt token (int32, as TokenIds); empty: all 0. A
+    # query-document pair's second segment is 1 for BERT cross-encoders.
+    token_type_ids: bytes = b""
+
+
 class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     request_id: str
     prompt_token_ids: TokenIds
@@ -231,6 +245,8 @@ class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     images: list[ImageInput] = []
     # Set when the request continues a stream another engine started (frontend migration).
     continuation: Continuation | None = None
+    # Set for a pooling request (an embedding); a pooling engine takes nothing else.
+    pooling: PoolingParams | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
@@ -309,6 +325,8 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     # With prompt_logprobs requested, on the first output only: one entry per prompt token.
     prompt_logprobs: TokenLogprobs | None = None
     cumulative_logprob: float | None = None
+    # A pooling request's result, on its only output: float32[dimensions].
+    pooled: RawTensor | None = None
 
 
 class OutputBatch(msgspec.Struct, tag="outputs", frozen=True):
@@ -406,6 +424,7 @@ class TextFrame(msgspec.Struct, frozen=True, omit_defaults=True):
     tool_calls: list[ToolCallDelta] = []
     # Streamed requests: this frame as ready-to-write SSE bytes (empty: nothing to send).
     chunk: bytes = b""
+    pooled: RawTensor | None = None  # a pooling request's vector (RequestOutput.pooled)
 
 
 class FrameBatch(msgspec.Struct, tag="frames", frozen=True):

@@ -204,6 +204,11 @@ class LlamaModel:
         gate_up = self.ops.linear(x, layer.gate_up_weight)
         return self.ops.linear(self.ops.silu_and_mul(gate_up), layer.down_weight)
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`forward`'s rows after the final norm: what a pooling runner pools (HF's
+        last_hidden_state)."""
+        return self.ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of `forward`'s output."""
         h = self.ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)

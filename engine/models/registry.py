@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from engine.models import gemma, gpt_oss, idefics3, llama, moe, phi3
+from engine.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3
 from engine.models.config import ModelConfig, gguf_architecture
 
 
@@ -32,13 +32,16 @@ class Family(msgspec.Struct, frozen=True):
     gguf_layer_names: dict[str, str] = msgspec.field(default_factory=dict)
 
 
+# A bare `*Model` architecture is the same network without its LM head: an embedding
+# checkpoint, served by the pooling runner (shared.pooling_config).
 FAMILIES = (
-    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"),
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM", "LlamaModel", "MistralModel"),
+           ("llama", "mistral"),
            llama.read_llama_config, llama.tensor_shapes, llama.LlamaModel,
            ("llama",), llama.read_llama_gguf),
-    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), llama.read_qwen2_config,
+    Family("qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), ("qwen2",), llama.read_qwen2_config,
            llama.tensor_shapes, llama.LlamaModel, ("qwen2",), llama.read_qwen2_gguf),
-    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), llama.read_qwen3_config,
+    Family("qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), ("qwen3",), llama.read_qwen3_config,
            llama.tensor_shapes, llama.LlamaModel, ("qwen3",), llama.read_qwen3_gguf),
     # A vision encoder before a Llama text model: read as the text model (architecture
     # "llama") marked multimodal; the encoder loads beside it (engine.models.idefics3).
@@ -59,6 +62,12 @@ FAMILIES = (
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), phi3.read_phi3_config,
            phi3.tensor_shapes, phi3.Phi3Model, ("phi3",), phi3.read_phi3_gguf,
            phi3.GGUF_LAYER_NAMES),
+    # Encoders (engine.models.bert): served by the pooling runner only.
+    Family("bert", ("BertModel", "BertForSequenceClassification"), ("bert",),
+           bert.read_bert_config, bert.tensor_shapes, bert.BertModel),
+    Family("roberta", ("RobertaModel", "XLMRobertaModel", "RobertaForSequenceClassification",
+                       "XLMRobertaForSequenceClassification"), ("roberta", "xlm-roberta"),
+           bert.read_bert_config, bert.tensor_shapes, bert.BertModel),
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss.read_gpt_oss_config,
            gpt_oss.tensor_shapes, gpt_oss.GptOssModel),
 )

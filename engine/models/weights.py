@@ -56,16 +56,36 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_weights(
-    model_path: str, config: ModelConfig, dtype: torch.dtype
+    model_path: str, config: ModelConfig, dtype: torch.dtype, pooling: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Load all weights of a `.gguf` file or HF safetensors folder as `dtype` tensors."""
+    """Load all weights of a `.gguf` file or HF safetensors folder as `dtype` tensors.
+
+    `pooling`: for a pooling runner, which never computes logits: the LM head may be absent
+    (it then shares the embedding's storage, unused), and a checkpoint saved from the bare
+    model (Qwen3-Embedding: `layers.0...`, no `model.` prefix) loads too."""
     expected = expected_shapes(config)
     if model_path.endswith(".gguf"):
         weights = _load_gguf(model_path, config, expected, dtype)
     else:
-        weights = _load_safetensors(model_path, expected, dtype, _text_name_of(config))
+        rename = _text_name_of(config)
+        if pooling:
+            rename = _bare_model_names(rename, expected)
+        weights = _load_safetensors(model_path, expected, dtype, rename)
+    embed = weights.get("model.embed_tokens.weight")
+    if pooling and embed is not None and "lm_head.weight" in expected.keys() - weights.keys():
+        weights["lm_head.weight"] = embed  # shapes agree: [vocab, hidden]
     _check_complete(weights, expected)
     return weights
+
+
+def _bare_model_names(rename, expected):
+    def bare(name: str) -> str | None:
+        name = rename(name)
+        if name is not None and name not in expected and f"model.{name}" in expected:
+            return f"model.{name}"
+        return name
+
+    return bare
 
 
 def _check_complete(weights: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]):
@@ -198,6 +218,10 @@ def _text_name_of(config: ModelConfig):
     """Checkpoint name -> the text model's HF name, or None for a tensor it does not use.
     Idefics3 nests the text model under model.text_model; its vision encoder and connector
     load separately (engine.models.idefics3)."""
+    if config.architecture in ("bert", "roberta"):
+        from engine.models.bert import checkpoint_names
+
+        return checkpoint_names(config)
     if config.multimodal != "idefics3":
         return lambda name: name
     vision = ("model.vision_model.", "model.connector.")

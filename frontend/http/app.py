@@ -34,6 +34,8 @@ from frontend.http.readiness import Readiness
 from frontend.input.input_bounds import RequestLimits, json_depth_error
 from frontend.input.json_depth import TooDeep, check_depth
 from frontend.openai import serving
+from frontend.pooling import embeddings as embeddings_api
+from frontend.pooling import scoring as scoring_api
 from frontend.responses import api as responses_api
 from frontend.responses.models import InputTokensRequest, ResponsesRequest
 from postproc.openai_shapes import ModelCard, ModelList
@@ -309,6 +311,8 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         Route("/invocations", _guarded(invocations), methods=["POST"]),
         Route("/tokenize", _guarded(tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(detokenize), methods=["POST"]),
+        *embeddings_api.routes(ctx, config, _decode_body, _guarded),  # pooling models
+        *scoring_api.routes(ctx, config, _decode_body, _guarded),  # cross-encoders
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi.endpoint(ctx.model_name, VERSION), methods=["GET"]),
     ]

@@ -31,6 +31,19 @@ from frontend.base.api_models import (
     TokenizeRequest,
 )
 from frontend.base.errors import is_anthropic_path
+from frontend.pooling.embeddings_models import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingResponse,
+)
+from frontend.pooling.scoring_models import (
+    ClassifyRequest,
+    ClassifyResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from frontend.responses import models as responses_models
 from frontend.responses.models import InputTokensRequest, ResponsesRequest
 from postproc.openai_shapes import (
@@ -102,6 +115,19 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("delete", "/v1/messages/batches/{batch_id}", "Not supported: always 404"),
     Operation("post", "/invocations", "SageMaker's route: a chat completion when the body "
               "has messages, else a completion when it has prompt", streams=True),
+    Operation("post", "/v1/embeddings", "OpenAI embeddings (a pooling model; 404 on a "
+              "generating one)", EmbeddingRequest, answer=EmbeddingResponse),
+    Operation("post", "/pooling", "vLLM's pooling: an embeddings request answered with the "
+              "pooled vectors (a pooling model; 404 on a generating one)", EmbeddingRequest,
+              answer=PoolingResponse),
+    *(Operation("post", path, "vLLM's score: text pairs to relevance scores (a "
+                "cross-encoder; 404 on other models)", ScoreRequest, answer=ScoreResponse)
+      for path in ("/score", "/v1/score")),
+    *(Operation("post", path, "Rerank documents against a query, best first (a "
+                "cross-encoder; 404 on other models)", RerankRequest, answer=RerankResponse)
+      for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+    Operation("post", "/classify", "vLLM's classify: texts to label probabilities (a "
+              "cross-encoder; 404 on other models)", ClassifyRequest, answer=ClassifyResponse),
     Operation("post", "/tokenize", "vLLM's /tokenize: a prompt or chat messages to token ids",
               TokenizeRequest, answer=TokenizeResponse),
     Operation("post", "/detokenize", "vLLM's /detokenize: token ids to text",

@@ -27,6 +27,7 @@ from postproc.processor import OutputProcessor
 from postproc.reasoning import get_reasoning_parser
 from shared.config import FrontendConfig
 from shared.generation_config import load_generation_defaults
+from shared.pooling_config import resolve_runner
 from shared.tokenizer import TokenizerFacts, load_tokenizer, tokenizer_facts
 
 log = logging.getLogger("sluice.frontend")
@@ -36,6 +37,8 @@ def _structured_settings(config: FrontendConfig, tokenizer, facts: TokenizerFact
                          ) -> StructuredSettings:
     import llguidance.hf
 
+    if resolve_runner(config.model, config.runner) == "pooling":
+        return StructuredSettings()  # a pooling model samples nothing: no grammars to check
     # Built once (about a second): validation then also knows the model's special tokens.
     llg = llguidance.hf.from_tokenizer(
         tokenizer, n_vocab=facts.max_token_id + 1, eos_token=facts.eos_token_ids

@@ -1,0 +1,108 @@
+"""vLLM's cross-encoder routes end to end: `sluice serve` on a tiny random
+BertForSequenceClassification with one label and a WordPiece tokenizer (tests/tiny_bert.py),
+raw HTTP, scores compared with transformers' sigmoid of the logit in float32; and bad input
+a clear 400. One server for the module."""
+
+import httpx
+import pytest
+import torch
+
+from tests.servers import Stack
+from tests.tiny_bert import build_cross_encoder, reference_logits
+
+MAX_INPUTS = 5
+QUERY = "hello world"
+DOCS = ["the cat sat on the mat", "hi there", "a big dog runs . a small cat",
+        "hello world hello"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cross-encoder")
+    tokenizer, model = build_cross_encoder(str(path))
+    s = Stack(str(tmp_path_factory.mktemp("rerank-serve")), "--model", str(path),
+              "--served-model-name", "tiny-rerank", "--device", "cpu", "--dtype", "float32",
+              "--max-model-len", "40", "--num-kv-pages", "32", "--page-size", "4",
+              "--max-embedding-inputs", str(MAX_INPUTS))
+    yield s.base_url, tokenizer, model
+    s.stop()
+
+
+def _expected(server, a: str, b: str) -> float:
+    return float(torch.sigmoid(reference_logits(server[1], server[2], a, b))[0])
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server[0]}{path}", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_score_one_to_many_and_pairwise(server, path):
+    out = _post(server, path, {"model": "tiny-rerank", "text_1": QUERY, "text_2": DOCS}).json()
+    assert out["object"] == "list" and out["model"] == "tiny-rerank"
+    assert [d["index"] for d in out["data"]] == list(range(len(DOCS)))
+    for doc, item in zip(DOCS, out["data"], strict=True):
+        assert item["object"] == "score"
+        assert abs(item["score"] - _expected(server, QUERY, doc)) < 1e-4
+    tokens = sum(len(server[1](QUERY, d)["input_ids"]) for d in DOCS)
+    assert out["usage"]["prompt_tokens"] == tokens
+    zipped = _post(server, path, {"text_1": ["hi", "hello"], "text_2": DOCS[:2]}).json()
+    assert abs(zipped["data"][1]["score"] - _expected(server, "hello", DOCS[1])) < 1e-4
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_rerank_best_first_top_n_and_documents(server, path):
+    out = _post(server, path, {"model": "tiny-rerank", "query": QUERY, "documents": DOCS}).json()
+    scores = [_expected(server, QUERY, d) for d in DOCS]
+    best_first = sorted(range(len(DOCS)), key=lambda i: -scores[i])
+    assert [r["index"] for r in out["results"]] == best_first
+    for r in out["results"]:
+        assert abs(r["relevance_score"] - scores[r["index"]]) < 1e-4
+        assert r["document"] == {"text": DOCS[r["index"]]}
+    assert out["usage"]["total_tokens"] > 0 and out["model"] == "tiny-rerank"
+    top = _post(server, path, {"query": QUERY, "documents": DOCS, "top_n": 2,
+                               "return_documents": False}).json()
+    assert [r["index"] for r in top["results"]] == best_first[:2]
+    assert all("document" not in r for r in top["results"])
+
+
+def test_classify_gives_label_probabilities(server):
+    out = _post(server, "/classify", {"input": ["hello world", "hi"]}).json()
+    assert [d["index"] for d in out["data"]] == [0, 1]
+    assert all(d["label"] == "class_0" and d["num_classes"] == 1 and d["probs"] == [1.0]
+               for d in out["data"])
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/score", {"text_1": "", "text_2": "hi"}, "text_1"),
+    ("/score", {"text_1": "hi", "text_2": []}, "text_2"),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
+    ("/score", {"text_1": "hi", "text_2": [1, 2]}, "text_2"),
+    ("/score", {"text_1": "hi", "text_2": ["x"] * (MAX_INPUTS + 1)}, "text_2"),
+    ("/score", {"text_1": "hi", "text_2": " ".join(["hello"] * 60)}, "text_2"),
+    ("/score", {"text_1": "hi", "text_2": "x", "truncate_prompt_tokens": 0},
+     "truncate_prompt_tokens"),
+    ("/score", {"text_1": "hi"}, None),
+    ("/rerank", {"query": "", "documents": ["x"]}, "query"),
+    ("/rerank", {"query": "q", "documents": []}, "documents"),
+    ("/rerank", {"query": "q", "documents": ["x", None]}, "documents"),
+    ("/rerank", {"query": "q", "documents": ["x"], "top_n": -1}, "top_n"),
+    ("/rerank", {"query": "q", "documents": "x"}, None),
+    ("/classify", {"input": []}, "input"),
+    ("/classify", {"input": [""]}, "input"),
+    ("/classify", {"input": "x", "extra": 1}, None),
+])
+def test_bad_input_is_a_400(server, path, body, param):
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param
+
+
+def test_long_pairs_truncate_when_asked_and_embeddings_are_refused(server):
+    long_doc = " ".join(["hello"] * 60)
+    out = _post(server, "/score", {"text_1": "hi", "text_2": long_doc,
+                                   "truncate_prompt_tokens": -1}).json()
+    assert out["usage"]["prompt_tokens"] == 40 and 0 < out["data"][0]["score"] < 1
+    r = _post(server, "/v1/embeddings", {"input": "hi"})
+    assert r.status_code == 400 and "not served by this model" in r.json()["error"]["message"]
