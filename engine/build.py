@@ -22,6 +22,7 @@ from engine.core import EngineCore
 from engine.device import resolve_dtype
 from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
+from engine.lora import LoraError, LoraManager
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, load_model_config
 from engine.models.ops import QUANTIZED_MAX_ROWS, make_ops
@@ -123,6 +124,20 @@ def _drafter(config: EngineConfig, device: torch.device, quantized: dict) -> Dra
 # ---------------------------------------------------------------- the engine
 
 
+def _lora_manager(config: EngineConfig, model) -> LoraManager | None:
+    """--enable-lora: the model's linears take adapters; --lora-modules load now (a bad one
+    stops the start, naming it)."""
+    if not config.enable_lora:
+        return None
+    lora = LoraManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+    for info in config.lora_modules:
+        try:
+            lora.load(info)
+        except LoraError as exc:
+            raise StartupError(f"--lora-modules {info.name}: {exc}") from None
+    return lora
+
+
 def build_engine(config: EngineConfig) -> EngineCore:
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -162,6 +177,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     except ValueError as exc:  # a weight the batch-invariant kernels cannot take
         raise StartupError(str(exc)) from None
     del weights
+    lora = _lora_manager(config, model)
     vision = None
     if model_config.multimodal == "idefics3":  # the vision half; the text half is ours
         from engine.models.idefics3 import Idefics3Vision
@@ -182,7 +198,9 @@ def build_engine(config: EngineConfig) -> EngineCore:
     # Graphs replay decode batches padded to captured sizes through the decode-only plan;
     # the batch-invariant mode plans every row alike and runs eagerly, and so do MoE models:
     # their expert groups are sized on the host each step, which a captured graph cannot do.
-    eager = config.enforce_eager or config.batch_invariant or model_config.moe is not None
+    # So do LoRA steps: the adapters' rows are grouped on the host each step.
+    eager = (config.enforce_eager or config.batch_invariant or model_config.moe is not None
+             or lora is not None)
     if choice.name == "flashinfer" and not eager:
         from engine.cuda_graphs import DecodeGraphModel, graph_batch_sizes
 
@@ -193,12 +211,15 @@ def build_engine(config: EngineConfig) -> EngineCore:
     allocator = PageAllocator(num_pages, config.page_size)
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     facts = tokenizer_facts(tokenizer, config.model)
+    runner = ModelRunner(model, backend, model_config.vocab_size, vision)
+    runner.lora_ops = lora.ops if lora is not None else None
     return EngineCore(
-        ModelRunner(model, backend, model_config.vocab_size, vision),
+        runner,
         allocator,
         Scheduler(allocator, config.max_num_batched_tokens, config.max_num_seqs,
                   config.scheduling_policy, config.long_prefill_token_threshold,
-                  drafter=_drafter(config, device, quantized)),
+                  drafter=_drafter(config, device, quantized),
+                  max_loras=config.max_loras if lora is not None else 0),
         eos_token_ids=facts.eos_token_ids,
         max_model_len=max_model_len,
         vocab_size=model_config.vocab_size,
@@ -206,4 +227,5 @@ def build_engine(config: EngineConfig) -> EngineCore:
         model_name=config.served_model_name,
         grammar=GrammarBackend(tokenizer, model_config.vocab_size, facts.eos_token_ids),
         max_logprobs=config.max_logprobs,
+        lora=lora,
     )

@@ -58,6 +58,7 @@ class ModelRunner:
         self.vision = vision  # a VLM's encoder (engine.models.idefics3); None: text only
         self.device = model.device
         self.stage = ""  # what the sampling phase ran last (see _sample)
+        self.lora_ops = None  # engine.models.lora.LoraOps when LoRA is enabled
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
@@ -66,6 +67,9 @@ class ModelRunner:
         only the requests that cause it (`StepResult.failed`)."""
         input_ids, positions, sample_rows = self._flatten(chunks)
         meta = self.backend.prepare(chunks)
+        if self.lora_ops is not None:  # which rows run under which adapter
+            self.lora_ops.set_step([(c.seq.lora_id, c.num_tokens) for c in chunks],
+                                   len(input_ids), self.device)
         embeds = step_embeddings(chunks, self.vision)  # image tokens' inputs (req T-13)
         hidden = self.model.forward(input_ids, positions, self.backend, meta, embeds)
         seqs = [c.seq for c in chunks if c.samples]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.protocol import LoraAdapterInfo
 from shared.speculative import SpeculativeConfig
 
 
@@ -48,6 +49,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     metrics_host: str = "127.0.0.1"
     # Where postproc workers connect (the engine binds a ROUTER); None = no fleet.
     postproc_address: str | None = None
+    # LoRA (--enable-lora, engine.lora): adapters loaded at start (--lora-modules), distinct
+    # adapters in one step, the largest rank taken, most adapters loaded at once (0: any).
+    enable_lora: bool = False
+    lora_modules: list[LoraAdapterInfo] = []
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
 
 
 # Frontend routes that answer without an API key and while draining: probes, scrapes and the
