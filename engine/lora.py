@@ -60,10 +60,11 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 def read_peft_config(path: str) -> PeftConfig:
     config_path = os.path.join(path, CONFIG_FILE)
+    # 404 as vLLM answers a path without an adapter ("No adapter found").
     if not os.path.isdir(path):
-        raise LoraError(f"the adapter path {path!r} is not a folder")
+        raise LoraError(f"No adapter found at {path!r}: not a folder", 404)
     if not os.path.isfile(config_path):
-        raise LoraError(f"the adapter folder {path!r} has no {CONFIG_FILE}")
+        raise LoraError(f"No adapter found at {path!r}: the folder has no {CONFIG_FILE}", 404)
     try:
         with open(config_path, "rb") as f:
             config = msgspec.json.decode(f.read(), type=PeftConfig)

@@ -30,6 +30,7 @@ from frontend.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.engine_client import EngineUnavailable
 from frontend.errors import APIError, error_body
 from frontend.input_stage import PromptInput, chat_input, completion_inputs
+from frontend.lora_routes import lora_name_for
 from frontend.sampling import (
     Plan,
     check_request,
@@ -206,6 +207,7 @@ def build_job(
                 output=output_params(ctx, request, job, plan, prompt, number),
                 cache_salt=request.cache_salt, priority=request.priority,  # req P-12
                 images=prompt.images,
+                lora_name=lora_name_for(ctx, getattr(request, "model", None)),
             ))
     job.index_of = {c.request_id: i for i, c in enumerate(job.candidates)}
     return job

@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import StreamingResponse
 
+from frontend import lora_client
 from frontend.engine_client import EngineClient
 from frontend.errors import APIError
 from frontend.input_bounds import RequestLimits
@@ -65,7 +66,9 @@ def structured_settings(ctx: ServingContext) -> StructuredSettings:
 
 
 def check_model(ctx: ServingContext, model: str | None) -> None:
-    if model is not None and model != ctx.model_name and model not in ctx.model_aliases:
+    """The base model's names, or a LoRA adapter an engine serves; else a 404."""
+    if (model is not None and model != ctx.model_name and model not in ctx.model_aliases
+            and model not in lora_client.adapters(ctx.client)):
         raise APIError(404, f"The model '{model}' does not exist.", "model")
 
 

@@ -77,6 +77,8 @@ class HttpSettings(msgspec.Struct, kw_only=True):
 
 class FrontendConfig(msgspec.Struct, kw_only=True):
     model: str
+    # --allow-runtime-lora-updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    allow_runtime_lora_updating: bool = False
     served_model_name: str  # the name responses carry
     engine_address: str
     # Every --engine-address (each a zmq address or dns+tcp://NAME:PORT); empty: just

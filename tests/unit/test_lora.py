@@ -181,7 +181,7 @@ def test_update_errors(weights, adapters):
     unknown = core.update_lora(LoraUpdate("2", "unload", "zzz"))
     assert unknown.status == 404 and "zzz" in unknown.message
     missing = core.update_lora(LoraUpdate("3", "load", "m", "/no/such/adapter"))
-    assert missing.status == 400 and "/no/such/adapter" in missing.message
+    assert missing.status == 404 and "/no/such/adapter" in missing.message
 
 
 def _bad_adapter(tmp_path, config: dict | str | None, tensors: dict | None):
@@ -206,7 +206,7 @@ H = CONFIG.hidden_size
 
 
 @pytest.mark.parametrize("config,tensors,problem", [
-    (None, None, "no adapter_config.json"),
+    (None, None, "has no adapter_config.json"),
     ("{not json", _pair(0, "self_attn.q_proj", 4, 64, H), "not a PEFT LoRA config"),
     ({"lora_alpha": 8}, _pair(0, "self_attn.q_proj", 4, 64, H), "not a PEFT LoRA config"),
     (GOOD, None, "no adapter_model.safetensors"),
@@ -224,7 +224,8 @@ def test_bad_adapters_are_refused_by_name(weights, adapters, tmp_path, config, t
     core, _ = _lora_core(weights, adapters)
     path = _bad_adapter(tmp_path, config, tensors)
     answer = core.update_lora(LoraUpdate("x", "load", "bad", path))
-    assert answer.status == 400 and problem in answer.message, answer.message
+    assert answer.status == (404 if config is None else 400), answer.message
+    assert problem in answer.message, answer.message
     with pytest.raises(LoraError):
         core.lora.load(LoraAdapterInfo("bad", path))
     assert [i.name for i in core.stats().lora_adapters] == ["a", "b"]
