@@ -236,3 +236,44 @@ def test_lora_off_refuses_adapter_requests(weights):
     _, last = _run(core, [_lora_request("x", PROMPTS[0], "a")])
     assert last["x"].error_status == 404
     assert core.update_lora(LoraUpdate("1", "load", "a", "/x")).status == 400
+
+
+# --- the flags ----------------------------------------------------------------------------------
+
+
+def test_flags_reach_the_engine_and_frontend(monkeypatch):
+    from shared import cli
+    from tests.unit.cli_builders import serve_argvs
+
+    spec = json.dumps({"name": "b", "path": "/ad/b", "base_model_name": "m"})
+    argv = ["--enable-lora", "--lora-modules", "a=/ad/a", spec, "--max-loras", "3",
+            "--max-lora-rank", "64", "--max-cpu-loras", "5", "--allow-runtime-lora-updating"]
+    engine, frontend = serve_argvs(monkeypatch, argv)
+    config = cli.engine_config(cli.parse_args(engine), "ipc:///x")
+    assert config.enable_lora and (config.max_loras, config.max_lora_rank,
+                                   config.max_cpu_loras) == (3, 64, 5)
+    assert config.lora_modules == [LoraAdapterInfo("a", "/ad/a"),
+                                   LoraAdapterInfo("b", "/ad/b", "m")]
+    assert cli.frontend_config(cli.parse_args(frontend), "ipc:///x",
+                               None).allow_runtime_lora_updating
+    off = cli.engine_config(cli.parse_args(["engine"]), "ipc:///x")
+    assert not off.enable_lora and off.lora_modules == []
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    assert cli.parse_args(["frontend"]).allow_runtime_lora_updating
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "a"], "expected name=path"),
+    (["--enable-lora", "--lora-modules", "=/x"], "expected name=path"),
+    (["--enable-lora", "--lora-modules", '{"name": "a"}'], "expected {"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names an adapter twice"),
+    (["--enable-lora", "--max-loras", "0"], "--max-loras"),
+    (["--enable-lora", "--max-lora-rank", "x"], "--max-lora-rank"),
+])
+def test_bad_flags_stop_at_start(argv, message, capsys):
+    from shared import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", *argv])
+    assert message in capsys.readouterr().err
