@@ -3,9 +3,12 @@ grouped by adapter, for every family (they all run their linears through `ops.li
 
 `LoraOps` wraps the model's ops. Each step the runner tells it which rows of the flattened
 batch belong to which adapter (`set_step`); `linear` then runs the base matmul once over
-every row and, for each adapter present in the step, one pair of matmuls over that
-adapter's rows (gathered with index_select, added back with index_add_): never a loop per
-row. The same code runs on CUDA (the row indices are built once per step on the device).
+every row, and the adapters present in the step as one segmented product: their A's
+stacked (x @ A_all.T gives every adapter's low-rank input for every row), a row-by-column
+mask keeping each row's own adapter's columns (zero for base-model rows), and their B's side
+by side (one more matmul). Two matmuls per linear whatever the number of adapters, never a
+loop per row or per adapter; the stacks are built once per set of adapters and kept. The
+same code runs on CUDA (the row-to-adapter map is built once per step on the device).
 
 Fused weights (q/k/v, gate/up) take one A per adapter stacked over the parts and one
 block-diagonal B, so a fused linear costs one low-rank pair per adapter too. The scaling
@@ -93,6 +96,19 @@ def fuse(site: LinearSite, parts: dict[int | None, tuple[torch.Tensor, torch.Ten
     return LowRank(a_full.to(dtype=dtype, device=device), b_full.to(dtype=dtype, device=device))
 
 
+class _Stack(msgspec.Struct):
+    """The products of the adapters present in a step on one linear, side by side."""
+
+    a: torch.Tensor  # [sum of their ranks, in]
+    b: torch.Tensor  # [out, sum of their ranks]
+    owner: torch.Tensor  # [sum of ranks]: the adapter id of each rank column
+    key: tuple  # (adapter id, rank) per adapter: linears with one key share a mask
+
+
+# Distinct sets of adapters whose stacks are kept (a set recurs step after step).
+MAX_STACKED_SETS = 4
+
+
 class LoraOps:
     """The model's ops with LoRA added to its linears (see the module's docstring); every
     other op is the wrapped one's."""
@@ -100,8 +116,11 @@ class LoraOps:
     def __init__(self, inner) -> None:
         self._inner = inner
         self._products: dict[int, dict[int, LowRank]] = {}  # weight id -> adapter id -> ...
-        # This step's (adapter id, rows of the flattened batch, or None for all of them).
-        self._groups: list[tuple[int, torch.Tensor | None]] = []
+        self._present: tuple[int, ...] = ()  # this step's adapters (0, the base, left out)
+        self._row_adapter: torch.Tensor | None = None  # [rows]: each row's adapter id
+        self._one_for_all = False  # every row of the step runs one adapter
+        self._stacks: dict[tuple, _Stack] = {}  # (weight id, adapters) -> stack
+        self._masks: dict[tuple, torch.Tensor] = {}  # this step's, by _Stack.key
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
@@ -114,40 +133,65 @@ class LoraOps:
         """Make an adapter's products (by weight id) available to steps."""
         for weight_id, product in products.items():
             self._products.setdefault(weight_id, {})[adapter_id] = product
+        self._stacks.clear()
 
     def remove(self, adapter_id: int) -> None:
         for per_adapter in self._products.values():
             per_adapter.pop(adapter_id, None)
+        self._stacks.clear()
 
     def set_step(self, row_adapters: list[tuple[int, int]], num_rows: int,
                  device: torch.device) -> None:
         """row_adapters: (adapter id, number of rows) runs in row order; adapter 0 is the
-        base model. Rows of one adapter are gathered into one group."""
-        by_adapter: dict[int, list[int]] = {}
-        row = 0
-        for adapter_id, count in row_adapters:
-            if adapter_id:
-                by_adapter.setdefault(adapter_id, []).extend(range(row, row + count))
-            row += count
-        self._groups = [
-            (adapter_id, None if len(rows) == num_rows else
-             torch.tensor(rows, dtype=torch.long, device=device))
-            for adapter_id, rows in by_adapter.items()
-        ]
+        base model."""
+        present = sorted({a for a, n in row_adapters if a and n})
+        self._present = tuple(present)
+        self._masks = {}
+        self._one_for_all = len(present) == 1 and all(a for a, n in row_adapters if n)
+        if not present or self._one_for_all:
+            self._row_adapter = None
+            return
+        ids = [a for a, n in row_adapters for _ in range(n)]
+        self._row_adapter = torch.tensor(ids, dtype=torch.long, device=device)
+        if len({k[1] for k in self._stacks}) > MAX_STACKED_SETS and \
+                not any(k[1] == self._present for k in self._stacks):
+            self._stacks.clear()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         out = self._inner.linear(x, weight, bias)
-        products = self._products.get(id(weight)) if self._groups else None
+        products = self._products.get(id(weight)) if self._present else None
         if not products:
             return out
-        for adapter_id, rows in self._groups:
-            product = products.get(adapter_id)
-            if product is None:
-                continue  # this adapter leaves this linear alone
-            if rows is None:
-                out = out + F.linear(F.linear(x, product.a), product.b).to(out.dtype)
-            else:
-                delta = F.linear(F.linear(x.index_select(0, rows), product.a), product.b)
-                out.index_add_(0, rows, delta.to(out.dtype))
-        return out
+        present = tuple(a for a in self._present if a in products)
+        if not present:
+            return out  # no adapter of this step changes this linear
+        if self._one_for_all:
+            product = products[present[0]]
+            return out + F.linear(F.linear(x, product.a), product.b).to(out.dtype)
+        # Every adapter's low-rank input at once, each row keeping only its adapter's
+        # columns, then every adapter's B at once: two matmuls, whatever the adapters.
+        stack = self._stack(id(weight), present, products)
+        low = F.linear(x, stack.a) * self._mask(stack, x.dtype)
+        return out + F.linear(low, stack.b).to(out.dtype)
+
+    def _stack(self, weight_id: int, present: tuple[int, ...],
+               products: dict[int, LowRank]) -> _Stack:
+        stack = self._stacks.get((weight_id, present))
+        if stack is None:
+            parts = [products[a] for a in present]
+            owner = torch.cat([torch.full((p.a.shape[0],), a, dtype=torch.long)
+                               for a, p in zip(present, parts, strict=True)])
+            stack = _Stack(torch.cat([p.a for p in parts]), torch.cat([p.b for p in parts], 1),
+                           owner.to(parts[0].a.device),
+                           tuple((a, p.a.shape[0]) for a, p in zip(present, parts, strict=True)))
+            self._stacks[(weight_id, present)] = stack
+        return stack
+
+    def _mask(self, stack: _Stack, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, sum of ranks]: 1 where the column belongs to the row's adapter."""
+        mask = self._masks.get(stack.key)
+        if mask is None:
+            mask = (self._row_adapter[:, None] == stack.owner[None, :]).to(dtype)
+            self._masks[stack.key] = mask
+        return mask

@@ -111,7 +111,9 @@ def test_lora_modules_serve_peft_tokens_and_list_as_models(setup):
     for name in ("tiny", "a", "b"):
         expected = _greedy(merged["base" if name == "tiny" else name], PROMPT)
         assert _tokens(_complete(url, name)) == expected, name
-    assert _tokens(_complete(url, "a")) != _tokens(_complete(url, "tiny"))
+    adapted, base = _complete(url, "a"), _complete(url, "tiny")
+    assert _tokens(adapted) != _tokens(base)
+    assert (adapted.json()["model"], base.json()["model"]) == ("a", "tiny")  # as vLLM
     models = _models(url)
     assert models["a"]["parent"] == "tiny" and models["a"]["root"] == str(root / "a")
     assert models["b"]["parent"] == "tinybase" and models["b"]["root"] == str(root / "b")
