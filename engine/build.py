@@ -22,6 +22,7 @@ from engine.core import EngineCore
 from engine.device import resolve_dtype
 from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
+from engine.lora import LoraError, LoraManager
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig, load_model_config
 from engine.models.ops import QUANTIZED_MAX_ROWS, make_ops
@@ -124,6 +125,20 @@ def _drafter(config: EngineConfig, device: torch.device, quantized: dict) -> Dra
 # ---------------------------------------------------------------- the engine
 
 
+def _lora_manager(config: EngineConfig, model) -> LoraManager | None:
+    """--enable-lora: the model's linears take adapters; --lora-modules load now (a bad one
+    stops the start, naming it)."""
+    if not config.enable_lora:
+        return None
+    lora = LoraManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+    for info in config.lora_modules:
+        try:
+            lora.load(info)
+        except LoraError as exc:
+            raise StartupError(f"--lora-modules {info.name}: {exc}") from None
+    return lora
+
+
 def build_engine(config: EngineConfig) -> EngineCore:
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -173,6 +188,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     except ValueError as exc:  # a weight the batch-invariant kernels cannot take
         raise StartupError(str(exc)) from None
     del weights
+    lora = _lora_manager(config, model)
     vision = None
     if model_config.multimodal == "idefics3":  # the vision half; the text half is ours
         from engine.models.idefics3 import Idefics3Vision
@@ -193,8 +209,9 @@ def build_engine(config: EngineConfig) -> EngineCore:
     # Graphs replay decode batches padded to captured sizes through the decode-only plan;
     # the batch-invariant mode plans every row alike and runs eagerly, and so do MoE models:
     # their expert groups are sized on the host each step, which a captured graph cannot do.
+    # A pooling engine never decodes; LoRA steps group the adapters' rows on the host.
     eager = (config.enforce_eager or config.batch_invariant or model_config.moe is not None
-             or pooling is not None)  # a pooling engine never decodes
+             or pooling is not None or lora is not None)
     if choice.name == "flashinfer" and not eager:
         from engine.cuda_graphs import DecodeGraphModel, graph_batch_sizes
 
@@ -205,13 +222,16 @@ def build_engine(config: EngineConfig) -> EngineCore:
     allocator = PageAllocator(num_pages, config.page_size)
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     facts = tokenizer_facts(tokenizer, config.model)
+    runner = ModelRunner(model, backend, model_config.vocab_size, vision,
+                         pooler=pooling.pooler if pooling is not None else None)
+    runner.lora_ops = lora.ops if lora is not None else None
     return EngineCore(
-        ModelRunner(model, backend, model_config.vocab_size, vision,
-                    pooler=pooling.pooler if pooling is not None else None),
+        runner,
         allocator,
         Scheduler(allocator, max_batched, config.max_num_seqs,
                   config.scheduling_policy, config.long_prefill_token_threshold,
-                  drafter=_drafter(config, device, quantized)),
+                  drafter=_drafter(config, device, quantized),
+                  max_loras=config.max_loras if lora is not None else 0),
         eos_token_ids=facts.eos_token_ids,
         max_model_len=max_model_len,
         vocab_size=model_config.vocab_size,
@@ -223,6 +243,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
         max_logprobs=config.max_logprobs,
         pooling=pooling,
         hidden_size=model_config.hidden_size,
+        lora=lora,
     )
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
+from engine.lora import LoraError, LoraManager
 from engine.model_runner import ModelRunner
 from engine.multimodal import ImageProblem, parse_images
 from engine.scheduler import Scheduler
@@ -28,6 +29,9 @@ from shared.pooling_config import PoolingFacts
 from shared.protocol import (
     EngineRequest,
     EngineStats,
+    LoraAdapterInfo,
+    LoraUpdate,
+    LoraUpdateResult,
     RequestOutput,
     TokenLogprobs,
     pack_ids,
@@ -64,6 +68,7 @@ class EngineCore:
         max_logprobs: int = MAX_LOGPROBS,
         pooling: PoolingFacts | None = None,
         hidden_size: int = 0,
+        lora: LoraManager | None = None,
     ) -> None:
         self.runner = runner
         self.allocator = allocator
@@ -80,6 +85,7 @@ class EngineCore:
         self.hidden_size = hidden_size  # the pooled vector's size, before any Matryoshka cut
         options = getattr(getattr(runner, "model", None), "options", None)
         self.type_vocab_size = getattr(options, "type_vocab_size", 1)  # encoders' segments
+        self.lora = lora  # its LoRA adapters (--enable-lora); None: base model only
         # What a VLM takes as an image (engine.multimodal); None: text only, images refused.
         vision = getattr(runner, "vision", None)
         self.image_spec = vision.spec if vision is not None else None
@@ -151,11 +157,50 @@ class EngineCore:
             # A continuation: its earlier tokens were reported by the engine that drew them.
             seq.num_reported = len(resumed)
             seq.cumulative_logprob = request.continuation.cumulative_logprob
+        if request.lora_name is not None:
+            try:
+                seq.lora_id = self._acquire_lora(request.lora_name)
+            except LoraError as exc:
+                self._reject(request, len(prompt), str(exc), exc.status)
+                return
         if params.constraint is not None:
-            seq.grammar = self.grammar.compile(params.constraint)
+            try:
+                seq.grammar = self.grammar.compile(params.constraint)
+            except Exception:
+                self._release_lora(seq)
+                raise
             self._compiling[seq.request_id] = seq
         self.sequences[seq.request_id] = seq
         self.scheduler.add(seq)
+
+    def _acquire_lora(self, name: str) -> int:
+        if self.lora is None:
+            raise LoraError(f"The model '{name}' does not exist (LoRA is not enabled).", 404)
+        return self.lora.acquire(name)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_id and self.lora is not None:
+            self.lora.release(seq.lora_id)
+            seq.lora_id = 0
+
+    def update_lora(self, update: LoraUpdate) -> LoraUpdateResult:
+        """Load or unload an adapter at run time; the answer names any problem (an adapter
+        never takes the engine down)."""
+        try:
+            if self.lora is None:
+                raise LoraError("LoRA is not enabled on this engine (--enable-lora)")
+            if update.action == "load":
+                self.lora.load(LoraAdapterInfo(update.name, update.path))
+            elif update.action == "unload":
+                self.lora.unload(update.name)
+            else:
+                raise LoraError(f"unknown LoRA action {update.action!r}")
+        except LoraError as exc:
+            return LoraUpdateResult(update.op_id, exc.status, str(exc))
+        except Exception as exc:  # whatever else reading it raised: the update's fault
+            log.exception("LoRA %s of %r failed", update.action, update.name[:200])
+            return LoraUpdateResult(update.op_id, 400, f"{type(exc).__name__}: {exc}")
+        return LoraUpdateResult(update.op_id, 200, "")
 
     def _min_tokens_banned(self, params) -> list[int]:
         if params.min_tokens == 0:
@@ -187,6 +232,8 @@ class EngineCore:
             )
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             return f"prompt token ids must lie in [0, {self.vocab_size})"
+        if request.lora_name is not None and len(request.lora_name) > MAX_REQUEST_ID_CHARS:
+            return f"lora_name may have at most {MAX_REQUEST_ID_CHARS} characters"
         if request.cache_salt is not None and len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
             return f"cache_salt may have at most {MAX_CACHE_SALT_CHARS} characters"
         params = request.params
@@ -284,6 +331,7 @@ class EngineCore:
                 continue  # already finished: nothing to free
             self.scheduler.finish(seq)
             self._drop_grammar(seq)
+            self._release_lora(seq)
             seq.finish_reason = "abort"
             self.num_aborted += 1
             self._observe_times(seq)
@@ -485,6 +533,7 @@ class EngineCore:
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self._drop_grammar(seq)
+        self._release_lora(seq)
         del self.sequences[seq.request_id]
         self.num_finished += 1
         self._observe_times(seq)
@@ -529,6 +578,7 @@ class EngineCore:
             step_time_total_s=self.step_time_total_s,
             page_size=self.allocator.page_size,
             histograms={name: b.snapshot() for name, b in self._histograms().items()},
+            lora_adapters=self.lora.infos() if self.lora is not None else [],
         )
 
 

@@ -5,8 +5,9 @@ ids a sequence owns. Reference counts let pages be shared: a page returns to the
 its last owner lets go.
 
 Prefix caching: every full page of a sequence gets a hash chained over all tokens before it
-and rooted at the request's cache_salt, so two requests share a page only when everything up
-to and including that page is identical *and* their salts match (tenants never share). A
+and rooted at the request's cache_salt and LoRA adapter, so two requests share a page only
+when everything up to and including that page is identical *and* their salts (and adapters)
+match (tenants never share). A
 released page that holds a hash is not wiped: it waits in an LRU of cached free pages and is
 reused as is by the next request with that prefix, or recycled, oldest first, when no plain
 free page is left.
@@ -27,8 +28,12 @@ class OutOfPages(Exception):
 PageHash = bytes
 
 
-def root_hash(cache_salt: str | None) -> PageHash:
+def root_hash(cache_salt: str | None, lora_id: int = 0) -> PageHash:
+    """The root of a sequence's chain: its salt and, under a LoRA adapter, the adapter's
+    engine-unique id (two adapters compute different K/V for the same tokens)."""
     salt = (cache_salt or "").encode()
+    if lora_id:
+        salt += b"\0lora:%d" % lora_id
     return hashlib.blake2b(salt, digest_size=16, person=b"sluice-root").digest()
 
 

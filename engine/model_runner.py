@@ -66,6 +66,7 @@ class ModelRunner:
         self.vision = vision  # a VLM's encoder (engine.models.idefics3); None: text only
         self.device = model.device
         self.stage = ""  # what the sampling phase ran last (see _sample)
+        self.lora_ops = None  # engine.models.lora.LoraOps when LoRA is enabled
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
@@ -73,6 +74,9 @@ class ModelRunner:
         be trusted) and then each request's own part of the step, where an exception fails
         only the requests that cause it (`StepResult.failed`)."""
         input_ids, positions, sample_rows = self._flatten(chunks)
+        if self.lora_ops is not None:  # which rows run under which adapter
+            self.lora_ops.set_step([(c.seq.lora_id, c.num_tokens) for c in chunks],
+                                   len(input_ids), self.device)
         if getattr(self.model, "bidirectional", False):
             # An encoder (engine.models.bert): whole prompts, no paged KV cache.
             hidden = self.model.encode(input_ids, positions, [c.num_tokens for c in chunks],

@@ -12,7 +12,8 @@ Queue order is arrival (`fcfs`) or (priority, arrival) (`priority`, lower first)
 run out, the running sequence that comes last in that order is preempted: its pages are
 released (full ones stay in the prefix cache) and it goes back to the queue to be recomputed,
 so nothing is lost. On admission a sequence takes every leading full page the prefix cache
-already holds and skips their prefill.
+already holds and skips their prefill. With LoRA, running sequences use at most
+`max_loras` adapters; a request for one more waits in the queue (others pass it).
 
 A page enters the prefix cache when it is scheduled to be filled, not after the step: backends
 store every new K/V of a step before any attention reads the cache, so a sequence admitted
@@ -79,6 +80,7 @@ class Scheduler:
         policy: str = "fcfs",
         long_prefill_token_threshold: int | None = None,
         drafter: Drafter | None = None,
+        max_loras: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}")
@@ -91,6 +93,9 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = policy
         self.drafter = drafter  # None: no speculative decoding
+        # Distinct LoRA adapters in one step (--max-loras): a request for another one waits
+        # in the queue until a running adapter's requests are done; none is ever evicted.
+        self.max_loras = max_loras
         self.waiting: list[Sequence] = []  # kept sorted by _key
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
@@ -134,12 +139,16 @@ class Scheduler:
             i += 1
 
         j = 0  # the first waiting sequence not passed over
+        adapters = {s.lora_id for s in self.running if s.lora_id}
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             if preempted:
                 break  # memory is short this step; don't admit what we just evicted
             seq = self.waiting[j]
             if seq.awaiting_grammar:
                 j += 1  # its grammar is still compiling: it keeps its place, others go first
+                continue
+            if seq.lora_id and seq.lora_id not in adapters and len(adapters) >= self.max_loras:
+                j += 1  # every adapter slot is taken: it keeps its place, others go first
                 continue
             if seq.pooling is not None:
                 # Pooled whole in one step (a bidirectional encoder cannot be chunked, and a
@@ -164,6 +173,8 @@ class Scheduler:
                 self._free_pages(seq)
                 break
             self.waiting.pop(j)
+            if seq.lora_id:
+                adapters.add(seq.lora_id)
             seq.status = SequenceStatus.RUNNING
             # Running stays in queue order too, so the victim of a preemption (the last one)
             # is never a sequence already scheduled earlier in this step.
@@ -236,7 +247,7 @@ class Scheduler:
         size = self.allocator.page_size
         while len(seq.page_hashes) < num_pages:
             i = len(seq.page_hashes)
-            parent = seq.page_hashes[-1] if i else root_hash(seq.cache_salt)
+            parent = seq.page_hashes[-1] if i else root_hash(seq.cache_salt, seq.lora_id)
             if seq.images:  # the images a page's tokens show are part of what it holds
                 parent += cache_key(seq.images, i * size, (i + 1) * size)
             seq.page_hashes.append(chain_hash(parent, seq.token_ids[i * size : (i + 1) * size]))

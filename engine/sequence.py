@@ -32,6 +32,7 @@ class Sequence(msgspec.Struct, kw_only=True):
     max_output_tokens: int
     cache_salt: str | None = None
     priority: int = 0  # lower runs first under the priority policy
+    lora_id: int = 0  # its LoRA adapter's engine-unique id (engine.lora); 0: the base model
     images: list = []  # engine.multimodal.SeqImage, in prompt order (req T-13)
     peer: bytes | None = None  # the ROUTER identity of the connection it came on
     order: int = 0  # arrival order in the engine, the FCFS key and the tie-breaker

@@ -31,7 +31,7 @@ from engine.metrics_server import start_metrics_server
 from engine.output_router import FleetCounts, OutputRouter
 from shared.codec import encode, engine_inbound_decoder
 from shared.config import EngineConfig
-from shared.protocol import AbortRequest, EngineRequest, EngineStats, Ping
+from shared.protocol import AbortRequest, EngineRequest, EngineStats, LoraUpdate, Ping
 from shared.transport import make_socket
 
 log = logging.getLogger("sluice.engine")
@@ -41,6 +41,13 @@ class Submitted(msgspec.Struct):
     """A request with the ROUTER identity of the connection it came on."""
 
     request: EngineRequest
+    peer: bytes
+
+
+class LoraOp(msgspec.Struct):
+    """A run-time adapter load/unload with the connection to answer on."""
+
+    update: LoraUpdate
     peer: bytes
 
 
@@ -104,6 +111,8 @@ class EngineServer:
         self.ctx = zmq.Context()
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
+        # (peer, LoraUpdateResult): answers the receive thread sends (it owns the socket).
+        self.replies: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         self.draining = threading.Event()
         self.drain_deadline = 0.0  # time.monotonic() when a drain gives up on what is left
@@ -180,6 +189,10 @@ class EngineServer:
                 self.core.abort(message.request_ids)
             elif isinstance(message, PeerGone):
                 abandoned.extend(self.core.abort_peer(message.peer))
+            elif isinstance(message, LoraOp):
+                result = self.core.update_lora(message.update)
+                self.latest_stats = self.core.stats()  # the next ping lists it already
+                self.replies.put((message.peer, result))
             try:
                 message = self.inbox.get_nowait()
             except queue.Empty:
@@ -201,6 +214,9 @@ class EngineServer:
                     sock.send_multipart([peer, encode(self._stats())])
             for peer in self.peers.silent():
                 self.inbox.put(PeerGone(peer))
+            while not self.replies.empty():
+                peer, result = self.replies.get_nowait()
+                sock.send_multipart([peer, encode(result)])
             if not poller.poll(100):
                 continue
             identity, payload = sock.recv_multipart(copy=False)
@@ -218,6 +234,8 @@ class EngineServer:
                 self.outbox.put(msgspec.structs.replace(message, images=[]) if message.images
                                 else message)
                 message = Submitted(message, identity.bytes)
+            elif isinstance(message, LoraUpdate):
+                message = LoraOp(message, identity.bytes)
             self.inbox.put(message)
         sock.close(linger=0)
 

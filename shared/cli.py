@@ -29,6 +29,7 @@ from shared.pooling_config import (
     parse_pooler_config,
 )
 from shared.prometheus_dir import prepare_prometheus_dir
+from shared.protocol import LoraAdapterInfo
 from shared.speculative import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
     SpeculativeConfig,
@@ -150,7 +151,6 @@ VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
                                  "device)"),
     "--quantization": (str, None, "quantization methods (awq, gptq, fp8, ...): weights load "
                        "as GGUF or safetensors and compute in --dtype"),
-    "--enable-lora": (bool, False, "LoRA adapters"),
     "--kv-cache-dtype": (str, "auto", "KV cache dtype other than --dtype's"),
     "--cpu-offload-gb": (float, 0.0, "offloading weights to CPU memory"),
     "--no-enable-prefix-caching": (bool, False, "way to turn prefix caching off (it is always "
@@ -270,6 +270,83 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f'"disable_by_batch_size", default {DEFAULT_DISABLE_BY_BATCH_SIZE}: '
                         "no drafts with more sequences than that in the engine). "
                         "Default: off")
+
+
+# --- LoRA adapters (issue 36): vLLM's flags. The engine's flags load and bound adapters;
+# --allow-runtime-lora-updating opens the frontend's load/unload routes.
+LORA_RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def _lora_module(text: str) -> LoraAdapterInfo:
+    """--lora-modules: `name=path`, or vLLM's JSON {"name": .., "path": ..,
+    "base_model_name": ..}."""
+    if text.lstrip().startswith("{"):
+        try:
+            return msgspec.json.decode(text, type=LoraAdapterInfo)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise argparse.ArgumentTypeError(
+                f'expected {{"name": ..., "path": ..., "base_model_name": ...}}: {exc}'
+            ) from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError("expected name=path or a JSON object")
+    return LoraAdapterInfo(name, path)
+
+
+def _add_lora_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) on the base model; requests pick "
+                        "one by `model`")
+    g.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module,
+                   default=None, metavar="NAME=PATH",
+                   help="adapters to load at start: name=path, or JSON "
+                        '\'{"name": "a", "path": "/x", "base_model_name": "m"}\' '
+                        "(needs --enable-lora)")
+    g.add_argument("--max-loras", type=_int_at_least(1), default=1,
+                   help="distinct adapters in one step; requests for more wait in the queue "
+                        "(default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=_int_at_least(1), default=16,
+                   help="largest adapter rank taken (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=_int_at_least(1), default=None,
+                   help="most adapters loaded at once; a load past it is refused (default: "
+                        "no limit)")
+
+
+def _add_lora_frontend_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get(LORA_RUNTIME_ENV, "").lower() in ("1", "true"),
+                   help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
+                        f"on when {LORA_RUNTIME_ENV}=True, as vLLM)")
+
+
+def _lora_engine_config(args) -> dict:
+    modules = list(getattr(args, "lora_modules", None) or [])
+    return dict(enable_lora=bool(getattr(args, "enable_lora", False)), lora_modules=modules,
+                max_loras=getattr(args, "max_loras", 1),
+                max_lora_rank=getattr(args, "max_lora_rank", 16),
+                max_cpu_loras=getattr(args, "max_cpu_loras", None) or 0)
+
+
+def _lora_engine_argv(args) -> list[str]:
+    if not args.enable_lora:
+        return []
+    argv = ["--enable-lora", "--max-loras", str(args.max_loras),
+            "--max-lora-rank", str(args.max_lora_rank)]
+    if args.max_cpu_loras is not None:
+        argv += ["--max-cpu-loras", str(args.max_cpu_loras)]
+    if args.lora_modules:
+        argv += ["--lora-modules",
+                 *(msgspec.json.encode(m).decode() for m in args.lora_modules)]
+    return argv
+
+
+def _check_lora_flags(parser: argparse.ArgumentParser, args) -> None:
+    if getattr(args, "lora_modules", None) and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    names = [m.name for m in getattr(args, "lora_modules", None) or []]
+    if len(set(names)) != len(names):
+        parser.error(f"--lora-modules names an adapter twice: {names}")
 
 
 # vLLM's attention backend names that mean one of ours.
@@ -553,6 +630,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(serve)
     _add_engine_arguments(serve)
     _add_frontend_arguments(serve)
+    _add_lora_engine_arguments(serve)
+    _add_lora_frontend_arguments(serve)
     serve.add_argument("--postproc-workers", type=_int_at_least(0), default=0,
                        help="postproc worker processes to start (default: %(default)s, the "
                             "frontend post-processes on its receiver thread)")
@@ -565,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_tag(engine)
     _add_model_arguments(engine)
     _add_engine_arguments(engine)
+    _add_lora_engine_arguments(engine)
     engine.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
                         help="where to bind for frontends (default: %(default)s)")
     engine.add_argument("--engine-id", default=None,
@@ -590,6 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
     frontend = sub.add_parser("frontend", help="run one HTTP frontend against an engine")
     _add_model_arguments(frontend)
     _add_frontend_arguments(frontend)
+    _add_lora_frontend_arguments(frontend)
     frontend.add_argument("--engine-address", action="append", default=None,
                           help="an engine to use; repeat for several, or give "
                                "dns+tcp://NAME:PORT for every address NAME resolves to "
@@ -731,6 +812,7 @@ def parse_args(argv: list[str]):
     _apply_model_tag(command, args)
     if args.command != "bench":
         args.compat_notes = vllm_compat_notes(command, args)
+        _check_lora_flags(command, args)
     return args
 
 
@@ -789,6 +871,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         engine_id=getattr(args, "engine_id", None) or f"{socket.gethostname()}@{address}",
         metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
         runner=runner_of(args), pooler_config=getattr(args, "pooler_config", None),
+        **_lora_engine_config(args),
     )
 
 
@@ -825,6 +908,7 @@ def frontend_config(args, engine_address: str | list[str] | None,
         export_engine_metrics=getattr(args, "export_engine_metrics", False),
         engine_timeout_s=getattr(args, "engine_timeout", 30.0),
         migration_limit=getattr(args, "migration_limit", 3),
+        allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
         http=HttpSettings(root_path=args.root_path, uds=args.uds,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                           ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
@@ -931,6 +1015,7 @@ def _serve(args) -> int:
     if args.speculative_config is not None:
         engine_argv += ["--speculative-config",
                         msgspec.json.encode(args.speculative_config).decode()]
+    engine_argv += _lora_engine_argv(args)
     # serve names every ipc socket its processes bind, so it can remove their files at exit
     # (a process that is killed leaves its socket file behind).
     result_address = new_ipc_address("frontend")
@@ -964,6 +1049,8 @@ def _serve(args) -> int:
         frontend_argv += ["--chat-template", args.chat_template]
     if args.trust_request_chat_template:
         frontend_argv.append("--trust-request-chat-template")
+    if args.allow_runtime_lora_updating:
+        frontend_argv.append("--allow-runtime-lora-updating")
     frontend_argv += ["--chat-template-content-format", args.chat_template_content_format,
                       "--limit-mm-per-prompt", json.dumps({"image": args.limit_mm_per_prompt})]
     if args.allowed_local_media_path is not None:

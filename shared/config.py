@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.protocol import LoraAdapterInfo
 from shared.speculative import SpeculativeConfig
 
 
@@ -52,6 +53,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # JSON (None: the checkpoint's sentence-transformers files, else last-token + normalize).
     runner: str = "auto"
     pooler_config: str | None = None
+    # LoRA (--enable-lora, engine.lora): adapters loaded at start (--lora-modules), distinct
+    # adapters in one step, the largest rank taken, most adapters loaded at once (0: any).
+    enable_lora: bool = False
+    lora_modules: list[LoraAdapterInfo] = []
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
 
 
 # Frontend routes that answer without an API key and while draining: probes, scrapes and the
@@ -73,6 +81,8 @@ class HttpSettings(msgspec.Struct, kw_only=True):
 
 class FrontendConfig(msgspec.Struct, kw_only=True):
     model: str
+    # --allow-runtime-lora-updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    allow_runtime_lora_updating: bool = False
     served_model_name: str  # the name responses carry
     engine_address: str
     # Every --engine-address (each a zmq address or dns+tcp://NAME:PORT); empty: just

@@ -247,12 +247,33 @@ class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     continuation: Continuation | None = None
     # Set for a pooling request (an embedding); a pooling engine takes nothing else.
     pooling: PoolingParams | None = None
+    # The LoRA adapter to run it with, by name (the request's `model`); None: the base model.
+    lora_name: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
     """From a frontend (the client left) or a postproc worker (a stop string matched)."""
 
     request_ids: list[str]
+
+
+class LoraAdapterInfo(msgspec.Struct, frozen=True):
+    """A LoRA adapter an engine serves: its name (what requests send as `model`), its PEFT
+    folder and, optionally, the model it was trained on (vLLM's base_model_name)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+class LoraUpdate(msgspec.Struct, tag="lora_update", frozen=True):
+    """From a frontend: load (`path` set) or unload an adapter at run time; the engine
+    answers with a `LoraUpdateResult` carrying the same `op_id`."""
+
+    op_id: str
+    action: str  # "load" | "unload"
+    name: str
+    path: str = ""
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):
@@ -303,6 +324,8 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     histograms: dict[str, HistogramCounts] = {}
     # SIGTERM: it finishes what it runs (for --shutdown-timeout) and takes nothing new.
     draining: bool = False
+    # The LoRA adapters it serves now (the frontends' /v1/models lists these).
+    lora_adapters: list[LoraAdapterInfo] = []
 
 
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -431,7 +454,15 @@ class FrameBatch(msgspec.Struct, tag="frames", frozen=True):
     frames: list[TextFrame]
 
 
-EngineInbound = EngineRequest | AbortRequest | Ping
-FrontendInbound = OutputBatch | FrameBatch | EngineStats
+class LoraUpdateResult(msgspec.Struct, tag="lora_result", frozen=True):
+    """An engine's answer to a LoraUpdate: status 200, or the HTTP status of the problem."""
+
+    op_id: str
+    status: int
+    message: str = ""
+
+
+EngineInbound = EngineRequest | AbortRequest | Ping | LoraUpdate
+FrontendInbound = OutputBatch | FrameBatch | EngineStats | LoraUpdateResult
 WorkerInbound = WorkBatch
 EngineFromWorker = WorkerHeartbeat | WorkerDone | AbortRequest

@@ -44,6 +44,7 @@ from frontend.core.serving_context import (
 )
 from frontend.engines import request_metrics
 from frontend.engines.engine_client import EngineUnavailable
+from frontend.engines.lora_client import lora_name_for
 from frontend.input.structured import constraint_for, forces_call
 from postproc.chunks import sse_event
 from postproc.openai_shapes import PromptTokensDetails, Usage
@@ -81,6 +82,9 @@ class Job(msgspec.Struct):
     plan: Plan
     candidates: list[EngineRequest]
     index_of: dict[str, int]  # engine request id -> candidate number
+    # The name responses carry: the LoRA adapter's when the request named one (as vLLM),
+    # else the served model's.
+    model: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -187,7 +191,8 @@ def build_job(
     plan = request_plan(request, vocab_size=ctx.vocab_size, constraint=constraint,
                         defaults=ctx.generation_defaults, bad_words=bad_words,
                         thinking=thinking)
-    job = Job(request_id, int(now), prompts, plan, [], {})
+    lora_name = lora_name_for(ctx, getattr(request, "model", None))
+    job = Job(request_id, int(now), prompts, plan, [], {}, model=lora_name or ctx.model_name)
     for p, (prompt, prompt_max) in enumerate(zip(prompts, max_tokens, strict=True)):
         packed = pack_ids(prompt.tokens.ids)
         prompt_sampling = prompt_params(plan, prompt_max)
@@ -206,6 +211,7 @@ def build_job(
                 output=output_params(ctx, request, job, plan, prompt, number),
                 cache_salt=request.cache_salt, priority=request.priority,  # req P-12
                 images=prompt.images,
+                lora_name=lora_name,
             ))
     job.index_of = {c.request_id: i for i, c in enumerate(job.candidates)}
     return job
@@ -282,7 +288,7 @@ def output_params(ctx: ServingContext, request, job: Job, plan: Plan, prompt: Pr
     if request.stream:
         changes["chunk"] = ChunkFormat(
             kind="chat" if chat else "completion", response_id=job.request_id,
-            created=job.created, model=ctx.model_name, index=number,
+            created=job.created, model=job.model, index=number,
             logprobs=(plan.params.logprobs is not None if chat
                       else request.logprobs is not None),
             continuous_usage=stream_usage(ctx, request)[1],

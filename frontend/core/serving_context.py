@@ -13,6 +13,7 @@ import msgspec
 from starlette.responses import StreamingResponse
 
 from frontend.base.errors import APIError
+from frontend.engines import lora_client
 from frontend.engines.engine_client import EngineClient
 from frontend.input.input_bounds import RequestLimits
 from frontend.input.media import MediaSettings
@@ -65,7 +66,9 @@ def structured_settings(ctx: ServingContext) -> StructuredSettings:
 
 
 def check_model(ctx: ServingContext, model: str | None) -> None:
-    if model is not None and model != ctx.model_name and model not in ctx.model_aliases:
+    """The base model's names, or a LoRA adapter an engine serves; else a 404."""
+    if (model is not None and model != ctx.model_name and model not in ctx.model_aliases
+            and model not in lora_client.adapters(ctx.client)):
         raise APIError(404, f"The model '{model}' does not exist.", "model")
 
 

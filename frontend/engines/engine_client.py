@@ -39,6 +39,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from frontend.engines.lora_client import LoraReplies, engines_with
 from frontend.engines.placement import Candidate, Placement, prefix_key
 from frontend.engines.tracking import RequestTracker
 from postproc.processor import OutputProcessor
@@ -49,6 +50,7 @@ from shared.protocol import (
     EngineRequest,
     EngineStats,
     FrameBatch,
+    LoraUpdateResult,
     OutputBatch,
     Ping,
     TextFrame,
@@ -192,6 +194,7 @@ class EngineClient:
         self.migrated = dict.fromkeys(MIGRATION_REASONS, 0)  # requests moved, by why
         self.migration_failures = 0  # requests that had to move and could not
         self.last_live = 0.0  # time.monotonic() when an engine was last live
+        self.lora_replies = LoraReplies()  # run-time adapter loads (frontend.engines.lora_client)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -355,7 +358,9 @@ class EngineClient:
         decoder = frontend_inbound_decoder()
         while True:
             message = decoder.decode(await conn.dealer.recv())
-            if isinstance(message, EngineStats):
+            if isinstance(message, LoraUpdateResult):
+                self.lora_replies.deliver(message)
+            elif isinstance(message, EngineStats):
                 conn.stats = message
                 conn.own_at_stats = len(conn.requests)
                 conn.last_heard = time.monotonic()
@@ -467,6 +472,7 @@ class EngineClient:
     # ---------------------------------------------------------------- requests
 
     def _place(self, request: EngineRequest, live: list[EngineConnection]) -> EngineConnection:
+        live = engines_with(live, request.lora_name)
         names: dict[str, EngineConnection] = {}
         for conn in live:
             name = conn.engine_id

@@ -25,6 +25,7 @@ from frontend.base.api_models import (
 )
 from frontend.base.errors import APIError, error_response, route_path
 from frontend.core.serving_context import ServingContext, check_model
+from frontend.http import lora as lora_routes
 from frontend.http import openapi
 from frontend.http.auth import AuthMiddleware
 from frontend.http.field_hints import closest_field
@@ -191,16 +192,21 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         return ModelCard(id=name, created=ctx.started, root=ctx.model_source,
                          max_model_len=stats.max_model_len if stats else 0)
 
+    def lora_cards() -> list[ModelCard]:
+        stats = ctx.client.stats
+        return lora_routes.lora_cards(ctx, stats.max_model_len if stats else 0)
+
     async def models(request: Request) -> Response:
-        # One card per served name, as vLLM lists them.
+        # One card per served name, as vLLM lists them, then the engines' LoRA adapters.
         return json_response(ModelList([model_card(name) for name in
-                                        (ctx.model_name, *ctx.model_aliases)]))
+                                        (ctx.model_name, *ctx.model_aliases)] + lora_cards()))
 
     async def model(request: Request) -> Response:
         # The client's models.retrieve(); `:path` so a Hub id (org/name) is one model id.
         name = request.path_params["model_id"]
         check_model(ctx, name)
-        return json_response(model_card(name))
+        card = next((c for c in lora_cards() if c.id == name), None)
+        return json_response(card or model_card(name))
 
     async def load(request: Request) -> Response:
         # vLLM's shape, read by vllm-router's least-load policy: requests being answered.
@@ -316,6 +322,10 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi.endpoint(ctx.model_name, VERSION), methods=["GET"]),
     ]
+    if config.allow_runtime_lora_updating:  # vLLM's run-time adapter routes (issue 36)
+        load_lora, unload_lora = lora_routes.routes(ctx, _decode_body)
+        routes += [Route("/v1/load_lora_adapter", _guarded(load_lora), methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", _guarded(unload_lora), methods=["POST"])]
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
         middleware=_middleware(config, admission),

@@ -106,7 +106,7 @@ async def chat_completion(
         )
         for i, (_, c) in enumerate(_chosen(job, candidates))
     ]
-    body = ChatCompletion(job.request_id, job.created, ctx.model_name, choices,
+    body = ChatCompletion(job.request_id, job.created, job.model, choices,
                           _usage(ctx, job, candidates))
     if request.return_token_ids:
         body.prompt_token_ids = job.prompts[0].tokens.ids
@@ -149,7 +149,7 @@ def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, 
     include_usage, continuous = stream_usage(ctx, request)
 
     def chunk(choices, usage=None, prompt_ids=UNSET) -> bytes:
-        return sse_event(ChatCompletionChunk(job.request_id, job.created, ctx.model_name,
+        return sse_event(ChatCompletionChunk(job.request_id, job.created, job.model,
                                              choices, usage, prompt_token_ids=prompt_ids))
 
     prompt_tokens = job.num_prompt_tokens
@@ -175,7 +175,7 @@ async def completion(ctx: ServingContext, http: Request, request: CompletionRequ
         include_usage, _ = stream_usage(ctx, request)
 
         def usage_chunk(usage: Usage) -> bytes:
-            return sse_event(Completion(job.request_id, job.created, ctx.model_name, [], usage))
+            return sse_event(Completion(job.request_id, job.created, job.model, [], usage))
 
         return sse_response(sse_stream(ctx, job, frames, [], include_usage, usage_chunk))
     candidates = await collect_candidates(frames)
@@ -197,7 +197,7 @@ async def completion(ctx: ServingContext, http: Request, request: CompletionRequ
         if request.prompt_logprobs is not None:
             choice.prompt_logprobs = prompt_logprobs(c.prompt_logprobs or [])
         choices.append(choice)
-    body = Completion(job.request_id, job.created, ctx.model_name, choices,
+    body = Completion(job.request_id, job.created, job.model, choices,
                       _usage(ctx, job, candidates))
     return Response(_json.encode(body), media_type="application/json")
 

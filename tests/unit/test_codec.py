@@ -24,6 +24,9 @@ from shared.protocol import (
     HistogramCounts,
     ImageInput,
     LogprobEntry,
+    LoraAdapterInfo,
+    LoraUpdate,
+    LoraUpdateResult,
     OutputBatch,
     OutputParams,
     Ping,
@@ -111,6 +114,7 @@ ENGINE_INBOUND = {
                            pack_tensor(np.ones((2, 4, 4), bool)), offset=3, length=9)],
         continuation=Continuation(pack_ids([9, 8, 7]), frame_sizes=[1, 0, 2],
                                   cumulative_logprob=-2.5),
+        lora_name="sql-ünï",
     ),
     "request-defaults": EngineRequest(
         request_id="req-2",
@@ -130,6 +134,8 @@ ENGINE_INBOUND = {
     "abort": AbortRequest(request_ids=["a", "b", "ünïcode"]),
     "abort-empty": AbortRequest(request_ids=[]),
     "ping": Ping(sender_id="frontend-0", sent_at=3.5),
+    "lora-load": LoraUpdate(op_id="op-1", action="load", name="a", path="/adapters/ä"),
+    "lora-unload": LoraUpdate(op_id="op-2", action="unload", name="a"),
 }
 
 FRONTEND_INBOUND = {
@@ -242,7 +248,10 @@ FRONTEND_INBOUND = {
         page_size=16,
         histograms={"queue_time": HistogramCounts(counts=[1, 0, 3], total=0.75)},
         draining=True,
+        lora_adapters=[LoraAdapterInfo("a", "/adapters/a"),
+                       LoraAdapterInfo("b", "/adapters/b", base_model_name="base")],
     ),
+    "lora-result": LoraUpdateResult(op_id="op-1", status=404, message="No adapter found"),
 }
 
 

@@ -117,7 +117,9 @@ def _route_table() -> set[str]:
 
     ctx = SimpleNamespace(client=SimpleNamespace(engine_alive=False, stats=None),
                           model_name="m", vocab_size=49152)
-    config = FrontendConfig(model="m", served_model_name="m", engine_address="tcp://x:1")
+    # Every route a flag can open counts (the LoRA routes need --allow-runtime-lora-updating).
+    config = FrontendConfig(model="m", served_model_name="m", engine_address="tcp://x:1",
+                            allow_runtime_lora_updating=True)
     return {_shape(route.path) for route in build_app(ctx, config).routes}
 
 

@@ -130,7 +130,7 @@ def test_noop_flags_are_logged_once_at_start(monkeypatch, caplog):
     (["-tp", "4"], "--tensor-parallel-size 4"),
     (["--quantization", "awq"], "--quantization awq: sluice has no quantization"),
     (["--pipeline_parallel_size", "2"], "--pipeline-parallel-size 2"),
-    (["--enable-lora"], "--enable-lora True: sluice has no LoRA"),
+    (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4.0: sluice has no offloading"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
 ])
 def test_flags_for_missing_features_fail_at_start(argv, message, capsys):
