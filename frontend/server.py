@@ -16,6 +16,7 @@ from frontend.grammar_check import GrammarChecker, TokenizerSpec
 from frontend.limits import Admission, drain
 from frontend.media import MediaSettings
 from frontend.metrics import process_exiting
+from frontend.model_parsers import model_type, with_model_parsers
 from frontend.multimodal import load_vision_processor
 from frontend.readiness import Readiness
 from frontend.rendering import TemplateSettings, load_chat_template
@@ -58,6 +59,7 @@ def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) ->
         trust_request_chat_template=config.trust_request_chat_template,
         default_kwargs=config.default_chat_template_kwargs,
         content_format=config.chat_template_content_format,
+        harmony=model_type(config.model) == "gpt_oss",
     )
     return InputSettings(
         max_chars_per_token=facts.max_chars_per_token,
@@ -79,6 +81,7 @@ def _think_tag_ids(tokenizer, reasoning_parser: str | None) -> dict:
 
 
 def run_frontend(config: FrontendConfig) -> None:
+    config = with_model_parsers(config)  # gpt-oss: the Harmony parsers unless named
     tokenizer_path = config.tokenizer or config.model
     tokenizer = load_tokenizer(tokenizer_path)
     facts = tokenizer_facts(tokenizer, config.model)

@@ -54,6 +54,13 @@ class GptOssReasoningParser(ReasoningParser):
         # Every gpt-oss turn opens with a header the model writes: never inside a section.
         return False
 
+    @classmethod
+    def section_lark(cls, *, inside: bool) -> str:
+        """One analysis message and the next message's header start, in special tokens
+        (free text can never hold one, so the body ends at the model's `<|end|>`)."""
+        return ('think: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> '
+                '"assistant"\n')
+
     def _start(self, thinking: bool) -> None:
         super()._start(False)
         self._reader = HarmonyReader(_Split(self))

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 import json
 
-from postproc.harmony import CALL, CHANNEL, CONSTRAIN, FUNCTIONS, MARKERS, MESSAGE, HarmonyReader
+from postproc.harmony import (
+    CHANNEL,
+    CONSTRAIN,
+    END,
+    FUNCTIONS,
+    MARKERS,
+    MESSAGE,
+    START,
+    HarmonyReader,
+)
 from postproc.harmony import HarmonySink as _Sink
 from postproc.tool_parsers.base import ToolParser, json_layout
 
@@ -45,14 +54,24 @@ class OpenAIToolParser(ToolParser):
     next_call_lark = ""  # `<|call|>` ends the turn: one call per turn
 
     @classmethod
+    def strict_start_lark(cls) -> str | None:
+        """Messages on any channel, free, each ended by `<|end|>` and followed by the next
+        header; the last is free or a call of one of the tools (the only recipients)."""
+        return (f"start: (free {END} {START} \"assistant\")* (free | {cls.begin_lark} call)\n"
+                f"free: {CHANNEL} CHAN {MESSAGE} TEXT\n"
+                "CHAN: /analysis|final|commentary/\n"
+                "TEXT: /(?s:.*)/\n")
+
+    @classmethod
     def call_grammar(cls, functions: dict, *, strict: bool) -> str | None:
-        """`NAME <|constrain|>json<|message|>ARGS<|call|>` for one of `functions`."""
+        """`NAME <|constrain|>json<|message|>ARGS` for one of `functions`. The `<|call|>`
+        after it is a stop token: the engine's end of the grammar lets it come."""
         options = " | ".join(f"call_{i}" for i in range(len(functions)))
         rules = [f"call: {options}\n"]
         for i, (name, schema) in enumerate(functions.items()):
             layout = json.dumps(json_layout(schema, strict=strict))
             rules.append(f'call_{i}: {json.dumps(name)} " " {CONSTRAIN} "json" {MESSAGE} '
-                         f"args_{i} {CALL}\nargs_{i}: %json {layout}\n")
+                         f"args_{i}\nargs_{i}: %json {layout}\n")
         return "".join(rules)
 
     def _reset(self) -> None:

@@ -6,10 +6,7 @@ the bpe-openai wheel: nothing is downloaded)."""
 
 from __future__ import annotations
 
-import gzip
-import importlib.resources
 import json
-import shutil
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +14,7 @@ from hypothesis import strategies as st
 
 from postproc.reasoning import get_reasoning_parser
 from postproc.tool_parsers import collect, get_tool_parser
+from tests.harmony_reference import harmony_encoding
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}},
          {"type": "function", "function": {"name": "lookup", "parameters": {}}}]
@@ -152,22 +150,8 @@ def test_stream_equals_one_shot_for_any_split(tokens, data):
 # -- openai-harmony as the reference ------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def harmony(tmp_path_factory, monkeypatch_module):
-    folder = tmp_path_factory.mktemp("tiktoken")
-    source = importlib.resources.files("bpe_openai") / "data" / "o200k_base.tiktoken.gz"
-    with source.open("rb") as raw, gzip.open(raw) as unzipped, \
-            open(folder / "o200k_base.tiktoken", "wb") as out:
-        shutil.copyfileobj(unzipped, out)
-    monkeypatch_module.setenv("TIKTOKEN_ENCODINGS_BASE", str(folder))
-    import openai_harmony as oh
-
-    return oh, oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
+def harmony(tmp_path_factory):
+    return harmony_encoding(tmp_path_factory.mktemp("tiktoken"))
 
 
 def test_agrees_with_openai_harmony(harmony):
