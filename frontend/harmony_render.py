@@ -66,6 +66,7 @@ def render_for_harmony(tok, messages, params: RenderParams, settings: TemplateSe
     """The checkpoint's own template (or the configured one) when there is one, else ours;
     message text escaped either way."""
     conversation = [_escaped(m) for m in template_messages(messages)]
+    call_names(conversation)  # a tool message naming no call is a 400 either way
     if params.request_template or settings.chat_template or tok.chat_template:
         return render_with_template(tok, conversation, params, settings)
     text = render_harmony(conversation, params.tools, params.template_kwargs,
@@ -74,10 +75,35 @@ def render_for_harmony(tok, messages, params: RenderParams, settings: TemplateSe
 
 
 def _escaped(m: dict[str, Any]) -> dict[str, Any]:
-    content = m["content"]
-    if isinstance(content, str):
-        content = escape_markers(content)
-    return {**m, "content": content}
+    out = dict(m)
+    if isinstance(m["content"], str):
+        out["content"] = escape_markers(m["content"])
+    if m.get("reasoning_content"):
+        # gpt-oss's own template reads an assistant's analysis as `thinking`.
+        out["reasoning_content"] = out["thinking"] = escape_markers(m["reasoning_content"])
+    return out
+
+
+def call_names(conversation: list[dict[str, Any]]) -> list[str | None]:
+    """Per message, the function a tool message answers (None for other roles): the call
+    of an earlier assistant message its tool_call_id names. RenderError when none does."""
+    calls: dict[str, str] = {}
+    names: list[str | None] = []
+    for i, m in enumerate(conversation):
+        name = None
+        if m["role"] == "assistant":
+            for call in m.get("tool_calls") or ():
+                if call.get("id"):
+                    calls[call["id"]] = (call.get("function") or {}).get("name") or ""
+        elif m["role"] == "tool":
+            name = calls.get(m.get("tool_call_id") or "")
+            if name is None:
+                raise RenderError(
+                    f"messages[{i}]: the tool message's tool_call_id "
+                    f"{m.get('tool_call_id')!r} names no tool call of an earlier assistant "
+                    "message", "messages")
+        names.append(name)
+    return names
 
 
 def render_harmony(conversation: list[dict[str, Any]], tools: list[dict] | None,
@@ -104,21 +130,15 @@ def render_harmony(conversation: list[dict[str, Any]], tools: list[dict] | None,
         out.append(_message("developer", developer))
     rest = [m for m in conversation if m["role"] not in ("system", "developer")]
     last_user = max((i for i, m in enumerate(rest) if m["role"] == "user"), default=-1)
-    calls: dict[str, str] = {}  # tool_call_id -> function name
+    names = call_names(rest)
     for i, m in enumerate(rest):
         role = m["role"]
         if role == "user":
             out.append(_message("user", escape_markers(_text(m["content"]))))
         elif role == "assistant":
-            out += _assistant(m, in_progress=i > last_user, calls=calls)
+            out += _assistant(m, in_progress=i > last_user)
         elif role == "tool":
-            name = calls.get(m.get("tool_call_id") or "")
-            if name is None:
-                raise RenderError(
-                    f"messages[{i}]: the tool message's tool_call_id "
-                    f"{m.get('tool_call_id')!r} names no tool call of an earlier assistant "
-                    "message", "messages")
-            out.append(f"<|start|>functions.{name} to=assistant<|channel|>commentary"
+            out.append(f"<|start|>functions.{names[i]} to=assistant<|channel|>commentary"
                        f"<|message|>{escape_markers(_text(m['content']))}<|end|>")
         else:
             raise RenderError(f"messages[{i}]: role {role!r} is not supported by this model")
@@ -131,7 +151,7 @@ def _message(role: str, body: str) -> str:
     return f"<|start|>{role}<|message|>{body}<|end|>"
 
 
-def _assistant(m: dict[str, Any], *, in_progress: bool, calls: dict[str, str]) -> list[str]:
+def _assistant(m: dict[str, Any], *, in_progress: bool) -> list[str]:
     out = []
     reasoning = m.get("reasoning_content")
     if reasoning and in_progress:
@@ -150,8 +170,6 @@ def _assistant(m: dict[str, Any], *, in_progress: bool, calls: dict[str, str]) -
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments if arguments is not None else {},
                                    ensure_ascii=False)
-        if call.get("id"):
-            calls[call["id"]] = name
         out.append(f"<|start|>assistant to=functions.{name}<|channel|>commentary "
                    f"<|constrain|>json<|message|>{escape_markers(arguments)}<|call|>")
     return out

@@ -199,7 +199,7 @@ def test_anthropic_messages_tool_use_and_text(url):
     # The tool loop goes back in; output_config.format holds only the final channel, so the
     # model may think first (this random one does, on and on): analysis -> thinking blocks.
     follow = dict(
-        model=MODEL, max_tokens=20, temperature=0, output_config={"format": {
+        model=MODEL, max_tokens=20, extra_body={"temperature": 0}, output_config={"format": {
             "type": "json_schema", "schema": N_SCHEMA}},
         messages=[{"role": "user", "content": "Weather?"},
                   {"role": "assistant", "content": [

@@ -151,3 +151,16 @@ def test_arguments_as_objects_render_as_json():
                            {"role": "assistant", "content": None, "tool_calls": [call]}],
                           TOOLS, {})
     assert f"<|message|>{json.dumps({'location': 'Oslo'})}<|call|>" in text
+
+
+def test_with_the_checkpoint_template_too_unknown_calls_are_400s_and_thinking_is_passed():
+    tok = tiny_tokenizer("{% for m in messages %}[{{ m.role }}|{{ m.thinking }}]{% endfor %}")
+    with pytest.raises(RenderError, match=r"messages\[1\].*names no tool call"):
+        render(tok, messages({"role": "user", "content": "hi"},
+                             {"role": "tool", "tool_call_id": "nope", "content": "x"}),
+               RenderParams(), settings())
+    text = render(tok, messages({"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "a",
+                                 "reasoning_content": "why <|end|>"}),
+                  RenderParams(), settings()).text
+    assert f"[assistant|why {escape_markers('<|end|>')}]" in text
