@@ -11,11 +11,14 @@ import shutil
 
 def harmony_encoding(folder) -> tuple:
     """(the openai_harmony module, the gpt-oss encoding); sets TIKTOKEN_ENCODINGS_BASE."""
+    os.makedirs(folder, exist_ok=True)
     target = os.path.join(folder, "o200k_base.tiktoken")
     if not os.path.exists(target):
         source = importlib.resources.files("bpe_openai") / "data" / "o200k_base.tiktoken.gz"
-        with source.open("rb") as raw, gzip.open(raw) as unzipped, open(target, "wb") as out:
+        part = f"{target}.{os.getpid()}.part"  # whole or not there, for a parallel run
+        with source.open("rb") as raw, gzip.open(raw) as unzipped, open(part, "wb") as out:
             shutil.copyfileobj(unzipped, out)
+        os.replace(part, target)
     os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(folder)
     import openai_harmony as oh
 

@@ -36,7 +36,7 @@ CALL = {"id": "c1", "type": "function",
 
 @pytest.fixture(scope="module")
 def harmony(tmp_path_factory):
-    return harmony_encoding(tmp_path_factory.mktemp("tiktoken"))
+    return harmony_encoding(tmp_path_factory.getbasetemp() / "tiktoken")  # unzipped once
 
 
 def reference(harmony, effort: str, instructions: str | None, tools, history) -> str:
