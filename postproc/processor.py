@@ -272,7 +272,7 @@ def _delimiters(reasoning_parser: str | None, tool_parser: str | None) -> set[st
     delimiters: set[str] = set()
     if reasoning_parser:
         cls = get_reasoning_parser(reasoning_parser)
-        delimiters |= {cls.start_tag, cls.end_tag}
+        delimiters |= {cls.start_tag, cls.end_tag, *cls.delimiters}
     if tool_parser:
         delimiters |= set(get_tool_parser(tool_parser).delimiters)
     return delimiters

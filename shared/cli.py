@@ -484,16 +484,20 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a request's template runs "
                         "on this server's CPU; off by default)")
-    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
-                   help="split the model's thinking from its answer (default: off)")
+    g.add_argument("--reasoning-parser", default=None,
+                   choices=["deepseek_r1", "openai_gptoss", "qwen3"],
+                   help="split the model's thinking from its answer (default: off; "
+                        "openai_gptoss for a gpt-oss model)")
     g.add_argument("--reasoning-field", default="reasoning_content",
                    choices=["reasoning_content", "reasoning"],
                    help="the response field that carries thinking (default: %(default)s, "
                         "as DeepSeek, SGLang and llama.cpp; vLLM now says reasoning)")
     g.add_argument("--tool-call-parser", default=None,
-                   choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
-                   help="turn the model's tool-call syntax into tool_calls (default: off; "
-                        "tools are then only accepted with tool_choice none)")
+                   choices=["hermes", "llama3_json", "mistral", "openai", "pythonic",
+                            "qwen3_coder"],
+                   help="turn the model's tool-call syntax into tool_calls (default: off, "
+                        "openai for a gpt-oss model; without one, tools are only accepted "
+                        "with tool_choice none)")
     g.add_argument("--max-stored-responses", type=_int_at_least(0), default=1000,
                    help="/v1/responses kept in this frontend's memory for GET and "
                         "previous_response_id, least recently used dropped first; 0 stores "

@@ -19,6 +19,7 @@ from frontend.http.metrics import process_exiting
 from frontend.http.readiness import Readiness
 from frontend.input.grammar_check import GrammarChecker, TokenizerSpec
 from frontend.input.media import MediaSettings
+from frontend.input.model_parsers import model_type, with_model_parsers
 from frontend.input.multimodal import load_vision_processor
 from frontend.input.rendering import TemplateSettings, load_chat_template
 from frontend.input.structured import StructuredSettings
@@ -61,6 +62,7 @@ def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) ->
         trust_request_chat_template=config.trust_request_chat_template,
         default_kwargs=config.default_chat_template_kwargs,
         content_format=config.chat_template_content_format,
+        harmony=model_type(config.model) == "gpt_oss",
     )
     return InputSettings(
         max_chars_per_token=facts.max_chars_per_token,
@@ -82,6 +84,7 @@ def _think_tag_ids(tokenizer, reasoning_parser: str | None) -> dict:
 
 
 def run_frontend(config: FrontendConfig) -> None:
+    config = with_model_parsers(config)  # gpt-oss: the Harmony parsers unless named
     tokenizer_path = config.tokenizer or config.model
     tokenizer = load_tokenizer(tokenizer_path)
     facts = tokenizer_facts(tokenizer, config.model)

@@ -42,6 +42,9 @@ class TemplateSettings(msgspec.Struct, frozen=True):
     content_format: str = "auto"
     # --default-chat-template-kwargs: every request's chat_template_kwargs start from these.
     default_kwargs: dict = {}
+    # A gpt-oss model (Harmony format): markers in message text are escaped, and without a
+    # chat template our Harmony renderer (frontend.input.harmony_render) writes the prompt.
+    harmony: bool = False
 
 
 class RenderParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -240,11 +243,27 @@ def developer_as_system(messages: list[dict[str, Any]], template: str) -> list[d
 def render(
     tok, messages: list[ChatMessage], params: RenderParams, settings: TemplateSettings
 ) -> RenderedPrompt:
+    if settings.harmony:
+        from frontend.input.harmony_render import render_for_harmony
+
+        return render_for_harmony(tok, messages, params, settings)
     template = resolve_template(tok, params, settings)
     wanted = settings.content_format
     parts = (content_format(template) if wanted == "auto" else wanted) == "openai"
     conversation = developer_as_system(
         template_messages(messages, parts, params.image_placeholder), template)
+    return _apply(tok, template, conversation, params)
+
+
+def render_with_template(tok, conversation: list[dict[str, Any]], params: RenderParams,
+                         settings: TemplateSettings) -> RenderedPrompt:
+    """`conversation` (template_messages' dicts, content as text) through the template."""
+    template = resolve_template(tok, params, settings)
+    return _apply(tok, template, developer_as_system(conversation, template), params)
+
+
+def _apply(tok, template: str, conversation: list[dict[str, Any]], params: RenderParams
+           ) -> RenderedPrompt:
     try:
         text = tok.apply_chat_template(
             conversation,

@@ -29,6 +29,7 @@ from llguidance import LLMatcher, grammar_from
 
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from frontend.base.errors import APIError, bad_request
+from frontend.input.harmony_grammar import harmony_answer_source
 from postproc.reasoning import get_reasoning_parser
 from postproc.tool_parsers import ToolParser, get_tool_parser
 from postproc.tool_parsers.base import bounded_schema, regex_literal, tools_by_name
@@ -158,6 +159,8 @@ def translate(request: Request, settings: StructuredSettings,
     output inside a thinking section (a template that pre-fills `<think>`)."""
     own = _sources(request)
     source = own[0] if own else _tool_source(request, settings, in_reasoning)
+    if own and settings.reasoning_parser == "openai_gptoss":
+        source = harmony_answer_source(request, source)  # the final channel only
     if source is None:
         return None
     try:
@@ -416,7 +419,10 @@ def _strict_grammar(parser: type[ToolParser], functions: dict[str, FunctionDefin
     tool's arguments follow its schema (a triggered grammar, C-2)."""
     schemas = {n: _arguments_schema(f, strict_only=True) for n, f in functions.items()}
     rules = parser.call_grammar(schemas, strict=True)
-    if parser.calls_at_start:  # calls open the output or not at all (pythonic)
+    custom = parser.strict_start_lark()
+    if custom is not None:
+        start = custom
+    elif parser.calls_at_start:  # calls open the output or not at all (pythonic)
         marker = regex_literal(parser.begin_marker)
         # Nor may the text spell a delimiter that would open calls later (<|python_start|>).
         delims = "|".join(regex_literal(d) for d in parser.delimiters) or "[^\\s\\S]"

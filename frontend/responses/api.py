@@ -325,6 +325,7 @@ def to_chat(request: ResponsesRequest, messages: list[ChatMessage], request_id: 
         cache_salt=request.cache_salt,
         priority=request.priority,
         chat_template_kwargs=request.chat_template_kwargs,
+        reasoning_effort=request.reasoning.effort if request.reasoning else None,
         add_generation_prompt=not prefill,
         continue_final_message=prefill,
     )

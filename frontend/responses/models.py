@@ -75,7 +75,7 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    effort: str | None = None  # accepted and ignored: thinking follows the prompt and template
+    effort: str | None = None  # reaches the template as chat's reasoning_effort
     summary: str | None = None  # accepted; the reasoning item carries the full text instead
     generate_summary: str | None = None
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from postproc.reasoning.base import ReasoningDelta, ReasoningParser, prompt_think_state
 from postproc.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from postproc.reasoning.gpt_oss import GptOssReasoningParser
 from postproc.reasoning.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    cls.name: cls
+    for cls in (DeepSeekR1ReasoningParser, GptOssReasoningParser, Qwen3ReasoningParser)
 }
 
 

@@ -51,6 +51,8 @@ class ReasoningParser:
     name: ClassVar[str] = ""
     start_tag: ClassVar[str] = "<think>"
     end_tag: ClassVar[str] = "</think>"
+    # More strings that never reach reasoning or content (gpt-oss's Harmony markers).
+    delimiters: ClassVar[tuple[str, ...]] = ()
     # Whether the output starts inside the thinking block when the prompt does not say.
     thinks_by_default: ClassVar[bool] = False
 

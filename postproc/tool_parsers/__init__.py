@@ -20,6 +20,7 @@ from postproc.tool_parsers.base import (
     ToolParser,
     collect,
 )
+from postproc.tool_parsers.gpt_oss import OpenAIToolParser
 from postproc.tool_parsers.hermes import HermesToolParser
 from postproc.tool_parsers.llama3_json import Llama3JsonToolParser
 from postproc.tool_parsers.mistral import MistralToolParser
@@ -32,6 +33,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         HermesToolParser,
         Llama3JsonToolParser,
         MistralToolParser,
+        OpenAIToolParser,
         PythonicToolParser,
         Qwen3CoderToolParser,
     )

@@ -235,6 +235,13 @@ class ToolParser:
         return cls
 
     @classmethod
+    def strict_start_lark(cls) -> str | None:
+        """Lark rules for `start` of a strict-tools grammar when the format needs its own
+        (Harmony: free messages between calls are themselves special-token markup); None:
+        the frontend's generic ones."""
+        return None
+
+    @classmethod
     def call_grammar(cls, functions: dict[str, Any], *, strict: bool) -> str | None:
         """Lark rules defining `call`: what follows `begin_marker` in one call of one of
         `functions` (name -> JSON schema of its arguments), up to the end of the call.

@@ -434,7 +434,8 @@ def test_collect_matches_one_shot():
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "openai", "pythonic",
+                                 "qwen3_coder"}
     with pytest.raises(ValueError, match="known: hermes"):
         get_tool_parser("nope")
 
