@@ -526,8 +526,10 @@ async def _run_background(ctx: ServingContext, responses: Responses, record: Sto
 
 async def _resume(ctx: ServingContext, responses: Responses, stored: StoredResponse) -> None:
     """Runs a background response again whose runner died; a refusal now marks it failed."""
+    # A new engine request id: the dead frontend's request may still be in the engine.
+    chat = msgspec.structs.replace(stored.chat, request_id=uuid.uuid4().hex)
     try:
-        await _run_background(ctx, responses, stored)
+        await _run_background(ctx, responses, msgspec.structs.replace(stored, chat=chat))
     except APIError as error:
         failed = msgspec.structs.replace(stored.response, status="failed",
                                          error=ResponseError("server_error", error.message))
