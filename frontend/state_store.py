@@ -126,7 +126,7 @@ class MemoryStore(StateStore):
 
     async def delete(self, key: str) -> bool:
         self._lru.pop(key, None)
-        return self._items.pop(key, None) is not None and True
+        return self._items.pop(key, None) is not None
 
     async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
         current = self._live(key)

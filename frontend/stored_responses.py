@@ -61,6 +61,10 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.", param)
 
 
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
+
+
 def input_item_dicts(items: str | list[InputItem] | None, hex_id: str) -> list[dict[str, Any]]:
     """The request's input as OpenAI lists it back: items with ids, unset fields left out."""
     if items is None:
@@ -69,11 +73,20 @@ def input_item_dicts(items: str | list[InputItem] | None, hex_id: str) -> list[d
         items = [InputItem(role="user", content=items)]
     out = []
     for i, item in enumerate(items):
-        body = {k: v for k, v in msgspec.to_builtins(item).items() if v is not None}
+        body = _without_nulls(msgspec.to_builtins(item))
         if isinstance(body.get("content"), str):
             body["content"] = [{"type": "input_text", "text": body["content"]}]
-        out.append({"id": f"msg_{hex_id}in{i}", **body})
+        prefix = _ID_PREFIXES.get(item.type, "item")
+        out.append({"id": f"{prefix}_{hex_id}in{i}", **body})
     return out
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 _decoder = msgspec.json.Decoder(StoredResponse)
