@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -285,9 +286,11 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await ctx.client.start()
+        sweep = asyncio.create_task(responses_api.sweep(ctx, responses))
         try:
             yield
         finally:
+            sweep.cancel()
             await responses.runner.stop()
             await state.close()
             await ctx.client.stop()

@@ -4,8 +4,9 @@ The frontend that accepts one stores it `in_progress`, takes its lease in the st
 and runs it in a task here; every `LEASE_S / 3` the task renews the lease and looks for a
 cancel asked on any frontend. At the end it writes the finished response over the record,
 retrying while the store is away. If this frontend dies, the lease runs out; the next
-frontend that reads the record (a poll) takes the lease and runs the request again from its
-start (`frontend.responses_api.resume`), so a poll from any frontend ends in a result.
+frontend that reads the record (a poll), or whose sweep (`sweep`, every lease period) finds
+it, takes the lease and runs the request again from its start (`responses_api._resume`), so
+it completes with no client and no poll.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -100,7 +102,7 @@ class BackgroundRunner:
                     return  # the cancel wrote the record already
                 if not await self.records.put(stored):
                     log.warning("background response %s is too large to store", response_id)
-                await self.records.release(response_id)
+                await self.records.finished(response_id)
                 return
             except StoreUnavailable:
                 if loop.time() > deadline:
@@ -116,3 +118,15 @@ class BackgroundRunner:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def sweep(self, resume: Callable[[StoredResponse], Awaitable[None]]) -> None:
+        """Forever, every lease period (jittered, so frontends do not sweep in step): take
+        over the unfinished background responses whose runner died."""
+        while True:
+            await asyncio.sleep(LEASE_S * random.uniform(0.8, 1.2))
+            try:
+                for stored in await self.records.unfinished():
+                    await self.take_over_if_lapsed(stored, lambda s=stored: resume(s))
+            except StoreUnavailable:
+                continue
+            except Exception:
+                log.exception("the background sweep failed")

