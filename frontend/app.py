@@ -228,7 +228,7 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
                        config.max_stored_bytes)
     records = ResponseRecords(state, config.responses_ttl_s or None)
     responses = responses_api.Responses(records, BackgroundRunner(records),
-                                        keyed=bool(config.api_keys))
+                                        keys=frozenset(config.api_keys))
 
     async def responses_create(request: Request) -> Response:
         body = _with_request_id(request, await _decode_body(request, ResponsesRequest))

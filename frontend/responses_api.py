@@ -110,11 +110,11 @@ _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input
 
 
 class Responses(msgspec.Struct):
-    """What the routes share: the records, the background runner, whether keys own objects."""
+    """What the routes share: the records, the background runner, the keys that own objects."""
 
     records: ResponseRecords
     runner: BackgroundRunner
-    keyed: bool = False
+    keys: frozenset[str] = frozenset()  # API keys; where set, each owns what it stores
 
 
 # ---------------------------------------------------------------- request -> chat request
@@ -452,7 +452,7 @@ async def create(ctx: ServingContext, http: Request, request: ResponsesRequest,
     if request.background and request.stream:
         raise bad_request("streaming a background response is not supported: poll it with "
                           "GET /v1/responses/{id}", "stream")
-    owner = owner_of(http, responses.keyed)
+    owner = owner_of(http, responses.keys)
     messages = await conversation(request, responses.records, owner)
     hex_id = uuid.uuid4().hex
     chat = to_chat(request, messages, request.request_id or hex_id)
@@ -579,7 +579,7 @@ async def _stream(shaper: _Shaper, frames, remember):
 
 async def retrieve(ctx: ServingContext, http: Request, responses: Responses,
                    response_id: str) -> ResponseObject:
-    stored = await responses.records.find(response_id, owner_of(http, responses.keyed))
+    stored = await responses.records.find(response_id, owner_of(http, responses.keys))
     if stored.chat is not None:  # background, unfinished: is anyone still running it?
         await responses.runner.take_over_if_lapsed(
             stored, lambda: _resume(ctx, responses, stored))
@@ -587,7 +587,7 @@ async def retrieve(ctx: ServingContext, http: Request, responses: Responses,
 
 
 async def delete(http: Request, responses: Responses, response_id: str) -> DeletedResponse:
-    await responses.records.delete(response_id, owner_of(http, responses.keyed))
+    await responses.records.delete(response_id, owner_of(http, responses.keys))
     await responses.records.ask_cancel(response_id)  # a background run stops too
     return DeletedResponse(response_id)
 
@@ -596,7 +596,7 @@ async def cancel(http: Request, responses: Responses, response_id: str) -> Respo
     """Cancels a background response from any frontend: the record says cancelled at once,
     and its runner, seeing the cancel asked, aborts the engine request."""
     records = responses.records
-    stored = await records.find(response_id, owner_of(http, responses.keyed))
+    stored = await records.find(response_id, owner_of(http, responses.keys))
     if not stored.response.background:
         raise bad_request("Only responses created with background=true can be cancelled.")
     if stored.response.status in ("queued", "in_progress"):
@@ -610,7 +610,7 @@ async def cancel(http: Request, responses: Responses, response_id: str) -> Respo
 
 async def input_items(http: Request, responses: Responses, response_id: str
                       ) -> InputItemList:
-    stored = await responses.records.find(response_id, owner_of(http, responses.keyed))
+    stored = await responses.records.find(response_id, owner_of(http, responses.keys))
     query = http.query_params
     try:
         limit = int(query.get("limit", "20"))
@@ -624,7 +624,7 @@ async def input_tokens(ctx: ServingContext, http: Request, request: InputTokensR
     """What the create request's prompt would be, in tokens: rendered and tokenized as it."""
     if request.conversation is not None:
         raise bad_request("'conversation' is not supported by this server", "conversation")
-    messages = await conversation(request, responses.records, owner_of(http, responses.keyed))
+    messages = await conversation(request, responses.records, owner_of(http, responses.keys))
     chat = to_chat(ResponsesRequest(
         model=request.model, instructions=request.instructions, tools=request.tools,
         tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,

@@ -47,14 +47,15 @@ class InputItemList(msgspec.Struct):
     object: str = "list"
 
 
-def owner_of(http: Request, keyed: bool) -> str:
+def owner_of(http: Request, keys: frozenset[str]) -> str:
     """Who owns what this request stores: where API keys are configured, a hash of the key
-    it presented (the auth middleware has checked it); else nobody in particular."""
-    if not keyed:
+    it presented that the auth middleware accepted; else nobody in particular."""
+    if not keys:
         return ""
     auth = http.headers.get("authorization", "")
-    key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    key = key or http.headers.get("x-api-key", "").strip()
+    presented = [auth[7:].strip() if auth[:7].lower() == "bearer " else "",
+                 http.headers.get("x-api-key", "").strip()]
+    key = next((k for k in presented if k in keys), "")
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 

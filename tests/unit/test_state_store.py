@@ -179,3 +179,21 @@ def test_input_items_pages():
     page = list_input_items(stored, 2, "desc", "msg_1")
     assert ([i["id"] for i in page.data], page.has_more, page.last_id) == (
         ["msg_0"], False, "msg_0")
+
+
+def test_the_owner_is_the_key_the_auth_accepted():
+    from starlette.requests import Request
+
+    from frontend.stored_responses import owner_of
+
+    def owner(keys: frozenset[str], **headers: str) -> str:
+        scope = {"type": "http", "headers": [(k.replace("_", "-").encode(), v.encode())
+                                             for k, v in headers.items()]}
+        return owner_of(Request(scope), keys)
+
+    keys = frozenset({"a", "b"})
+    # A wrong bearer beside a right x-api-key: the accepted key owns it.
+    assert owner(keys, authorization="Bearer x", x_api_key="a") == owner(keys, x_api_key="a")
+    assert owner(keys, authorization="Bearer a") == owner(keys, x_api_key="a")
+    assert owner(keys, authorization="Bearer a") != owner(keys, authorization="Bearer b")
+    assert owner(frozenset(), authorization="Bearer a") == ""  # no keys: nobody owns
