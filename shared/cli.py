@@ -454,6 +454,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _state_store_url(text: str) -> str:
+    """An argparse type: a --state-store URL of a kind frontend.state_store opens."""
+    if text == "memory://" or (text.startswith("sqlite:///") and len(text) > 10) or \
+            text.startswith(("redis://", "rediss://", "unix://")):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected sqlite:///PATH, redis://HOST:PORT/DB or memory://")
+
+
 def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("frontend")
     g.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"),
@@ -499,9 +508,22 @@ def _add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                         "openai for a gpt-oss model; without one, tools are only accepted "
                         "with tool_choice none)")
     g.add_argument("--max-stored-responses", type=_int_at_least(0), default=1000,
-                   help="/v1/responses kept in this frontend's memory for GET and "
-                        "previous_response_id, least recently used dropped first; 0 stores "
-                        "none (default: %(default)s)")
+                   help="stored /v1/responses the embedded state store (sqlite, memory) "
+                        "keeps, least recently used dropped first; 0 stores none (default: "
+                        "%(default)s; Redis bounds memory with its own maxmemory policy)")
+    # The shared state store (frontend.state_store): stored responses, background work.
+    g.add_argument("--state-store", type=_state_store_url, default=None, metavar="URL",
+                   help="where stored responses live: sqlite:///PATH (one host, survives "
+                        "restarts), redis://HOST:PORT/DB (many frontends), or memory:// "
+                        "(this process only); default: sqlite in $SLUICE_STATE_DIR, else "
+                        "~/.local/state/sluice/state.db")
+    g.add_argument("--responses-ttl", type=_seconds, default=30 * 24 * 3600.0,
+                   metavar="SECONDS",
+                   help="how long a stored response is kept; 0: until evicted or deleted "
+                        "(default: 30 days, as OpenAI)")
+    g.add_argument("--max-stored-bytes", type=_int_at_least(1024), default=16 * 2**20,
+                   help="the largest one stored object may be, encoded; a larger response is "
+                        "returned with store false (default: 16 MiB)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for fields a request leaves out: auto, the model's "
                         "generation_config.json (beside a .gguf file too); vllm, none (the "
@@ -900,6 +922,8 @@ def frontend_config(args, engine_address: str | list[str] | None,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         reasoning_field=args.reasoning_field, max_stored_responses=args.max_stored_responses,
+        state_store=args.state_store, responses_ttl_s=args.responses_ttl,
+        max_stored_bytes=args.max_stored_bytes,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
         response_role=args.response_role,
@@ -1065,10 +1089,14 @@ def _serve(args) -> int:
             frontend_argv += [flag, value]
     frontend_argv += ["--reasoning-field", args.reasoning_field,
                       "--max-stored-responses", str(args.max_stored_responses),
+                      "--responses-ttl", str(args.responses_ttl),
+                      "--max-stored-bytes", str(args.max_stored_bytes),
                       "--generation-config", args.generation_config,
                       *_limit_argv(args)]
     if args.override_generation_config is not None:
         frontend_argv += ["--override-generation-config", args.override_generation_config]
+    if args.state_store is not None:
+        frontend_argv += ["--state-store", args.state_store]
     keys = _api_keys(args)
     if keys:
         os.environ["SLUICE_API_KEY"] = ",".join(keys)

@@ -115,8 +115,13 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     reasoning_field: str = "reasoning_content"  # vLLM now says "reasoning"
-    # /v1/responses with store: responses kept in this frontend's memory (LRU); 0: none.
+    # /v1/responses with store: how many the embedded state store keeps (LRU); 0: none.
     max_stored_responses: int = 1000
+    # The state store (frontend.state_store): its URL (None: sqlite in the state dir), how
+    # long stored responses live (0: no expiry), and the largest one stored object.
+    state_store: str | None = None
+    responses_ttl_s: float = 30 * 24 * 3600.0
+    max_stored_bytes: int = 16 * 2**20
     # --generation-config auto|vllm|FOLDER and --override-generation-config JSON
     # (shared.generation_config): sampling defaults for fields a request leaves out.
     generation_config: str = "auto"

@@ -20,6 +20,9 @@ class Proc:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        # Each process its own default state store (sqlite beside its log), so test servers
+        # never share stored responses through the user's ~/.local/state.
+        env["SLUICE_STATE_DIR"] = os.path.splitext(log_path)[0] + "-state"
         # A new session so stop() can take down the whole group (serve has children).
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "shared.cli", *args],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -38,7 +39,10 @@ from frontend.openai import serving
 from frontend.pooling import embeddings as embeddings_api
 from frontend.pooling import scoring as scoring_api
 from frontend.responses import api as responses_api
+from frontend.responses.background import BackgroundRunner
 from frontend.responses.models import InputTokensRequest, ResponsesRequest
+from frontend.responses.stored import ResponseRecords
+from frontend.state.store import open_store
 from postproc.openai_shapes import ModelCard, ModelList
 from shared.config import FrontendConfig
 
@@ -231,24 +235,38 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         raise APIError(400, "Cannot route this /invocations body: send a chat completion "
                             "(with messages) or a completion (with prompt).")
 
-    store = responses_api.ResponseStore(config.max_stored_responses)
+    state = open_store(config.state_store, config.max_stored_responses,
+                       config.max_stored_bytes)
+    records = ResponseRecords(state, config.responses_ttl_s or None)
+    responses = responses_api.Responses(records, BackgroundRunner(records),
+                                        keys=frozenset(config.api_keys))
 
     async def responses_create(request: Request) -> Response:
         body = _with_request_id(request, await _decode_body(request, ResponsesRequest))
-        return await responses_api.create(ctx, request, body, store)
+        return await responses_api.create(ctx, request, body, responses)
 
     async def responses_input_tokens(request: Request) -> Response:
         body = await _decode_body(request, InputTokensRequest)
-        return json_response(await responses_api.input_tokens(ctx, body, store))
+        return json_response(await responses_api.input_tokens(ctx, request, body, responses))
 
     async def responses_compact(request: Request) -> Response:
         raise APIError(404, "/v1/responses/compact is not supported by this server.")
 
     async def responses_get(request: Request) -> Response:
-        return json_response(responses_api.retrieve(store, request.path_params["response_id"]))
+        return json_response(await responses_api.retrieve(
+            ctx, request, responses, request.path_params["response_id"]))
 
     async def responses_delete(request: Request) -> Response:
-        return json_response(responses_api.delete(store, request.path_params["response_id"]))
+        return json_response(await responses_api.delete(
+            request, responses, request.path_params["response_id"]))
+
+    async def responses_cancel(request: Request) -> Response:
+        return json_response(await responses_api.cancel(
+            request, responses, request.path_params["response_id"]))
+
+    async def responses_input_items(request: Request) -> Response:
+        return json_response(await responses_api.input_items(
+            request, responses, request.path_params["response_id"]))
 
     async def messages(request: Request) -> Response:
         body = await _decode_body(request, MessagesRequest)
@@ -279,9 +297,13 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await ctx.client.start()
+        sweep = asyncio.create_task(responses_api.sweep(ctx, responses))
         try:
             yield
         finally:
+            sweep.cancel()
+            await responses.runner.stop()
+            await state.close()
             await ctx.client.stop()
             ctx.tokenization.shutdown()
 
@@ -304,6 +326,10 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         Route("/v1/responses/compact", _guarded(responses_compact), methods=["POST"]),
         Route("/v1/responses/{response_id}", _guarded(responses_get), methods=["GET"]),
         Route("/v1/responses/{response_id}", _guarded(responses_delete), methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", _guarded(responses_cancel),
+              methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", _guarded(responses_input_items),
+              methods=["GET"]),
         Route("/v1/messages", _guarded(messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", _guarded(messages_count_tokens), methods=["POST"]),
         # Batches are not run here: every batch route is a clear 404 in Anthropic's shape.

@@ -9,16 +9,16 @@ tool-call parser), in the order the model wrote them, as one JSON body or as the
 event stream (response.created, response.output_item.added, response.content_part.added,
 response.output_text.delta, ..., response.completed).
 
-Stored responses (`store`, default true) live in this frontend's memory, in an LRU bounded by
-`--max-stored-responses`: `GET /v1/responses/{id}` returns them and `previous_response_id`
-continues their conversation. They are not shared between frontends (docs/responses-api.md).
+Stored responses (`store`, default true) live in the state store (`--state-store`,
+frontend.responses.stored), so every frontend on the same store reads them: `GET`, `DELETE`,
+`input_items`, `previous_response_id`. `background: true` runs the request with no client
+waiting (frontend.responses.background); it is polled, and cancelled, from any frontend.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
 from contextlib import aclosing
 
 import msgspec
@@ -56,6 +56,7 @@ from frontend.core.serving_context import (
     structured_settings,
 )
 from frontend.input.structured import check_tool_names
+from frontend.responses.background import BackgroundRunner, NoClient
 from frontend.responses.models import (
     NEUTRAL_VALUES,
     UNSUPPORTED_WHEN_SET,
@@ -87,10 +88,18 @@ from frontend.responses.models import (
     TextDoneEvent,
     TextOut,
 )
+from frontend.responses.stored import (
+    InputItemList,
+    ResponseRecords,
+    StoredResponse,
+    input_item_dicts,
+    list_input_items,
+    owner_of,
+)
+from frontend.state.store import StoreUnavailable
 from shared.tool_specs import ChatTool
 
 _json = msgspec.json.Encoder()
-DEFAULT_MAX_STORED = 1000
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Chat fields whose checks (after translation) name them as this API does.
 _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input",
@@ -100,44 +109,12 @@ _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input
 # ---------------------------------------------------------------- the store
 
 
-class StoredResponse(msgspec.Struct):
-    response: ResponseObject
-    # The conversation so far without the instructions (a follow-up's own instructions
-    # replace them, as OpenAI's do): input messages, then this response's answer.
-    conversation: list[ChatMessage]
+class Responses(msgspec.Struct):
+    """What the routes share: the records, the background runner, the keys that own objects."""
 
-
-class ResponseStore:
-    """Stored responses of this frontend: at most `capacity`, least recently used evicted
-    first; 0 stores nothing."""
-
-    def __init__(self, capacity: int = DEFAULT_MAX_STORED) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        stored = self._items.get(response_id)
-        if stored is not None:
-            self._items.move_to_end(response_id)
-        return stored
-
-    def put(self, stored: StoredResponse) -> None:
-        if self.capacity <= 0:
-            return
-        self._items[stored.response.id] = stored
-        self._items.move_to_end(stored.response.id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
-
-
-def _not_found(response_id: str, param: str | None = None) -> APIError:
-    return APIError(404, f"Response with id '{response_id}' not found.", param)
+    records: ResponseRecords
+    runner: BackgroundRunner
+    keys: frozenset[str] = frozenset()  # API keys; where set, each owns what it stores
 
 
 # ---------------------------------------------------------------- request -> chat request
@@ -280,14 +257,13 @@ def chat_response_format(request: ResponsesRequest | InputTokensRequest
         name=fmt.name, description=fmt.description, schema=fmt.schema, strict=fmt.strict))
 
 
-def conversation(request: ResponsesRequest | InputTokensRequest, store: ResponseStore
-                 ) -> list[ChatMessage]:
+async def conversation(request: ResponsesRequest | InputTokensRequest,
+                       records: ResponseRecords, owner: str) -> list[ChatMessage]:
     """The earlier turns (previous_response_id) and this request's input, as chat messages."""
     history: list[ChatMessage] = []
     if request.previous_response_id is not None:
-        stored = store.get(request.previous_response_id)
-        if stored is None:
-            raise _not_found(request.previous_response_id, "previous_response_id")
+        stored = await records.find(request.previous_response_id, owner,
+                                    "previous_response_id")
         history = list(stored.conversation)
     return history + input_messages(request.input)
 
@@ -461,36 +437,111 @@ def _skeleton(ctx: ServingContext, request: ResponsesRequest, response_id: str) 
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         metadata=request.metadata or {}, user=request.user,
+        background=bool(request.background),
     )
 
 
 # ---------------------------------------------------------------- handlers
 
 
-async def create(ctx: ServingContext, http: Request, request: ResponsesRequest, store: ResponseStore
-                 ) -> Response:
+async def create(ctx: ServingContext, http: Request, request: ResponsesRequest,
+                 responses: Responses) -> Response:
     check_unsupported(request)
-    messages = conversation(request, store)
+    if request.background and request.store is False:
+        raise bad_request("a background response must be stored: store false is not allowed "
+                          "with background true", "store")
+    if request.background and request.stream:
+        raise bad_request("streaming a background response is not supported: poll it with "
+                          "GET /v1/responses/{id}", "stream")
+    owner = owner_of(http, responses.keys)
+    messages = await conversation(request, responses.records, owner)
     hex_id = uuid.uuid4().hex
     chat = to_chat(request, messages, request.request_id or hex_id)
+    skeleton = _skeleton(ctx, request, f"resp_{hex_id}")
+    record = StoredResponse(skeleton, messages, input_item_dicts(request.input, hex_id), owner,
+                            hex=hex_id)
+    if request.background:
+        return await _create_background(ctx, responses, record, chat)
     try:
         job, frames = await pipeline.start_job(ctx, http, chat, prefix="resp")
     except APIError as exc:
         raise renamed(exc, _FIELD_NAMES) from exc
-    shaper = _Shaper(_skeleton(ctx, request, f"resp_{hex_id}"), hex_id, job.num_prompt_tokens)
+    shaper = _Shaper(skeleton, hex_id, job.num_prompt_tokens)
 
-    def remember(response: ResponseObject, blocks: list[Block]) -> None:
+    async def remember(response: ResponseObject, blocks: list[Block]) -> ResponseObject:
+        """Stores a finished response; says `store: false` when it was too large to keep."""
         if response.store and response.status in ("completed", "incomplete"):
-            store.put(StoredResponse(response, [*messages, _answer_message(blocks)]))
+            kept = await responses.records.put(msgspec.structs.replace(
+                record, response=response, conversation=[*messages, _answer_message(blocks)]))
+            if not kept:
+                return msgspec.structs.replace(response, store=False)
+        return response
 
     if request.stream:
         return sse_response(_stream(shaper, frames, remember))
     outcome = await gather(frames)
     if not outcome.finished:
         return Response(status_code=499)  # the client left; nobody reads this
-    response = shaper.final(outcome)
-    remember(response, outcome.blocks)
+    response = await remember(shaper.final(outcome), outcome.blocks)
     return Response(_json.encode(response), media_type="application/json")
+
+
+async def _create_background(ctx: ServingContext, responses: Responses, record: StoredResponse,
+                             chat: ChatCompletionRequest) -> Response:
+    """Stores the response in_progress (so any frontend sees it), takes its lease and runs
+    it here; a request the checks refuse is a 4xx now, and nothing stays stored."""
+    records, response_id = responses.records, record.response.id
+    record = msgspec.structs.replace(record, chat=chat)
+    if not await records.put(record):
+        raise APIError(413, "the request is larger than the state store keeps", "input")
+    await records.lease(response_id, responses.runner.holder)
+    await records.mark_unfinished(record)  # after the lease: a sweep finds it held
+    try:
+        await _run_background(ctx, responses, record)
+    except APIError:
+        await records.delete(response_id, record.owner)
+        await records.finished(response_id)
+        raise
+    return Response(_json.encode(record.response), media_type="application/json")
+
+
+async def _run_background(ctx: ServingContext, responses: Responses, record: StoredResponse
+                          ) -> None:
+    try:
+        job, frames = await pipeline.start_job(ctx, NoClient(), record.chat, prefix="resp")
+    except APIError as exc:
+        raise renamed(exc, _FIELD_NAMES) from exc
+    shaper = _Shaper(record.response, record.hex, job.num_prompt_tokens)
+
+    def finish(outcome: Outcome | None, error: APIError | None) -> StoredResponse:
+        if error is not None:
+            code = "server_error" if error.status >= 500 else "invalid_prompt"
+            response = msgspec.structs.replace(
+                shaper.base, status="failed", error=ResponseError(code, error.message))
+            return msgspec.structs.replace(record, response=response, chat=None)
+        return msgspec.structs.replace(
+            record, response=shaper.final(outcome), chat=None,
+            conversation=[*record.conversation, _answer_message(outcome.blocks)])
+
+    responses.runner.start(record.response.id, frames, finish)
+
+
+async def _resume(ctx: ServingContext, responses: Responses, stored: StoredResponse) -> None:
+    """Runs a background response again whose runner died; a refusal now marks it failed."""
+    # A new engine request id: the dead frontend's request may still be in the engine.
+    chat = msgspec.structs.replace(stored.chat, request_id=uuid.uuid4().hex)
+    try:
+        await _run_background(ctx, responses, msgspec.structs.replace(stored, chat=chat))
+    except APIError as error:
+        failed = msgspec.structs.replace(stored.response, status="failed",
+                                         error=ResponseError("server_error", error.message))
+        await responses.records.put(msgspec.structs.replace(stored, response=failed, chat=None))
+        await responses.records.finished(stored.response.id)
+
+
+async def sweep(ctx: ServingContext, responses: Responses) -> None:
+    """This frontend's share of running background responses whose frontend died."""
+    await responses.runner.sweep(lambda stored: _resume(ctx, responses, stored))
 
 
 async def _stream(shaper: _Shaper, frames, remember):
@@ -519,30 +570,62 @@ async def _stream(shaper: _Shaper, frames, remember):
         for chunk in shaper.block_events(ev, done):
             yield chunk
     response = shaper.final(outcome)
-    remember(response, outcome.blocks)
+    try:
+        response = await remember(response, outcome.blocks)
+    except StoreUnavailable:  # the answer is out; the final event says it was not kept
+        response = msgspec.structs.replace(response, store=False)
     final = "response.incomplete" if response.status == "incomplete" else "response.completed"
     yield shaper.lifecycle(final, response)
 
 
-def retrieve(store: ResponseStore, response_id: str) -> ResponseObject:
-    stored = store.get(response_id)
-    if stored is None:
-        raise _not_found(response_id)
+async def retrieve(ctx: ServingContext, http: Request, responses: Responses,
+                   response_id: str) -> ResponseObject:
+    stored = await responses.records.find(response_id, owner_of(http, responses.keys))
+    if stored.chat is not None:  # background, unfinished: is anyone still running it?
+        await responses.runner.take_over_if_lapsed(
+            stored, lambda: _resume(ctx, responses, stored))
     return stored.response
 
 
-def delete(store: ResponseStore, response_id: str) -> DeletedResponse:
-    if not store.delete(response_id):
-        raise _not_found(response_id)
+async def delete(http: Request, responses: Responses, response_id: str) -> DeletedResponse:
+    await responses.records.delete(response_id, owner_of(http, responses.keys))
+    await responses.records.ask_cancel(response_id)  # a background run stops too
     return DeletedResponse(response_id)
 
 
-async def input_tokens(ctx: ServingContext, request: InputTokensRequest, store: ResponseStore
-                       ) -> InputTokens:
+async def cancel(http: Request, responses: Responses, response_id: str) -> ResponseObject:
+    """Cancels a background response from any frontend: the record says cancelled at once,
+    and its runner, seeing the cancel asked, aborts the engine request."""
+    records = responses.records
+    stored = await records.find(response_id, owner_of(http, responses.keys))
+    if not stored.response.background:
+        raise bad_request("Only responses created with background=true can be cancelled.")
+    if stored.response.status in ("queued", "in_progress"):
+        await records.ask_cancel(response_id)
+        stored = msgspec.structs.replace(stored, chat=None, response=msgspec.structs.replace(
+            stored.response, status="cancelled"))
+        await records.put(stored)
+        await records.finished(response_id)
+    return stored.response
+
+
+async def input_items(http: Request, responses: Responses, response_id: str
+                      ) -> InputItemList:
+    stored = await responses.records.find(response_id, owner_of(http, responses.keys))
+    query = http.query_params
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        raise bad_request("limit must be an integer", "limit") from None
+    return list_input_items(stored, limit, query.get("order", "desc"), query.get("after"))
+
+
+async def input_tokens(ctx: ServingContext, http: Request, request: InputTokensRequest,
+                       responses: Responses) -> InputTokens:
     """What the create request's prompt would be, in tokens: rendered and tokenized as it."""
     if request.conversation is not None:
         raise bad_request("'conversation' is not supported by this server", "conversation")
-    messages = conversation(request, store)
+    messages = await conversation(request, responses.records, owner_of(http, responses.keys))
     chat = to_chat(ResponsesRequest(
         model=request.model, instructions=request.instructions, tools=request.tools,
         tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,

@@ -114,8 +114,9 @@ class ResponsesRequest(NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     max_tool_calls: Count | None = None  # counts built-in tool calls; we have none
     access_programs: Any = None
     image: Any = None
-    # Refused when set (UNSUPPORTED_WHEN_SET): features this server does not run.
+    # Runs with no client waiting; polled and cancelled from any frontend.
     background: bool | None = None
+    # Refused when set (UNSUPPORTED_WHEN_SET): features this server does not run.
     background_options: Any = None
     conversation: Any = None
     prompt: Any = None
@@ -158,14 +159,13 @@ class InputTokensRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
 
 # (field, default): a different value is a 400 saying the feature is not supported.
 UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
-    ("background", None),
     ("background_options", None),
     ("conversation", None),
     ("prompt", None),
     ("context_management", None),
     ("moderation", None),
 )
-NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {"background": (False,)}
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {}
 
 
 # ---------------------------------------------------------------- output items
@@ -248,7 +248,7 @@ class ResponseObject(msgspec.Struct):
     id: str
     created_at: int
     model: str
-    status: Literal["completed", "incomplete", "in_progress", "failed", "cancelled"]
+    status: Literal["completed", "incomplete", "queued", "in_progress", "failed", "cancelled"]
     output: list[OutputItem]
     parallel_tool_calls: bool
     tool_choice: Any
@@ -269,6 +269,7 @@ class ResponseObject(msgspec.Struct):
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     user: str | None = None
     completed_at: int | None = None
+    background: bool = False
 
 
 class DeletedResponse(msgspec.Struct):

@@ -311,10 +311,21 @@ def container_argv(container: dict, where: str) -> list[str]:
     return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", expand, str(a)) for a in container["args"]]
 
 
+# Containers of other images the manifests run: the frontends' state store (redis.yaml).
+OTHER_IMAGES = {"redis"}
+
+
+def is_sluice(container: dict) -> bool:
+    name = split_image(container["image"])[0].rsplit("/", 1)[-1]
+    assert name in {"sluice", *OTHER_IMAGES}, f"unexpected image {container['image']}"
+    return name == "sluice"
+
+
 def sluice_containers(resources: dict):
     for key, resource in resources.items():
         for container in containers(resource):
-            yield f"{key[1]}/{key[2]}/{container['name']}", resource, container
+            if is_sluice(container):
+                yield f"{key[1]}/{key[2]}/{container['name']}", resource, container
 
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=rel)
@@ -398,6 +409,15 @@ def test_tiers_are_wired_together(directory):
         # StatefulSet may scale); results come back to this pod's own IP.
         assert [dns_tcp(a) for a in args.engine_address] == [
             (engine["spec"]["serviceName"], engine_port)], where
+        # Every frontend on the one Redis behind the state store's Service.
+        store = urlsplit(args.state_store)
+        assert (store.scheme, store.port) == ("redis", 6379), where
+        redis_service = service_for(resources, store.hostname)
+        [redis] = [r for r in resources.values() if r["kind"] == "StatefulSet"
+                   and r["metadata"]["name"] == redis_service["metadata"]["name"]]
+        assert redis_service["spec"]["selector"].items() <= (
+            redis["spec"]["template"]["metadata"]["labels"].items())
+        assert redis["spec"]["volumeClaimTemplates"], "the store keeps its data on a volume"
         raw = container["args"][container["args"].index("--result-address") + 1]
         assert raw == f"tcp://$(POD_IP):{FRONTEND_RESULT_PORT}", where
         [pod_ip] = [e for e in container["env"] if e["name"] == "POD_IP"]
@@ -525,6 +545,10 @@ def test_compose_services_use_valid_commands_and_flags(files):
     available = subcommands()
     services = compose_services(*files)
     parsed = {}
+    # The state store the frontends share: Redis, on the internal network only.
+    redis = services.pop("redis")
+    assert redis["image"].startswith("redis:") and not redis.get("ports")
+    assert redis["expose"] == ["6379"] and "--appendonly" in redis["command"]
     for name, service in services.items():
         where = f"{'+'.join(f.name for f in files)}: {name}"
         assert service["image"].startswith("sluice:"), where
@@ -567,6 +591,8 @@ def test_compose_services_use_valid_commands_and_flags(files):
     for name, args in frontends.items():
         service = services[name]
         assert sorted(tcp(a) for a in args.engine_address) == sorted(engine_ports.items()), name
+        assert args.state_store == "redis://redis:6379/0", name
+        assert "redis" in service["depends_on"], name
         assert set(engines) <= set(service["depends_on"]), name
         # Its own name: bindable inside its container, resolvable from the engine's.
         result_host, _ = tcp(args.result_address)

@@ -43,8 +43,6 @@ NOT_ROUTES = {
     "/tmp": "a directory",
     "/tmp/sluice-gpu-site": "a directory on the GPU machine (docs/gpu.md)",
     "/tmp/sluice-gpu-model": "a directory on the GPU machine (docs/gpu.md)",
-    "/v1/responses/{}/cancel": "named as not a route here (docs/responses-api.md)",
-    "/v1/responses/{}/input_items": "named as not a route here (docs/responses-api.md)",
 }
 METHODS = r"(?:(?:GET|POST|DELETE)(?:\|(?:GET|POST|DELETE))* )?"
 ROUTE_SPAN = re.compile(rf"`{METHODS}(/[\w{{}}./-]*\w[\w{{}}./-]*)`")

@@ -107,7 +107,7 @@ FRONTEND_WINGS = {
     "http": 5,
     "openai": 4, "responses": 4, "anthropic": 4, "pooling": 4,
     "core": 3,
-    "input": 2, "engines": 2,
+    "input": 2, "engines": 2, "state": 2,
     "base": 1,
 }
 

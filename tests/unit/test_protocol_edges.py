@@ -13,12 +13,11 @@ from starlette.testclient import TestClient
 
 from frontend.anthropic import api as anthropic_api
 from frontend.anthropic.models import MessagesRequest
-from frontend.base.api_models import ChatMessage
 from frontend.base.errors import APIError
 from frontend.core.protocol_edge import Blocks
 from frontend.http.auth import AuthMiddleware
 from frontend.responses import api as responses_api
-from frontend.responses.models import ResponseObject, ResponsesRequest, TextOut
+from frontend.responses.models import ResponsesRequest
 from shared.protocol import FunctionCallDelta, TextFrame, ToolCallDelta
 
 
@@ -81,7 +80,7 @@ def test_responses_request_to_chat_request():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "background_options": {}}, "background_options"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
@@ -100,25 +99,6 @@ def test_unknown_item_types_and_tools_are_400s():
     with pytest.raises(APIError) as err:
         responses_api.chat_tools(responses(tools=[{"type": "file_search"}]))
     assert err.value.param == "tools[0].type"
-
-
-def test_the_store_is_a_bounded_lru():
-    store = responses_api.ResponseStore(2)
-
-    def stored(i: int) -> responses_api.StoredResponse:
-        response = ResponseObject(f"resp_{i}", 0, "m", "completed", [], True, "auto", [],
-                                  TextOut(responses_api.ResponseFormatOut("text")), True)
-        return responses_api.StoredResponse(response, [ChatMessage(role="user", content="x")])
-
-    for i in range(2):
-        store.put(stored(i))
-    assert store.get("resp_0") is not None  # now the most recently used
-    store.put(stored(2))
-    assert store.get("resp_1") is None and len(store) == 2
-    assert store.delete("resp_0") and not store.delete("resp_0")
-    nothing = responses_api.ResponseStore(0)
-    nothing.put(stored(3))
-    assert len(nothing) == 0
 
 
 # ---------------------------------------------------------------- Anthropic

@@ -1,0 +1,339 @@
+"""State that outlives a request, shared by the frontends that point at one store.
+
+One small key-value interface (`StateStore`), chosen by URL (`--state-store`):
+
+- `sqlite:///PATH` (the default, `default_url()`): a file, one host; survives restarts and
+  is shared by every frontend on the host that names the same file. sqlite3 is blocking, so
+  each call runs in a worker thread (`asyncio.to_thread`); WAL mode and a busy timeout let
+  several processes use the file at once.
+- `memory://`: this process only, gone with it (tests, or when nothing must be kept).
+- `redis://HOST:PORT/DB` (or `rediss://`): a Redis server, shared by many frontends on many
+  hosts, through redis-py's asyncio client. Redis, not PostgreSQL: what is stored is a value
+  per key with an expiry (TTL) and leases (SET NX PX), which Redis does natively, with no
+  schema to migrate.
+
+Values are bytes (the callers encode msgspec Structs). Every entry may carry a TTL.
+`max_value_bytes` bounds one value (`ValueTooLarge`); `capacity` bounds how many "counted"
+entries the embedded stores keep (least recently used dropped first; Redis bounds memory
+with its own `maxmemory` policy instead). A store that cannot be reached raises
+`StoreUnavailable`, which the routes answer with a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+
+from frontend.base.errors import APIError
+
+DEFAULT_MAX_VALUE_BYTES = 16 * 2**20
+
+
+class StoreUnavailable(APIError):
+    """The store did not answer (a server down, a disk full): a 503, retry later."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(503, f"The state store is unavailable: {detail}")
+
+
+class ValueTooLarge(Exception):
+    pass
+
+
+def default_url() -> str:
+    """The embedded store's file: $SLUICE_STATE_DIR, else $XDG_STATE_HOME/sluice, else
+    ~/.local/state/sluice (the XDG place for state that should survive restarts)."""
+    folder = os.environ.get("SLUICE_STATE_DIR") or os.path.join(
+        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "sluice")
+    return f"sqlite:///{os.path.join(folder, 'state.db')}"
+
+
+class StateStore:
+    """The interface. `ttl_s` None or 0: no expiry. `counted`: the entry counts against the
+    store's capacity (stored objects do; leases and flags do not)."""
+
+    def __init__(self, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
+        self.max_value_bytes = max_value_bytes
+
+    def _check_size(self, value: bytes) -> None:
+        if len(value) > self.max_value_bytes:
+            raise ValueTooLarge(f"{len(value)} bytes > {self.max_value_bytes}")
+
+    async def get(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    async def put(self, key: str, value: bytes, ttl_s: float | None = None,
+                  counted: bool = False) -> None:
+        raise NotImplementedError
+
+    async def delete(self, key: str) -> bool:
+        raise NotImplementedError
+
+    async def scan(self, prefix: str) -> list[str]:
+        """The live keys that start with `prefix` (for the few marker entries, not bulk)."""
+        raise NotImplementedError
+
+    async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
+        """Takes the lease `key` for `holder` when nobody holds it (or it expired), or
+        renews it when `holder` already does; False when someone else holds it."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+def _expiry(ttl_s: float | None) -> float | None:
+    return time.time() + ttl_s if ttl_s else None
+
+
+class MemoryStore(StateStore):
+    """This process's memory: a dict of (value, expiry), counted entries in LRU order."""
+
+    def __init__(self, capacity: int = 1000, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+                 ) -> None:
+        super().__init__(max_value_bytes)
+        self.capacity = capacity
+        self._items: dict[str, tuple[bytes, float | None]] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()
+
+    def _live(self, key: str) -> bytes | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        if item[1] is not None and item[1] <= time.time():
+            self._items.pop(key)
+            self._lru.pop(key, None)
+            return None
+        return item[0]
+
+    async def get(self, key: str) -> bytes | None:
+        value = self._live(key)
+        if value is not None and key in self._lru:
+            self._lru.move_to_end(key)
+        return value
+
+    async def put(self, key: str, value: bytes, ttl_s: float | None = None,
+                  counted: bool = False) -> None:
+        self._check_size(value)
+        if counted and self.capacity <= 0:
+            return
+        self._items[key] = (value, _expiry(ttl_s))
+        if counted:
+            self._lru[key] = None
+            self._lru.move_to_end(key)
+            while len(self._lru) > self.capacity:
+                self._items.pop(self._lru.popitem(last=False)[0], None)
+
+    async def delete(self, key: str) -> bool:
+        self._lru.pop(key, None)
+        return self._items.pop(key, None) is not None
+
+    async def scan(self, prefix: str) -> list[str]:
+        return [k for k in list(self._items) if k.startswith(prefix) and self._live(k)]
+
+    async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
+        current = self._live(key)
+        if current is not None and current != holder.encode():
+            return False
+        self._items[key] = (holder.encode(), _expiry(ttl_s))
+        return True
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    key TEXT PRIMARY KEY,
+    value BLOB NOT NULL,
+    expires REAL,          -- unix time; NULL: never
+    used REAL NOT NULL,    -- last read or write, for the LRU bound
+    counted INTEGER NOT NULL
+)
+"""
+
+
+class SqliteStore(StateStore):
+    """A SQLite file. One connection, used by one worker thread at a time (a lock)."""
+
+    def __init__(self, path: str, capacity: int = 1000,
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
+        super().__init__(max_value_bytes)
+        self.path = path
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None  # opened on first use, in the worker
+
+    def _open(self) -> sqlite3.Connection:
+        if self.path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        # isolation_level=None: autocommit; the writes that must be atomic use BEGIN.
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                             timeout=5.0)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(_SCHEMA)
+        return db
+
+    async def _run(self, fn, *args):
+        def locked():
+            with self._lock:
+                if self._db is None:
+                    self._db = self._open()
+                return fn(*args)
+        try:
+            return await asyncio.to_thread(locked)
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreUnavailable(f"sqlite {self.path}: {exc}") from exc
+
+    def _get(self, key: str) -> bytes | None:
+        now = time.time()
+        row = self._db.execute(
+            "SELECT value, counted FROM entries WHERE key = ? AND (expires IS NULL OR "
+            "expires > ?)", (key, now)).fetchone()
+        if row is not None and row[1]:
+            self._db.execute("UPDATE entries SET used = ? WHERE key = ?", (now, key))
+        return None if row is None else bytes(row[0])
+
+    def _put(self, key: str, value: bytes, expires: float | None, counted: bool) -> None:
+        now = time.time()
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("DELETE FROM entries WHERE expires IS NOT NULL AND expires <= ?",
+                             (now,))
+            self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)",
+                             (key, value, expires, now, int(counted)))
+            if counted:
+                self._db.execute(
+                    "DELETE FROM entries WHERE counted = 1 AND key NOT IN (SELECT key FROM "
+                    "entries WHERE counted = 1 ORDER BY used DESC LIMIT ?)", (self.capacity,))
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
+    def _delete(self, key: str) -> bool:
+        cursor = self._db.execute(
+            "DELETE FROM entries WHERE key = ? AND (expires IS NULL OR expires > ?)",
+            (key, time.time()))
+        return cursor.rowcount > 0
+
+    def _claim(self, key: str, holder: str, expires: float) -> bool:
+        now = time.time()
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            row = self._db.execute(
+                "SELECT value FROM entries WHERE key = ? AND (expires IS NULL OR expires > ?)",
+                (key, now)).fetchone()
+            mine = row is None or bytes(row[0]) == holder.encode()
+            if mine:
+                self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, 0)",
+                                 (key, holder.encode(), expires, now))
+            self._db.execute("COMMIT")
+            return mine
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
+    def _scan(self, prefix: str) -> list[str]:
+        rows = self._db.execute(
+            "SELECT key FROM entries WHERE substr(key, 1, ?) = ? AND (expires IS NULL OR "
+            "expires > ?)", (len(prefix), prefix, time.time())).fetchall()
+        return [row[0] for row in rows]
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._run(self._get, key)
+
+    async def scan(self, prefix: str) -> list[str]:
+        return await self._run(self._scan, prefix)
+
+    async def put(self, key: str, value: bytes, ttl_s: float | None = None,
+                  counted: bool = False) -> None:
+        self._check_size(value)
+        if counted and self.capacity <= 0:
+            return
+        await self._run(self._put, key, value, _expiry(ttl_s), counted)
+
+    async def delete(self, key: str) -> bool:
+        return await self._run(self._delete, key)
+
+    async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
+        return await self._run(self._claim, key, holder, time.time() + ttl_s)
+
+    async def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+
+# Take the lease when free, renew it when ours: one atomic step on the server.
+_CLAIM = """
+local held = redis.call('GET', KEYS[1])
+if held == false or held == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+class RedisStore(StateStore):
+    """A Redis server (redis-py's asyncio client); keys are prefixed `sluice:`."""
+
+    PREFIX = "sluice:"
+
+    def __init__(self, url: str, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
+        super().__init__(max_value_bytes)
+        import redis.asyncio  # only a frontend configured for Redis needs the client
+
+        self.url = url
+        self._redis = redis.asyncio.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                        OSError)
+
+    async def _call(self, coro):
+        try:
+            return await coro
+        except self._errors as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._call(self._redis.get(self.PREFIX + key))
+
+    async def put(self, key: str, value: bytes, ttl_s: float | None = None,
+                  counted: bool = False) -> None:
+        self._check_size(value)
+        px = int(ttl_s * 1000) if ttl_s else None
+        await self._call(self._redis.set(self.PREFIX + key, value, px=px))
+
+    async def delete(self, key: str) -> bool:
+        return bool(await self._call(self._redis.delete(self.PREFIX + key)))
+
+    async def scan(self, prefix: str) -> list[str]:
+        async def keys() -> list[str]:
+            return [key.decode()[len(self.PREFIX):] async for key in
+                    self._redis.scan_iter(match=f"{self.PREFIX}{prefix}*", count=500)]
+        return await self._call(keys())
+
+    async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
+        return bool(await self._call(self._redis.eval(
+            _CLAIM, 1, self.PREFIX + key, holder, int(ttl_s * 1000))))
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def open_store(url: str | None, capacity: int = 1000,
+               max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> StateStore:
+    """The store a `--state-store` URL names; a URL of no known kind is a ValueError."""
+    url = url or default_url()
+    if url == "memory://":
+        return MemoryStore(capacity, max_value_bytes)
+    if url.startswith("sqlite:///"):
+        return SqliteStore(url[len("sqlite:///"):] if url != "sqlite:///:memory:"
+                           else ":memory:", capacity, max_value_bytes)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(url, max_value_bytes)
+    raise ValueError(f"--state-store {url!r}: expected sqlite:///PATH, memory:// or "
+                     "redis://HOST:PORT/DB")

