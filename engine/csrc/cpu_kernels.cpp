@@ -988,14 +988,21 @@ void pack_unit(Layout layout, const Unit& u, uint8_t* out) {
   for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(u.q[j]);
 }
 
-torch::Tensor pack_blocks(const torch::Tensor& gguf, int64_t kind) {
+// GGUF blocks of `kind` in the layout quantized_linear reads for `as_kind` (-1: kind's own).
+// ScaledBytes (Q5_K's and Q6_K's) takes every kind's weights exactly, so the parts of a
+// fused weight whose kinds differ (Q4_K_M's Q4_K q, k beside its Q6_K v) can share it.
+torch::Tensor pack_blocks(const torch::Tensor& gguf, int64_t kind, int64_t as_kind) {
   check_kind(kind);
+  if (as_kind < 0) as_kind = kind;
+  check_kind(as_kind);
+  const Layout layout = layout_of(as_kind);
+  TORCH_CHECK(layout == layout_of(kind) || layout == kScaledBytes, "blocks of kind ", kind,
+              " cannot be packed as kind ", as_kind, ": only kinds 3 and 4 take every kind");
   TORCH_CHECK(gguf.scalar_type() == torch::kUInt8 && gguf.is_contiguous() && gguf.dim() == 2 &&
                   gguf.size(1) % gguf_block_bytes(kind) == 0,
               "blocks must be contiguous uint8 [out, in / block weights * block bytes]");
   const int64_t rows = gguf.size(0), nb = gguf.size(1) / gguf_block_bytes(kind);
   const int64_t units = gguf_block_weights(kind) / kBlock;  // 32-weight units per block
-  const Layout layout = layout_of(kind);
   auto packed = torch::empty({rows, nb * units * layout_bytes(layout)}, gguf.options());
   const uint8_t* src = gguf.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
@@ -1503,7 +1510,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2 * width] tensor");
   m.def("pack_blocks", &pack_blocks,
         "GGUF Q4_1 (kind 0), Q8_0 (1), Q4_K (2), Q5_K (3) or Q6_K (4) weight rows into "
-        "quantized_linear's layout for that kind");
+        "quantized_linear's layout for that kind, or for as_kind (3 or 4 take any kind)",
+        py::arg("blocks"), py::arg("kind"), py::arg("as_kind") = -1);
   m.def("quantized_linear", &quantized_linear,
         "x @ W^T with W from pack_blocks (the same kind)");
   m.attr("bf16_quantized") = kHasBf16Dot;

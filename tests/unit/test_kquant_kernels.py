@@ -5,12 +5,14 @@ the AVX2 build's sums the AVX-512 build's bits, and a tiny Q4_K_M-style model th
 engine giving the dequantized model's greedy tokens.
 (the blocks: tests/unit/kquant_builders.py)."""
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.models.config import load_model_config
-from engine.models.ops import QUANTIZED_MAX_ROWS_FLOAT32, CpuKernelOps
+from engine.models.ops import ANY_KIND_LAYOUT, QUANTIZED_MAX_ROWS_FLOAT32, CpuKernelOps
 from engine.models.weights import BLOCK_KINDS, load_quantized_weights
 from tests.unit.engine_builders import drain, request
 from tests.unit.kquant_builders import (
@@ -95,6 +97,30 @@ def test_the_avx2_linear_sums_as_the_avx512_one(name):
                            avx2.quantized_linear(x, packs[1], kind))
 
 
+def _blocks_of(name: str, rows: int, k: int, seed: int):
+    """(blocks, reference weights) of any kind: k-quants from random bytes, Q4_1 and Q8_0
+    from gguf-py's quantizer."""
+    if name in KQUANTS:
+        blocks = random_blocks(name, rows, k, seed)
+    else:
+        floats = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+        blocks = gguf.quants.quantize(floats, gguf.GGMLQuantizationType[name])
+    return torch.from_numpy(blocks), reference(blocks, name)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", *KQUANTS])
+def test_every_kind_packs_into_the_layout_of_q6_k(compiled, name):
+    """A fused weight whose parts differ in kind (Q4_K_M's q/k/v) is packed part by part
+    into Q6_K's layout, which takes every kind's float32 weights exactly."""
+    out, k = SHAPES[1]
+    blocks, want = _blocks_of(name, out, k, seed=3)
+    packed = compiled.pack_blocks(blocks, BLOCK_KINDS[name], ANY_KIND_LAYOUT)
+    eye = torch.eye(k)
+    for rows in (slice(0, 2), slice(0, k)):  # register tiles, then unpacked columns
+        got = compiled.quantized_linear(eye[rows].contiguous(), packed, ANY_KIND_LAYOUT)
+        assert torch.equal(got, want.T[rows]), rows
+
+
 def test_the_kernels_refuse_what_they_cannot_take(compiled):
     blocks = torch.from_numpy(random_blocks("Q4_K", 4, 512, seed=1))
     for kind in (-1, 5):
@@ -102,6 +128,12 @@ def test_the_kernels_refuse_what_they_cannot_take(compiled):
             compiled.pack_blocks(blocks, kind)
     with pytest.raises(RuntimeError, match="blocks must be"):  # not whole Q6_K blocks
         compiled.pack_blocks(blocks, BLOCK_KINDS["Q6_K"])
+    for name, as_name in (("Q6_K", "Q4_K"), ("Q4_K", "Q8_0"), ("Q8_0", "Q4_1")):
+        with pytest.raises(RuntimeError, match="only kinds 3 and 4 take every kind"):
+            compiled.pack_blocks(_blocks_of(name, 4, 512, 1)[0], BLOCK_KINDS[name],
+                                 BLOCK_KINDS[as_name])
+    with pytest.raises(RuntimeError, match="kind must be"):
+        compiled.pack_blocks(blocks, BLOCK_KINDS["Q4_K"], 5)
     packed = compiled.pack_blocks(blocks, BLOCK_KINDS["Q4_K"])
     with pytest.raises(RuntimeError, match="pack_blocks"):  # x as wide as half the blocks
         compiled.quantized_linear(torch.randn(2, 256), packed, BLOCK_KINDS["Q4_K"])
@@ -137,17 +169,18 @@ def q4_k_m_file(tmp_path_factory):
 
 def test_a_q4_k_m_file_decodes_through_the_blocks_as_the_dequantized_model(compiled,
                                                                              q4_k_m_file):
-    """Every linear whose parts share a kind is multiplied by the file's blocks at decode
-    (prompts prefill in chunks of 8 rows, within the float32 cut of 16, so they do too); the
-    greedy tokens are the dequantized model's."""
+    """Every linear is multiplied by the file's blocks at decode (prompts prefill in chunks
+    of 8 rows, within the float32 cut of 16, so they do too), layer 1's q/k/v of mixed
+    kinds in Q6_K's layout; the greedy tokens are the dequantized model's."""
     assert QUANTIZED_MAX_ROWS_FLOAT32 >= 8
     quantized = load_quantized_weights(q4_k_m_file, load_model_config(q4_k_m_file))
     assert {q.kind for q in quantized.values()} == {BLOCK_KINDS["Q4_K"], BLOCK_KINDS["Q6_K"]}
     prompts = [[1, 5, 9, 200, 3], [7] * 11, list(range(40, 60))]
     want, _ = _greedy(q4_k_m_file, None, prompts)
     got, ops = _greedy(q4_k_m_file, compiled, prompts)
-    # Per layer: o, gate_up and down; layer 0's qkv (all Q4_K) but not layer 1's (v is
-    # Q6_K: that fused weight stays dense); and the LM head.
-    assert len(ops._quantized) == 3 * SHAPE.layers + 1 + 1
+    assert len(ops._quantized) == 4 * SHAPE.layers + 1  # every linear and the LM head
+    kinds = sorted(q.kind for q in ops._quantized.values())
+    assert kinds.count(BLOCK_KINDS["Q4_K"]) == 5  # layer 0's qkv, o, gate_up; layer 1's o, gate_up
+    assert kinds.count(ANY_KIND_LAYOUT) == 4  # the two downs, layer 1's qkv, the head
     assert got == want
     assert len({tuple(t) for t in want}) == len(prompts)  # not one degenerate answer
