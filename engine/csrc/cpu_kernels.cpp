@@ -835,24 +835,56 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 
 // ------------------------------------------------------------- GGUF block-quantized linear
 
-// y = x @ W^T with W kept in the GGUF checkpoint's blocks of 32 weights, so a decode step
-// streams 6 (Q4_1) or 9 (Q8_0) bits per weight from memory instead of 16. The checkpoint's
-//   Q4_1, 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; w[j] = d * lo(q[j]) + m and
-//                   w[j + 16] = d * hi(q[j]) + m
-//   Q8_0, 34 bytes: fp16 d, 32 int8;                     w[j] = d * q[j]
-// are repacked once at load (`pack_blocks`) into what the kernel reads fastest:
-//   Q4_1, 24 bytes: float32 d, float32 m, 16 bytes of nibbles in lane order: weight j is
-//                   nibble j / 8 of 16-bit word j % 8, so one broadcast and one variable
-//                   shift put every weight's nibble in the low bits of its 16-bit lane
-//   Q8_0, 36 bytes: float32 d, 32 int8
-// Every weight is exact in float32 (d * q is exact and one rounding adds m, as the GGUF
-// reference computes it). Sums are float32 in a fixed order per output whatever the batch,
+// y = x @ W^T with W kept in the GGUF checkpoint's quantized blocks, so a decode step
+// streams 6 to 11 bits per weight from memory instead of 16 or 32. The checkpoint's
+//   Q4_1, 20 bytes / 32 weights: fp16 d, fp16 m, 16 bytes of nibbles; w[j] = d * lo(q[j]) + m
+//                   and w[j + 16] = d * hi(q[j]) + m
+//   Q8_0, 34 bytes / 32 weights: fp16 d, 32 int8;                     w[j] = d * q[j]
+// and the k-quants of most GGUF files (llama.cpp's ggml-quants.c), 256 weights a block in
+// eight sub-blocks of 32:
+//   Q4_K, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) pairs, 128 bytes of
+//                    nibbles;  w = (d * scale) * q - dmin * min
+//   Q5_K, 176 bytes: Q4_K's header, 32 bytes of fifth bits, 128 bytes of nibbles; the same w
+//   Q6_K, 210 bytes: 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (one per
+//                    16 weights), fp16 d;  w = (d * scale) * (q - 32)
+// are repacked once at load (`pack_blocks`) into one of three layouts of 32 weights the
+// kernel reads fastest (kinds share a layout where their weights fit it):
+//   Nibbles (Q4_1, Q4_K), 24 bytes: float32 d, float32 m, 16 bytes of nibbles in lane
+//                   order: weight j is nibble j / 8 of 16-bit word j % 8, so one broadcast
+//                   and one variable shift put every weight's nibble in the low bits of its
+//                   16-bit lane; w = d * q + m
+//   Bytes (Q8_0), 36 bytes: float32 d, 32 int8; w = d * q
+//   ScaledBytes (Q5_K, Q6_K), 44 bytes: float32 d0 (weights 0-15), float32 d1 (16-31),
+//                   float32 m, 32 int8; w = d0|d1 * q + m
+// A k-quant's d is the product of its fp16 super-block scale and its integer sub-block scale
+// (exact in float32), its m minus dmin times the sub-block min (exact): so every weight is
+// d * q (exact: at most 23 significant bits) plus m in one rounding, the very float32 the
+// GGUF reference computes. Sums are float32 in a fixed order per output whatever the batch,
 // so a row's result does not depend on its neighbours.
 constexpr int64_t kBlock = 32;
-enum Kind : int64_t { kQ4_1 = 0, kQ8_0 = 1 };
+enum Kind : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4 };
+enum Layout : int64_t { kNibbles = 0, kBytes = 1, kScaledBytes = 2 };
 
-inline int64_t gguf_block_bytes(int64_t kind) { return kind == kQ4_1 ? 20 : 34; }
-inline int64_t packed_block_bytes(int64_t kind) { return kind == kQ4_1 ? 24 : 36; }
+void check_kind(int64_t kind) {
+  TORCH_CHECK(kind >= kQ4_1 && kind <= kQ6_K,
+              "kind must be 0 (Q4_1), 1 (Q8_0), 2 (Q4_K), 3 (Q5_K) or 4 (Q6_K)");
+}
+
+inline Layout layout_of(int64_t kind) {
+  return kind == kQ4_1 || kind == kQ4_K ? kNibbles : kind == kQ8_0 ? kBytes : kScaledBytes;
+}
+
+// A GGUF block of `kind`: its bytes, and the weights it holds.
+inline int64_t gguf_block_bytes(int64_t kind) {
+  constexpr int64_t bytes[] = {20, 34, 144, 176, 210};
+  return bytes[kind];
+}
+inline int64_t gguf_block_weights(int64_t kind) { return kind <= kQ8_0 ? 32 : 256; }
+
+constexpr int64_t layout_bytes(int64_t layout) {
+  return layout == kNibbles ? 24 : layout == kBytes ? 36 : 44;
+}
+inline int64_t packed_block_bytes(int64_t kind) { return layout_bytes(layout_of(kind)); }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -866,53 +898,139 @@ inline float float_at(const uint8_t* p) {
   return v;
 }
 
-// The index (0..15) of weight j of a packed Q4_1 block.
+// The index (0..15) of weight j of a packed Nibbles block.
 inline int q4_1_index(const uint8_t* nibbles, int j) {
   uint16_t word;
   std::memcpy(&word, nibbles + 2 * (j % 8), sizeof word);
   return (word >> (4 * (j / 8))) & 0xF;
 }
 
-torch::Tensor pack_blocks(const torch::Tensor& gguf, int64_t kind) {
-  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "kind must be 0 (Q4_1) or 1 (Q8_0)");
+// 32 weights as the GGUF block gives them: w[j] = d[j / 16] * q[j] + m.
+struct Unit {
+  float d[2];
+  float m;
+  int q[32];
+};
+
+// Q4_K's and Q5_K's 6-bit scale and min of sub-block i (llama.cpp's get_scale_min_k4).
+inline void k_scale_min(const uint8_t* s, int i, int& scale, int& min) {
+  if (i < 4) {
+    scale = s[i] & 63;
+    min = s[i + 4] & 63;
+  } else {
+    scale = (s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4);
+    min = (s[i + 4] >> 4) | ((s[i] >> 6) << 4);
+  }
+}
+
+// One GGUF block of `kind` into its gguf_block_weights / 32 units.
+void decode_block(int64_t kind, const uint8_t* in, Unit* units) {
+  if (kind == kQ4_1 || kind == kQ8_0) {
+    Unit& u = units[0];
+    u.d[0] = u.d[1] = half_at(in);
+    u.m = kind == kQ4_1 ? half_at(in + 2) : 0.f;
+    for (int j = 0; j < 32; ++j)
+      u.q[j] = kind == kQ8_0 ? static_cast<int8_t>(in[2 + j])
+                             : (j < 16 ? in[4 + j] & 0xF : in[4 + j - 16] >> 4);
+    return;
+  }
+  if (kind == kQ6_K) {
+    const uint8_t *ql = in, *qh = in + 128;
+    const auto* scales = reinterpret_cast<const int8_t*>(in + 192);
+    const float d = half_at(in + 208);
+    for (int w = 0; w < 256; ++w) {
+      const int h = w / 128, l = w % 128;
+      const int low = l < 64 ? ql[64 * h + l] & 0xF : ql[64 * h + l - 64] >> 4;
+      const int high = (qh[32 * h + l % 32] >> (2 * (l / 32))) & 3;
+      units[w / 32].q[w % 32] = (low | (high << 4)) - 32;
+    }
+    for (int i = 0; i < 8; ++i) {
+      units[i].d[0] = d * scales[2 * i];
+      units[i].d[1] = d * scales[2 * i + 1];
+      units[i].m = 0.f;
+    }
+    return;
+  }
+  // Q4_K, Q5_K: sub-block i holds the low (even i) or high (odd i) nibbles of 32 bytes.
+  const float d = half_at(in), dmin = half_at(in + 2);
+  const uint8_t* scales = in + 4;
+  const uint8_t* qh = in + 16;  // Q5_K: bit i of byte j is weight j of sub-block i's fifth
+  const uint8_t* qs = in + (kind == kQ5_K ? 48 : 16);
+  for (int i = 0; i < 8; ++i) {
+    int scale, min;
+    k_scale_min(scales, i, scale, min);
+    Unit& u = units[i];
+    u.d[0] = u.d[1] = d * scale;
+    u.m = -(dmin * min);
+    for (int j = 0; j < 32; ++j) {
+      u.q[j] = (qs[32 * (i / 2) + j] >> (4 * (i % 2))) & 0xF;
+      if (kind == kQ5_K) u.q[j] |= ((qh[j] >> i) & 1) << 4;
+    }
+  }
+}
+
+// One unit into its packed layout (see above).
+void pack_unit(Layout layout, const Unit& u, uint8_t* out) {
+  if (layout == kNibbles) {
+    std::memcpy(out, &u.d[0], 4);
+    std::memcpy(out + 4, &u.m, 4);
+    uint16_t words[8] = {0};
+    for (int j = 0; j < 32; ++j) words[j % 8] |= static_cast<uint16_t>(u.q[j] << (4 * (j / 8)));
+    std::memcpy(out + 8, words, 16);
+    return;
+  }
+  std::memcpy(out, &u.d[0], 4);
+  int8_t* q = reinterpret_cast<int8_t*>(out + (layout == kBytes ? 4 : 12));
+  if (layout == kScaledBytes) {
+    std::memcpy(out + 4, &u.d[1], 4);
+    std::memcpy(out + 8, &u.m, 4);
+  }
+  for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(u.q[j]);
+}
+
+// GGUF blocks of `kind` in the layout quantized_linear reads for `as_kind` (-1: kind's own).
+// ScaledBytes (Q5_K's and Q6_K's) takes every kind's weights exactly, so the parts of a
+// fused weight whose kinds differ (Q4_K_M's Q4_K q, k beside its Q6_K v) can share it.
+torch::Tensor pack_blocks(const torch::Tensor& gguf, int64_t kind, int64_t as_kind) {
+  check_kind(kind);
+  if (as_kind < 0) as_kind = kind;
+  check_kind(as_kind);
+  const Layout layout = layout_of(as_kind);
+  TORCH_CHECK(layout == layout_of(kind) || layout == kScaledBytes, "blocks of kind ", kind,
+              " cannot be packed as kind ", as_kind, ": only kinds 3 and 4 take every kind");
   TORCH_CHECK(gguf.scalar_type() == torch::kUInt8 && gguf.is_contiguous() && gguf.dim() == 2 &&
                   gguf.size(1) % gguf_block_bytes(kind) == 0,
-              "blocks must be contiguous uint8 [out, in / 32 * block bytes]");
+              "blocks must be contiguous uint8 [out, in / block weights * block bytes]");
   const int64_t rows = gguf.size(0), nb = gguf.size(1) / gguf_block_bytes(kind);
-  auto packed = torch::empty({rows, nb * packed_block_bytes(kind)}, gguf.options());
+  const int64_t units = gguf_block_weights(kind) / kBlock;  // 32-weight units per block
+  auto packed = torch::empty({rows, nb * units * layout_bytes(layout)}, gguf.options());
   const uint8_t* src = gguf.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
-  for (int64_t i = 0; i < rows * nb; ++i) {
-    const uint8_t* in = src + i * gguf_block_bytes(kind);
-    uint8_t* out = dst + i * packed_block_bytes(kind);
-    const float d = half_at(in);
-    std::memcpy(out, &d, 4);
-    if (kind == kQ8_0) {
-      std::memcpy(out + 4, in + 2, 32);
-      continue;
+  at::parallel_for(0, rows * nb, 256, [&](int64_t begin, int64_t end) {
+    Unit unit[8];
+    for (int64_t i = begin; i < end; ++i) {
+      decode_block(kind, src + i * gguf_block_bytes(kind), unit);
+      for (int64_t u = 0; u < units; ++u)
+        pack_unit(layout, unit[u], dst + (i * units + u) * layout_bytes(layout));
     }
-    const float m = half_at(in + 2);
-    std::memcpy(out + 4, &m, 4);
-    uint16_t words[8] = {0};
-    for (int j = 0; j < 32; ++j) {
-      const int q = j < 16 ? (in[4 + j] & 0xF) : (in[4 + j - 16] >> 4);
-      words[j % 8] |= static_cast<uint16_t>(q << (4 * (j / 8)));
-    }
-    std::memcpy(out + 8, words, 16);
-  }
+  });
   return packed;
 }
 
 // Where a linear's weights come from, as one "weight row" policy per layout, so the packed
 // GGUF blocks and a dense bfloat16 or float32 weight share one set of dot products and one
 // driver: a row's sum is the same code, in the same order, whichever layout feeds it.
-//   Quant<KIND>: a pack_blocks row (packed_block_bytes per block of 32 weights)
+//   Quant<LAYOUT>: a pack_blocks row (layout_bytes per block of 32 weights)
 //   Dense<T>:    a dense row of T (32 weights a block)
-template <int64_t KIND> struct Quant {
-  static constexpr int64_t block_bytes = KIND == kQ4_1 ? 24 : 36;
+template <int64_t LAYOUT> struct Quant {
+  static constexpr int64_t block_bytes = layout_bytes(LAYOUT);
   static inline float weight(const uint8_t* blk, int j) {
-    return KIND == kQ4_1 ? float_at(blk) * q4_1_index(blk + 8, j) + float_at(blk + 4)
-                         : float_at(blk) * static_cast<int8_t>(blk[4 + j]);
+    if constexpr (LAYOUT == kNibbles)
+      return float_at(blk) * q4_1_index(blk + 8, j) + float_at(blk + 4);
+    else if constexpr (LAYOUT == kBytes)
+      return float_at(blk) * static_cast<int8_t>(blk[4 + j]);
+    else
+      return float_at(blk + 4 * (j / 16)) * static_cast<int8_t>(blk[12 + j]) + float_at(blk + 8);
   }
 };
 
@@ -954,26 +1072,34 @@ inline __m512i q4_1_nibbles(const uint8_t* blk) {
 }
 
 // A block's 32 weights as float32, low and high 16 (exact: see the layouts above).
-template <int64_t KIND>
+template <int64_t LAYOUT>
 inline void block_f32(const uint8_t* blk, __m512& lo, __m512& hi) {
   const __m512 d = _mm512_set1_ps(float_at(blk));
-  if constexpr (KIND == kQ4_1) {
+  if constexpr (LAYOUT == kNibbles) {
     const __m512 m = _mm512_set1_ps(float_at(blk + 4));
     const __m512i q = _mm512_and_si512(q4_1_nibbles(blk), _mm512_set1_epi16(0xF));
     // d * q exact, then one rounding for + m: the reference's d * q + m.
     lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q))), m);
     hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1))), m);
-  } else {
+  } else if constexpr (LAYOUT == kBytes) {
     lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)))));
     hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 20)))));
+  } else {
+    // d * q exact, then one rounding for + m, as for Q4_1.
+    const __m512 m = _mm512_set1_ps(float_at(blk + 8));
+    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 12)))), m);
+    hi = _mm512_fmadd_ps(_mm512_set1_ps(float_at(blk + 4)),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 28)))), m);
   }
 }
 
 template <typename W> struct BlockF32;
-template <int64_t KIND> struct BlockF32<Quant<KIND>> {
-  static inline void load(const uint8_t* blk, __m512& lo, __m512& hi) { block_f32<KIND>(blk, lo, hi); }
+template <int64_t LAYOUT> struct BlockF32<Quant<LAYOUT>> {
+  static inline void load(const uint8_t* blk, __m512& lo, __m512& hi) { block_f32<LAYOUT>(blk, lo, hi); }
 };
 template <typename T> struct BlockF32<Dense<T>> {
   static inline void load(const uint8_t* blk, __m512& lo, __m512& hi) {
@@ -1038,7 +1164,7 @@ inline float sum8x2(__m256 lo, __m256 hi) {
 // A block's 32 weights as float32, eight at a time (w[v] = weights 8v .. 8v + 7), the values
 // block_f32 gives.
 template <typename W> struct BlockF32x8;
-template <> struct BlockF32x8<Quant<kQ4_1>> {
+template <> struct BlockF32x8<Quant<kNibbles>> {
   static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
     const __m256 d = _mm256_set1_ps(float_at(blk)), m = _mm256_set1_ps(float_at(blk + 4));
     // The eight 16-bit words: weight 8v + i is nibble v of word i (the packed lane order).
@@ -1051,12 +1177,21 @@ template <> struct BlockF32x8<Quant<kQ4_1>> {
     w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(words, 12)), m);
   }
 };
-template <> struct BlockF32x8<Quant<kQ8_0>> {
+template <> struct BlockF32x8<Quant<kBytes>> {
   static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
     const __m256 d = _mm256_set1_ps(float_at(blk));
     for (int v = 0; v < 4; ++v)
       w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4 + 8 * v)))));
+  }
+};
+template <> struct BlockF32x8<Quant<kScaledBytes>> {
+  static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
+    const __m256 m = _mm256_set1_ps(float_at(blk + 8));
+    for (int v = 0; v < 4; ++v)
+      w[v] = _mm256_fmadd_ps(_mm256_set1_ps(float_at(blk + 4 * (v / 2))),
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                 reinterpret_cast<const __m128i*>(blk + 12 + 8 * v)))), m);
   }
 };
 template <> struct BlockF32x8<Dense<float>> {
@@ -1130,16 +1265,18 @@ inline __m512i q4_1_weights_bf16(const uint8_t* blk) {
   return _mm512_permutexvar_epi16(q4_1_nibbles(blk), table);
 }
 
-inline __m512i q8_0_weights_bf16(const uint8_t* blk) {
+template <int64_t LAYOUT>
+inline __m512i bytes_weights_bf16(const uint8_t* blk) {
   __m512 lo, hi;
-  block_f32<kQ8_0>(blk, lo, hi);
+  block_f32<LAYOUT>(blk, lo, hi);
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
 template <typename W> struct BlockBf16;
-template <int64_t KIND> struct BlockBf16<Quant<KIND>> {
+template <int64_t LAYOUT> struct BlockBf16<Quant<LAYOUT>> {
   static inline __m512i load(const uint8_t* blk) {
-    return KIND == kQ4_1 ? q4_1_weights_bf16(blk) : q8_0_weights_bf16(blk);
+    if constexpr (LAYOUT == kNibbles) return q4_1_weights_bf16(blk);
+    else return bytes_weights_bf16<LAYOUT>(blk);
   }
 };
 template <> struct BlockBf16<Dense<uint16_t>> {
@@ -1320,7 +1457,7 @@ void check_linear_input(const torch::Tensor& x) {
 
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t kind) {
   check_linear_input(x);
-  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "kind must be 0 (Q4_1) or 1 (Q8_0)");
+  check_kind(kind);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                   packed.dim() == 2 &&
                   packed.size(1) == x.size(1) / kBlock * packed_block_bytes(kind),
@@ -1329,10 +1466,11 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
-    if (kind == kQ4_1) {
-      linear_rows<T, Quant<kQ4_1>>(x, wp, packed.size(1), packed.size(0), out);
-    } else {
-      linear_rows<T, Quant<kQ8_0>>(x, wp, packed.size(1), packed.size(0), out);
+    switch (layout_of(kind)) {
+      case kNibbles: return linear_rows<T, Quant<kNibbles>>(x, wp, packed.size(1), packed.size(0), out);
+      case kBytes: return linear_rows<T, Quant<kBytes>>(x, wp, packed.size(1), packed.size(0), out);
+      case kScaledBytes:
+        return linear_rows<T, Quant<kScaledBytes>>(x, wp, packed.size(1), packed.size(0), out);
     }
   });
   return out;
@@ -1371,8 +1509,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "Half-split rotary embedding of q and k into one [T, H + KVH, D]");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2 * width] tensor");
   m.def("pack_blocks", &pack_blocks,
-        "GGUF Q4_1 (kind 0) or Q8_0 (kind 1) weight rows into quantized_linear's layout");
-  m.def("quantized_linear", &quantized_linear, "x @ W^T with W from pack_blocks");
+        "GGUF Q4_1 (kind 0), Q8_0 (1), Q4_K (2), Q5_K (3) or Q6_K (4) weight rows into "
+        "quantized_linear's layout for that kind, or for as_kind (3 or 4 take any kind)",
+        py::arg("blocks"), py::arg("kind"), py::arg("as_kind") = -1);
+  m.def("quantized_linear", &quantized_linear,
+        "x @ W^T with W from pack_blocks (the same kind)");
   m.attr("bf16_quantized") = kHasBf16Dot;
   // The vector path this build runs (tests check they load the build they mean to).
 #if defined(__AVX512F__)

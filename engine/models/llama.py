@@ -99,8 +99,8 @@ class LlamaModel:
         return [w for w in dense if w is not None] + experts + [self.lm_head]
 
     def _attach_quantized(self, quantized: dict[str, QuantizedWeight]) -> None:
-        """Hand the ops the block-quantized rows behind each fused weight, where every part
-        of it has them in one format."""
+        """Hand the ops the block-quantized rows behind each fused weight, part by part,
+        where every part has them (the parts' kinds may differ: Q4_K_M's q/k/v)."""
         parts = {
             "qkv_weight": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
             "o_weight": ["self_attn.o_proj"],
@@ -115,10 +115,9 @@ class LlamaModel:
         self._attach(self.lm_head, [quantized.get(head)])
 
     def _attach(self, weight: torch.Tensor, found: list[QuantizedWeight | None]) -> None:
-        if any(q is None for q in found) or len({q.kind for q in found}) != 1:
+        if any(q is None for q in found):
             return
-        blocks = torch.cat([q.blocks for q in found])
-        self.ops.attach_quantized(weight, QuantizedWeight(found[0].kind, blocks))
+        self.ops.attach_quantized(weight, found)
 
     def _layer(self, w, i: int) -> DecoderLayer:
         p = f"model.layers.{i}."

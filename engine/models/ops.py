@@ -17,6 +17,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from engine.models.weights import BLOCK_KINDS
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalised in float32 whatever the dtype, then rounded to the model's dtype and scaled
@@ -76,9 +78,9 @@ class TorchOps:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-    def attach_quantized(self, weight: torch.Tensor, quantized) -> None:
-        """Offer the checkpoint's block-quantized rows behind `weight`; plain torch has no
-        use for them."""
+    def attach_quantized(self, weight: torch.Tensor, parts: list) -> None:
+        """Offer the checkpoint's block-quantized rows behind `weight` (a QuantizedWeight
+        per fused part, in order); plain torch has no use for them."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -107,6 +109,10 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+
+# The block kind whose packed layout takes every kind's weights exactly (Q6_K's: two
+# float32 scales and a min per 32 int8), for a fused weight whose parts differ in kind.
+ANY_KIND_LAYOUT = BLOCK_KINDS["Q6_K"]
 
 # Rows up to which a block-quantized weight is multiplied in place. Past it, the blocks'
 # unpacking stops paying against oneDNN's bf16 matmul (AMX) over the dense copy
@@ -169,9 +175,11 @@ class CpuKernelOps(TorchOps):
                 f"multiple of 32; this model has a {str(weight.dtype).removeprefix('torch.')} "
                 f"weight of shape {tuple(weight.shape)}")
 
-    def attach_quantized(self, weight: torch.Tensor, quantized) -> None:
-        """Multiply small batches by the checkpoint's blocks (6 or 9 bits a weight once
-        repacked, not 16): a decode step is bound by reading the weights. In bfloat16 the
+    def attach_quantized(self, weight: torch.Tensor, parts: list) -> None:
+        """Multiply small batches by the checkpoint's blocks (6 to 11 bits a weight once
+        repacked, not 16 or 32): a decode step is bound by reading the weights. Parts of
+        different kinds (a Q4_K_M file's Q6_K attn_v beside its Q4_K q and k) are packed
+        into the one layout every kind fits, Q6_K's (11 bits a weight). In bfloat16 the
         kernel rounds each weight to exactly the bfloat16 value `weight` holds, so results
         differ from the dense path only in summation order; float32 weights are exact
         either way."""
@@ -181,8 +189,10 @@ class CpuKernelOps(TorchOps):
         if weight.dtype == torch.bfloat16 and not self._k.bf16_quantized and not widened:
             return  # no AVX512-BF16: stay on the dense oneDNN path
         if weight.dtype in (torch.float32, torch.bfloat16):
-            packed = self._k.pack_blocks(quantized.blocks, quantized.kind)
-            self._quantized[id(weight)] = type(quantized)(quantized.kind, packed)
+            kinds = {q.kind for q in parts}
+            kind = kinds.pop() if len(kinds) == 1 else ANY_KIND_LAYOUT
+            packed = torch.cat([self._k.pack_blocks(q.blocks, q.kind, kind) for q in parts])
+            self._quantized[id(weight)] = type(parts[0])(kind, packed)
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

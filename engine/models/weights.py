@@ -131,15 +131,17 @@ def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
 
 
 # GGUF block formats the CPU kernels multiply in place (engine/csrc/cpu_kernels.cpp),
-# by the kernel's number for them.
-BLOCK_KINDS = {"Q4_1": 0, "Q8_0": 1}
+# by the kernel's number for them: Q4_1 and Q8_0 (32-weight blocks), and the k-quants of
+# most GGUF files on the Hub (256-weight blocks: Q4_K_M files hold Q4_K and Q6_K, Q5_K_M
+# files Q5_K and Q6_K).
+BLOCK_KINDS = {"Q4_1": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
 
 
 class QuantizedWeight(msgspec.Struct, frozen=True):
-    """A linear weight as the checkpoint stores it: rows of 32-weight blocks."""
+    """A linear weight as the checkpoint stores it: rows of GGUF blocks of one kind."""
 
     kind: int  # BLOCK_KINDS value
-    blocks: torch.Tensor  # uint8 [out, in / 32 * block bytes]
+    blocks: torch.Tensor  # uint8 [out, in / block weights * block bytes]
 
 
 def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, QuantizedWeight]:
