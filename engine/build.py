@@ -160,6 +160,11 @@ def build_engine(config: EngineConfig) -> EngineCore:
     if pooling is None and model_config.architecture in ("bert", "roberta"):
         raise StartupError(f"{config.model} is an encoder ({model_config.architecture}): it "
                            "serves embeddings only; start it with --runner pooling")
+    if (model_config.architecture in ("bert", "roberta")
+            and max_model_len > model_config.max_position_embeddings):
+        # Learned positions end there: a longer prompt has no position to look up.
+        raise StartupError(f"--max-model-len {max_model_len} is longer than this encoder's "
+                           f"{model_config.max_position_embeddings} positions")
     max_batched = config.max_num_batched_tokens
     if pooling is not None:
         # A pooling request is prefilled whole in one step (engine.scheduler), as vLLM

@@ -21,7 +21,7 @@ class EmbedRequest(msgspec.Struct):
     encoding_format: str = "base64"  # what the openai client sends: the cheaper encoding
 
 
-class _Usage(msgspec.Struct):
+class _Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int = 0
 
 

@@ -64,6 +64,8 @@ def test_an_encoder_cannot_generate(tmp_path):
     build_bert(str(tmp_path))
     with pytest.raises(StartupError, match="--runner pooling"):
         _core(str(tmp_path), runner="generate")
+    with pytest.raises(StartupError, match="longer than this encoder's 64 positions"):
+        _core(str(tmp_path), max_model_len=65)
 
 
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
