@@ -1,4 +1,4 @@
-"""Settings of each process, as Structs the CLI fills in (see `shared.cli`)."""
+"""Settings of each process, as Structs the CLI fills in (see each tier's `cli.py`)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ class Proc:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         # A new session so stop() can take down the whole group (serve has children).
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", *args],
+            [sys.executable, "-m", "sluice", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared import cli, startup_checks
+from shared import startup_checks
+from sluice import cli
 from tests.unit.cli_builders import serve_argvs as _serve_argvs
 
 
