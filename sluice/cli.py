@@ -243,7 +243,7 @@ def _serve(args) -> int:
 
     def start(argv: list[str], share=(None, None)) -> subprocess.Popen:
         env, cpus = share
-        return subprocess.Popen([sys.executable, "-m", "shared.cli", *argv],
+        return subprocess.Popen([sys.executable, "-m", "sluice", *argv],
                                 env=None if env is None else {**os.environ, **env},
                                 **_child_of_serve(cpus))
 
