@@ -73,7 +73,7 @@ async def changed_answers(url: str, clients: int, requests: int) -> tuple[int, i
 
 def bench(url: str, concurrency: int) -> float:
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "bench", "--base-url", f"{url}/v1",
+        [sys.executable, "-m", "sluice", "bench", "--base-url", f"{url}/v1",
          "--concurrency", str(concurrency), "--num-requests", str(max(8, 4 * concurrency)),
          "--max-tokens", "128", "--json"],
         capture_output=True, text=True, check=True)

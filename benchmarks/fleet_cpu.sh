@@ -15,7 +15,7 @@ run() {  # run <label> <extra serve flags...>
   trap "kill $server 2>/dev/null; wait $server 2>/dev/null" EXIT
   for _ in $(seq 1 180); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
   local frontend
-  frontend=$(pgrep -P "$server" -f "shared.cli frontend")
+  frontend=$(pgrep -P "$server" -f "sluice frontend")
   echo "== $label (frontend pid $frontend)"
   "$bin/sluice" bench --base-url "http://127.0.0.1:$port/v1" --concurrency "$concurrency" \
     --num-requests $((2 * concurrency)) --max-tokens 128 --ignore-eos --cpu-pid "$frontend"

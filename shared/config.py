@@ -1,4 +1,4 @@
-"""Settings of each process, as Structs the CLI fills in (see `shared.cli`)."""
+"""Settings of each process, as Structs the CLI fills in (see each tier's `cli.py`)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     reasoning_field: str = "reasoning_content"  # vLLM now says "reasoning"
     # /v1/responses with store: how many the embedded state store keeps (LRU); 0: none.
     max_stored_responses: int = 1000
-    # The state store (frontend.state_store): its URL (None: sqlite in the state dir), how
+    # The state store (frontend.state.store): its URL (None: sqlite in the state dir), how
     # long stored responses live (0: no expiry), and the largest one stored object.
     state_store: str | None = None
     responses_ttl_s: float = 30 * 24 * 3600.0

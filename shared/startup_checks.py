@@ -3,13 +3,15 @@ anything loads, with one line naming the flag and what to do instead (never a tr
 
 `sluice serve` runs the pass for every process it will start, before it starts any, so a
 mistake costs a second rather than a model load; `engine`, `frontend` and `postproc` run
-the part that is theirs. Checks that need the model loaded (the KV cache fitting one
-sequence, say) stay in the engine and fail there the same way, as a `StartupError`.
+the part that is theirs. Here: the error and the checks of more than one tier (or none);
+the engine's own are in `engine/cli.py`, the frontend's flags in `frontend/http/cli.py`,
+and each command's pass is its `Command.check` (`sluice.cli.check_startup`). Checks that
+need the model loaded (the KV cache fitting one sequence, say) stay in the engine and fail
+there the same way, as a `StartupError`.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 
 
@@ -19,21 +21,6 @@ class StartupError(SystemExit):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"sluice: {message}")
-
-
-def check_startup(args) -> None:
-    """Every check the command's processes need, in the order a user would fix them."""
-    command = args.command
-    if command in ("serve", "engine", "frontend", "postproc"):
-        check_model(args)
-    if command in ("serve", "engine"):
-        check_cpu_isa()
-        check_device(args.device)
-        check_batch_invariant(args)
-    if command in ("serve", "frontend"):
-        check_frontend_flags(args)
-        check_generation_config(args)
-        check_listen_address(args)
 
 
 def check_model(args) -> None:
@@ -47,94 +34,6 @@ def check_model(args) -> None:
             resolve_model_path(value, args.revision, args.download_dir)
         except ValueError as exc:
             raise StartupError(f"{flag} {value}: {exc}") from None
-
-
-def check_device(name: str) -> None:
-    """--device names a device torch has here. Ahead of the model load: a CUDA device that is
-    not there used to end, 20 s later, in torch's AssertionError."""
-    if name in ("auto", "cpu"):
-        return  # torch is not even imported for these
-    import torch
-
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise StartupError(f"--device {name}: not a device; use auto, cpu, cuda or "
-                           "cuda:N") from None
-    if device.type == "cpu":
-        return
-    if device.type != "cuda":
-        raise StartupError(f"--device {name}: sluice runs on cpu or cuda; use auto, cpu, "
-                           "cuda or cuda:N")
-    if not torch.cuda.is_available():
-        why = ("this torch is built without CUDA" if torch.version.cuda is None
-               else "no GPU is visible to it")
-        raise StartupError(f"--device {name}: torch sees no CUDA device ({why}); use "
-                           "--device cpu, or auto to take CUDA only where there is one")
-    count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
-        raise StartupError(f"--device {name}: torch sees {count} CUDA device(s), "
-                           f"cuda:0 to cuda:{count - 1}")
-
-
-def check_cpu_isa() -> None:
-    """SLUICE_CPU_ISA names a target the kernels can be built for (engine.cpu_kernels); a
-    misspelt one would otherwise end the engine in a ValueError traceback at its load."""
-    from engine.cpu_kernels import target_isa
-
-    try:
-        target_isa()
-    except ValueError as exc:
-        raise StartupError(f"{exc}; unset it for this CPU's own") from None
-
-
-def check_batch_invariant(args) -> None:
-    """--batch-invariant on a CPU needs the compiled kernels, which SLUICE_CPU_KERNELS=0
-    switches off (a failed build is only known once the engine tries it, and it says so)."""
-    if not args.batch_invariant or args.device.startswith("cuda"):
-        return
-    from engine.cpu_kernels import enabled
-
-    if not enabled() and (args.device == "cpu" or not _sees_cuda()):
-        raise StartupError("--batch-invariant needs the engine's CPU kernels, which "
-                           f"SLUICE_CPU_KERNELS={os.environ['SLUICE_CPU_KERNELS']} switches "
-                           "off; unset it, or drop --batch-invariant")
-
-
-def _sees_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def check_frontend_flags(args) -> None:
-    """Frontend flags no request could be served with."""
-    from frontend.input.rendering import RESERVED_TEMPLATE_KWARGS, load_chat_template
-
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(args.default_chat_template_kwargs
-                                                            or {}))
-    if reserved:
-        raise StartupError(f"--default-chat-template-kwargs may not set "
-                           f"{', '.join(reserved)}: the server passes those itself")
-    try:
-        load_chat_template(args.chat_template)
-    except FileNotFoundError:
-        raise StartupError(f"--chat-template {args.chat_template}: no such file, and no Jinja "
-                           "text either; give a template file or the template itself") from None
-    except OSError as exc:
-        raise StartupError(f"--chat-template {args.chat_template}: {exc.strerror}") from None
-    media = args.allowed_local_media_path
-    if media is not None and not os.path.isdir(media):
-        raise StartupError(f"--allowed-local-media-path {media}: no such folder")
-    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
-        raise StartupError("TLS needs both --ssl-keyfile and --ssl-certfile")
-    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
-                       ("--ssl-ca-certs", args.ssl_ca_certs)):
-        if path is not None and not os.path.isfile(path):
-            raise StartupError(f"{flag} {path}: no such file")
-    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
-        raise StartupError(f"--root-path {args.root_path!r} must start with / and not end "
-                           "with one, e.g. /llm")
 
 
 def check_generation_config(args) -> None:

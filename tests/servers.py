@@ -25,7 +25,7 @@ class Proc:
         env["SLUICE_STATE_DIR"] = os.path.splitext(log_path)[0] + "-state"
         # A new session so stop() can take down the whole group (serve has children).
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", *args],
+            [sys.executable, "-m", "sluice", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
 

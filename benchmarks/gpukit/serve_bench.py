@@ -47,7 +47,7 @@ def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> float:
 
 def bench(base_url: str, concurrency: int) -> dict:
     requests = max(16, 2 * concurrency)
-    argv = [sys.executable, "-m", "shared.cli", "bench", "--base-url", base_url,
+    argv = [sys.executable, "-m", "sluice", "bench", "--base-url", base_url,
             "--concurrency", str(concurrency), "--num-requests", str(requests),
             "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json"]
     done = subprocess.run(argv, capture_output=True, text=True)
@@ -70,7 +70,7 @@ def main() -> int:
     largest = max(args.concurrency)
     with args.server_log.open("w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "serve", "--model", args.model,
+            [sys.executable, "-m", "sluice", "serve", "--model", args.model,
              "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
              "--dtype", "bfloat16", "--max-num-seqs", str(largest),
              "--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.5"],

@@ -237,7 +237,8 @@ def test_dns_form_follows_an_injected_resolver(two, tmp_path):
         return list(answers[host])
 
     async def scenario() -> None:
-        from shared.cli import _model_names, parse_args
+        from sluice.cli import model_names as _model_names
+        from sluice.cli import parse_args
 
         model = _model_names(parse_args(["frontend"]))[0]
         client = EngineClient(f"dns+tcp://engines.test:{port}",

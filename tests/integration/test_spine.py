@@ -202,7 +202,7 @@ def test_sluice_bench_against_the_stack(base_url):
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "bench", "--base-url", f"{base_url}/v1",
+        [sys.executable, "-m", "sluice", "bench", "--base-url", f"{base_url}/v1",
          "--concurrency", "2", "--num-requests", "4", "--max-tokens", "8", "--ignore-eos",
          "--warmup", "0", "--json"],
         capture_output=True, text=True, timeout=300, check=True,

@@ -1,6 +1,6 @@
 """What `sluice serve` would start, without starting it: for tests of flag forwarding."""
 
-from shared import cli
+from sluice import cli
 
 
 def serve_argvs(monkeypatch, argv: list[str]) -> tuple[list[str], list[str]]:
@@ -10,4 +10,4 @@ def serve_argvs(monkeypatch, argv: list[str]) -> tuple[list[str], list[str]]:
     monkeypatch.setattr(cli, "_supervise", lambda *a, **k: 0)
     monkeypatch.setattr(cli, "prepare_prometheus_dir", lambda: None)
     cli._serve(cli.parse_args(["serve", *argv]))
-    return started[0][3:], started[1][3:]  # after `python -m shared.cli`
+    return started[0][3:], started[1][3:]  # after `python -m sluice`

@@ -15,8 +15,8 @@ from engine.models.config import load_model_config
 from engine.models.llama import LlamaModel
 from engine.models.ops import CpuKernelOps, make_ops, tiled_linear
 from engine.models.weights import load_quantized_weights
-from shared.cli import engine_config, parse_args
 from shared.model_source import default_model_path
+from sluice.cli import engine_config, parse_args
 from tests.unit.cli_builders import serve_argvs
 from tests.unit.engine_builders import CONFIG, random_weights
 

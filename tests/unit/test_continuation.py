@@ -138,7 +138,7 @@ def test_replayed_frames_leave_the_text_where_the_client_has_it(tokenizer, stop)
 
 
 def test_migration_flags_take_their_range_and_reach_the_configs(capsys, monkeypatch):
-    from shared import cli
+    from sluice import cli
 
     monkeypatch.delenv("SLUICE_API_KEY", raising=False)
     for argv in (["frontend", "--migration-limit", "-1"], ["frontend", "--migration-limit", "1.5"],

@@ -6,7 +6,7 @@
   strategic-merge patches, images: the only features the kustomizations may use); where a
   kustomize or kubectl binary exists, the Python rendering must equal the real one.
 - Every container's args, every compose service's command and each image's default command
-  parse with `shared.cli.build_parser()`: a valid `sluice` subcommand and only flags it
+  parse with `sluice.cli.build_parser()`: a valid `sluice` subcommand and only flags it
   accepts. So renaming or dropping a flag breaks this test, not a deployment.
 - The wiring the tiers rely on: frontends advertise a result address of their own that the
   engine and postproc workers can reach (pod IP in Kubernetes, service name in compose),
@@ -34,7 +34,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shared.cli import build_parser
+from sluice.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

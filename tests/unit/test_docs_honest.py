@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
-from shared import cli
 from shared.config import FrontendConfig
+from sluice import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from shared import cli
 from shared.transport import is_dns_address, split_dns_address, tcp_address
+from sluice import cli
 
 
 def test_the_dns_form():

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from shared import cli
 from shared.model_source import hub_cache_dir, is_hub_id, resolve_model_path
+from sluice import cli
 
 
 def make_cached_model(cache, repo_id="tiny-org/tiny-llama", revision="a" * 40,
@@ -92,7 +92,7 @@ def test_cli_served_name_is_the_hub_id_and_serve_forwards_the_flags(no_hf_env, t
                                                                     monkeypatch):
     snapshot = make_cached_model(tmp_path)
     args = cli.parse_args(["engine", "tiny-org/tiny-llama", "--download-dir", str(tmp_path)])
-    assert cli._model_names(args) == (str(snapshot), ["tiny-org/tiny-llama"])
+    assert cli.model_names(args) == (str(snapshot), ["tiny-org/tiny-llama"])
     args = cli.parse_args(["serve", "tiny-org/tiny-llama", "--download_dir", str(tmp_path),
                            "--revision", "main"])
     assert os.fspath(tmp_path) == args.download_dir and args.revision == "main"

@@ -4,7 +4,8 @@ together). An import inside a function is a deliberate late binding and not coun
 model registry's entry points (engine.models.config, .weights) call into the registry that
 imports the families, which import them.
 
-The frontend's wings (frontend/README.md) import only downward, late imports included.
+The frontend's wings (frontend/README.md) import only downward, and `shared/` imports no tier
+(late imports included in both).
 """
 
 from __future__ import annotations
@@ -150,3 +151,30 @@ def test_the_wing_check_finds_an_upward_and_a_sideways_import():
 def test_frontend_imports_run_down_its_wings():
     # A late import inside a function counts here: it ties the layers together all the same.
     assert upward_imports(import_graph("frontend", everywhere=True), FRONTEND_WINGS) == []
+
+
+def tier_imports(folder: Path, tiers: tuple[str, ...]) -> list[str]:
+    """`file -> module` for every import of a tier under `folder`, late ones included."""
+    wrong = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            wrong += [f"{path.relative_to(folder.parent)} -> {name}" for name in names
+                      if name.split(".")[0] in tiers]
+    return wrong
+
+
+def test_shared_imports_no_tier():
+    # The tiers give their commands to the console script (sluice/cli.py) instead.
+    assert tier_imports(ROOT / "shared", ("frontend", "engine", "postproc", "sluice")) == []
+
+
+def test_the_tier_check_finds_a_late_import(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("import os\n\n\ndef f():\n    from engine import x\n")
+    assert tier_imports(tmp_path / "pkg", ("engine",)) == ["pkg/a.py -> engine"]

@@ -178,7 +178,7 @@ def test_request_log_line_shows_truncation(smol_ctx, smol, caplog):
 
 
 def test_frontend_flags_reach_the_config():
-    from shared.cli import build_parser, frontend_config
+    from sluice.cli import build_parser, frontend_config
 
     args = build_parser().parse_args([
         "frontend", "--render-timeout", "2.5", "--chat-template", "{{ x }}",

@@ -242,7 +242,7 @@ def test_lora_off_refuses_adapter_requests(weights):
 
 
 def test_flags_reach_the_engine_and_frontend(monkeypatch):
-    from shared import cli
+    from sluice import cli
     from tests.unit.cli_builders import serve_argvs
 
     spec = json.dumps({"name": "b", "path": "/ad/b", "base_model_name": "m"})
@@ -272,7 +272,7 @@ def test_flags_reach_the_engine_and_frontend(monkeypatch):
     (["--enable-lora", "--max-lora-rank", "x"], "--max-lora-rank"),
 ])
 def test_bad_flags_stop_at_start(argv, message, capsys):
-    from shared import cli
+    from sluice import cli
 
     with pytest.raises(SystemExit):
         cli.parse_args(["serve", *argv])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from shared import cli
+from sluice import cli
 
 
 def _limits(argv: list[str], monkeypatch, env_keys: str | None = None) -> dict:
@@ -14,7 +14,7 @@ def _limits(argv: list[str], monkeypatch, env_keys: str | None = None) -> dict:
         monkeypatch.delenv("SLUICE_API_KEY", raising=False)
     else:
         monkeypatch.setenv("SLUICE_API_KEY", env_keys)
-    return cli._limit_config(cli.build_parser().parse_args(["frontend", *argv]))
+    return cli.limit_config(cli.build_parser().parse_args(["frontend", *argv]))
 
 
 def test_defaults(monkeypatch):
@@ -44,12 +44,12 @@ def test_serve_forwards_every_limit(monkeypatch):
             "--max-queued-requests", "7", "--request-timeout", "9.5",
             "--shutdown-timeout", "3"]
     serve = cli.build_parser().parse_args(["serve", *argv])
-    forwarded = _limits(cli._limit_argv(serve), monkeypatch)
+    forwarded = _limits(cli.limit_argv(serve), monkeypatch)
     assert forwarded == _limits(argv, monkeypatch)
 
 
 def test_cli_imports_no_prometheus_before_the_directory_is_set():
-    code = ("import sys, shared.cli as c; c.build_parser(); "
+    code = ("import sys, sluice.cli as c; c.build_parser(); "
             "assert 'prometheus_client' not in sys.modules, 'imported too early'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

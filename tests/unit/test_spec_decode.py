@@ -21,13 +21,13 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
 from engine.scheduler import Scheduler
 from engine.spec_decode import Drafter, NgramProposer
-from shared import cli
 from shared import histograms as h
 from shared.metrics_export import engine_families, with_vllm_names
 from shared.model_source import default_model_path
 from shared.protocol import Constraint, unpack_ids
 from shared.speculative import SpeculativeConfigError, parse_speculative_config
 from shared.tokenizer import load_tokenizer
+from sluice import cli
 from tests.unit.engine_builders import (
     SMOLLM2_EOS,
     SMOLLM2_VOCAB_CONFIG,

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from shared import cli, startup_checks
+from shared import startup_checks
 from shared.config import OPEN_PATHS
 from shared.startup_checks import StartupError
+from sluice import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _sluice(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-m", "shared.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "sluice", *argv], capture_output=True,
                           text=True, timeout=120, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
@@ -67,9 +68,9 @@ def test_every_check_of_the_frontend_runs_in_the_one_pass(tmp_path):
                        (["--allowed-local-media-path", str(tmp_path / "no")], "no such folder"),
                        (["--generation-config", str(tmp_path / "no")], "not a folder")]:
         with pytest.raises(SystemExit, match=says) as e:
-            startup_checks.check_startup(cli.parse_args(["serve", *argv]))
+            cli.check_startup(cli.parse_args(["serve", *argv]))
         assert str(e.value).startswith("sluice: ")
-    startup_checks.check_startup(cli.parse_args(["serve", "--port", "0", "--device", "cpu"]))
+    cli.check_startup(cli.parse_args(["serve", "--port", "0", "--device", "cpu"]))
 
 
 def _actions():

@@ -21,8 +21,8 @@ from frontend.state.store import (
     default_url,
     open_store,
 )
-from shared import cli
 from shared.transport import free_tcp_port
+from sluice import cli
 from tests.servers import wait_until
 
 

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 
-from shared import cli, startup_checks
+from shared import startup_checks
+from sluice import cli
 from tests.unit.cli_builders import serve_argvs as _serve_argvs
 
 
@@ -349,3 +354,15 @@ def test_bad_frontend_flags_fail_at_start(flags, message, monkeypatch, capsys):
         with pytest.raises(SystemExit) as failure:
             cli.main([command, *flags])
         assert message in str(failure.value) + capsys.readouterr().err
+
+
+def test_serve_starts_its_processes_through_the_console_scripts_module(monkeypatch):
+    started = []
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv, **kwargs: started.append(argv))
+    monkeypatch.setattr(cli, "_supervise", lambda *a, **k: 0)
+    monkeypatch.setattr(cli, "prepare_prometheus_dir", lambda: None)
+    cli._serve(cli.parse_args(["serve", "--postproc-workers", "1"]))
+    assert {tuple(argv[:3]) for argv in started} == {(sys.executable, "-m", "sluice")}
+    # ... a module that runs `main` when run, and not a library module doing nothing.
+    runner = importlib.util.find_spec("sluice.__main__")
+    assert runner is not None and "main()" in Path(runner.origin).read_text()

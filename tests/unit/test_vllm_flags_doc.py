@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shared import cli
+from sluice import cli
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm-flags.md"
 ROW = re.compile(r"^\| `(--[a-z0-9-]+)`(?: \(`(-[a-z]+)`\))? \| ([a-z -]+) \|(.*)\|$")

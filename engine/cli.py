@@ -1,0 +1,349 @@
+"""`sluice engine`: the engine's flags, its start-up checks and its config, beside its code.
+
+`sluice serve` takes the same engine flags (`add_engine_arguments`) and forwards them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import msgspec
+
+from shared.cli import (
+    DEFAULT_ENGINE_ADDRESS,
+    DEFAULT_POSTPROC_ADDRESS,
+    Command,
+    add_model_arguments,
+    add_model_tag,
+    int_at_least,
+    model_names,
+    positive_number,
+    runner_of,
+    seconds,
+    seed_value,
+    share,
+    tokenizer_path,
+)
+from shared.config import EngineConfig
+from shared.protocol import LoraAdapterInfo
+from shared.speculative import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    SpeculativeConfig,
+    SpeculativeConfigError,
+    parse_speculative_config,
+)
+from shared.speculative import FLAG as SPEC_FLAG
+from shared.startup_checks import StartupError, check_model
+
+
+def add_engine_command(engine: argparse.ArgumentParser) -> None:
+    add_model_tag(engine)
+    add_model_arguments(engine)
+    add_engine_arguments(engine)
+    add_lora_engine_arguments(engine)
+    engine.add_argument("--engine-address", default=DEFAULT_ENGINE_ADDRESS,
+                        help="where to bind for frontends (default: %(default)s)")
+    engine.add_argument("--engine-id", default=None,
+                        help="this engine's name in stats, metrics and logs (default: the "
+                             "hostname plus --engine-address)")
+    engine.add_argument("--postproc-address", default=None,
+                        help="where to bind for postproc workers, e.g. "
+                             f"{DEFAULT_POSTPROC_ADDRESS} (default: no fleet; frontends "
+                             "post-process their own requests)")
+    engine.add_argument("--shutdown-timeout", type=seconds, default=30.0,
+                        help="on SIGTERM, seconds the engine runs the requests it holds while "
+                             "frontends send it nothing new; then it exits and frontends move "
+                             "what is left to other engines (default: 30; a second SIGTERM: "
+                             "at once)")
+    engine.add_argument("--metrics-port", type=int_at_least(1), default=None,
+                        help="serve the engine's Prometheus /metrics on this port (its series "
+                             "once per engine, whatever the number of frontends; default: "
+                             "not served)")
+    engine.add_argument("--metrics-host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"),
+                        help="the address --metrics-port binds (default: $SLUICE_HOST, "
+                             "else 127.0.0.1)")
+
+
+def run_engine_command(args) -> int:
+    from engine.server import run_engine
+
+    run_engine(engine_config(args, args.engine_address, args.postproc_address))
+    return 0
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache; auto = bfloat16 on CUDA and on CPUs "
+                        "with native bf16 matmul (AMX, AVX512-BF16), else float32")
+    g.add_argument("--device", default="auto",
+                   help="torch device: auto (cuda when torch sees a GPU, else cpu), cpu, "
+                        "cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--attention-backend", default="auto", type=_attention_backend,
+                   help="auto, torch or flashinfer (vLLM's TORCH_SDPA and FLASHINFER too); "
+                        "auto = flashinfer on CUDA when installed and the dtype is 16-bit, "
+                        "else torch (the engine logs which and why)")
+    g.add_argument("--page-size", "--block-size", type=int_at_least(1), default=16,
+                   help="tokens per KV cache page (--block-size: vLLM's name)")
+    g.add_argument("--kv-cache-memory-gb", type=positive_number, default=1.0,
+                   help="memory for the KV cache on CPU, in GiB (default: %(default)s)")
+    g.add_argument("--kv-cache-memory-bytes", type=int_at_least(1), default=None,
+                   help="the same in bytes (vLLM's name); wins over --kv-cache-memory-gb")
+    g.add_argument("--gpu-memory-utilization", type=share, default=0.9,
+                   help="CUDA: share of the GPU's memory for weights, activations and the KV "
+                        "cache, which gets what the others leave (default: %(default)s)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--batch-invariant", action="store_true",
+                   default=os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1",
+                   help="a request's tokens do not depend on what else shares its steps: "
+                        "greedy and seeded answers repeat exactly under any load, chunking "
+                        "or prefix-cache hit (kernels with one fixed sum order per row; CPU "
+                        "float32/bfloat16; see docs/batch-invariance.md for the cost; "
+                        "default: on when VLLM_BATCH_INVARIANT=1, as vLLM)")
+    g.add_argument("--num-kv-pages", "--num-gpu-blocks-override", type=int_at_least(1),
+                   default=None,
+                   help="exact number of KV pages (overrides --kv-cache-memory-gb; "
+                        "--num-gpu-blocks-override: vLLM's name)")
+    g.add_argument("--max-model-len", type=int_at_least(1), default=None,
+                   help="longest prompt + answer in tokens (default: the model's context)")
+    g.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512,
+                   help="token budget of one step; longer prompts are prefilled in chunks "
+                        "(default: %(default)s)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="queue order: arrival, or the request's priority (lower first), then "
+                        "arrival")
+    g.add_argument("--max-num-seqs", type=int_at_least(1), default=128,
+                   help="most sequences in the running batch (default: %(default)s)")
+    g.add_argument("--long-prefill-token-threshold", type=int_at_least(0), default=None,
+                   help="while other requests want to run, a prompt with more tokens left "
+                        "than this is prefilled at most this many tokens a step, one such "
+                        "prompt at a time (default: a quarter of --max-num-batched-tokens; "
+                        "0: no cap)")
+    g.add_argument("--frontend-timeout", type=seconds, default=10.0,
+                   help="seconds without a heartbeat after which the engine aborts a "
+                        "frontend's requests (default: %(default)s; 0: never)")
+    g.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="torch CPU threads (default: torch's choice, one per core; under "
+                        "serve --data-parallel-size N, each engine's share of the CPUs)")
+    g.add_argument("--seed", type=seed_value, default=None,
+                   help="seed the engine's random generators at start, so requests without "
+                        "a seed of their own repeat from run to run (default: not seeded)")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON; only model-free prompt lookup: '
+                        '{"method": "ngram", "num_speculative_tokens": K, '
+                        '"prompt_lookup_max": N, "prompt_lookup_min": M} (optional: '
+                        f'"disable_by_batch_size", default {DEFAULT_DISABLE_BY_BATCH_SIZE}: '
+                        "no drafts with more sequences than that in the engine). "
+                        "Default: off")
+
+
+# vLLM's attention backend names that mean one of ours.
+_VLLM_ATTENTION_BACKENDS = {"TORCH_SDPA": "torch", "FLASHINFER": "flashinfer"}
+
+
+def _attention_backend(text: str) -> str:
+    name = _VLLM_ATTENTION_BACKENDS.get(text.upper(), text.lower())
+    if name not in ("auto", "torch", "flashinfer"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a backend here: auto, torch (vLLM's TORCH_SDPA) or flashinfer")
+    return name
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
+    except SpeculativeConfigError as exc:
+        # argparse names the flag already.
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{SPEC_FLAG}: ")) from None
+
+
+def resolve_device(name: str) -> str:
+    """`auto`: cuda when torch sees a GPU, else cpu; anything else as given."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kv_cache_memory_gb(args) -> float:
+    if args.kv_cache_memory_bytes is not None:
+        return args.kv_cache_memory_bytes / 2**30
+    return args.kv_cache_memory_gb
+
+
+def engine_config(args, address: str, postproc_address: str | None = None) -> EngineConfig:
+    path, names = model_names(args)
+    return EngineConfig(
+        model=path, tokenizer=tokenizer_path(args, path), served_model_name=names[0],
+        request_address=address, dtype=args.dtype,
+        device=resolve_device(args.device), attention_backend=args.attention_backend,
+        page_size=args.page_size,
+        kv_cache_memory_gb=kv_cache_memory_gb(args), num_pages=args.num_kv_pages,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, threads=args.threads,
+        scheduling_policy=args.scheduling_policy, postproc_address=postproc_address,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        frontend_timeout_s=args.frontend_timeout, seed=args.seed,
+        shutdown_timeout_s=getattr(args, "shutdown_timeout", 30.0),
+        max_logprobs=args.max_logprobs, metrics_port=getattr(args, "metrics_port", None),
+        speculative=args.speculative_config,
+        engine_id=getattr(args, "engine_id", None) or f"{socket.gethostname()}@{address}",
+        metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
+        runner=runner_of(args), pooler_config=getattr(args, "pooler_config", None),
+        **lora_engine_config(args),
+    )
+
+
+# --- LoRA adapters (issue 36): vLLM's flags. The engine's flags load and bound adapters;
+# --allow-runtime-lora-updating (frontend.http.cli) opens the frontend's load/unload routes.
+
+
+def _lora_module(text: str) -> LoraAdapterInfo:
+    """--lora-modules: `name=path`, or vLLM's JSON {"name": .., "path": ..,
+    "base_model_name": ..}."""
+    if text.lstrip().startswith("{"):
+        try:
+            return msgspec.json.decode(text, type=LoraAdapterInfo)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise argparse.ArgumentTypeError(
+                f'expected {{"name": ..., "path": ..., "base_model_name": ...}}: {exc}'
+            ) from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError("expected name=path or a JSON object")
+    return LoraAdapterInfo(name, path)
+
+
+def add_lora_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) on the base model; requests pick "
+                        "one by `model`")
+    g.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module,
+                   default=None, metavar="NAME=PATH",
+                   help="adapters to load at start: name=path, or JSON "
+                        '\'{"name": "a", "path": "/x", "base_model_name": "m"}\' '
+                        "(needs --enable-lora)")
+    g.add_argument("--max-loras", type=int_at_least(1), default=1,
+                   help="distinct adapters in one step; requests for more wait in the queue "
+                        "(default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int_at_least(1), default=16,
+                   help="largest adapter rank taken (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=int_at_least(1), default=None,
+                   help="most adapters loaded at once; a load past it is refused (default: "
+                        "no limit)")
+
+
+def lora_engine_config(args) -> dict:
+    modules = list(getattr(args, "lora_modules", None) or [])
+    return dict(enable_lora=bool(getattr(args, "enable_lora", False)), lora_modules=modules,
+                max_loras=getattr(args, "max_loras", 1),
+                max_lora_rank=getattr(args, "max_lora_rank", 16),
+                max_cpu_loras=getattr(args, "max_cpu_loras", None) or 0)
+
+
+def lora_engine_argv(args) -> list[str]:
+    """The LoRA flags `serve` passes on to its engines."""
+    if not args.enable_lora:
+        return []
+    argv = ["--enable-lora", "--max-loras", str(args.max_loras),
+            "--max-lora-rank", str(args.max_lora_rank)]
+    if args.max_cpu_loras is not None:
+        argv += ["--max-cpu-loras", str(args.max_cpu_loras)]
+    if args.lora_modules:
+        argv += ["--lora-modules",
+                 *(msgspec.json.encode(m).decode() for m in args.lora_modules)]
+    return argv
+
+
+def check_lora_flags(parser: argparse.ArgumentParser, args) -> None:
+    if getattr(args, "lora_modules", None) and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    names = [m.name for m in getattr(args, "lora_modules", None) or []]
+    if len(set(names)) != len(names):
+        parser.error(f"--lora-modules names an adapter twice: {names}")
+
+
+# ---------------------------------------------------------------- start-up checks
+
+
+def check_engine(args) -> None:
+    """The engine's part of the start-up pass (shared.startup_checks), after the model's."""
+    check_cpu_isa()
+    check_device(args.device)
+    check_batch_invariant(args)
+
+
+def check_cpu_isa() -> None:
+    """SLUICE_CPU_ISA names a target the kernels can be built for (engine.cpu_kernels); a
+    misspelt one would otherwise end the engine in a ValueError traceback at its load."""
+    from engine.cpu_kernels import target_isa
+
+    try:
+        target_isa()
+    except ValueError as exc:
+        raise StartupError(f"{exc}; unset it for this CPU's own") from None
+
+
+def check_device(name: str) -> None:
+    """--device names a device torch has here. Ahead of the model load: a CUDA device that is
+    not there used to end, 20 s later, in torch's AssertionError."""
+    if name in ("auto", "cpu"):
+        return  # torch is not even imported for these
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise StartupError(f"--device {name}: not a device; use auto, cpu, cuda or "
+                           "cuda:N") from None
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise StartupError(f"--device {name}: sluice runs on cpu or cuda; use auto, cpu, "
+                           "cuda or cuda:N")
+    if not torch.cuda.is_available():
+        why = ("this torch is built without CUDA" if torch.version.cuda is None
+               else "no GPU is visible to it")
+        raise StartupError(f"--device {name}: torch sees no CUDA device ({why}); use "
+                           "--device cpu, or auto to take CUDA only where there is one")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise StartupError(f"--device {name}: torch sees {count} CUDA device(s), "
+                           f"cuda:0 to cuda:{count - 1}")
+
+
+def check_batch_invariant(args) -> None:
+    """--batch-invariant on a CPU needs the compiled kernels, which SLUICE_CPU_KERNELS=0
+    switches off (a failed build is only known once the engine tries it, and it says so)."""
+    if not args.batch_invariant or args.device.startswith("cuda"):
+        return
+    from engine.cpu_kernels import enabled
+
+    if not enabled() and (args.device == "cpu" or not _sees_cuda()):
+        raise StartupError("--batch-invariant needs the engine's CPU kernels, which "
+                           f"SLUICE_CPU_KERNELS={os.environ['SLUICE_CPU_KERNELS']} switches "
+                           "off; unset it, or drop --batch-invariant")
+
+
+def _sees_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_engine_command(args) -> None:
+    check_model(args)
+    check_engine(args)
+
+
+COMMAND = Command("engine", "run the engine alone", add_engine_command, run_engine_command,
+                  check=check_engine_command, validate=check_lora_flags)

@@ -1,0 +1,437 @@
+"""`sluice frontend`: the frontend's flags, its start-up checks and its config.
+
+`sluice serve` takes the same frontend flags (`add_frontend_arguments`,
+`add_routing_arguments`) and forwards them. Nothing of the frontend is imported until
+`run_frontend_command` runs: the Prometheus directory must be set first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from shared.cli import (
+    DEFAULT_ENGINE_ADDRESS,
+    Command,
+    add_model_arguments,
+    int_at_least,
+    int_in,
+    json_object,
+    model_names,
+    positive_number,
+    runner_of,
+    seconds,
+    tokenizer_path,
+)
+from shared.config import OPEN_PATHS, FrontendConfig, HttpSettings
+from shared.prometheus_dir import prepare_prometheus_dir
+from shared.startup_checks import (
+    StartupError,
+    check_generation_config,
+    check_listen_address,
+    check_model,
+)
+from shared.transport import free_tcp_port
+
+
+def add_frontend_command(frontend: argparse.ArgumentParser) -> None:
+    add_model_arguments(frontend)
+    add_frontend_arguments(frontend)
+    add_lora_frontend_arguments(frontend)
+    frontend.add_argument("--engine-address", action="append", default=None,
+                          help="an engine to use; repeat for several, or give "
+                               "dns+tcp://NAME:PORT for every address NAME resolves to "
+                               "(re-resolved, so engines may join and leave; a Kubernetes "
+                               f"headless Service) (default: {DEFAULT_ENGINE_ADDRESS})")
+    add_routing_arguments(frontend)
+    frontend.add_argument("--export-engine-metrics", action="store_true",
+                          help="also export the engine's series (from its heartbeat) on this "
+                               "frontend's /metrics: right for one frontend per engine (serve "
+                               "sets it); with several, scrape the engine's --metrics-port, "
+                               "or sums count the engine once per frontend")
+    frontend.add_argument("--result-address", default=None,
+                          help="where this frontend receives outputs; must be reachable from "
+                               "the engine (default: ipc next to an ipc engine, otherwise "
+                               "tcp://127.0.0.1 on a free port)")
+
+
+def run_frontend_command(args) -> int:
+    prepare_prometheus_dir()  # before frontend.* imports prometheus_client
+    from frontend.http.server import run_frontend
+
+    run_frontend(frontend_config(args, args.engine_address, args.result_address))
+    return 0
+
+
+def _mm_limit(value: str) -> int:
+    """--limit-mm-per-prompt: vLLM's JSON ({"image": N}); only images are taken here."""
+    try:
+        limits = json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected JSON such as '{\"image\": 4}'") from None
+    if not isinstance(limits, dict) or set(limits) - {"image"}:
+        raise argparse.ArgumentTypeError("only an 'image' limit is supported")
+    n = limits.get("image", 8)
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64:
+        raise argparse.ArgumentTypeError("the image limit must be an integer in [0, 64]")
+    return n
+
+
+def _role(text: str) -> str:
+    """--response-role: a role name; empty or blank would give messages no role at all."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the role may not be empty")
+    return text
+
+
+def _state_store_url(text: str) -> str:
+    """An argparse type: a --state-store URL of a kind frontend.state.store opens."""
+    if text == "memory://" or (text.startswith("sqlite:///") and len(text) > 10) or \
+            text.startswith(("redis://", "rediss://", "unix://")):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected sqlite:///PATH, redis://HOST:PORT/DB or memory://")
+
+
+# LoRA's run-time routes (issue 36): vLLM's flag, or its environment switch.
+LORA_RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def add_lora_frontend_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get(LORA_RUNTIME_ENV, "").lower() in ("1", "true"),
+                   help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
+                        f"on when {LORA_RUNTIME_ENV}=True, as vLLM)")
+
+
+def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frontend")
+    g.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"),
+                   help="address the HTTP server binds (default: $SLUICE_HOST, else "
+                        "127.0.0.1; the images set SLUICE_HOST=0.0.0.0)")
+    g.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="port the HTTP server listens on")
+    g.add_argument("--tokenizer-threads", type=int_at_least(1), default=4,
+                   help="threads that render and tokenize requests (default: %(default)s)")
+    g.add_argument("--render-timeout", type=positive_number, default=30.0,
+                   help="seconds a chat template may take to render before its request fails "
+                        "with a 400 and its thread is replaced; a request that waits this "
+                        "long for a free render thread gets a 503 instead (default: %(default)s)")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template for chat requests: a file path or the Jinja text itself "
+                        "(default: the tokenizer's)")
+    g.add_argument("--chat-template-content-format", default="auto",
+                   choices=["auto", "string", "openai"],
+                   help="how chat templates get message content: string (parts joined), "
+                        "openai (a list of {type, text} parts), or auto: openai when the "
+                        "template loops over a message's content (default: %(default)s)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let image parts name local files (file:// URLs) inside DIR; off by "
+                        "default, as in vLLM: any file the server can read would be readable")
+    g.add_argument("--limit-mm-per-prompt", type=_mm_limit, default=8, metavar="JSON",
+                   help="most images one prompt may carry, as vLLM: '{\"image\": N}' "
+                        "(default: %(default)s)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (a request's template runs "
+                        "on this server's CPU; off by default)")
+    g.add_argument("--reasoning-parser", default=None,
+                   choices=["deepseek_r1", "openai_gptoss", "qwen3"],
+                   help="split the model's thinking from its answer (default: off; "
+                        "openai_gptoss for a gpt-oss model)")
+    g.add_argument("--reasoning-field", default="reasoning_content",
+                   choices=["reasoning_content", "reasoning"],
+                   help="the response field that carries thinking (default: %(default)s, "
+                        "as DeepSeek, SGLang and llama.cpp; vLLM now says reasoning)")
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "openai", "pythonic",
+                            "qwen3_coder"],
+                   help="turn the model's tool-call syntax into tool_calls (default: off, "
+                        "openai for a gpt-oss model; without one, tools are only accepted "
+                        "with tool_choice none)")
+    g.add_argument("--max-stored-responses", type=int_at_least(0), default=1000,
+                   help="stored /v1/responses the embedded state store (sqlite, memory) "
+                        "keeps, least recently used dropped first; 0 stores none (default: "
+                        "%(default)s; Redis bounds memory with its own maxmemory policy)")
+    # The shared state store (frontend.state.store): stored responses, background work.
+    g.add_argument("--state-store", type=_state_store_url, default=None, metavar="URL",
+                   help="where stored responses live: sqlite:///PATH (one host, survives "
+                        "restarts), redis://HOST:PORT/DB (many frontends), or memory:// "
+                        "(this process only); default: sqlite in $SLUICE_STATE_DIR, else "
+                        "~/.local/state/sluice/state.db")
+    g.add_argument("--responses-ttl", type=seconds, default=30 * 24 * 3600.0,
+                   metavar="SECONDS",
+                   help="how long a stored response is kept; 0: until evicted or deleted "
+                        "(default: 30 days, as OpenAI)")
+    g.add_argument("--max-stored-bytes", type=int_at_least(1024), default=16 * 2**20,
+                   help="the largest one stored object may be, encoded; a larger response is "
+                        "returned with store false (default: 16 MiB)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for fields a request leaves out: auto, the model's "
+                        "generation_config.json (beside a .gguf file too); vllm, none (the "
+                        "OpenAI defaults); a FOLDER, its generation_config.json "
+                        "(default: %(default)s)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="JSON laid over those defaults, e.g. '{\"temperature\": 0.5}' "
+                        "(fields: temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens)")
+    g.add_argument("--response-role", default="assistant", type=_role,
+                   help="the role of chat completion messages when the request's "
+                        "add_generation_prompt is true (default: %(default)s)")
+    g.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
+                   metavar="JSON",
+                   help="chat_template_kwargs every chat request gets, under its own, e.g. "
+                        "'{\"enable_thinking\": false}' (default: none)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per request as it is sent to the engine: its id, "
+                        "prompt length and sampling parameters")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="with --enable-log-requests: also log each finished request's output "
+                        "text, token count and finish reason")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens 'token_id:N' instead of their text, for every "
+                        "request (a request's return_tokens_as_token_ids does it for itself)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="chat and completion usage carry prompt_tokens_details.cached_tokens: "
+                        "the prompt tokens found in the prefix cache")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed answer ends with a usage chunk, as if its "
+                        "stream_options.include_usage were true")
+    _add_http_arguments(p)
+    _add_limit_arguments(p)
+
+
+def _add_http_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP server (uvicorn)")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a proxy in front strips, for URLs the server "
+                        "writes (ASGI root_path; default: none)")
+    g.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix domain socket instead of --host/--port")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS: the private key file")
+    g.add_argument("--ssl-certfile", default=None, help="TLS: the certificate file")
+    g.add_argument("--ssl-ca-certs", default=None,
+                   help="TLS: CA certificates for client certificates")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="TLS: client certificates: 0 none, 1 optional, 2 required "
+                        "(Python's ssl.CERT_*; default: %(default)s)")
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="the HTTP server's own log level (default: --log-level)")
+
+
+def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frontend limits and security")
+    g.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY, or x-api-key: KEY) on "
+                        f"every route but {', '.join(OPEN_PATHS)}; repeat for several "
+                        "keys; SLUICE_API_KEY adds comma-separated keys (default: none)")
+    g.add_argument("--allowed-origins", nargs="+", action="extend", default=[],
+                   metavar="ORIGIN",
+                   help="CORS: origins browsers may call from, or '*' (default: none, so no "
+                        "CORS headers); a JSON list as vLLM takes it works too")
+    g.add_argument("--allowed-methods", nargs="+", action="extend", default=None,
+                   metavar="METHOD", help="CORS: allowed methods (default: *)")
+    g.add_argument("--allowed-headers", nargs="+", action="extend", default=None,
+                   metavar="HEADER", help="CORS: allowed request headers (default: *)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: let browsers send cookies and authorization headers")
+    g.add_argument("--max-request-body-bytes", type=int_at_least(1), default=32 * 2**20,
+                   help="larger request bodies get a 413 (default: 32 MiB)")
+    g.add_argument("--max-queued-requests", "--max-num-queued-reqs", type=int_at_least(1),
+                   default=None,
+                   help="requests this frontend has accepted that have not started generating; "
+                        "beyond it new ones get a 503 with Retry-After (default: no cap; "
+                        "--max-num-queued-reqs: vLLM's name, counted per frontend here)")
+    g.add_argument("--request-timeout", type=positive_number, default=None,
+                   help="seconds a request may take from arrival to its last token; then it "
+                        "ends with a 504 error and is aborted in the engine (default: none)")
+    g.add_argument("--shutdown-timeout", type=seconds, default=30.0,
+                   help="on SIGTERM or SIGINT, seconds in-flight requests may still run while "
+                        "new ones get a 503; then the rest end with an error "
+                        "(default: %(default)s)")
+    _add_bound_arguments(p)
+
+
+# Bounds per request (frontend.input.input_bounds): flag -> (FrontendConfig field, default, help).
+_BOUNDS = {
+    "--max-json-depth": ("max_json_depth", 64, "levels any JSON in a request may nest: the "
+                         "body, and JSON strings such as schemas and tool-call arguments"),
+    "--max-n": ("max_n", 128, "largest n and best_of (engine requests per prompt)"),
+    "--max-prompts-per-request": ("max_prompts_per_request", 128,
+                                  "prompts in one /v1/completions batch"),
+    "--max-messages": ("max_messages", 2048, "messages in one chat request"),
+    "--max-tools": ("max_tools", 128, "tools in one request"),
+    "--max-stop-strings": ("max_stop_strings", 64, "stop strings in one request"),
+}
+
+
+def _add_bound_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frontend bounds per request (past one: a 400 naming the field)")
+    for flag, (dest, default, what) in _BOUNDS.items():
+        g.add_argument(flag, type=int_at_least(1), default=default, dest=dest,
+                       help=f"{what} (default: %(default)s)")
+
+
+def add_routing_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routing", choices=["prefix", "least-loaded", "round-robin"],
+                   default="prefix",
+                   help="how a frontend picks an engine per request: prefix (the same first "
+                        "prompt pages and cache_salt prefer the same engine, bounded by "
+                        "load), least-loaded or round-robin (default: %(default)s)")
+    # Migration (frontend.engines.engine_client): what a frontend does when an engine is lost.
+    p.add_argument("--migration-limit", type=int_at_least(0), default=3,
+                   help="how many times one streaming request may move to another engine "
+                        "when its engine dies, freezes or drains: it goes on there with the "
+                        "tokens generated so far; past the limit it ends with an error "
+                        "(default: %(default)s; 0: never move a started request; "
+                        "vLLM/Dynamo's name)")
+    p.add_argument("--engine-timeout", type=seconds, default=30.0,
+                   help="seconds requests wait for an engine when none answers (a frozen "
+                        "or restarting one): in-flight requests go on when one is back, new "
+                        "ones wait instead of a 503; then they end with an error "
+                        "(default: %(default)s)")
+
+
+def frontend_config(args, engine_address: str | list[str] | None,
+                    result_address: str | None) -> FrontendConfig:
+    path, names = model_names(args)
+    addresses = ([engine_address] if isinstance(engine_address, str) else
+                 list(engine_address or [DEFAULT_ENGINE_ADDRESS]))
+    engine_address = addresses[0]
+    if result_address is None and not all(a.startswith("ipc://") for a in addresses):
+        result_address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    return FrontendConfig(
+        model=path, tokenizer=tokenizer_path(args, path), served_model_name=names[0],
+        served_model_aliases=names[1:], engine_address=engine_address, host=args.host,
+        engine_addresses=addresses, routing=getattr(args, "routing", "prefix"),
+        port=args.port, result_address=result_address,
+        tokenizer_threads=args.tokenizer_threads, log_level=args.log_level,
+        render_timeout_s=args.render_timeout, chat_template=args.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        trust_request_chat_template=args.trust_request_chat_template,
+        allowed_local_media_path=args.allowed_local_media_path,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        reasoning_field=args.reasoning_field, max_stored_responses=args.max_stored_responses,
+        state_store=args.state_store, responses_ttl_s=args.responses_ttl,
+        max_stored_bytes=args.max_stored_bytes,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
+        response_role=args.response_role,
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        log_requests=args.enable_log_requests, log_outputs=args.enable_log_outputs,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        force_include_usage=args.enable_force_include_usage,
+        max_logprobs=args.max_logprobs,
+        export_engine_metrics=getattr(args, "export_engine_metrics", False),
+        engine_timeout_s=getattr(args, "engine_timeout", 30.0),
+        migration_limit=getattr(args, "migration_limit", 3),
+        allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
+        http=HttpSettings(root_path=args.root_path, uds=args.uds,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                          log_level=args.uvicorn_log_level or args.log_level),
+        runner=runner_of(args), pooler_config=getattr(args, "pooler_config", None),
+        max_embedding_inputs=getattr(args, "max_embedding_inputs", 2048),
+        **limit_config(args),
+    )
+
+
+def _listed(values: list[str] | None, default: list[str]) -> list[str]:
+    """Flag values, where one may also be a JSON list (vLLM's `--allowed-origins '["*"]'`)."""
+    if not values:
+        return default
+    out: list[str] = []
+    for value in values:
+        out.extend(json.loads(value) if value.startswith("[") else [value])
+    return out
+
+
+def api_keys(args) -> list[str]:
+    from_env = [k.strip() for k in os.environ.get("SLUICE_API_KEY", "").split(",")]
+    return list(dict.fromkeys(k for k in [*args.api_keys, *from_env] if k))
+
+
+def limit_config(args) -> dict:
+    return dict(
+        api_keys=api_keys(args), allowed_origins=_listed(args.allowed_origins, []),
+        allowed_methods=_listed(args.allowed_methods, ["*"]),
+        allowed_headers=_listed(args.allowed_headers, ["*"]),
+        allow_credentials=args.allow_credentials,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        **{dest: getattr(args, dest) for dest, _, _ in _BOUNDS.values()},
+    )
+
+
+def limit_argv(args) -> list[str]:
+    """The limit flags for the frontend `serve` starts; API keys go by environment instead,
+    so they do not show up twice in the process list."""
+    argv = ["--max-request-body-bytes", str(args.max_request_body_bytes),
+            "--shutdown-timeout", str(args.shutdown_timeout)]
+    for flag, (dest, _, _) in _BOUNDS.items():
+        argv += [flag, str(getattr(args, dest))]
+    for flag, values in (("--allowed-origins", args.allowed_origins),
+                         ("--allowed-methods", args.allowed_methods),
+                         ("--allowed-headers", args.allowed_headers)):
+        if values:
+            argv += [flag, *values]
+    for flag, value in (("--max-queued-requests", args.max_queued_requests),
+                        ("--request-timeout", args.request_timeout)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.allow_credentials:
+        argv.append("--allow-credentials")
+    return argv
+
+
+# ---------------------------------------------------------------- start-up checks
+
+
+def check_frontend(args) -> None:
+    """The frontend's part of the start-up pass (shared.startup_checks), after the model's."""
+    check_frontend_flags(args)
+    check_generation_config(args)
+    check_listen_address(args)
+
+
+def check_frontend_flags(args) -> None:
+    """Frontend flags no request could be served with."""
+    from frontend.input.rendering import RESERVED_TEMPLATE_KWARGS, load_chat_template
+
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(args.default_chat_template_kwargs
+                                                            or {}))
+    if reserved:
+        raise StartupError(f"--default-chat-template-kwargs may not set "
+                           f"{', '.join(reserved)}: the server passes those itself")
+    try:
+        load_chat_template(args.chat_template)
+    except FileNotFoundError:
+        raise StartupError(f"--chat-template {args.chat_template}: no such file, and no Jinja "
+                           "text either; give a template file or the template itself") from None
+    except OSError as exc:
+        raise StartupError(f"--chat-template {args.chat_template}: {exc.strerror}") from None
+    media = args.allowed_local_media_path
+    if media is not None and not os.path.isdir(media):
+        raise StartupError(f"--allowed-local-media-path {media}: no such folder")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise StartupError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None and not os.path.isfile(path):
+            raise StartupError(f"{flag} {path}: no such file")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise StartupError(f"--root-path {args.root_path!r} must start with / and not end "
+                           "with one, e.g. /llm")
+
+
+def check_frontend_command(args) -> None:
+    check_model(args)
+    check_frontend(args)
+
+
+COMMAND = Command("frontend", "run one HTTP frontend against an engine", add_frontend_command,
+                  run_frontend_command, check=check_frontend_command)

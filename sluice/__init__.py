@@ -1,0 +1,1 @@
+"""The `sluice` console script, above every tier (see `sluice.cli`)."""

@@ -1,0 +1,374 @@
+"""The `sluice` console script: serve (all on one machine), engine, frontend, postproc, bench.
+
+Each tier gives its subcommand as a `shared.cli.Command` beside its code (`engine/cli.py`,
+`frontend/http/cli.py`, `postproc/cli.py`: flags, start-up checks, run); this module, above
+every tier, lists them, parses, dispatches, and holds `serve`, which starts the others as
+processes (`python -m sluice ...`) and watches them. A tier's code is imported only when
+its subcommand runs, so `sluice --help` loads no model code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+
+from engine import cli as engine_cli
+from engine.cli import (
+    add_engine_arguments,
+    add_lora_engine_arguments,
+    check_lora_flags,
+    engine_config,
+    kv_cache_memory_gb,
+    lora_engine_argv,
+    resolve_device,
+)
+from frontend.http import cli as frontend_cli
+from frontend.http.cli import (
+    add_frontend_arguments,
+    add_routing_arguments,
+    api_keys,
+    frontend_config,
+    limit_argv,
+    limit_config,
+)
+from postproc import cli as postproc_cli
+from shared.cli import (
+    DEFAULT_ENGINE_ADDRESS,
+    VLLM_NOOP_FLAGS,
+    VLLM_UNSUPPORTED_FLAGS,
+    Command,
+    add_model_arguments,
+    add_model_tag,
+    int_at_least,
+    model_names,
+    new_parser,
+    parse_command_line,
+    runner_of,
+)
+from shared.cli import setup_logging as _setup_logging
+from shared.prometheus_dir import prepare_prometheus_dir
+from shared.startup_checks import check_model
+from shared.transport import new_ipc_address, remove_ipc_file
+
+# Names tests and tools reach through this module, the one every command goes through.
+__all__ = ["DEFAULT_ENGINE_ADDRESS", "VLLM_NOOP_FLAGS", "VLLM_UNSUPPORTED_FLAGS", "build_parser",
+           "check_startup", "engine_config", "frontend_config", "limit_argv", "limit_config",
+           "main", "model_names", "parse_args", "resolve_device"]
+
+
+def add_serve_command(serve) -> None:
+    add_model_tag(serve)
+    add_model_arguments(serve)
+    add_engine_arguments(serve)
+    add_frontend_arguments(serve)
+    add_lora_engine_arguments(serve)
+    frontend_cli.add_lora_frontend_arguments(serve)
+    serve.add_argument("--postproc-workers", type=int_at_least(0), default=0,
+                       help="postproc worker processes to start (default: %(default)s, the "
+                            "frontend post-processes on its receiver thread)")
+    serve.add_argument("--data-parallel-size", "-dp", type=int_at_least(1), default=1,
+                       help="engines to start, each on its own GPU (CUDA) or its own share "
+                            "of the CPUs, all behind the frontend (default: %(default)s)")
+    add_routing_arguments(serve)
+
+
+def check_serve(args) -> None:
+    """Every process `serve` starts, checked before it starts any."""
+    check_model(args)
+    engine_cli.check_engine(args)
+    frontend_cli.check_frontend(args)
+
+
+def add_bench_command(bench) -> None:
+    from shared.bench import add_bench_arguments
+
+    add_bench_arguments(bench)
+
+
+def run_bench_command(args) -> int:
+    from shared.bench import run_bench
+
+    return 0 if run_bench(args).errors == 0 else 1
+
+
+COMMANDS = {c.name: c for c in [
+    # `lambda`: the module's `_serve` at call time (tests replace it).
+    Command("serve", "engine + frontend (+ postproc workers) on this machine (over ipc)",
+            add_serve_command, lambda args: _serve(args), check=check_serve,
+            validate=check_lora_flags),
+    engine_cli.COMMAND,
+    frontend_cli.COMMAND,
+    postproc_cli.COMMAND,
+    Command("bench", "load-test any OpenAI-compatible server", add_bench_command,
+            run_bench_command, serves=False),
+]}
+
+
+def build_parser():
+    return new_parser(list(COMMANDS.values()))
+
+
+def parse_args(argv: list[str]):
+    """Parse a command line the way `main` does: vLLM spellings, --config, positional MODEL."""
+    return parse_command_line(build_parser(), argv, COMMANDS)
+
+
+def check_startup(args) -> None:
+    """The one pass of start-up checks for the command's processes (shared.startup_checks)."""
+    COMMANDS[args.command].check(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    command = COMMANDS[args.command]
+    if command.serves:
+        _setup_logging(args.log_level)
+        for note in args.compat_notes:
+            logging.getLogger("sluice").info("%s", note)
+        check_startup(args)
+    return command.run(args)
+
+
+def _serve(args) -> int:
+    """Start engine and frontend as two processes over ipc and watch them."""
+    address = new_ipc_address("engine")
+    common = ["--log-level", args.log_level]
+    if args.model:
+        common += ["--model", args.model]
+    if args.served_model_name:
+        common += ["--served-model-name", *args.served_model_name]
+    for flag, value in (("--revision", args.revision), ("--download-dir", args.download_dir),
+                        ("--tokenizer", args.tokenizer)):
+        if value is not None:
+            common += [flag, value]
+    common += ["--runner", runner_of(args),  # pooling: every process reads it alike
+               "--max-embedding-inputs", str(args.max_embedding_inputs)]
+    if args.pooler_config is not None:
+        common += ["--pooler-config", args.pooler_config]
+    engine_argv = [
+        "engine", *common, "--engine-address", address, "--dtype", args.dtype,
+        "--device", args.device, "--page-size", str(args.page_size),
+        "--kv-cache-memory-gb", str(kv_cache_memory_gb(args)),
+        "--attention-backend", args.attention_backend,
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--scheduling-policy", args.scheduling_policy,
+        "--frontend-timeout", str(args.frontend_timeout),
+        "--max-logprobs", str(args.max_logprobs),
+    ]
+    for flag, value in (("--num-kv-pages", args.num_kv_pages),
+                        ("--max-model-len", args.max_model_len), ("--threads", args.threads),
+                        ("--long-prefill-token-threshold", args.long_prefill_token_threshold),
+                        ("--seed", args.seed)):
+        if value is not None:
+            engine_argv += [flag, str(value)]
+    if args.enforce_eager:
+        engine_argv.append("--enforce-eager")
+    if args.batch_invariant:
+        engine_argv.append("--batch-invariant")
+    if args.speculative_config is not None:
+        engine_argv += ["--speculative-config",
+                        msgspec.json.encode(args.speculative_config).decode()]
+    engine_argv += lora_engine_argv(args)
+    # serve names every ipc socket its processes bind, so it can remove their files at exit
+    # (a process that is killed leaves its socket file behind).
+    result_address = new_ipc_address("frontend")
+    frontend_argv = [
+        "frontend", *common, "--engine-address", address, "--result-address", result_address,
+        "--host", args.host,
+        "--port", str(args.port), "--tokenizer-threads", str(args.tokenizer_threads),
+        "--render-timeout", str(args.render_timeout),
+        "--max-logprobs", str(args.max_logprobs), "--response-role", args.response_role,
+        "--root-path", args.root_path, "--ssl-cert-reqs", str(args.ssl_cert_reqs),
+        # One frontend on one port: its /metrics is the engine's too, as `vllm serve`'s.
+        "--export-engine-metrics",
+    ]
+    for flag, value in (("--uds", args.uds), ("--ssl-keyfile", args.ssl_keyfile),
+                        ("--ssl-certfile", args.ssl_certfile),
+                        ("--ssl-ca-certs", args.ssl_ca_certs),
+                        ("--uvicorn-log-level", args.uvicorn_log_level)):
+        if value is not None:
+            frontend_argv += [flag, value]
+    if args.default_chat_template_kwargs:
+        frontend_argv += ["--default-chat-template-kwargs",
+                          json.dumps(args.default_chat_template_kwargs)]
+    for flag, on in (("--enable-log-requests", args.enable_log_requests),
+                     ("--enable-log-outputs", args.enable_log_outputs),
+                     ("--return-tokens-as-token-ids", args.return_tokens_as_token_ids),
+                     ("--enable-prompt-tokens-details", args.enable_prompt_tokens_details),
+                     ("--enable-force-include-usage", args.enable_force_include_usage)):
+        if on:
+            frontend_argv.append(flag)
+    if args.chat_template is not None:
+        frontend_argv += ["--chat-template", args.chat_template]
+    if args.trust_request_chat_template:
+        frontend_argv.append("--trust-request-chat-template")
+    if args.allow_runtime_lora_updating:
+        frontend_argv.append("--allow-runtime-lora-updating")
+    frontend_argv += ["--chat-template-content-format", args.chat_template_content_format,
+                      "--limit-mm-per-prompt", json.dumps({"image": args.limit_mm_per_prompt})]
+    if args.allowed_local_media_path is not None:
+        frontend_argv += ["--allowed-local-media-path", args.allowed_local_media_path]
+    for flag, value in (("--reasoning-parser", args.reasoning_parser),
+                        ("--tool-call-parser", args.tool_call_parser)):
+        if value is not None:
+            frontend_argv += [flag, value]
+    frontend_argv += ["--reasoning-field", args.reasoning_field,
+                      "--max-stored-responses", str(args.max_stored_responses),
+                      "--responses-ttl", str(args.responses_ttl),
+                      "--max-stored-bytes", str(args.max_stored_bytes),
+                      "--generation-config", args.generation_config,
+                      *limit_argv(args)]
+    if args.override_generation_config is not None:
+        frontend_argv += ["--override-generation-config", args.override_generation_config]
+    if args.state_store is not None:
+        frontend_argv += ["--state-store", args.state_store]
+    keys = api_keys(args)
+    if keys:
+        os.environ["SLUICE_API_KEY"] = ",".join(keys)
+    # Every frontend `serve` starts shares one metrics directory (req L-3).
+    prepare_prometheus_dir()
+    # --data-parallel-size N: N engines, each on its own address, and the frontend on all.
+    n = args.data_parallel_size
+    addresses = [address, *(new_ipc_address("engine") for _ in range(n - 1))]
+    for extra in addresses[1:]:
+        frontend_argv += ["--engine-address", extra]
+    frontend_argv += ["--routing", args.routing, "--migration-limit", str(args.migration_limit),
+                      "--engine-timeout", str(args.engine_timeout)]
+    at = engine_argv.index("--engine-address") + 1
+    engine_argvs = [[*engine_argv[:at], a, *engine_argv[at + 1:]] for a in addresses]
+    for i, argv in enumerate(engine_argvs):  # vLLM's data-parallel ranks: engine-0, -1...
+        argv += ["--engine-id", f"engine-{i}"]
+    worker_argvs = []
+    postproc_addresses: list[str] = []
+    if args.postproc_workers > 0:
+        postproc_addresses = [new_ipc_address("postproc") for _ in addresses]
+        for argv, postproc_address in zip(engine_argvs, postproc_addresses, strict=True):
+            argv += ["--postproc-address", postproc_address]
+        # Every worker registers with every engine.
+        worker_argvs = [["postproc", *common,
+                         *(x for a in postproc_addresses for x in ("--engine-postproc-address", a))]
+                        ] * args.postproc_workers
+    shares = _engine_shares(args, n)
+    for argv, (_, cpus) in zip(engine_argvs, shares, strict=True):
+        if cpus and args.threads is None:
+            argv += ["--threads", str(len(cpus))]
+
+    def start(argv: list[str], share=(None, None)) -> subprocess.Popen:
+        env, cpus = share
+        return subprocess.Popen([sys.executable, "-m", "sluice", *argv],
+                                env=None if env is None else {**os.environ, **env},
+                                **_child_of_serve(cpus))
+
+    ipc_files = [*addresses, result_address, *postproc_addresses]
+    try:
+        children = [start(engine_argvs[0], shares[0]), start(frontend_argv),
+                    *(start(argv, share) for argv, share in zip(engine_argvs[1:], shares[1:],
+                                                                strict=True)),
+                    *(start(argv) for argv in worker_argvs)]
+        # The frontend (children[1]) drains first, while the engines still run its requests.
+        return _supervise(children, drain_first=children[1:2],
+                          grace_s=args.shutdown_timeout + 5)
+    finally:
+        for ipc in ipc_files:
+            remove_ipc_file(ipc)
+
+
+def _child_of_serve(cpus: list[int] | None) -> dict:
+    """Popen arguments for a process `serve` starts: in its own process group, so a
+    terminal's Ctrl+C reaches only `serve`, which stops its children in order (the frontend
+    drains while the engines still run its requests); and dying with `serve`, should it be
+    killed outright (Linux's parent-death signal)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def in_child() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return {"process_group": 0, "preexec_fn": in_child}
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _engine_shares(args, n: int) -> list[tuple[dict | None, list[int] | None]]:
+    """(environment, CPUs) for each of `serve`'s n engines: one GPU each on CUDA
+    (CUDA_VISIBLE_DEVICES), else an equal share of this process's CPUs each; nothing to
+    change for one engine."""
+    if n == 1:
+        return [(None, None)]
+    if resolve_device(args.device).startswith("cuda"):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            gpus = [g.strip() for g in visible.split(",") if g.strip()]
+        else:
+            import torch
+
+            gpus = [str(i) for i in range(torch.cuda.device_count())]
+        if len(gpus) < n:
+            raise SystemExit(f"sluice: --data-parallel-size {n} needs {n} GPUs, "
+                             f"{len(gpus)} visible")
+        return [({"CUDA_VISIBLE_DEVICES": gpus[i]}, None) for i in range(n)]
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < n:
+        return [(None, [cpus[i % len(cpus)]]) for i in range(n)]
+    per = len(cpus) // n
+    return [(None, cpus[i * per:(i + 1) * per]) for i in range(n)]
+
+
+def _supervise(children: list[subprocess.Popen],
+               drain_first: list[subprocess.Popen] | None = None, grace_s: float = 10) -> int:
+    """Watch the children; on a signal (or one child's exit) stop them: `drain_first` gets
+    the very signal serve got (its log names it) and may drain, then the others stop. A
+    second signal goes straight to `drain_first`, which then exits at once."""
+    drain_first = drain_first or []
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        if len(received) > 1:
+            for child in drain_first:
+                if child.poll() is None:
+                    child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 0
+    while not received:
+        exited = [c for c in children if c.poll() is not None]
+        if exited:
+            code = exited[0].returncode or 1
+            break
+        time.sleep(0.2)
+    if received:
+        logging.getLogger("sluice").info(
+            "%s: stopping (the frontend drains, then the engines stop)",
+            signal.Signals(received[0]).name)
+    _stop(drain_first, grace_s, received[0] if received else signal.SIGTERM)
+    _stop([c for c in children if c not in drain_first], 10)
+    return code
+
+
+def _stop(children: list[subprocess.Popen], timeout_s: float,
+          signum: int = signal.SIGTERM) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signum)
+    for child in children:
+        try:
+            child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
