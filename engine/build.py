@@ -130,6 +130,9 @@ def _lora_manager(config: EngineConfig, model) -> LoraManager | None:
     stops the start, naming it)."""
     if not config.enable_lora:
         return None
+    if config.batch_invariant:  # the adapters' products go through oneDNN, row count and all
+        raise StartupError("--enable-lora cannot run with --batch-invariant yet: the adapters' "
+                           "products are not batch-invariant")
     lora = LoraManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
     for info in config.lora_modules:
         try:

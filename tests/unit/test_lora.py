@@ -277,3 +277,14 @@ def test_bad_flags_stop_at_start(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["serve", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_batch_invariant_mode_refuses_lora():
+    from engine.build import _lora_manager
+    from shared.config import EngineConfig
+    from shared.startup_checks import StartupError
+
+    config = EngineConfig(model="m", served_model_name="m", request_address="inproc://x",
+                          enable_lora=True, batch_invariant=True)
+    with pytest.raises(StartupError, match="--batch-invariant"):
+        _lora_manager(config, None)
