@@ -29,6 +29,7 @@ CARRIED = {
     "flashinfer-python": "0.6.14",  # pyproject.toml's `cuda` extra
     # FlashInfer's runtime; the kernels built ahead (kernels.py) link against this release.
     "apache-tvm-ffi": "0.1.15.post2",
+    "redis": "8.1.0",  # --state-store redis://'s client (frontend.state.store)
 }
 
 # On the device already, as KINDS.md lists them (read 2026-11-17); names normalized.
