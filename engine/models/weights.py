@@ -53,14 +53,26 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_weights(
-    model_path: str, config: ModelConfig, dtype: torch.dtype
+    model_path: str, config: ModelConfig, dtype: torch.dtype, shard=None
 ) -> dict[str, torch.Tensor]:
-    """Load all weights of a `.gguf` file or HF safetensors folder as `dtype` tensors."""
+    """Load all weights of a `.gguf` file or HF safetensors folder as `dtype` tensors.
+    shard: a tensor-parallel rank's `engine.parallel.sharding.Shard`; each tensor is then cut
+    to that rank's part as it is read, so no process holds the whole model."""
     expected = expected_shapes(config)
+
+    def take(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if shard is None:
+            return tensor
+        if tuple(tensor.shape) != expected[name]:  # checked whole, before it is cut
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+        return shard.take(name, tensor)
+
     if model_path.endswith(".gguf"):
-        weights = _load_gguf(model_path, config, expected, dtype)
+        weights = _load_gguf(model_path, config, expected, dtype, take)
     else:
-        weights = _load_safetensors(model_path, expected, dtype, _text_name_of(config))
+        weights = _load_safetensors(model_path, expected, dtype, _text_name_of(config), take)
+    if shard is not None:
+        expected = {name: shard.local_shape(name, shape) for name, shape in expected.items()}
     _check_complete(weights, expected)
     return weights
 
@@ -77,7 +89,7 @@ def _check_complete(weights: dict[str, torch.Tensor], expected: dict[str, tuple[
 # --- GGUF -------------------------------------------------------------------------------------
 
 
-def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
+def _load_gguf(path, config, expected, dtype, take) -> dict[str, torch.Tensor]:
     weights = {}
     for tensor in gguf_reader(path).tensors:
         experts = _expert_names(tensor.name, int(tensor.shape[-1]))  # ggml: experts last
@@ -87,14 +99,15 @@ def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
             if unexpected:
                 raise ValueError(f"unexpected GGUF tensor {tensor.name!r} (no "
                                  f"{unexpected[0]} in this model)")
-            weights.update({name: _to_torch(array[e], dtype) for e, name in enumerate(experts)})
+            weights.update({name: take(name, _to_torch(array[e], dtype))
+                            for e, name in enumerate(experts)})
             continue
         name = _hf_name(tensor.name)
         if name not in expected:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         array = _undo_rope_permute(array, tensor.name, config)
-        weights[name] = _to_torch(array, dtype)
+        weights[name] = take(name, _to_torch(array, dtype))
     return weights
 
 
@@ -196,7 +209,8 @@ def _text_name_of(config: ModelConfig):
     return rename
 
 
-def _load_safetensors(folder, expected, dtype, rename=lambda n: n) -> dict[str, torch.Tensor]:
+def _load_safetensors(folder, expected, dtype, rename=lambda n: n,
+                      take=lambda name, t: t) -> dict[str, torch.Tensor]:
     weights = {}
     for shard in _safetensors_shards(folder):
         with safe_open(shard, framework="pt") as f:
@@ -205,7 +219,7 @@ def _load_safetensors(folder, expected, dtype, rename=lambda n: n) -> dict[str, 
                 if name is None:
                     continue
                 if name in expected:
-                    weights[name] = f.get_tensor(stored).to(dtype)
+                    weights[name] = take(name, f.get_tensor(stored).to(dtype))
                 elif not _ignorable(name):
                     raise ValueError(f"unexpected tensor {name!r} in {shard}")
     return weights
