@@ -97,8 +97,6 @@ VLLM_NOOP_FLAGS = {
 # vLLM flags for features sluice does not have: flag -> (type, the value that asks for
 # nothing, what is missing). Any other value stops the process at start, naming the flag.
 VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
-    "--tensor-parallel-size": (int, 1, "tensor parallelism (one engine runs on one device; "
-                               "run several engines instead)"),
     "--pipeline-parallel-size": (int, 1, "pipeline parallelism (one engine runs on one "
                                  "device)"),
     "--quantization": (str, None, "quantization methods (awq, gptq, fp8, ...): weights load "
@@ -109,8 +107,7 @@ VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
     "--no-enable-prefix-caching": (bool, False, "way to turn prefix caching off (it is always "
                                    "on; a request's cache_salt keeps tenants apart)"),
 }
-_SHORT_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
-                "--quantization": "-q"}
+_SHORT_FLAGS = {"--pipeline-parallel-size": "-pp", "--quantization": "-q"}
 
 
 def _add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
@@ -223,6 +220,30 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f'"disable_by_batch_size", default {DEFAULT_DISABLE_BY_BATCH_SIZE}: '
                         "no drafts with more sequences than that in the engine). "
                         "Default: off")
+    _add_tensor_parallel_arguments(g)
+
+
+def _add_tensor_parallel_arguments(g) -> None:
+    """Tensor parallelism (engine.parallel): one engine's model over several ranks, on
+    this machine or over several, meeting through torch.distributed's TCP rendezvous."""
+    g.add_argument("--tensor-parallel-size", "-tp", type=_int_at_least(1), default=1,
+                   help="ranks one engine's model is split over: one process per GPU on "
+                        "CUDA (NCCL), each with an equal share of the CPUs otherwise (gloo); "
+                        "rank 0 is the engine the frontends see (default: %(default)s)")
+    g.add_argument("--nnodes", type=_int_at_least(1), default=1,
+                   help="machines the ranks of --tensor-parallel-size are spread over, an "
+                        "equal number on each (default: %(default)s)")
+    g.add_argument("--node-rank", type=_int_at_least(0), default=0,
+                   help="this machine's index among --nnodes; node 0 runs rank 0, the "
+                        "engine; the others run `sluice engine` with the same flags and only "
+                        "follow it (default: %(default)s)")
+    g.add_argument("--master-addr", default=None,
+                   help="the host of node 0, where the ranks meet (needed with --nnodes > "
+                        "1; default: 127.0.0.1). torchrun's MASTER_ADDR, RANK, WORLD_SIZE "
+                        "environment is taken instead when set")
+    g.add_argument("--master-port", type=_int_in(1, 65535), default=None,
+                   help="the rendezvous port on --master-addr (default: a free port on one "
+                        "machine, 29500 over several)")
 
 
 # vLLM's attention backend names that mean one of ours.
@@ -741,6 +762,8 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         speculative=args.speculative_config,
         engine_id=getattr(args, "engine_id", None) or f"{socket.gethostname()}@{address}",
         metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
+        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+        node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
     )
 
 
@@ -863,8 +886,11 @@ def _serve(args) -> int:
         "--scheduling-policy", args.scheduling_policy,
         "--frontend-timeout", str(args.frontend_timeout),
         "--max-logprobs", str(args.max_logprobs),
+        "--tensor-parallel-size", str(args.tensor_parallel_size), "--nnodes", str(args.nnodes),
+        "--node-rank", str(args.node_rank),
     ]
     for flag, value in (("--num-kv-pages", args.num_kv_pages),
+                        ("--master-addr", args.master_addr), ("--master-port", args.master_port),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                         ("--long-prefill-token-threshold", args.long_prefill_token_threshold),
                         ("--seed", args.seed)):
@@ -931,6 +957,10 @@ def _serve(args) -> int:
     prepare_prometheus_dir()
     # --data-parallel-size N: N engines, each on its own address, and the frontend on all.
     n = args.data_parallel_size
+    if n > 1 and (args.nnodes > 1 or args.master_port is not None):
+        # Each engine's ranks meet on a port of their own, on this machine.
+        raise SystemExit("sluice: --data-parallel-size with --nnodes or --master-port: "
+                         "start each engine with `sluice engine` instead")
     addresses = [address, *(new_ipc_address("engine") for _ in range(n - 1))]
     for extra in addresses[1:]:
         frontend_argv += ["--engine-address", extra]
@@ -1007,10 +1037,12 @@ def _engine_shares(args, n: int) -> list[tuple[dict | None, list[int] | None]]:
             import torch
 
             gpus = [str(i) for i in range(torch.cuda.device_count())]
-        if len(gpus) < n:
-            raise SystemExit(f"sluice: --data-parallel-size {n} needs {n} GPUs, "
-                             f"{len(gpus)} visible")
-        return [({"CUDA_VISIBLE_DEVICES": gpus[i]}, None) for i in range(n)]
+        k = args.tensor_parallel_size // args.nnodes  # each engine's ranks here: a GPU each
+        if len(gpus) < n * k:
+            raise SystemExit(f"sluice: --data-parallel-size {n} needs {n * k} GPUs "
+                             f"({k} per engine), {len(gpus)} visible")
+        return [({"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * k:(i + 1) * k])}, None)
+                for i in range(n)]
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < n:
         return [(None, [cpus[i % len(cpus)]]) for i in range(n)]

@@ -18,6 +18,7 @@ import transformers
 from engine.build import build_engine
 from engine.parallel.rendezvous import plan_rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel
+from shared import cli
 from shared.config import EngineConfig
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from shared.startup_checks import StartupError
@@ -173,3 +174,30 @@ def test_rendezvous_places():
     torchrun = plan_rendezvous(2, environ=env)
     assert (torchrun.rank, torchrun.spawn, torchrun.master_port) == (1, (), 7)
     assert plan_rendezvous(1, environ={}) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-tp", "0"], "0 is below the minimum, 1"),
+    (["--nnodes", "0"], "0 is below the minimum, 1"),
+    (["--node-rank", "-1"], "-1 is below the minimum, 0"),
+    (["--master-port", "70000"], "70000 is above the maximum"),
+    (["-tp", "two"], "not an integer"),
+])
+def test_flag_values_are_bounded(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_flags_reach_the_engine_and_serve_forwards_them(monkeypatch):
+    argv = ["-tp", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "head",
+            "--master-port", "29501"]
+    config = cli.engine_config(cli.parse_args(["engine", *argv]), "ipc:///tmp/x")
+    assert (config.tensor_parallel_size, config.nnodes, config.node_rank, config.master_addr,
+            config.master_port) == (4, 2, 1, "head", 29501)
+    started = []
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv, **kwargs: started.append(argv))
+    monkeypatch.setattr(cli, "_supervise", lambda children, **kwargs: 0)
+    cli._serve(cli.parse_args(["serve", "-tp", "3"]))
+    engine = next(a for a in started if "engine" in a)
+    assert engine[engine.index("--tensor-parallel-size") + 1] == "3"
