@@ -118,10 +118,14 @@ class Shard(msgspec.Struct, frozen=True):
 
     def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor, in memory of its own (a copy, so
-        the full tensor is freed once the loader lets go of it)."""
+        the full tensor is freed once the loader lets go of it). Replicated tensors are
+        copied too: a safetensors tensor is a view of the memory-mapped file, and one view
+        kept would keep the whole file mapped (and resident) in every rank."""
         split = self._split(name)
-        if split is None or self.size == 1:
+        if self.size == 1:
             return tensor
+        if split is None:
+            return tensor.clone()
         dim, how = split
         start, stop, per = self._range(how, tensor.shape[dim])
         part = tensor.narrow(dim, start, stop - start)

@@ -110,8 +110,8 @@ def test_default_model_at_three_ranks_matches_one(base_url, tmp_path):
             for prompt in ("The capital of France is", "def fibonacci(n):",
                            "Once upon a time, in a land far away, there lived"):
                 body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
-                want = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
-                got = httpx.post(f"{frontend.base_url}/v1/completions", json=body, timeout=120)
+                want = httpx.post(f"{base_url}/v1/completions", json=body, timeout=600)
+                got = httpx.post(f"{frontend.base_url}/v1/completions", json=body, timeout=600)
                 assert got.status_code == want.status_code == 200, got.text
                 assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
         finally:

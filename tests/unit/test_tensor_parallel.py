@@ -138,10 +138,12 @@ def test_shards_put_back_together_give_the_tensor():
     held = [Shard(r, 4, 8, 2, 4).take("model.layers.0.self_attn.k_proj.weight", k)
             for r in range(4)]
     assert [int(h[0, 0]) for h in held] == [0, 0, 4, 4]  # ranks 0,1: head 0; 2,3: head 1
-    norm = torch.ones(4)
-    assert Shard(1, 2, 4, 2, 4).take("model.layers.0.input_layernorm.weight", norm) is norm
-    router = torch.ones(4, 8)
-    assert Shard(1, 2, 4, 2, 4).take("model.layers.0.mlp.gate.weight", router) is router
+    # Replicated: whole, but a copy (no view keeps the checkpoint's mapping alive).
+    for name, whole in (("model.layers.0.input_layernorm.weight", torch.rand(4)),
+                        ("model.layers.0.mlp.gate.weight", torch.rand(4, 8)),
+                        ("model.layers.0.self_attn.q_norm.weight", torch.rand(4))):
+        held = Shard(1, 2, 4, 2, 4).take(name, whole)
+        assert torch.equal(held, whole) and held.data_ptr() != whole.data_ptr(), name
 
 
 @pytest.mark.parametrize("fields, ranks, match", [
