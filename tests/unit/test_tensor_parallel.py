@@ -9,6 +9,9 @@ fewer KV heads than ranks (replicated), 3 ranks over a vocabulary and an interme
 do not divide by 3 (zero-padded parts), q/k norms, q/k/v biases, MoE experts with a shared
 expert."""
 
+import subprocess
+import sys
+
 import msgspec
 import numpy as np
 import pytest
@@ -16,12 +19,14 @@ import torch
 import transformers
 
 from engine.build import build_engine
+from engine.parallel.leader import Watchdog
 from engine.parallel.rendezvous import plan_rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel
 from shared import cli
 from shared.config import EngineConfig
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from shared.startup_checks import StartupError
+from shared.transport import free_tcp_port
 from tests.tiny_vlm import tiny_vlm_tokenizer
 from tests.unit.engine_builders import CONFIG
 from tests.unit.test_model_reference import TINY, _randomize
@@ -209,3 +214,44 @@ def test_flags_reach_the_engine_and_serve_forwards_them(monkeypatch):
     cli._serve(cli.parse_args(["serve", "-tp", "3"]))
     engine = next(a for a in started if "engine" in a)
     assert engine[engine.index("--tensor-parallel-size") + 1] == "3"
+
+
+def test_two_nodes_meet_over_the_documented_rendezvous(tmp_path):
+    """`--nnodes 2`: node 1 is a separate `sluice engine --node-rank 1` process (as on
+    another machine), node 0 is the engine here; they meet at --master-addr:--master-port
+    over loopback and serve the one-rank tokens. Node 1 exits 0 when the engine closes."""
+    config_cls, model_cls, overrides, _ = CASES["llama-kv-split"]
+    model = model_cls._from_config(config_cls(**{**TINY, **overrides}))
+    _randomize(model, seed=8)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tiny_vlm_tokenizer().save_pretrained(tmp_path)
+    path, port = str(tmp_path), free_tcp_port()
+    prompts = [[5, 6, 7], list(range(20, 40))]
+    expected = _serve(build_engine(_config(path, 1)), prompts)
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "engine", "--model", path, "-tp", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port",
+         str(port), "--dtype", "float32", "--attention-backend", "torch", "--threads", "1",
+         "--num-kv-pages", "64", "--page-size", "4", "--max-num-batched-tokens", "8"])
+    try:
+        core = build_engine(msgspec.structs.replace(
+            _config(path, 2), nnodes=2, node_rank=0, master_addr="127.0.0.1",
+            master_port=port))
+        assert core.runner.model.procs == []  # node 0 runs one rank: itself
+        got = _serve(core, prompts)
+        core.runner.model.close()
+        assert node1.wait(timeout=30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    assert {k: v["tokens"] for k, v in got.items()} == {
+        k: v["tokens"] for k, v in expected.items()}
+
+
+def test_watchdog_reports_a_rank_that_exits():
+    lost = []
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dog = Watchdog([(1, proc)], on_lost=lambda rank, code: lost.append((rank, code)))
+    dog.thread.join(timeout=30)
+    assert lost == [(1, 3)]
