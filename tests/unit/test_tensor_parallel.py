@@ -53,13 +53,7 @@ PROMPT_LENGTHS = [1, 6, 19, 27]
 STEPS = 10
 
 
-# Three ranks and the MoE model take 30 to 50 s here (process starts on a loaded machine).
-SLOW_CASES = {"qwen3-tp3", "qwen2_moe"}
-
-
-@pytest.fixture(scope="module", params=[
-    pytest.param(case, marks=[pytest.mark.slow] if case in SLOW_CASES else [])
-    for case in sorted(CASES)])
+@pytest.fixture(scope="module", params=sorted(CASES))
 def checkpoint(request, tmp_path_factory):
     config_cls, model_cls, overrides, ranks = CASES[request.param]
     path = tmp_path_factory.mktemp(request.param)
