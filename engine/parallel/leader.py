@@ -16,9 +16,11 @@ group's timeout; either way the step raises and the engine exits.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -60,17 +62,21 @@ class WorkerSpec(msgspec.Struct):
 
 def spawn_ranks(config, rdv: Rendezvous) -> list[tuple[int, subprocess.Popen]]:
     """Start this machine's other ranks (engine.parallel.worker), each dying with us."""
-    from shared.cli import _child_of_serve  # its parent-death signal and process group
-
     procs = []
     for rank in rdv.spawn:
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
         spec = WorkerSpec(config, for_rank(rdv, rank), level)
         spec = msgspec.json.encode(spec).decode()
         proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker", spec],
-                                **_child_of_serve(None))
+                                preexec_fn=_dies_with_parent)
         procs.append((rank, proc))
     return procs
+
+
+def _dies_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies, however it dies (Linux's
+    parent-death signal), so no rank outlives its engine."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Watchdog:
