@@ -9,8 +9,10 @@ start-up checks do: one `sluice: ...` line (`shared.startup_checks.StartupError`
 from __future__ import annotations
 
 import logging
+import os
 import time
 
+import msgspec
 import torch
 
 from engine.attention.selector import (
@@ -28,6 +30,8 @@ from engine.models.config import ModelConfig, load_model_config
 from engine.models.ops import QUANTIZED_MAX_ROWS, make_ops
 from engine.models.registry import build_model
 from engine.models.weights import load_quantized_weights, load_weights
+from engine.parallel.rendezvous import Rendezvous
+from engine.parallel.sharding import Shard, check_tensor_parallel, local_config
 from engine.scheduler import Scheduler
 from engine.spec_decode import Drafter
 from shared.config import EngineConfig
@@ -142,85 +146,51 @@ def _lora_manager(config: EngineConfig, model) -> LoraManager | None:
     return lora
 
 
+class RankModel(msgspec.Struct):
+    """What one rank loaded: its model (shard), attention backend and KV page count."""
+
+    model: object
+    backend: object
+    model_config: ModelConfig  # the whole model's
+    max_model_len: int
+    num_pages: int
+    quantized: dict
+    device: torch.device
+    dtype: torch.dtype
+    choice: object  # the attention backend's BackendChoice
+    cmd_group: object = None  # tensor parallel: the group rank 0's commands come on
+    procs: list = []  # tensor parallel: (rank, Popen) of the ranks this process started
+
+
 def build_engine(config: EngineConfig) -> EngineCore:
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    if config.seed is not None:
-        torch.manual_seed(config.seed)  # CPU and every CUDA device
-    device = torch.device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    try:
-        choice = select_attention_backend(config.attention_backend, device, dtype)
-    except BackendUnavailable as exc:
-        raise StartupError(str(exc)) from None
-    log.info("attention backend: %s (%s)", choice.name, choice.reason)
-    try:  # an unknown architecture, a bad config.json key: refused before anything loads
-        model_config = load_model_config(config.model)
-    except ValueError as exc:
-        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    rdv = _rendezvous(config)
     pooling = _pooling(config)
-    if pooling is None and model_config.architecture in ("bert", "roberta"):
-        raise StartupError(f"{config.model} is an encoder ({model_config.architecture}): it "
-                           "serves embeddings only; start it with --runner pooling")
-    if (model_config.architecture in ("bert", "roberta")
-            and max_model_len > model_config.max_position_embeddings):
-        # Learned positions end there: a longer prompt has no position to look up.
-        raise StartupError(f"--max-model-len {max_model_len} is longer than this encoder's "
-                           f"{model_config.max_position_embeddings} positions")
-    max_batched = config.max_num_batched_tokens
-    if pooling is not None:
-        # A pooling request is prefilled whole in one step (engine.scheduler), as vLLM
-        # turns chunked prefill off for pooling models.
-        max_batched = max(max_batched, max_model_len)
-    on_gpu = device.type == "cuda"
-    if on_gpu and device.index is not None:
-        torch.cuda.set_device(device)  # streams, graphs and kernel workspaces follow it
-    if not on_gpu:  # sized up front; on a GPU the cache gets what the weights leave
-        num_pages = kv_pages_for(config, model_config, dtype)
-        _check_cache_holds(num_pages, config, max_model_len)
-    started = time.monotonic()
-    try:  # a missing or misshapen tensor: named
-        weights = load_weights(config.model, model_config, torch.float32,
-                               pooling=pooling is not None)
-    except ValueError as exc:
-        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
-    try:
-        ops = make_ops(choice.name, device, config.batch_invariant)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from None
-    quantized = load_quantized_weights(config.model, model_config) if device.type == "cpu" else {}
-    try:
-        model = build_model(model_config, weights, max_model_len, dtype, device, ops=ops,
-                            quantized=quantized)
-    except ValueError as exc:  # a weight the batch-invariant kernels cannot take
-        raise StartupError(str(exc)) from None
-    del weights
+    if rdv is not None and (pooling is not None or config.enable_lora):
+        raise StartupError("--tensor-parallel-size above 1 serves generation without LoRA "
+                           "adapters for now: not with --runner pooling or --enable-lora")
+    loaded = _load(config, rdv, pooling)
+    model, backend, model_config = loaded.model, loaded.backend, loaded.model_config
+    max_model_len, num_pages = loaded.max_model_len, loaded.num_pages
     lora = _lora_manager(config, model)
+    if rdv is not None:  # rank 0 stands in for every rank (engine.parallel.leader)
+        from engine.parallel.leader import LeaderBackend, LeaderModel, Watchdog
+
+        backend = LeaderBackend(backend, loaded.cmd_group)
+        model = LeaderModel(model, loaded.cmd_group, loaded.procs,
+                            Watchdog(loaded.procs) if loaded.procs else None)
     vision = None
     if model_config.multimodal == "idefics3":  # the vision half; the text half is ours
         from engine.models.idefics3 import Idefics3Vision
 
-        vision = Idefics3Vision(config.model, dtype, device)
-    log.info("loaded %s (%s, %s ops) in %.1fs", config.served_model_name, dtype,
-             model.ops.name, time.monotonic() - started)
-    if on_gpu:
-        num_pages = gpu_kv_pages(config, model_config, dtype, device)
-        _check_cache_holds(num_pages, config, max_model_len)
-        log.info("KV cache: %d pages of %d tokens", num_pages, config.page_size)
-    try:
-        backend = create_attention_backend(choice.name, model_config, num_pages,
-                                           config.page_size, dtype, device,
-                                           config.batch_invariant)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from None
+        vision = Idefics3Vision(config.model, loaded.dtype, loaded.device)
     # Graphs replay decode batches padded to captured sizes through the decode-only plan;
     # the batch-invariant mode plans every row alike and runs eagerly, and so do MoE models:
     # their expert groups are sized on the host each step, which a captured graph cannot do.
-    # A pooling engine never decodes; LoRA steps group the adapters' rows on the host.
+    # A pooling engine never decodes; LoRA steps group the adapters' rows on the host;
+    # tensor-parallel ranks run eagerly too (graphs over collectives: not done yet).
     eager = (config.enforce_eager or config.batch_invariant or model_config.moe is not None
-             or pooling is not None or lora is not None)
-    if choice.name == "flashinfer" and not eager:
+             or pooling is not None or lora is not None or rdv is not None)
+    if loaded.choice.name == "flashinfer" and not eager:
         from engine.cuda_graphs import DecodeGraphModel, graph_batch_sizes
 
         model = DecodeGraphModel(
@@ -233,12 +203,17 @@ def build_engine(config: EngineConfig) -> EngineCore:
     runner = ModelRunner(model, backend, model_config.vocab_size, vision,
                          pooler=pooling.pooler if pooling is not None else None)
     runner.lora_ops = lora.ops if lora is not None else None
+    max_batched = config.max_num_batched_tokens
+    if pooling is not None:
+        # A pooling request is prefilled whole in one step (engine.scheduler), as vLLM
+        # turns chunked prefill off for pooling models.
+        max_batched = max(max_batched, max_model_len)
     return EngineCore(
         runner,
         allocator,
         Scheduler(allocator, max_batched, config.max_num_seqs,
                   config.scheduling_policy, config.long_prefill_token_threshold,
-                  drafter=_drafter(config, device, quantized),
+                  drafter=_drafter(config, loaded.device, loaded.quantized),
                   max_loras=config.max_loras if lora is not None else 0),
         eos_token_ids=facts.eos_token_ids,
         max_model_len=max_model_len,
@@ -253,6 +228,125 @@ def build_engine(config: EngineConfig) -> EngineCore:
         hidden_size=model_config.hidden_size,
         lora=lora,
     )
+
+
+def _rendezvous(config: EngineConfig) -> Rendezvous | None:
+    from engine.parallel.rendezvous import plan_rendezvous
+
+    return plan_rendezvous(config.tensor_parallel_size, config.nnodes, config.node_rank,
+                           config.master_addr, config.master_port)
+
+
+def load_rank(config: EngineConfig, rdv: Rendezvous):
+    """A tensor-parallel rank other than 0 (engine.parallel.worker): its model shard, its
+    attention backend, and the group rank 0's commands come on."""
+    loaded = _load(config, rdv)
+    return loaded.model, loaded.backend, loaded.cmd_group
+
+
+def _cpu_threads(config: EngineConfig, rdv: Rendezvous | None) -> int | None:
+    """Torch threads for this rank: --threads (else this process's CPUs) shared equally by
+    the ranks on this machine; None: torch's own choice (one rank)."""
+    if rdv is None:
+        return config.threads
+    total = config.threads or len(os.sched_getaffinity(0))
+    return max(1, total // rdv.local_world)
+
+
+def _load(config: EngineConfig, rdv: Rendezvous | None,
+          pooling: PoolingFacts | None = None) -> RankModel:
+    """Everything one rank loads, up to its KV cache; rdv None: the only rank."""
+    threads = None
+    device = torch.device(config.device)
+    if device.type == "cpu":
+        threads = _cpu_threads(config, rdv)
+    elif config.threads:
+        threads = config.threads
+    if threads:
+        torch.set_num_threads(threads)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)  # CPU and every CUDA device
+    if rdv is not None and device.type == "cuda":
+        count = torch.cuda.device_count()
+        if rdv.local_world > count:
+            raise StartupError(f"--tensor-parallel-size {config.tensor_parallel_size} puts "
+                               f"{rdv.local_world} ranks on this machine, which has {count} "
+                               "GPUs")
+        device = torch.device("cuda", rdv.local_rank)
+    dtype = resolve_dtype(config.dtype, device)
+    try:
+        choice = select_attention_backend(config.attention_backend, device, dtype)
+    except BackendUnavailable as exc:
+        raise StartupError(str(exc)) from None
+    if rdv is None or rdv.rank == 0:
+        log.info("attention backend: %s (%s)", choice.name, choice.reason)
+    try:  # an unknown architecture, a bad config.json key: refused before anything loads
+        model_config = load_model_config(config.model)
+    except ValueError as exc:
+        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
+    size = 1 if rdv is None else rdv.world_size
+    check_tensor_parallel(model_config, size)
+    local = local_config(model_config, size)  # this rank's heads
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if pooling is None and model_config.architecture in ("bert", "roberta"):
+        raise StartupError(f"{config.model} is an encoder ({model_config.architecture}): it "
+                           "serves embeddings only; start it with --runner pooling")
+    if (model_config.architecture in ("bert", "roberta")
+            and max_model_len > model_config.max_position_embeddings):
+        # Learned positions end there: a longer prompt has no position to look up.
+        raise StartupError(f"--max-model-len {max_model_len} is longer than this encoder's "
+                           f"{model_config.max_position_embeddings} positions")
+    on_gpu = device.type == "cuda"
+    if on_gpu and device.index is not None:
+        torch.cuda.set_device(device)  # streams, graphs and kernel workspaces follow it
+    if not on_gpu:  # sized up front; on a GPU the cache gets what the weights leave
+        num_pages = kv_pages_for(config, local, dtype)
+        _check_cache_holds(num_pages, config, max_model_len)
+    shard, tp, cmd_group, procs = None, None, None, []
+    if rdv is not None:
+        from engine.parallel.leader import connect, spawn_ranks
+
+        shard = Shard.of(model_config, rdv.rank, rdv.world_size)
+        procs = spawn_ranks(config, rdv)  # they load while this process does
+        tp, cmd_group = connect(rdv, device, shard)
+    started = time.monotonic()
+    try:  # a missing or misshapen tensor: named
+        weights = load_weights(config.model, model_config, torch.float32,
+                               pooling=pooling is not None, shard=shard)
+    except ValueError as exc:
+        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
+    try:
+        ops = make_ops(choice.name, device, config.batch_invariant)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    # The checkpoint's quantized blocks are whole rows of whole tensors: not used by a shard.
+    quantized = (load_quantized_weights(config.model, model_config)
+                 if device.type == "cpu" and rdv is None else {})
+    try:
+        model = build_model(local, weights, max_model_len, dtype, device, ops=ops,
+                            quantized=quantized, tp=tp)
+    except ValueError as exc:  # a weight the batch-invariant kernels cannot take
+        raise StartupError(str(exc)) from None
+    del weights
+    if rdv is None or rdv.rank == 0:
+        log.info("loaded %s (%s, %s ops%s) in %.1fs", config.served_model_name, dtype,
+                 model.ops.name, "" if rdv is None else f", {size} tensor-parallel ranks",
+                 time.monotonic() - started)
+    if on_gpu:
+        num_pages = gpu_kv_pages(config, local, dtype, device)
+    if tp is not None:
+        num_pages = tp.min_int(num_pages)  # every rank: the same pages, rank 0's tables
+    if on_gpu:
+        _check_cache_holds(num_pages, config, max_model_len)
+        log.info("KV cache: %d pages of %d tokens", num_pages, config.page_size)
+    try:
+        backend = create_attention_backend(choice.name, local, num_pages,
+                                           config.page_size, dtype, device,
+                                           config.batch_invariant)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    return RankModel(model, backend, model_config, max_model_len, num_pages, quantized,
+                     device, dtype, choice, cmd_group, procs)
 
 
 def _pooling(config: EngineConfig) -> PoolingFacts | None:

@@ -18,6 +18,7 @@ from shared.cli import (
     add_model_arguments,
     add_model_tag,
     int_at_least,
+    int_in,
     model_names,
     positive_number,
     runner_of,
@@ -140,6 +141,30 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f'"disable_by_batch_size", default {DEFAULT_DISABLE_BY_BATCH_SIZE}: '
                         "no drafts with more sequences than that in the engine). "
                         "Default: off")
+    _add_tensor_parallel_arguments(g)
+
+
+def _add_tensor_parallel_arguments(g) -> None:
+    """Tensor parallelism (engine.parallel): one engine's model over several ranks, on
+    this machine or over several, meeting through torch.distributed's TCP rendezvous."""
+    g.add_argument("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1,
+                   help="ranks one engine's model is split over: one process per GPU on "
+                        "CUDA (NCCL), each with an equal share of the CPUs otherwise (gloo); "
+                        "rank 0 is the engine the frontends see (default: %(default)s)")
+    g.add_argument("--nnodes", type=int_at_least(1), default=1,
+                   help="machines the ranks of --tensor-parallel-size are spread over, an "
+                        "equal number on each (default: %(default)s)")
+    g.add_argument("--node-rank", type=int_at_least(0), default=0,
+                   help="this machine's index among --nnodes; node 0 runs rank 0, the "
+                        "engine; the others run `sluice engine` with the same flags and only "
+                        "follow it (default: %(default)s)")
+    g.add_argument("--master-addr", default=None,
+                   help="the host of node 0, where the ranks meet (needed with --nnodes > "
+                        "1; on one machine: loopback). torchrun's MASTER_ADDR, RANK, "
+                        "WORLD_SIZE environment is taken instead when set")
+    g.add_argument("--master-port", type=int_in(1, 65535), default=None,
+                   help="the rendezvous port on --master-addr (default: a free port on one "
+                        "machine, 29500 over several)")
 
 
 # vLLM's attention backend names that mean one of ours.
@@ -199,6 +224,8 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
         runner=runner_of(args), pooler_config=getattr(args, "pooler_config", None),
         **lora_engine_config(args),
+        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+        node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
     )
 
 

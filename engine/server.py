@@ -273,6 +273,16 @@ class EngineServer:
 
 
 def run_engine(config: EngineConfig) -> None:
+    from engine.parallel.rendezvous import plan_rendezvous
+
+    rdv = plan_rendezvous(config.tensor_parallel_size, config.nnodes, config.node_rank,
+                          config.master_addr, config.master_port)
+    if rdv is not None and rdv.rank != 0:  # a tensor-parallel rank of an engine elsewhere
+        from engine.parallel.worker import run_rank
+
+        sys.exit(run_rank(config, rdv))
+    if rdv is not None:  # the port picked now is the one every rank is told
+        config = msgspec.structs.replace(config, master_port=rdv.master_port)
     core = build_engine(config)
     # Everything loaded so far (torch, transformers, the tokenizer: ~400k objects) lives as
     # long as the process; frozen, the cyclic GC stops re-walking it in the middle of steps.
@@ -303,3 +313,6 @@ def run_engine(config: EngineConfig) -> None:
         # orchestrator restarts the engine (frontends answer 503 meanwhile).
         log.exception("engine fault; exiting")
         sys.exit(1)
+    close = getattr(core.runner.model, "close", None)  # tensor-parallel ranks, if any
+    if close is not None:
+        close()

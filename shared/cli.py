@@ -180,8 +180,6 @@ VLLM_NOOP_FLAGS = {
 # vLLM flags for features sluice does not have: flag -> (type, the value that asks for
 # nothing, what is missing). Any other value stops the process at start, naming the flag.
 VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
-    "--tensor-parallel-size": (int, 1, "tensor parallelism (one engine runs on one device; "
-                               "run several engines instead)"),
     "--pipeline-parallel-size": (int, 1, "pipeline parallelism (one engine runs on one "
                                  "device)"),
     "--quantization": (str, None, "quantization methods (awq, gptq, fp8, ...): weights load "
@@ -193,8 +191,7 @@ VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
 }
 
 
-_SHORT_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
-                "--quantization": "-q"}
+_SHORT_FLAGS = {"--pipeline-parallel-size": "-pp", "--quantization": "-q"}
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:

@@ -60,6 +60,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int = 0
+    # Tensor parallelism (engine.parallel): ranks of this one engine, over `nnodes` machines
+    # (this one `node_rank`), meeting at master_addr:master_port (None: localhost, a free
+    # port on one machine; torchrun's 29500 over several).
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
 
 
 # Frontend routes that answer without an API key and while draining: probes, scrapes and the

@@ -165,8 +165,11 @@ def _serve(args) -> int:
         "--scheduling-policy", args.scheduling_policy,
         "--frontend-timeout", str(args.frontend_timeout),
         "--max-logprobs", str(args.max_logprobs),
+        "--tensor-parallel-size", str(args.tensor_parallel_size), "--nnodes", str(args.nnodes),
+        "--node-rank", str(args.node_rank),
     ]
     for flag, value in (("--num-kv-pages", args.num_kv_pages),
+                        ("--master-addr", args.master_addr), ("--master-port", args.master_port),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                         ("--long-prefill-token-threshold", args.long_prefill_token_threshold),
                         ("--seed", args.seed)):
@@ -240,6 +243,10 @@ def _serve(args) -> int:
     prepare_prometheus_dir()
     # --data-parallel-size N: N engines, each on its own address, and the frontend on all.
     n = args.data_parallel_size
+    if n > 1 and (args.nnodes > 1 or args.master_port is not None):
+        # Each engine's ranks meet on a port of their own, on this machine.
+        raise SystemExit("sluice: --data-parallel-size with --nnodes or --master-port: "
+                         "start each engine with `sluice engine` instead")
     addresses = [address, *(new_ipc_address("engine") for _ in range(n - 1))]
     for extra in addresses[1:]:
         frontend_argv += ["--engine-address", extra]
@@ -316,10 +323,12 @@ def _engine_shares(args, n: int) -> list[tuple[dict | None, list[int] | None]]:
             import torch
 
             gpus = [str(i) for i in range(torch.cuda.device_count())]
-        if len(gpus) < n:
-            raise SystemExit(f"sluice: --data-parallel-size {n} needs {n} GPUs, "
-                             f"{len(gpus)} visible")
-        return [({"CUDA_VISIBLE_DEVICES": gpus[i]}, None) for i in range(n)]
+        k = args.tensor_parallel_size // args.nnodes  # each engine's ranks here: a GPU each
+        if len(gpus) < n * k:
+            raise SystemExit(f"sluice: --data-parallel-size {n} needs {n * k} GPUs "
+                             f"({k} per engine), {len(gpus)} visible")
+        return [({"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * k:(i + 1) * k])}, None)
+                for i in range(n)]
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < n:
         return [(None, [cpus[i % len(cpus)]]) for i in range(n)]

@@ -27,6 +27,7 @@ from engine.models.config import (
 from engine.models.ops import TorchOps
 from engine.models.rotary import RotaryEmbedding
 from engine.models.weights import QuantizedWeight
+from engine.parallel.group import SINGLE, TPGroup
 
 
 class DecoderLayer(msgspec.Struct):
@@ -54,10 +55,16 @@ class LlamaModel:
         device: torch.device,
         ops: TorchOps | None = None,
         quantized: dict[str, QuantizedWeight] | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         """quantized: the checkpoint's block-quantized linear weights by HF name (see
-        `load_quantized_weights`), which the ops may multiply in place of `weights`' copies."""
+        `load_quantized_weights`), which the ops may multiply in place of `weights`' copies.
+        tp: this rank's tensor-parallel group; `weights` and `config` are then its shard
+        (engine.parallel.sharding: its own heads, its part of the intermediate and of the
+        vocabulary) and the blocks sum or gather across ranks where the math needs it."""
         self.config = config
+        self.tp = tp
+        self.vocab_start = tp.shard.vocab_range(config.vocab_size)[0] if tp.parallel else 0
         self.dtype = dtype
         self.device = device
         # Norm, RoPE and SiLU-and-mul: plain torch unless fused kernels are given (CUDA).
@@ -160,7 +167,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states of every fed token, before the final norm: [T, hidden]. `embeds`:
         (rows, vectors) that replace those rows' token embeddings (a VLM's image tokens)."""
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed_tokens(input_ids)
         if embeds is not None:
             h[embeds[0]] = embeds[1].to(h.dtype)
         rope_at = (self.rope, positions, self.ops.rope_tables(self.rope, positions))
@@ -176,6 +183,16 @@ class LlamaModel:
                 return h + mlp
             x, h = self.ops.add_rms_norm(h, mlp, self.layers[index + 1].input_norm, eps)
         return h  # no layers
+
+    def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; vocab-parallel, each rank looks up the ids in its part (zero
+        elsewhere) and one all-reduce puts the rows together."""
+        if not self.tp.parallel:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.tp.all_reduce(h.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def _attention(self, index, layer: DecoderLayer, x, rope_at, backend, meta) -> torch.Tensor:
         """x: the normed hidden states. rope_at: the layer's rotary embedding, the step's
@@ -194,14 +211,18 @@ class LlamaModel:
         # Only a layer with sinks passes them: backends without sinks take no such argument.
         sinks = {} if layer.sinks is None else {"sinks": layer.sinks}
         o = backend.attend(index, q, k, v.contiguous(), meta, **sinks)
-        return self.ops.linear(o.reshape(-1, self.q_size), layer.o_weight, layer.o_bias)
+        # Row-parallel o_proj: each rank's heads give a partial sum of the output.
+        out = self.ops.linear(o.reshape(-1, self.q_size), layer.o_weight, layer.o_bias)
+        return self.tp.all_reduce(out)
 
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         """x: the normed hidden states."""
         if layer.moe is not None:
-            return layer.moe(x, self.ops)
+            # Each expert's down projection is row-parallel too: one sum for the block.
+            return self.tp.all_reduce(layer.moe(x, self.ops))
         gate_up = self.ops.linear(x, layer.gate_up_weight)
-        return self.ops.linear(self.ops.silu_and_mul(gate_up), layer.down_weight)
+        down = self.ops.linear(self.ops.silu_and_mul(gate_up), layer.down_weight)
+        return self.tp.all_reduce(down)  # row-parallel down_proj: partial sums
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """`forward`'s rows after the final norm: what a pooling runner pools (HF's
@@ -211,7 +232,9 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows of `forward`'s output."""
         h = self.ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return self.ops.linear(h, self.lm_head).to(torch.float32)
+        logits = self.ops.linear(h, self.lm_head).to(torch.float32)
+        # Vocab-parallel LM head: every rank's slice of the vocabulary, gathered once.
+        return self.tp.gather_last(logits, self.config.vocab_size)
 
 
 # --- the family: config.json keys and tensor names ---------------------------------------------

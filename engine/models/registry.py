@@ -119,7 +119,9 @@ def family_of(config: ModelConfig) -> Family:
 
 
 def build_model(config: ModelConfig, weights, max_positions: int, dtype, device, ops=None,
-                quantized=None):
-    """The family's model over loaded weights (see engine.models.llama.LlamaModel)."""
+                quantized=None, tp=None):
+    """The family's model over loaded weights (see engine.models.llama.LlamaModel); `tp`:
+    a rank's tensor-parallel group, for the families engine.parallel.sharding serves."""
+    extra = {"tp": tp} if tp is not None and tp.parallel else {}
     return family_of(config).model_class(config, weights, max_positions, dtype, device,
-                                         ops=ops, quantized=quantized)
+                                         ops=ops, quantized=quantized, **extra)

@@ -56,24 +56,37 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_weights(
-    model_path: str, config: ModelConfig, dtype: torch.dtype, pooling: bool = False
+    model_path: str, config: ModelConfig, dtype: torch.dtype, pooling: bool = False,
+    shard=None,
 ) -> dict[str, torch.Tensor]:
     """Load all weights of a `.gguf` file or HF safetensors folder as `dtype` tensors.
 
     `pooling`: for a pooling runner, which never computes logits: the LM head may be absent
     (it then shares the embedding's storage, unused), and a checkpoint saved from the bare
-    model (Qwen3-Embedding: `layers.0...`, no `model.` prefix) loads too."""
+    model (Qwen3-Embedding: `layers.0...`, no `model.` prefix) loads too.
+    shard: a tensor-parallel rank's `engine.parallel.sharding.Shard`; each tensor is then cut
+    to that rank's part as it is read, so no process holds the whole model."""
     expected = expected_shapes(config)
+
+    def take(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if shard is None:
+            return tensor
+        if tuple(tensor.shape) != expected[name]:  # checked whole, before it is cut
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+        return shard.take(name, tensor)
+
     if model_path.endswith(".gguf"):
-        weights = _load_gguf(model_path, config, expected, dtype)
+        weights = _load_gguf(model_path, config, expected, dtype, take)
     else:
         rename = _text_name_of(config)
         if pooling:
             rename = _bare_model_names(rename, expected)
-        weights = _load_safetensors(model_path, expected, dtype, rename)
+        weights = _load_safetensors(model_path, expected, dtype, rename, take)
     embed = weights.get("model.embed_tokens.weight")
     if pooling and embed is not None and "lm_head.weight" in expected.keys() - weights.keys():
         weights["lm_head.weight"] = embed  # shapes agree: [vocab, hidden]
+    if shard is not None:
+        expected = {name: shard.local_shape(name, shape) for name, shape in expected.items()}
     _check_complete(weights, expected)
     return weights
 
@@ -106,7 +119,7 @@ def _family_names(config: ModelConfig) -> dict[str, str]:
     return {**_GGUF_LAYER_NAMES, **family_of(config).gguf_layer_names}
 
 
-def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
+def _load_gguf(path, config, expected, dtype, take) -> dict[str, torch.Tensor]:
     weights = {}
     layer_names = _family_names(config)
     for tensor in gguf_reader(path).tensors:
@@ -119,14 +132,15 @@ def _load_gguf(path, config, expected, dtype) -> dict[str, torch.Tensor]:
             if unexpected:
                 raise ValueError(f"unexpected GGUF tensor {tensor.name!r} (no "
                                  f"{unexpected[0]} in this model)")
-            weights.update({name: _to_torch(array[e], dtype) for e, name in enumerate(experts)})
+            weights.update({name: take(name, _to_torch(array[e], dtype))
+                            for e, name in enumerate(experts)})
             continue
         name = _hf_name(tensor.name, layer_names)
         if name not in expected:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         array = _undo_rope_permute(array, tensor.name, config)
-        weights[name] = _to_torch(array, dtype)
+        weights[name] = take(name, _to_torch(array, dtype))
     return weights
 
 
@@ -236,7 +250,8 @@ def _text_name_of(config: ModelConfig):
     return rename
 
 
-def _load_safetensors(folder, expected, dtype, rename=lambda n: n) -> dict[str, torch.Tensor]:
+def _load_safetensors(folder, expected, dtype, rename=lambda n: n,
+                      take=lambda name, t: t) -> dict[str, torch.Tensor]:
     weights = {}
     for shard in _safetensors_shards(folder):
         with safe_open(shard, framework="pt") as f:
@@ -245,7 +260,7 @@ def _load_safetensors(folder, expected, dtype, rename=lambda n: n) -> dict[str, 
                 if name is None:
                     continue
                 if name in expected:
-                    weights[name] = f.get_tensor(stored).to(dtype)
+                    weights[name] = take(name, f.get_tensor(stored).to(dtype))
                 elif not _ignorable(name):
                     raise ValueError(f"unexpected tensor {name!r} in {shard}")
     return weights

@@ -49,7 +49,8 @@ OVERLAYS = [d for d in KUSTOMIZATIONS if d.parent.name == "overlays"]
 MONITORING = K8S / "monitoring"  # Prometheus Operator resources (CRDs), beside an overlay
 AUTOSCALING = K8S / "autoscaling"  # the engine tier's HPA on queue depth, beside an overlay
 # Kinds from CRDs, which the Kubernetes schemas do not know: checked by their own tests.
-CRD_GROUPS = ("monitoring.coreos.com/",)
+CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/")
+LEADERWORKERSET = K8S / "leaderworkerset"  # one engine over several pods (tensor parallel)
 # The oldest Kubernetes release we claim to support, and the newest the validator knows.
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 TIERS = ("engine", "frontend", "postproc")
@@ -167,6 +168,9 @@ def pod_specs(resource: dict) -> list[dict]:
         return [spec["template"]["spec"]]
     if "jobTemplate" in spec:
         return [spec["jobTemplate"]["spec"]["template"]["spec"]]
+    if "leaderWorkerTemplate" in spec:  # a LeaderWorkerSet: its leader and worker pods
+        lws = spec["leaderWorkerTemplate"]
+        return [t["spec"] for t in (lws.get("leaderTemplate"), lws["workerTemplate"]) if t]
     return []
 
 
@@ -303,6 +307,9 @@ def container_argv(container: dict, where: str) -> list[str]:
             env[var["name"]] = var["value"]
         elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[var["name"]] = "10.1.2.3"
+        elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "").endswith(
+                "['leaderworkerset.sigs.k8s.io/worker-index']"):
+            env[var["name"]] = "1"  # a LeaderWorkerSet pod's index in its group
 
     def expand(match: re.Match) -> str:
         assert match.group(1) in env, f"{where}: $({match.group(1)}) is not in the container's env"
@@ -311,14 +318,16 @@ def container_argv(container: dict, where: str) -> list[str]:
     return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", expand, str(a)) for a in container["args"]]
 
 
-# Containers of other images the manifests run: the frontends' state store (redis.yaml).
+# sluice's images (deploy/docker: the CPU one, the CUDA one); containers of other images
+# the manifests run: the frontends' state store (redis.yaml).
+SLUICE_IMAGES = {"sluice", "sluice-cuda"}
 OTHER_IMAGES = {"redis"}
 
 
 def is_sluice(container: dict) -> bool:
     name = split_image(container["image"])[0].rsplit("/", 1)[-1]
-    assert name in {"sluice", *OTHER_IMAGES}, f"unexpected image {container['image']}"
-    return name == "sluice"
+    assert name in SLUICE_IMAGES | OTHER_IMAGES, f"unexpected image {container['image']}"
+    return name in SLUICE_IMAGES
 
 
 def sluice_containers(resources: dict):
@@ -337,6 +346,24 @@ def test_container_args_are_accepted_by_the_cli(directory):
                   f"{rel(directory)}: {where}")
         checked += 1
     assert checked or directory in (MONITORING, AUTOSCALING)
+
+
+def test_leaderworkerset_is_one_engine_over_its_pods():
+    """Group size = --nnodes, GPUs per pod x pods = --tensor-parallel-size, every pod meets
+    at the leader's stable name, and the Service the frontends use selects leaders only."""
+    resources = by_key(render(LEADERWORKERSET))
+    [lws] = [r for r in resources.values() if r["kind"] == "LeaderWorkerSet"]
+    [service] = [r for r in resources.values() if r["kind"] == "Service"]
+    template = lws["spec"]["leaderWorkerTemplate"]
+    [container] = template["workerTemplate"]["spec"]["containers"]
+    args = parse_cli(container_argv(container, "lws"), "lws")
+    gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert args.command == "engine" and args.nnodes == template["size"]
+    assert args.tensor_parallel_size == gpus * template["size"]
+    name = lws["metadata"]["name"]
+    assert args.master_addr == f"{name}-0.{name}" and args.node_rank == 1
+    assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert urlsplit(args.engine_address).port == service["spec"]["ports"][0]["port"]
 
 
 def test_engine_autoscaling_targets_the_engine_statefulset():

@@ -32,6 +32,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--scale": "docker compose's",
     "--no-repack": "llama-server's (the llama.cpp comparison)",
     "--allowed-media-domains": "vLLM's, named as having no counterpart here",
+    "--nproc-per-node": "torchrun's (docs/operations.md, Tensor parallelism)",
 }
 # Benchmark script flags named in prose, away from the script's command line.
 PROSE_SCRIPT_FLAGS = {"--shared-system": "benchmarks/prefix_routing.py",

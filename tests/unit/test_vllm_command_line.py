@@ -131,8 +131,6 @@ def test_noop_flags_are_logged_once_at_start(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: sluice has no tensor"),
-    (["-tp", "4"], "--tensor-parallel-size 4"),
     (["--quantization", "awq"], "--quantization awq: sluice has no quantization"),
     (["--pipeline_parallel_size", "2"], "--pipeline-parallel-size 2"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4.0: sluice has no offloading"),

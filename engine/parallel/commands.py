@@ -1,0 +1,82 @@
+"""What rank 0 sends the other ranks, and how: a two-int header on the command group, then
+the command's payload. One STEP per model step (its plan: every chunk's tokens, positions
+and pages, so each rank builds the same attention metadata over its own KV cache), one
+LOGITS per LM-head call (the hidden rows, gathered back as full-vocabulary logits), STOP
+at the end. Never anything per layer: inside a step the ranks meet only in the model's own
+all-reduces.
+
+The command group (gloo, on the CPU) has no practical timeout: an idle engine sends
+nothing for as long as it is idle. The compute collectives run on the default group, whose
+timeout bounds a wait for a hung rank; a dead one is seen at once (its sockets close).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+STEP, LOGITS, STOP = 1, 2, 3
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+class ChunkPlan(msgspec.Struct, array_like=True):
+    """One scheduled chunk, as much of it as a rank's backend and model read."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    fed: list[int]  # the known tokens fed (then the draft)
+    draft: list[int]
+    pages: list[int]
+
+
+class StepPlan(msgspec.Struct, array_like=True):
+    chunks: list[ChunkPlan]
+
+
+class PlanSeq(msgspec.Struct):
+    """The part of a Sequence the attention backends read."""
+
+    request_id: str
+    pages: list[int]
+
+
+def plan_of(chunks) -> bytes:
+    out = []
+    for c in chunks:
+        known = c.start + c.num_tokens - len(c.draft)
+        out.append(ChunkPlan(c.seq.request_id, c.start, c.num_tokens,
+                             c.seq.token_ids[c.start:known], list(c.draft), list(c.seq.pages)))
+    return msgspec.msgpack.encode(StepPlan(out))
+
+
+_plan_decoder = msgspec.msgpack.Decoder(StepPlan)
+
+
+def decode_plan(payload: bytes) -> StepPlan:
+    return _plan_decoder.decode(payload)
+
+
+def send_command(group, kind: int, n: int, payload: bytes = b"") -> None:
+    """Rank 0: the header, then (STEP) the plan's bytes."""
+    dist.broadcast(torch.tensor([kind, n], dtype=torch.int64), 0, group=group)
+    if payload:
+        data = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
+        dist.broadcast(data, 0, group=group)
+
+
+def receive_command(group) -> tuple[int, int]:
+    header = torch.empty(2, dtype=torch.int64)
+    dist.broadcast(header, 0, group=group)
+    kind, n = header.tolist()
+    return kind, n
+
+
+def receive_payload(group, n: int) -> bytes:
+    data = torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(data, 0, group=group)
+    return data.numpy().tobytes()

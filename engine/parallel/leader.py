@@ -1,0 +1,163 @@
+"""Rank 0's side: it starts this machine's other ranks, joins the group, and stands in for
+the model and the attention backend inside the engine, so the scheduler, KV allocator,
+grammar and sampling (ModelRunner, EngineCore) run unchanged on rank 0 only.
+
+- `LeaderBackend.prepare` sends each step's plan (one command) before building rank 0's own
+  metadata; every rank then runs the same forward pass over its shard.
+- `LeaderModel.logits` sends the hidden rows (one command) and returns the gathered
+  full-vocabulary logits, which only rank 0 samples from.
+
+A watchdog thread watches the ranks this process started: one that exits takes the engine
+down at once (one log line, exit 1), so nothing waits on a rank that is gone; the frontends
+then treat the engine as dead, as for any engine fault. Ranks on other machines are seen
+through the collectives: a dead one closes its sockets, a hung one runs into the default
+group's timeout; either way the step raises and the engine exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from engine.parallel import commands
+from engine.parallel.group import TPGroup
+from engine.parallel.rendezvous import Rendezvous, for_rank
+from engine.parallel.sharding import Shard
+from shared.config import EngineConfig
+
+log = logging.getLogger("sluice.engine")
+
+# How long a compute collective waits for a peer (a hung rank) before the step fails.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(
+    os.environ.get("SLUICE_TP_TIMEOUT_S", "120")))
+
+
+def connect(rdv: Rendezvous, device: torch.device, shard: Shard):
+    """Join the ranks (blocks until all have come); returns (TPGroup, command group)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{rdv.master_addr}:{rdv.master_port}",
+        rank=rdv.rank, world_size=rdv.world_size, timeout=COLLECTIVE_TIMEOUT)
+    cmd_group = dist.new_group(backend="gloo", timeout=commands.IDLE_TIMEOUT)
+    return TPGroup(shard), cmd_group
+
+
+class WorkerSpec(msgspec.Struct):
+    """What a started rank needs: the engine's config and its own place."""
+
+    config: EngineConfig
+    rendezvous: Rendezvous
+    config_log_level: str = "info"
+
+
+def spawn_ranks(config, rdv: Rendezvous) -> list[tuple[int, subprocess.Popen]]:
+    """Start this machine's other ranks (engine.parallel.worker), each dying with us."""
+    procs = []
+    for rank in rdv.spawn:
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        spec = WorkerSpec(config, for_rank(rdv, rank), level)
+        spec = msgspec.json.encode(spec).decode()
+        proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker", spec],
+                                preexec_fn=_dies_with_parent)
+        procs.append((rank, proc))
+    return procs
+
+
+def _dies_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies, however it dies (Linux's
+    parent-death signal), so no rank outlives its engine."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Watchdog:
+    """Ends this process when a rank it started exits (unless we are closing)."""
+
+    def __init__(self, procs: list[tuple[int, subprocess.Popen]], on_lost=None) -> None:
+        self.procs = procs
+        self.closing = threading.Event()
+        self.on_lost = on_lost or _exit_engine
+        self.thread = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.closing.wait(0.2):
+            for rank, proc in self.procs:
+                code = proc.poll()
+                if code is not None and not self.closing.is_set():
+                    self.on_lost(rank, code)
+                    return
+
+
+def _exit_engine(rank: int, code: int) -> None:
+    log.error("tensor-parallel rank %d exited (code %s): the engine stops", rank, code)
+    logging.shutdown()
+    os._exit(1)
+
+
+class LeaderBackend:
+    """Rank 0's attention backend: sends the step's plan, then is the backend it wraps."""
+
+    def __init__(self, inner, cmd_group) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._cmd = cmd_group
+
+    def prepare(self, chunks):
+        payload = commands.plan_of(chunks)
+        commands.send_command(self._cmd, commands.STEP, len(payload), payload)
+        return self.inner.prepare(chunks)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class LeaderModel:
+    """Rank 0's model: its shard's forward; logits sent to every rank and gathered."""
+
+    def __init__(self, inner, cmd_group, procs, watchdog: Watchdog | None) -> None:
+        self.inner = inner
+        self._cmd = cmd_group
+        self.procs = procs
+        self.watchdog = watchdog
+        self.closed = False
+
+    def forward(self, *args, **kwargs):
+        return self.inner.forward(*args, **kwargs)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.contiguous()
+        commands.send_command(self._cmd, commands.LOGITS, hidden.shape[0])
+        dist.broadcast(hidden, 0)
+        return self.inner.logits(hidden)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the ranks and leave the group (an engine's end, or a test's)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.watchdog is not None:
+            self.watchdog.closing.set()
+        try:
+            commands.send_command(self._cmd, commands.STOP, 0)
+        except Exception as exc:  # a rank already gone: nothing to tell it
+            log.warning("could not tell the ranks to stop: %s", exc)
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        dist.destroy_process_group()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

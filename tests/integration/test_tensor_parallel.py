@@ -1,0 +1,120 @@
+"""Tensor parallelism through the HTTP API (engine.parallel): `sluice engine -tp N` and a
+`sluice frontend`, separate processes, as `serve` or an orchestrator runs them.
+
+- a tiny Llama at -tp 2 serves completions and streams; a rank killed mid-stream takes its
+  engine down at once (the engine exits non-zero), the frontend ends the stream with its
+  503 error and answers 503 after, nothing hangs;
+- the default model (SmolLM2-135M, 9 heads over 3 KV heads) at -tp 3 gives the greedy text
+  the session's one-rank engine gives (slow: three ranks load it on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import transformers
+
+from tests.conftest import SHARED_ENGINE_ARGS
+from tests.servers import Engine, wait_until
+from tests.tiny_vlm import tiny_vlm_tokenizer
+
+STREAM = {"prompt": "hello world", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+
+
+def _tiny_llama(path) -> str:
+    tok = tiny_vlm_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (the ranks an engine started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+@pytest.fixture(scope="module")
+def tp_engine(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    model = _tiny_llama(tmp / "model")
+    engine = Engine(str(tmp), "--model", model, "-tp", "2", "--dtype", "float32",
+                    "--threads", "2")
+    frontend = engine.frontend(str(tmp), "frontend", "--model", model, "--engine-timeout", "2")
+    yield engine, frontend
+    frontend.stop()
+    engine.stop()
+
+
+def test_a_killed_rank_ends_its_engine_and_the_stream(tp_engine):
+    engine, frontend = tp_engine
+    r = httpx.post(f"{frontend.base_url}/v1/completions",
+                   json={**STREAM, "max_tokens": 8}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+    [rank] = _children(engine.proc.popen.pid)  # -tp 2: one rank beside the engine
+
+    events: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{frontend.base_url}/v1/completions",
+                          json={**STREAM, "stream": True}, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_until(lambda: len(events) >= 3, 60, "the stream's first tokens")
+    os.kill(rank, 9)
+    killed = time.monotonic()
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "the stream hangs after its engine's rank died"
+    assert time.monotonic() - killed < 20
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503, error
+    assert engine.proc.popen.wait(timeout=10) != 0
+    assert "tensor-parallel rank 1 exited" in engine.proc.log()
+    r = httpx.post(f"{frontend.base_url}/v1/completions", json={**STREAM, "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 503
+
+
+@pytest.mark.slow
+def test_default_model_at_three_ranks_matches_one(base_url, tmp_path):
+    engine = Engine(str(tmp_path), *SHARED_ENGINE_ARGS, "-tp", "3")
+    try:
+        frontend = engine.frontend(str(tmp_path), "frontend")
+        try:
+            for prompt in ("The capital of France is", "def fibonacci(n):",
+                           "Once upon a time, in a land far away, there lived"):
+                body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+                want = httpx.post(f"{base_url}/v1/completions", json=body, timeout=600)
+                got = httpx.post(f"{frontend.base_url}/v1/completions", json=body, timeout=600)
+                assert got.status_code == want.status_code == 200, got.text
+                assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        finally:
+            frontend.stop()
+    finally:
+        engine.stop()

@@ -1,0 +1,251 @@
+"""Tensor parallelism (engine.parallel) on the CPU with gloo: an engine of N ranks (this
+process is rank 0, the others are the worker processes it starts) against the same model at
+one rank, in float32, through EngineCore: chunked prefill (an 8-token budget), decode,
+prefix-cache hits (every prompt runs twice), prompt logprobs and logprobs. Greedy tokens
+equal, logprobs within float32 tolerance.
+
+Tiny random transformers checkpoints cover each sharding case: KV heads split across ranks,
+fewer KV heads than ranks (replicated), 3 ranks over a vocabulary and an intermediate that
+do not divide by 3 (zero-padded parts), q/k norms, q/k/v biases, MoE experts with a shared
+expert."""
+
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from engine.build import build_engine
+from engine.parallel.leader import Watchdog
+from engine.parallel.rendezvous import plan_rendezvous
+from engine.parallel.sharding import Shard, check_tensor_parallel
+from sluice import cli
+from shared.config import EngineConfig
+from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
+from shared.startup_checks import StartupError
+from shared.transport import free_tcp_port
+from tests.tiny_vlm import tiny_vlm_tokenizer
+from tests.unit.engine_builders import CONFIG
+from tests.unit.test_model_reference import TINY, _randomize
+
+# case -> (config class, model class, overrides, ranks)
+CASES = {
+    # 4 heads, 2 KV heads over 2 ranks: one KV head each.
+    "llama-kv-split": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                       dict(num_attention_heads=4, num_key_value_heads=2), 2),
+    # One KV head, 2 ranks: both hold it. Tied embeddings: the head is the embedding's shard.
+    "llama-kv-replicated": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                            dict(num_attention_heads=4, num_key_value_heads=1,
+                                 tie_word_embeddings=True), 2),
+    # 6 heads, 3 KV heads over 3 ranks (SmolLM2's shape); vocab 256 and intermediate 128
+    # split in 3 are padded; q/k norms.
+    "qwen3-tp3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                  dict(num_attention_heads=6, num_key_value_heads=3, head_dim=16), 3),
+    # Experts split inside, a shared expert and its gate, q/k/v biases.
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48), 2),
+}
+PROMPT_LENGTHS = [1, 6, 19, 27]
+STEPS = 10
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+    config_cls, model_cls, overrides, ranks = CASES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    model = model_cls._from_config(config_cls(**{**TINY, **overrides}),
+                                   attn_implementation="eager").to(torch.float32)
+    _randomize(model, seed=8)
+    model.save_pretrained(path, safe_serialization=True)
+    tiny_vlm_tokenizer().save_pretrained(path)
+    return str(path), ranks
+
+
+def _config(path: str, ranks: int) -> EngineConfig:
+    return EngineConfig(model=path, served_model_name="m", request_address="inproc://x",
+                        device="cpu", dtype="float32", attention_backend="torch",
+                        num_pages=64, page_size=4, max_num_batched_tokens=8, threads=1,
+                        tensor_parallel_size=ranks)
+
+
+def _serve(core, prompts) -> dict[str, dict]:
+    """Every prompt twice, greedy, with logprobs; the first round with prompt logprobs
+    too, the second without (so its prompts hit the prefix cache)."""
+    out: dict[str, dict] = {}
+    for round_ in range(2):
+        for i, prompt in enumerate(prompts):
+            rid = f"r{round_}-{i}"
+            core.add(EngineRequest(
+                request_id=rid, prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
+                params=SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True,
+                                      logprobs=3,
+                                      prompt_logprobs=2 if round_ == 0 else None),
+                arrival_time=0.0))
+            out[rid] = {"tokens": [], "logprobs": [], "prompt_logprobs": None}
+        while core.has_work:
+            for _, o in core.step():
+                assert o.error is None, o.error
+                r = out[o.request_id]
+                r["tokens"].extend(unpack_ids(o.new_token_ids).tolist())
+                if o.logprobs is not None:
+                    r["logprobs"].append(np.frombuffer(o.logprobs.top_logprobs, "<f4"))
+                if o.prompt_logprobs is not None:
+                    r["prompt_logprobs"] = np.frombuffer(o.prompt_logprobs.token_logprobs, "<f4")
+    return out
+
+
+def test_ranks_match_one_rank(checkpoint):
+    path, ranks = checkpoint
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist()
+               for n in PROMPT_LENGTHS]
+    single = build_engine(_config(path, 1))
+    expected = _serve(single, prompts)
+    core = build_engine(_config(path, ranks))
+    try:
+        assert core.runner.model.inner.tp.size == ranks
+        got = _serve(core, prompts)
+        assert core.allocator.prefix_hits > 0
+    finally:
+        core.runner.model.close()
+    for rid, want in expected.items():
+        assert got[rid]["tokens"] == want["tokens"], rid
+        np.testing.assert_allclose(np.stack(got[rid]["logprobs"]),
+                                   np.stack(want["logprobs"]), atol=1e-4, rtol=0)
+        if want["prompt_logprobs"] is not None:
+            np.testing.assert_allclose(got[rid]["prompt_logprobs"], want["prompt_logprobs"],
+                                       atol=1e-4, rtol=0, equal_nan=True)
+
+
+# --- the slicing and the refusals, without processes ---------------------------------------------
+
+
+def _small_config(**fields):
+    return msgspec.structs.replace(CONFIG, **fields)
+
+
+def test_shards_put_back_together_give_the_tensor():
+    """Column parts stack to the whole, padded parts carry zeros only, replicated KV heads
+    follow the query heads that use them."""
+    full = torch.arange(7 * 3, dtype=torch.float32).view(7, 3)  # a 7-token vocabulary
+    parts = [Shard(r, 3, 6, 3, 1).take("model.embed_tokens.weight", full) for r in range(3)]
+    assert [p.shape[0] for p in parts] == [3, 3, 3]
+    assert torch.equal(torch.cat(parts)[:7], full) and not torch.cat(parts)[7:].any()
+    down = torch.randn(4, 10)  # [hidden, intermediate 10] over 3 ranks: 4 + 4 + 2 (+2 zeros)
+    cols = [Shard(r, 3, 6, 3, 1).take("model.layers.0.mlp.down_proj.weight", down)
+            for r in range(3)]
+    assert torch.equal(torch.cat(cols, dim=1)[:, :10], down)
+    k = torch.arange(2 * 4, dtype=torch.float32).view(2 * 4, 1)  # 2 KV heads of head_dim 4
+    held = [Shard(r, 4, 8, 2, 4).take("model.layers.0.self_attn.k_proj.weight", k)
+            for r in range(4)]
+    assert [int(h[0, 0]) for h in held] == [0, 0, 4, 4]  # ranks 0,1: head 0; 2,3: head 1
+    # Replicated: whole, but a copy (no view keeps the checkpoint's mapping alive).
+    for name, whole in (("model.layers.0.input_layernorm.weight", torch.rand(4)),
+                        ("model.layers.0.mlp.gate.weight", torch.rand(4, 8)),
+                        ("model.layers.0.self_attn.q_norm.weight", torch.rand(4))):
+        held = Shard(1, 2, 4, 2, 4).take(name, whole)
+        assert torch.equal(held, whole) and held.data_ptr() != whole.data_ptr(), name
+
+
+@pytest.mark.parametrize("fields, ranks, match", [
+    (dict(num_heads=4, num_kv_heads=2), 3, "4 attention heads do not divide into 3"),
+    (dict(num_heads=6, num_kv_heads=4), 3, "4 KV heads neither divide"),
+    (dict(architecture="gemma2"), 2, "gemma2 family is not sharded"),
+])
+def test_unsplittable_models_are_refused(fields, ranks, match):
+    with pytest.raises(StartupError, match=match):
+        check_tensor_parallel(_small_config(**fields), ranks)
+
+
+@pytest.mark.parametrize("kwargs, environ, match", [
+    (dict(tensor_parallel_size=4, nnodes=3), {}, "4 does not divide into --nnodes 3"),
+    (dict(tensor_parallel_size=4, nnodes=2), {}, "needs --master-addr"),
+    (dict(tensor_parallel_size=2, nnodes=2, node_rank=2), {}, "--node-rank 2 is not within"),
+    (dict(tensor_parallel_size=1, nnodes=2, master_addr="h"), {}, "nothing to spread"),
+    (dict(tensor_parallel_size=2), dict(WORLD_SIZE="4", RANK="0"), "WORLD_SIZE=4"),
+    (dict(tensor_parallel_size=2), dict(WORLD_SIZE="2", RANK="1"), "MASTER_ADDR"),
+])
+def test_bad_rendezvous_is_refused(kwargs, environ, match):
+    with pytest.raises(StartupError, match=match):
+        plan_rendezvous(**kwargs, environ=environ)
+
+
+def test_rendezvous_places():
+    node1 = plan_rendezvous(4, nnodes=2, node_rank=1, master_addr="head", environ={})
+    assert (node1.rank, node1.spawn, node1.master_port) == (2, (3,), 29500)
+    env = dict(WORLD_SIZE="2", RANK="1", LOCAL_RANK="0", MASTER_ADDR="a", MASTER_PORT="7")
+    torchrun = plan_rendezvous(2, environ=env)
+    assert (torchrun.rank, torchrun.spawn, torchrun.master_port) == (1, (), 7)
+    assert plan_rendezvous(1, environ={}) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-tp", "0"], "0 is below the minimum, 1"),
+    (["--nnodes", "0"], "0 is below the minimum, 1"),
+    (["--node-rank", "-1"], "-1 is below the minimum, 0"),
+    (["--master-port", "70000"], "70000 is above the maximum"),
+    (["-tp", "two"], "not an integer"),
+])
+def test_flag_values_are_bounded(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_flags_reach_the_engine_and_serve_forwards_them(monkeypatch):
+    argv = ["-tp", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "head",
+            "--master-port", "29501"]
+    config = cli.engine_config(cli.parse_args(["engine", *argv]), "ipc:///tmp/x")
+    assert (config.tensor_parallel_size, config.nnodes, config.node_rank, config.master_addr,
+            config.master_port) == (4, 2, 1, "head", 29501)
+    started = []
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda argv, **kwargs: started.append(argv))
+    monkeypatch.setattr(cli, "_supervise", lambda children, **kwargs: 0)
+    cli._serve(cli.parse_args(["serve", "-tp", "3"]))
+    engine = next(a for a in started if "engine" in a)
+    assert engine[engine.index("--tensor-parallel-size") + 1] == "3"
+
+
+def test_two_nodes_meet_over_the_documented_rendezvous(tmp_path):
+    """`--nnodes 2`: node 1 is a separate `sluice engine --node-rank 1` process (as on
+    another machine), node 0 is the engine here; they meet at --master-addr:--master-port
+    over loopback and serve the one-rank tokens. Node 1 exits 0 when the engine closes."""
+    config_cls, model_cls, overrides, _ = CASES["llama-kv-split"]
+    model = model_cls._from_config(config_cls(**{**TINY, **overrides}))
+    _randomize(model, seed=8)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tiny_vlm_tokenizer().save_pretrained(tmp_path)
+    path, port = str(tmp_path), free_tcp_port()
+    prompts = [[5, 6, 7], list(range(20, 40))]
+    expected = _serve(build_engine(_config(path, 1)), prompts)
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "sluice", "engine", "--model", path, "-tp", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port",
+         str(port), "--dtype", "float32", "--attention-backend", "torch", "--threads", "1",
+         "--num-kv-pages", "64", "--page-size", "4", "--max-num-batched-tokens", "8"])
+    try:
+        core = build_engine(msgspec.structs.replace(
+            _config(path, 2), nnodes=2, node_rank=0, master_addr="127.0.0.1",
+            master_port=port))
+        assert core.runner.model.procs == []  # node 0 runs one rank: itself
+        got = _serve(core, prompts)
+        core.runner.model.close()
+        assert node1.wait(timeout=30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    assert {k: v["tokens"] for k, v in got.items()} == {
+        k: v["tokens"] for k, v in expected.items()}
+
+
+def test_watchdog_reports_a_rank_that_exits():
+    lost = []
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dog = Watchdog([(1, proc)], on_lost=lambda rank, code: lost.append((rank, code)))
+    dog.thread.join(timeout=30)
+    assert lost == [(1, 3)]
