@@ -22,11 +22,11 @@ from engine.build import build_engine
 from engine.parallel.leader import Watchdog
 from engine.parallel.rendezvous import plan_rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel
-from sluice import cli
 from shared.config import EngineConfig
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from shared.startup_checks import StartupError
 from shared.transport import free_tcp_port
+from sluice import cli
 from tests.tiny_vlm import tiny_vlm_tokenizer
 from tests.unit.engine_builders import CONFIG
 from tests.unit.test_model_reference import TINY, _randomize
