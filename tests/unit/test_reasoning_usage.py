@@ -5,10 +5,12 @@ by the postproc step token by token. The markers that open and close a section (
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from postproc.processor import OutputProcessor
-from shared.protocol import OutputParams, RequestOutput, pack_ids
+from shared.protocol import ChunkFormat, OutputParams, RequestOutput, pack_ids
 from shared.tokenizer import load_tokenizer
 from tests.harmony_model import harmony_tokenizer
 
@@ -170,3 +172,18 @@ def test_harmony_tool_call_arguments_are_not_reasoning(harmony_tok):
     assert [c.function.name for f in frames for c in f.tool_calls
             if c.function and c.function.name] == ["get_weather"]
     assert frames[-1].num_reasoning_tokens == len(analysis)
+
+
+def test_continuous_usage_chunks_carry_the_running_count(think_tokenizer):
+    tok = think_tokenizer
+    body = encode(tok, THINKING)
+    ids = encode(tok, "<think>") + body + encode(tok, "</think>", ANSWER)
+    fmt = ChunkFormat("chat", "chatcmpl-1", 0, "m", 0, continuous_usage=True)
+    frames = run(tok, ids, OutputParams(reasoning_parser="qwen3", chunk=fmt))
+    usages = [json.loads(f.chunk[len(b"data: "):])["usage"] for f in frames if f.chunk]
+    counts = [u["completion_tokens_details"]["reasoning_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[-1] == len(body)
+    # Without a reasoning parser the chunks' usage has no details (as before).
+    plain = run(tok, ids, OutputParams(chunk=fmt))
+    assert all("completion_tokens_details" not in json.loads(f.chunk[6:])["usage"]
+               for f in plain if f.chunk)
