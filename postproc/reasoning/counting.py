@@ -14,6 +14,8 @@ judged once all its text has been read, and a token cut off by a stop string nev
 
 from __future__ import annotations
 
+from collections import deque
+
 from postproc.reasoning.base import ReasoningDelta, ReasoningParser
 
 
@@ -30,7 +32,7 @@ class CountingReader:
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
         self.reasoning_tokens = 0
-        self._queue: list[_Token] = []
+        self._queue: deque[_Token] = deque()
 
     def tokens(self, texts: list[tuple[str, int]]) -> None:
         """New tokens' texts, as the detokenizer gave them: (text, number of tokens)."""
@@ -51,7 +53,7 @@ class CountingReader:
                 token.unread -= take
             if token.unread:
                 break  # the rest of its text is still held back
-            self._queue.pop(0)
+            self._queue.popleft()
             if token.inside and self.parser.in_reasoning:
                 self.reasoning_tokens += token.size
         if pos < len(text):  # (never: the text is theirs) read it all the same
