@@ -17,6 +17,7 @@ from postproc.openai_shapes import (
     ChatCompletionChunk,
     Completion,
     CompletionChoice,
+    CompletionTokensDetails,
     Delta,
     Usage,
     chat_logprobs,
@@ -45,6 +46,7 @@ class Piece(msgspec.Struct):
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_reasoning_tokens: int | None = None  # None: the request runs no reasoning parser
 
 
 class ChunkWriter:
@@ -76,6 +78,9 @@ class ChunkWriter:
         if self.fmt.continuous_usage:
             usage = Usage(piece.num_prompt_tokens, piece.num_output_tokens,
                           piece.num_prompt_tokens + piece.num_output_tokens)
+            if piece.num_reasoning_tokens is not None:
+                usage.completion_tokens_details = CompletionTokensDetails(
+                    piece.num_reasoning_tokens)
         if self.fmt.kind == "chat":
             return self._chat(piece, entries, ids, usage)
         text = (self.fmt.echo if echo else "") + piece.content

@@ -25,12 +25,19 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int  # prompt tokens the prefix cache already held
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    # Output tokens the reasoning parser read as reasoning (docs/parsers.md says which).
+    reasoning_tokens: int
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     # With --enable-prompt-tokens-details (vLLM's), in whole answers and final usage chunks.
     prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
+    # For a request that runs a reasoning parser.
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 class Delta(msgspec.Struct, omit_defaults=True):

@@ -24,7 +24,8 @@ import msgspec
 from postproc.chunks import ChunkWriter, Piece
 from postproc.detokenizer import IncrementalDetokenizer
 from postproc.logprobs import TokenTexts, logprob_entries, token_id_name
-from postproc.reasoning import ReasoningParser, get_reasoning_parser
+from postproc.reasoning import get_reasoning_parser
+from postproc.reasoning.counting import CountingReader
 from postproc.stop_strings import StopMatcher
 from postproc.tool_parsers import ToolDelta, ToolParser, get_tool_parser
 from shared.protocol import Continuation, OutputParams, RequestOutput, TextFrame, unpack_ids
@@ -46,7 +47,7 @@ class RequestState(msgspec.Struct):
     params: OutputParams
     detokenizer: IncrementalDetokenizer
     stops: StopMatcher | None
-    reasoning: ReasoningParser | None
+    reasoning: CountingReader | None  # the reasoning parser, counting its tokens
     tools: ToolParser | None
     writer: ChunkWriter | None
     next_seq: int = 0
@@ -117,8 +118,8 @@ class OutputProcessor:
         params = spec.params
         reasoning = None
         if params.reasoning_parser:
-            reasoning = get_reasoning_parser(params.reasoning_parser).starting(
-                params.starts_in_reasoning)
+            reasoning = CountingReader(get_reasoning_parser(params.reasoning_parser).starting(
+                params.starts_in_reasoning))
         tools = None
         if params.tool_parser:
             declared = msgspec.json.decode(params.tools) if params.tools else None
@@ -179,12 +180,16 @@ class OutputProcessor:
             finish_reason = "tool_calls"  # as OpenAI says when the answer called tools
         logprobs = self._entries(state, ids, output.logprobs)
         prompt_logprobs = self._entries(state, state.prompt_ids, output.prompt_logprobs)
+        # Counted only for requests that run a reasoning parser (None: usage has no details).
+        reasoning_tokens = (state.reasoning.reasoning_tokens if state.reasoning is not None
+                            else None)
         chunk = b""
         if state.writer is not None and finish_reason != "error":
             ids_list = ids.tolist() if state.writer.fmt.token_ids else []
             chunk = state.writer.write(Piece(
                 content, reasoning, calls, logprobs or [], prompt_logprobs, ids_list,
                 finish_reason, stop_reason, output.num_prompt_tokens, output.num_output_tokens,
+                reasoning_tokens,
             ))
         frame = TextFrame(
             request_id=request_id,
@@ -193,6 +198,7 @@ class OutputProcessor:
             token_ids=output.new_token_ids,
             num_prompt_tokens=output.num_prompt_tokens,
             num_output_tokens=output.num_output_tokens,
+            num_reasoning_tokens=reasoning_tokens,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             error=output.error,
@@ -211,7 +217,9 @@ class OutputProcessor:
         return frame
 
     def _text(self, state: RequestState, output: RequestOutput, ids):
-        """Detokenized new text after stop strings, and the finish it leads to."""
+        """Detokenized new text after stop strings, and the finish it leads to. With a
+        reasoning parser, its counting reader also gets each token's text before stop
+        strings (to tell the reasoning tokens)."""
         finished = output.finish_reason is not None
         text_ids = ids
         if (output.finish_reason == "stop" and len(ids)
@@ -224,10 +232,18 @@ class OutputProcessor:
         gated = max(0, min(len(text_ids),
                            state.params.min_tokens - (output.num_output_tokens - len(ids))))
         ids_list = text_ids.tolist()
-        early = state.detokenizer.push(ids_list[:gated]) if gated else ""
-        text = state.detokenizer.push(ids_list[gated:]) if len(ids_list) > gated else ""
-        if finished:
-            text += state.detokenizer.flush()
+        if state.reasoning is not None:
+            texts = [(state.detokenizer.push([i]), 1) for i in ids_list]
+            if finished:
+                texts.append((state.detokenizer.flush(), 0))
+            state.reasoning.tokens(texts)
+            early = "".join(t for t, _ in texts[:gated])
+            text = "".join(t for t, _ in texts[gated:])
+        else:
+            early = state.detokenizer.push(ids_list[:gated]) if gated else ""
+            text = state.detokenizer.push(ids_list[gated:]) if len(ids_list) > gated else ""
+            if finished:
+                text += state.detokenizer.flush()
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         if state.stops is not None and finish_reason != "error":
             if gated:

@@ -448,6 +448,9 @@ class TextFrame(msgspec.Struct, frozen=True, omit_defaults=True):
     # Streamed requests: this frame as ready-to-write SSE bytes (empty: nothing to send).
     chunk: bytes = b""
     pooled: RawTensor | None = None  # a pooling request's vector (RequestOutput.pooled)
+    # Of the output tokens so far, those the reasoning parser read as reasoning (the section
+    # markers left out); None when the request runs no reasoning parser.
+    num_reasoning_tokens: int | None = None
 
 
 class FrameBatch(msgspec.Struct, tag="frames", frozen=True):

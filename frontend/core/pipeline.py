@@ -47,7 +47,7 @@ from frontend.engines.engine_client import EngineUnavailable
 from frontend.engines.lora_client import lora_name_for
 from frontend.input.structured import constraint_for, forces_call
 from postproc.chunks import sse_event
-from postproc.openai_shapes import PromptTokensDetails, Usage
+from postproc.openai_shapes import CompletionTokensDetails, PromptTokensDetails, Usage
 from postproc.reasoning import get_reasoning_parser
 from shared.protocol import (
     ChunkFormat,
@@ -119,6 +119,11 @@ class Candidate(msgspec.Struct):
     @property
     def finished(self) -> bool:
         return self.last is not None and self.last.finish_reason is not None
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """Its output tokens read as reasoning; None when it ran no reasoning parser."""
+        return self.last.num_reasoning_tokens if self.last is not None else None
 
     @property
     def text(self) -> str:
@@ -228,12 +233,15 @@ def stream_usage(ctx: ServingContext, request) -> tuple[bool, bool]:
 
 
 def job_usage(ctx: ServingContext, job: Job, completion_tokens: int,
-              cached: dict[int, int]) -> Usage:
+              cached: dict[int, int], reasoning_tokens: int | None = None) -> Usage:
     """A job's usage. `cached`: candidate number -> prompt tokens found in the prefix cache;
     a prompt counts once in prompt_tokens, so its cached tokens count once too (its first
-    candidate's), given only with --enable-prompt-tokens-details."""
+    candidate's), given only with --enable-prompt-tokens-details. `reasoning_tokens`: of
+    the completion tokens, the reasoning parser's (None: the job runs no such parser)."""
     prompt = job.num_prompt_tokens
     usage = Usage(prompt, completion_tokens, prompt + completion_tokens)
+    if reasoning_tokens is not None:
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens)
     if ctx.output.prompt_tokens_details:
         per_prompt = job.plan.candidates
         usage.prompt_tokens_details = PromptTokensDetails(
@@ -412,11 +420,14 @@ class StreamUsage(msgspec.Struct):
 
     completion_tokens: dict[int, int] = msgspec.field(default_factory=dict)
     cached_tokens: dict[int, int] = msgspec.field(default_factory=dict)
+    reasoning_tokens: dict[int, int] = msgspec.field(default_factory=dict)
 
     def forward(self, number: int, frame: TextFrame) -> list[bytes]:
         """`frame_loop`'s on_frame for OpenAI streams: counts the candidate's tokens and
         passes on the chunk postproc wrote for the frame."""
         self.completion_tokens[number] = frame.num_output_tokens
+        if frame.num_reasoning_tokens is not None:
+            self.reasoning_tokens[number] = frame.num_reasoning_tokens
         if frame.num_cached_tokens is not None:
             self.cached_tokens[number] = frame.num_cached_tokens
         return [frame.chunk] if frame.chunk else []
@@ -437,5 +448,6 @@ async def sse_stream(ctx: ServingContext, job: Job, frames: Frames, opening: lis
         yield sse_event(error_body(error.status, error.message))
     if include_usage:
         completion = sum(usage.completion_tokens.values())
-        yield usage_chunk(job_usage(ctx, job, completion, usage.cached_tokens))
+        reasoning = sum(usage.reasoning_tokens.values()) if usage.reasoning_tokens else None
+        yield usage_chunk(job_usage(ctx, job, completion, usage.cached_tokens, reasoning))
     yield b"data: [DONE]\n\n"

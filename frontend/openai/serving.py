@@ -76,8 +76,10 @@ def _chosen(job: Job, candidates: list[Candidate]) -> list[tuple[int, Candidate]
 
 def _usage(ctx: ServingContext, job: Job, candidates: list[Candidate]) -> Usage:
     completion = sum(c.last.num_output_tokens for c in candidates)
+    counted = [c.reasoning_tokens for c in candidates if c.reasoning_tokens is not None]
     return job_usage(ctx, job, completion,
-                     {i: c.num_cached_tokens for i, c in enumerate(candidates)})
+                     {i: c.num_cached_tokens for i, c in enumerate(candidates)},
+                     sum(counted) if counted else None)
 
 
 # ---------------------------------------------------------------- chat

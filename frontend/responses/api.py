@@ -76,6 +76,7 @@ from frontend.responses.models import (
     OutputItem,
     OutputItemEvent,
     OutputText,
+    OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
     ResponseError,
@@ -346,7 +347,8 @@ class _Shaper(msgspec.Struct):
         output_tokens = last.num_output_tokens
         usage = ResponseUsage(self.prompt_tokens, output_tokens,
                               self.prompt_tokens + output_tokens,
-                              InputTokensDetails(outcome.num_cached_tokens))
+                              InputTokensDetails(outcome.num_cached_tokens),
+                              OutputTokensDetails(last.num_reasoning_tokens or 0))
         return msgspec.structs.replace(self.base, output=items, usage=usage, **changes)
 
     # ------------------------------------------------------------ stream events

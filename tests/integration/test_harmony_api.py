@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.harmony_model import write_gpt_oss_checkpoint
+from tests.harmony_model import harmony_tokenizer, write_gpt_oss_checkpoint
 from tests.servers import Stack
 
 pytestmark = pytest.mark.slow  # builds a checkpoint and starts its own server (~1 min)
@@ -80,14 +80,33 @@ def streamed(chunks):
     return reasoning, content, calls, finish
 
 
+def analysis_body_tokens(token_ids: list[int]) -> int:
+    """The tokens of the output's first message body: what reasoning_tokens counts for an
+    ANSWER (its channel header and <|end|> are not reasoning)."""
+    tok = harmony_tokenizer()
+    begin = token_ids.index(tok.convert_tokens_to_ids("<|message|>")) + 1
+    end = token_ids.index(tok.convert_tokens_to_ids("<|end|>"))
+    assert tok.decode(token_ids[begin:end]) == "Think it over."
+    return end - begin
+
+
 def test_analysis_is_reasoning_and_final_is_content(client):
-    whole = chat(client, ANSWER)
+    whole = chat(client, ANSWER, extra_body={"return_token_ids": True})
     message = whole.choices[0].message
     assert (message.reasoning_content, message.content) == ("Think it over.",
                                                             "Paris is the answer.")
     assert whole.choices[0].finish_reason == "stop"
-    assert streamed(chat(client, ANSWER, stream=True)) == (
-        "Think it over.", "Paris is the answer.", {}, "stop")
+    # Usage counts the analysis body's tokens as reasoning, the Harmony markers not.
+    body = analysis_body_tokens(whole.choices[0].token_ids)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == body
+    assert whole.usage.completion_tokens == len(whole.choices[0].token_ids)
+    chunks = list(chat(client, ANSWER, stream=True, stream_options={"include_usage": True}))
+    assert streamed(chunks) == ("Think it over.", "Paris is the answer.", {}, "stop")
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == body
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # n > 1 sums over the choices (the grammar makes them alike).
+    two = chat(client, ANSWER, n=2)
+    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * body
 
 
 def test_a_call_on_commentary_is_a_tool_call_and_the_preamble_content(client):

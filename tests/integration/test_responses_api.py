@@ -168,7 +168,12 @@ def test_reasoning_items_from_the_reasoning_parser(client):
     assert r.output[0].type == "reasoning"
     thinking = r.output[0].content[0].text
     assert thinking.strip() and r.output_text == ""
+    # Every output token is inside the thinking block the prompt opened: all reasoning.
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens
     events = events_of(client, **ask)
+    streamed_usage = events[-1].response.usage  # (its prompt may be cached by now)
+    assert (streamed_usage.output_tokens, streamed_usage.output_tokens_details) == (
+        r.usage.output_tokens, r.usage.output_tokens_details)
     assert events[2].item.type == "reasoning"
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == thinking

@@ -183,7 +183,7 @@ FRONTEND_INBOUND = {
                 token_ids=pack_ids([1, 2, 3]),
                 num_prompt_tokens=4,
                 num_output_tokens=3,
-                first_token_time=1.0, num_cached_tokens=16,
+                first_token_time=1.0, num_cached_tokens=16, num_reasoning_tokens=2,
                 logprobs=[
                     LogprobEntry(
                         1, "a", -0.5, [TopLogprob(1, "a", -0.5), TopLogprob(9, "é", -2.0)]
