@@ -28,6 +28,7 @@ from engine.models.config import ModelConfig, load_model_config
 from engine.models.ops import QUANTIZED_MAX_ROWS, make_ops
 from engine.models.registry import build_model
 from engine.models.weights import load_quantized_weights, load_weights
+from engine.pooling import TokenScoreHead
 from engine.scheduler import Scheduler
 from engine.spec_decode import Drafter
 from shared.config import EngineConfig
@@ -195,6 +196,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
                             quantized=quantized)
     except ValueError as exc:  # a weight the batch-invariant kernels cannot take
         raise StartupError(str(exc)) from None
+    score_head = (_score_head(config, model_config, weights, pooling.score_tokens, device)
+                  if pooling is not None and pooling.score_tokens else None)
     del weights
     lora = _lora_manager(config, model)
     vision = None
@@ -233,6 +236,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
     runner = ModelRunner(model, backend, model_config.vocab_size, vision,
                          pooler=pooling.pooler if pooling is not None else None)
     runner.lora_ops = lora.ops if lora is not None else None
+    if score_head is not None:
+        runner.classifier_head = score_head
     return EngineCore(
         runner,
         allocator,
@@ -255,12 +260,32 @@ def build_engine(config: EngineConfig) -> EngineCore:
     )
 
 
+def _score_head(config: EngineConfig, model_config, weights, tokens: list[str], device
+                ) -> TokenScoreHead:
+    """--hf-overrides' yes/no head from the LM head's rows of its two tokens."""
+    head = weights.get("lm_head.weight")
+    if head is None and model_config.tie_word_embeddings:
+        head = weights.get("model.embed_tokens.weight")
+    if model_config.architecture in ("bert", "roberta") or head is None:
+        raise StartupError("--hf-overrides makes a decoder (a *ForCausalLM with an LM head) a "
+                           f"yes/no reranker; {config.model} is not one")
+    vocab = load_tokenizer(config.tokenizer or config.model).get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise StartupError(f"--hf-overrides classifier_from_token {missing} are not single "
+                           "tokens of this model's vocabulary")
+    ids = [vocab[t] for t in tokens]
+    if max(ids) >= model_config.vocab_size:
+        raise StartupError(f"--hf-overrides tokens {tokens} lie outside the LM head")
+    return TokenScoreHead(head, ids[0], ids[1], device)
+
+
 def _pooling(config: EngineConfig) -> PoolingFacts | None:
     """The pooling facts of a pooling engine (vLLM's --runner pooling); None: it generates."""
-    if resolve_runner(config.model, config.runner) != "pooling":
+    if resolve_runner(config.model, config.runner, config.hf_overrides) != "pooling":
         return None
     try:
-        facts = pooling_facts(config.model, config.pooler_config)
+        facts = pooling_facts(config.model, config.pooler_config, config.hf_overrides)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     log.info("pooling runner: %s pooling, normalize=%s", facts.pooler.pooling_type,
