@@ -67,7 +67,8 @@ def routes(ctx: ServingContext, config: FrontendConfig, decode_body, guarded) ->
     def need_cross_encoder() -> PoolingFacts:
         if facts is None or "score" not in facts.tasks:
             raise APIError(404, "This route needs a cross-encoder (a *ForSequenceClassification "
-                                "model) served with --runner pooling.")
+                                "model, or a decoder reranker started with --hf-overrides) "
+                                "served with --runner pooling.")
         return facts
 
     def answer(body) -> Response:
