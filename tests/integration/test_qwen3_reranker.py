@@ -12,7 +12,11 @@ import pytest
 import torch
 import transformers
 
+from engine.build import build_engine
+from shared.config import EngineConfig
 from shared.pooling_config import parse_hf_overrides, pooling_facts, resolve_runner
+from shared.protocol import EngineRequest, PoolingParams, SamplingParams, pack_ids, unpack_tensor
+from shared.startup_checks import StartupError
 from tests.servers import Stack
 
 OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
@@ -49,12 +53,12 @@ def _tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
 
 
-def _build(path: str):
+def _build(path: str, tied: bool = True):
     tok = _tokenizer()
     config = transformers.Qwen3Config(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        rms_norm_eps=1e-6, rope_theta=1000.0, tie_word_embeddings=True,
+        rms_norm_eps=1e-6, rope_theta=1000.0, tie_word_embeddings=tied,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = transformers.Qwen3ForCausalLM._from_config(config, attn_implementation="eager")
     model = model.to(torch.float32).eval()
@@ -157,3 +161,30 @@ def test_hf_overrides_makes_a_pooling_scorer(tmp_path):
     facts = pooling_facts(str(tmp_path), None, text)
     assert facts.tasks == ("classify", "score") and facts.score_tokens == ["no", "yes"]
     assert facts.pooler.pooling_type == "LAST"
+
+
+def _engine(path: str, overrides: dict):
+    return build_engine(EngineConfig(
+        model=path, served_model_name="r", request_address="inproc://r", device="cpu",
+        dtype="float32", page_size=16, num_pages=32, max_model_len=200,
+        hf_overrides=json.dumps(overrides)))
+
+
+def test_an_untied_lm_head_scores_in_process(tmp_path):
+    """Qwen3-Reranker-8B keeps its own lm_head: its rows, not the embedding's, make the head."""
+    tok, model = _build(str(tmp_path), tied=False)
+    core = _engine(str(tmp_path), OVERRIDES)
+    ids = tok(query_text(QUERIES[0]), doc_text(DOCS[0]))["input_ids"]
+    core.add(EngineRequest("a", pack_ids(ids), SamplingParams(max_tokens=1), "inproc://x", 0.0,
+                           pooling=PoolingParams(task="score")))
+    outs = {}
+    while core.has_work:
+        outs.update({out.request_id: out for _, out in core.step()})
+    score = float(unpack_tensor(outs["a"].pooled).reshape(-1)[0])
+    assert score == pytest.approx(_expected((None, tok, model), QUERIES[0], DOCS[0]), abs=1e-4)
+
+
+def test_a_token_outside_the_vocabulary_stops_the_start(tmp_path):
+    _build(str(tmp_path))
+    with pytest.raises(StartupError, match="not single tokens"):
+        _engine(str(tmp_path), {**OVERRIDES, "classifier_from_token": ["no", "maybe"]})
