@@ -32,6 +32,7 @@ from engine.models.registry import build_model
 from engine.models.weights import load_quantized_weights, load_weights
 from engine.parallel.rendezvous import Rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel, local_config
+from engine.pooling import TokenScoreHead
 from engine.scheduler import Scheduler
 from engine.spec_decode import Drafter
 from shared.config import EngineConfig
@@ -160,6 +161,7 @@ class RankModel(msgspec.Struct):
     choice: object  # the attention backend's BackendChoice
     cmd_group: object = None  # tensor parallel: the group rank 0's commands come on
     procs: list = []  # tensor parallel: (rank, Popen) of the ranks this process started
+    score_head: object = None  # --hf-overrides' yes/no head (engine.pooling.TokenScoreHead)
 
 
 def build_engine(config: EngineConfig) -> EngineCore:
@@ -203,6 +205,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
     runner = ModelRunner(model, backend, model_config.vocab_size, vision,
                          pooler=pooling.pooler if pooling is not None else None)
     runner.lora_ops = lora.ops if lora is not None else None
+    if loaded.score_head is not None:
+        runner.classifier_head = loaded.score_head
     max_batched = config.max_num_batched_tokens
     if pooling is not None:
         # A pooling request is prefilled whole in one step (engine.scheduler), as vLLM
@@ -327,6 +331,8 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
                             quantized=quantized, tp=tp)
     except ValueError as exc:  # a weight the batch-invariant kernels cannot take
         raise StartupError(str(exc)) from None
+    score_head = (_score_head(config, model_config, weights, pooling.score_tokens, device)
+                  if pooling is not None and pooling.score_tokens else None)
     del weights
     if rdv is None or rdv.rank == 0:
         log.info("loaded %s (%s, %s ops%s) in %.1fs", config.served_model_name, dtype,
@@ -346,15 +352,35 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     return RankModel(model, backend, model_config, max_model_len, num_pages, quantized,
-                     device, dtype, choice, cmd_group, procs)
+                     device, dtype, choice, cmd_group, procs, score_head)
+
+
+def _score_head(config: EngineConfig, model_config, weights, tokens: list[str], device
+                ) -> TokenScoreHead:
+    """--hf-overrides' yes/no head from the LM head's rows of its two tokens."""
+    head = weights.get("lm_head.weight")
+    if head is None and model_config.tie_word_embeddings:
+        head = weights.get("model.embed_tokens.weight")
+    if model_config.architecture in ("bert", "roberta") or head is None:
+        raise StartupError("--hf-overrides makes a decoder (a *ForCausalLM with an LM head) a "
+                           f"yes/no reranker; {config.model} is not one")
+    vocab = load_tokenizer(config.tokenizer or config.model).get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise StartupError(f"--hf-overrides classifier_from_token {missing} are not single "
+                           "tokens of this model's vocabulary")
+    ids = [vocab[t] for t in tokens]
+    if max(ids) >= model_config.vocab_size:
+        raise StartupError(f"--hf-overrides tokens {tokens} lie outside the LM head")
+    return TokenScoreHead(head, ids[0], ids[1], device)
 
 
 def _pooling(config: EngineConfig) -> PoolingFacts | None:
     """The pooling facts of a pooling engine (vLLM's --runner pooling); None: it generates."""
-    if resolve_runner(config.model, config.runner) != "pooling":
+    if resolve_runner(config.model, config.runner, config.hf_overrides) != "pooling":
         return None
     try:
-        facts = pooling_facts(config.model, config.pooler_config)
+        facts = pooling_facts(config.model, config.pooler_config, config.hf_overrides)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     log.info("pooling runner: %s pooling, normalize=%s", facts.pooler.pooling_type,

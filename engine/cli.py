@@ -223,6 +223,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         engine_id=getattr(args, "engine_id", None) or f"{socket.gethostname()}@{address}",
         metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
         runner=runner_of(args), pooler_config=getattr(args, "pooler_config", None),
+        hf_overrides=getattr(args, "hf_overrides", None),
         **lora_engine_config(args),
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,

@@ -61,6 +61,8 @@ class ModelRunner:
         self.pooler = pooler  # set: a pooling runner (vLLM's --runner pooling)
         # A cross-encoder: its head turns the pooled row into label scores.
         self.classifier = bool(getattr(getattr(model, "options", None), "num_labels", 0))
+        # A decoder served as a yes/no reranker (--hf-overrides): engine.pooling.TokenScoreHead.
+        self.classifier_head = None
         self.backend = backend
         self.vocab_size = vocab_size
         self.vision = vision  # a VLM's encoder (engine.models.idefics3); None: text only
@@ -190,8 +192,9 @@ class ModelRunner:
         if not any(c.seq.pooling is not None for c in chunks):
             return {}
         try:
-            return pool_chunks(self.model.final_hidden(hidden), chunks, self.pooler,
-                               getattr(self.model, "classify", None) if self.classifier else None)
+            head = self.classifier_head or (getattr(self.model, "classify", None)
+                                            if self.classifier else None)
+            return pool_chunks(self.model.final_hidden(hidden), chunks, self.pooler, head)
         except Exception as exc:  # every pooling request of the step fails, nothing else
             _reraise_device_fault(exc)
             for chunk in chunks:

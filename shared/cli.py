@@ -24,6 +24,7 @@ from shared.pooling_config import (
     GENERATE_TASKS,
     POOLING_TASKS,
     RUNNERS,
+    parse_hf_overrides,
     parse_pooler_config,
 )
 
@@ -139,6 +140,11 @@ def _add_pooling_arguments(p: argparse.ArgumentParser) -> None:
                    help='how a pooling model pools: {"pooling_type": "LAST" | "MEAN" | '
                         '"CLS", "normalize": true} (default: the checkpoint\'s '
                         "sentence-transformers files, else the last token, normalized)")
+    g.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",
+                   help="vLLM's, for a decoder served as a yes/no reranker (Qwen3-Reranker) "
+                        "only: {\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                        "\"classifier_from_token\": [\"no\", \"yes\"], "
+                        "\"is_original_qwen3_reranker\": true}; other keys are refused")
     g.add_argument("--max-embedding-inputs", type=int_at_least(1), default=2048,
                    help="most inputs one /v1/embeddings request may carry (default: "
                         "%(default)s, as OpenAI)")
@@ -147,6 +153,14 @@ def _add_pooling_arguments(p: argparse.ArgumentParser) -> None:
 def _pooler_config(text: str) -> str:
     try:
         parse_pooler_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _hf_overrides(text: str) -> str:
+    try:
+        parse_hf_overrides(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

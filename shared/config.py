@@ -53,6 +53,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # JSON (None: the checkpoint's sentence-transformers files, else last-token + normalize).
     runner: str = "auto"
     pooler_config: str | None = None
+    hf_overrides: str | None = None  # --hf-overrides' JSON: a decoder as a yes/no reranker
     # LoRA (--enable-lora, engine.lora): adapters loaded at start (--lora-modules), distinct
     # adapters in one step, the largest rank taken, most adapters loaded at once (0: any).
     enable_lora: bool = False
@@ -161,6 +162,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     # one /v1/embeddings request may carry.
     runner: str = "auto"
     pooler_config: str | None = None
+    hf_overrides: str | None = None  # --hf-overrides' JSON: a decoder as a yes/no reranker
     max_embedding_inputs: int = 2048
     max_n: int = 128  # n and best_of
     max_prompts_per_request: int = 128

@@ -10,6 +10,10 @@
   token, normalized (vLLM's default for decoder embedding models).
 - Matryoshka: config.json's `matryoshka_dimensions` (the sizes it was trained for) or
   `is_matryoshka`; only such a model takes a request's `dimensions`.
+- `--hf-overrides` (vLLM's flag; only the keys that make a decoder a yes/no reranker, as
+  Qwen3-Reranker is served): the checkpoint's `*ForCausalLM` is read as a
+  `*ForSequenceClassification` whose one label's logit is logit("yes") - logit("no") at the
+  last token, so its score, the sigmoid of that, is the softmax of P("yes") over the two.
 """
 
 from __future__ import annotations
@@ -40,6 +44,20 @@ class PoolingFacts(msgspec.Struct, frozen=True):
     labels: list[str] = []  # a cross-encoder's class names, by index
     is_matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None  # None: any size up to the hidden size
+    # A decoder reranker (--hf-overrides): the tokens [false, true] whose LM-head rows make
+    # its one-label head; [] for every other model.
+    score_tokens: list[str] = []
+
+
+class HfOverrides(msgspec.Struct, frozen=True):
+    """The --hf-overrides keys sluice takes: those of vLLM's Qwen3-Reranker recipe."""
+
+    architectures: list[str]
+    classifier_from_token: list[str]
+    is_original_qwen3_reranker: bool
+
+
+_OVERRIDE_KEYS = ("architectures", "classifier_from_token", "is_original_qwen3_reranker")
 
 
 def _read_json(path: str):
@@ -58,10 +76,46 @@ def _architectures(model_path: str) -> list[str]:
     return [a for a in archs if isinstance(a, str)]
 
 
-def resolve_runner(model_path: str, runner: str = "auto") -> str:
-    """"generate" or "pooling" for this checkpoint and flag."""
+def parse_hf_overrides(text: str) -> HfOverrides:
+    """--hf-overrides' JSON; ValueError saying what is wrong. Only vLLM's yes/no reranker
+    recipe is taken: {"architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}."""
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--hf-overrides is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--hf-overrides must be a JSON object")
+    unknown = sorted(set(raw) - set(_OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(f"--hf-overrides keys {unknown} are not supported; sluice takes only "
+                         f"{list(_OVERRIDE_KEYS)} (a decoder served as a yes/no reranker)")
+    missing = [k for k in _OVERRIDE_KEYS if k not in raw]
+    if missing:
+        raise ValueError(f"--hf-overrides needs {missing} too (all of {list(_OVERRIDE_KEYS)})")
+    archs = raw["architectures"]
+    if (not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str)
+            or not archs[0].endswith("ForSequenceClassification")):
+        raise ValueError("--hf-overrides architectures must be one *ForSequenceClassification "
+                         'name, e.g. ["Qwen3ForSequenceClassification"]')
+    tokens = raw["classifier_from_token"]
+    if (not isinstance(tokens, list) or len(tokens) != 2
+            or not all(isinstance(t, str) and t for t in tokens)):
+        raise ValueError('--hf-overrides classifier_from_token must be two tokens, false one '
+                         'first: ["no", "yes"]')
+    if raw["is_original_qwen3_reranker"] is not True:
+        raise ValueError("--hf-overrides is_original_qwen3_reranker must be true (the two "
+                         "tokens' logits make the score)")
+    return HfOverrides(archs, tokens, True)
+
+
+def resolve_runner(model_path: str, runner: str = "auto", hf_overrides: str | None = None
+                   ) -> str:
+    """"generate" or "pooling" for this checkpoint and flags."""
     if runner != "auto":
         return runner
+    if hf_overrides is not None:  # it names a *ForSequenceClassification
+        return "pooling"
     if model_path.endswith(".gguf") or not os.path.isdir(model_path):
         return "generate"
     archs = _architectures(model_path)
@@ -131,7 +185,12 @@ def default_pooler(model_path: str) -> PoolerConfig:
     return PoolerConfig("LAST", True)
 
 
-def pooling_facts(model_path: str, pooler_config: str | None = None) -> PoolingFacts:
+def pooling_facts(model_path: str, pooler_config: str | None = None,
+                  hf_overrides: str | None = None) -> PoolingFacts:
+    if hf_overrides is not None:  # a decoder reranker: its last token, one label
+        tokens = parse_hf_overrides(hf_overrides).classifier_from_token
+        return PoolingFacts(PoolerConfig("LAST", False), ("classify", "score"), ["LABEL_0"],
+                            score_tokens=tokens)
     if pooler_config is not None:
         pooler = parse_pooler_config(pooler_config)
     else:

@@ -154,6 +154,8 @@ def _serve(args) -> int:
                "--max-embedding-inputs", str(args.max_embedding_inputs)]
     if args.pooler_config is not None:
         common += ["--pooler-config", args.pooler_config]
+    if args.hf_overrides is not None:
+        common += ["--hf-overrides", args.hf_overrides]
     engine_argv = [
         "engine", *common, "--engine-address", address, "--dtype", args.dtype,
         "--device", args.device, "--page-size", str(args.page_size),

@@ -334,6 +334,7 @@ def frontend_config(args, engine_address: str | list[str] | None,
                           ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
                           log_level=args.uvicorn_log_level or args.log_level),
         runner=runner_of(args), pooler_config=getattr(args, "pooler_config", None),
+        hf_overrides=getattr(args, "hf_overrides", None),
         max_embedding_inputs=getattr(args, "max_embedding_inputs", 2048),
         **limit_config(args),
     )

@@ -38,7 +38,7 @@ def _structured_settings(config: FrontendConfig, tokenizer, facts: TokenizerFact
                          ) -> StructuredSettings:
     import llguidance.hf
 
-    if resolve_runner(config.model, config.runner) == "pooling":
+    if resolve_runner(config.model, config.runner, config.hf_overrides) == "pooling":
         return StructuredSettings()  # a pooling model samples nothing: no grammars to check
     # Built once (about a second): validation then also knows the model's special tokens.
     llg = llguidance.hf.from_tokenizer(

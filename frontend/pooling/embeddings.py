@@ -55,8 +55,8 @@ _ENCODER = msgspec.json.Encoder()
 def routes(ctx: ServingContext, config: FrontendConfig, decode_body, guarded) -> list[Route]:
     """The pooling routes; on a generating model they answer 404 saying how to serve one."""
     facts = None
-    if resolve_runner(config.model, config.runner) == "pooling":
-        facts = pooling_facts(config.model, config.pooler_config)
+    if resolve_runner(config.model, config.runner, config.hf_overrides) == "pooling":
+        facts = pooling_facts(config.model, config.pooler_config, config.hf_overrides)
 
     async def embeddings(request: Request) -> Response:
         if facts is None:

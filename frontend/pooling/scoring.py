@@ -60,28 +60,29 @@ class Encoded(msgspec.Struct):
 
 def routes(ctx: ServingContext, config: FrontendConfig, decode_body, guarded) -> list[Route]:
     facts = None
-    if resolve_runner(config.model, config.runner) == "pooling":
-        facts = pooling_facts(config.model, config.pooler_config)
+    if resolve_runner(config.model, config.runner, config.hf_overrides) == "pooling":
+        facts = pooling_facts(config.model, config.pooler_config, config.hf_overrides)
     limit = config.max_embedding_inputs
 
     def need_cross_encoder() -> PoolingFacts:
         if facts is None or "score" not in facts.tasks:
             raise APIError(404, "This route needs a cross-encoder (a *ForSequenceClassification "
-                                "model) served with --runner pooling.")
+                                "model, or a decoder reranker started with --hf-overrides) "
+                                "served with --runner pooling.")
         return facts
 
     def answer(body) -> Response:
         return Response(_ENCODER.encode(body), media_type="application/json")
 
     async def score(request: Request) -> Response:
-        need_cross_encoder()
+        facts = need_cross_encoder()
         body = await decode_body(request, ScoreRequest)
-        return answer(await create_score(ctx, body, limit))
+        return answer(await create_score(ctx, body, limit, not facts.score_tokens))
 
     async def rerank(request: Request) -> Response:
-        need_cross_encoder()
+        facts = need_cross_encoder()
         body = await decode_body(request, RerankRequest)
-        return answer(await create_rerank(ctx, body, limit))
+        return answer(await create_rerank(ctx, body, limit, not facts.score_tokens))
 
     async def classify(request: Request) -> Response:
         facts = need_cross_encoder()
@@ -141,9 +142,10 @@ def _check_common(ctx: ServingContext, model: str | None, priority: int | None,
 
 
 async def _encode(ctx: ServingContext, pairs: list[tuple[str, str | None]], limit: int,
-                  truncate: int | None, field: str) -> list[Encoded]:
+                  truncate: int | None, field: str, segments: bool = True) -> list[Encoded]:
     """Token ids and types of each pair (or single text), cut to `truncate_prompt_tokens`,
-    else a 400 when one does not fit the context."""
+    else a 400 when one does not fit the context. `segments` False (a decoder reranker,
+    which has no token types): every type is 0."""
     ceiling = limit * ctx.tokenization.settings.max_chars_per_token
     for i, (a, b) in enumerate(pairs):
         if truncate is None and len(a) + len(b or "") > ceiling:
@@ -155,7 +157,7 @@ async def _encode(ctx: ServingContext, pairs: list[tuple[str, str | None]], limi
             out = []
             for a, b in pairs:
                 enc = tok(a, b, return_token_type_ids=True)
-                types = enc.get("token_type_ids") or [0] * len(enc["input_ids"])
+                types = (segments and enc.get("token_type_ids")) or [0] * len(enc["input_ids"])
                 out.append(Encoded(list(enc["input_ids"]), list(types)))
             return out
 
@@ -199,10 +201,12 @@ def _usage(encoded: list[Encoded]) -> int:
 # ---------------------------------------------------------------- the routes
 
 
-async def create_score(ctx: ServingContext, body: ScoreRequest, limit: int) -> ScoreResponse:
+async def create_score(ctx: ServingContext, body: ScoreRequest, limit: int,
+                       segments: bool = True) -> ScoreResponse:
     context = _check_common(ctx, body.model, body.priority, body.truncate_prompt_tokens)
     pairs = _pairs(body.text_1, body.text_2, limit)
-    encoded = await _encode(ctx, pairs, context, body.truncate_prompt_tokens, "text_2")
+    encoded = await _encode(ctx, pairs, context, body.truncate_prompt_tokens, "text_2",
+                            segments)
     request_id, created, vectors = await _run(ctx, encoded, "score", body.priority, "score")
     used = _usage(encoded)
     return ScoreResponse(request_id, created, ctx.model_name,
@@ -210,8 +214,8 @@ async def create_score(ctx: ServingContext, body: ScoreRequest, limit: int) -> S
                          PoolingUsage(used, used))
 
 
-async def create_rerank(ctx: ServingContext, body: RerankRequest, limit: int
-                        ) -> RerankResponse:
+async def create_rerank(ctx: ServingContext, body: RerankRequest, limit: int,
+                        segments: bool = True) -> RerankResponse:
     context = _check_common(ctx, body.model, body.priority, body.truncate_prompt_tokens)
     if not body.query:
         raise bad_request("query must not be empty", "query")
@@ -219,7 +223,8 @@ async def create_rerank(ctx: ServingContext, body: RerankRequest, limit: int
     if body.top_n is not None and body.top_n < 0:
         raise bad_request("top_n must be at least 0 (0: every document)", "top_n")
     pairs = [(body.query, d) for d in documents]
-    encoded = await _encode(ctx, pairs, context, body.truncate_prompt_tokens, "documents")
+    encoded = await _encode(ctx, pairs, context, body.truncate_prompt_tokens, "documents",
+                            segments)
     request_id, _, vectors = await _run(ctx, encoded, "score", body.priority, "rerank")
     order = sorted(range(len(documents)), key=lambda i: -float(vectors[i][0]))
     if body.top_n:
