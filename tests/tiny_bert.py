@@ -10,10 +10,15 @@ import os
 import torch
 import transformers
 
+from tests.tiny_embedder import write_sentence_transformers_files
+
 WORDS = ["hello", "world", "hi", "there", "the", "cat", "sat", "on", "mat", "##s", "##ing",
          "dog", "run", "a", "big", "small", ".", ","]
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 HIDDEN = 32
+# build_bert's pooling -> the sentence-transformers Pooling config key that turns it on.
+POOLING_MODES = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
+                 "lasttoken": "pooling_mode_lasttoken"}
 
 
 def wordpiece_tokenizer():
@@ -51,21 +56,7 @@ def build_bert(path: str, kind: str = "bert", pooling: str = "mean", seed: int =
                         torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
     model.eval().save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"},
-    ]
-    with open(os.path.join(path, "modules.json"), "w") as f:
-        json.dump(modules, f)
-    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
-    os.makedirs(os.path.join(path, "2_Normalize"), exist_ok=True)
-    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-        json.dump({"word_embedding_dimension": HIDDEN, "pooling_mode_cls_token": pooling == "cls",
-                   "pooling_mode_mean_tokens": pooling == "mean",
-                   "pooling_mode_lasttoken": pooling == "lasttoken"}, f)
+    write_sentence_transformers_files(path, HIDDEN, POOLING_MODES[pooling])
     with open(os.path.join(path, "sentence_bert_config.json"), "w") as f:
         json.dump({"max_seq_length": 60, "do_lower_case": False}, f)
     return tokenizer

@@ -48,11 +48,13 @@ def build_embedder(path: str, seed: int = 3) -> transformers.Qwen3Model:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(raw, f)
     tiny_tokenizer().save_pretrained(path)
-    _sentence_transformers_files(path, "pooling_mode_lasttoken")
+    write_sentence_transformers_files(path, HIDDEN, "pooling_mode_lasttoken")
     return model
 
 
-def _sentence_transformers_files(path: str, mode: str) -> None:
+def write_sentence_transformers_files(path: str, hidden: int, mode: str) -> None:
+    """modules.json (Transformer, Pooling, Normalize) and the Pooling folder's config, with
+    `mode` (e.g. pooling_mode_mean_tokens) the one pooling on."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling",
@@ -64,7 +66,7 @@ def _sentence_transformers_files(path: str, mode: str) -> None:
         json.dump(modules, f)
     os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
     os.makedirs(os.path.join(path, "2_Normalize"), exist_ok=True)
-    pooling = {"word_embedding_dimension": HIDDEN, "pooling_mode_cls_token": False,
+    pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": False,
                "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": False}
     pooling[mode] = True
     with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
