@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import msgspec
 import torch
@@ -98,6 +99,34 @@ class Watchdog:
                     return
 
 
+def _exited_rank(procs: list[tuple[int, subprocess.Popen]], wait_s: float
+                 ) -> tuple[int, int] | None:
+    """(rank, exit code) of a rank this process started that has exited, waiting up to
+    wait_s for one to be reaped; None if all still run (or none was started here)."""
+    deadline = time.monotonic() + wait_s
+    while procs:
+        for rank, proc in procs:
+            code = proc.poll()
+            if code is not None:
+                return rank, code
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def collective(procs: list[tuple[int, subprocess.Popen]], fn, *args, **kwargs):
+    """fn (a step's collectives) run; when one fails because a rank started here died, the
+    engine stops with the watchdog's line, whichever of the two noticed first."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError:  # gloo / NCCL: a peer closed its connection
+        lost = _exited_rank(procs, wait_s=2.0)
+        if lost is not None:
+            _exit_engine(*lost)
+        raise
+
+
 def _exit_engine(rank: int, code: int) -> None:
     log.error("tensor-parallel rank %d exited (code %s): the engine stops", rank, code)
     logging.shutdown()
@@ -107,14 +136,16 @@ def _exit_engine(rank: int, code: int) -> None:
 class LeaderBackend:
     """Rank 0's attention backend: sends the step's plan, then is the backend it wraps."""
 
-    def __init__(self, inner, cmd_group) -> None:
+    def __init__(self, inner, cmd_group, procs=()) -> None:
         self.inner = inner
         self.name = inner.name
         self._cmd = cmd_group
+        self._procs = list(procs)
 
     def prepare(self, chunks):
         payload = commands.plan_of(chunks)
-        commands.send_command(self._cmd, commands.STEP, len(payload), payload)
+        collective(self._procs, commands.send_command, self._cmd, commands.STEP, len(payload),
+                   payload)
         return self.inner.prepare(chunks)
 
     def __getattr__(self, name):
@@ -132,10 +163,13 @@ class LeaderModel:
         self.closed = False
 
     def forward(self, *args, **kwargs):
-        return self.inner.forward(*args, **kwargs)
+        return collective(self.procs, self.inner.forward, *args, **kwargs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.contiguous()
+        return collective(self.procs, self._logits, hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         commands.send_command(self._cmd, commands.LOGITS, hidden.shape[0])
         dist.broadcast(hidden, 0)
         return self.inner.logits(hidden)

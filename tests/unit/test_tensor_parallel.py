@@ -243,6 +243,34 @@ def test_two_nodes_meet_over_the_documented_rendezvous(tmp_path):
         k: v["tokens"] for k, v in expected.items()}
 
 
+def test_a_collective_that_fails_on_a_dead_rank_names_it(monkeypatch):
+    """A peer's death can reach a collective before the watchdog's next look: the engine
+    then stops with the same line naming the rank; with every rank alive the error goes
+    on as it is."""
+    from engine.parallel import leader
+
+    stopped = []
+    monkeypatch.setattr(leader, "_exit_engine", lambda rank, code: stopped.append((rank, code)))
+
+    def collective_fails():
+        raise RuntimeError("Connection closed by peer")
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(RuntimeError, match="closed by peer"):
+            leader.collective([(1, alive)], collective_fails)
+        assert stopped == []
+    finally:
+        alive.kill()
+        alive.wait()
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    with pytest.raises(RuntimeError):
+        leader.collective([(1, dead)], collective_fails)
+    assert stopped == [(1, 3)]
+    assert leader.collective([(1, dead)], lambda: 7) == 7
+
+
 def test_watchdog_reports_a_rank_that_exits():
     lost = []
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
