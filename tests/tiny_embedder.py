@@ -32,15 +32,7 @@ def build_embedder(path: str, seed: int = 3) -> transformers.Qwen3Model:
     )
     model = transformers.Qwen3Model._from_config(config, attn_implementation="eager")
     model = model.to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
-            elif param.dim() == 2 and "embed" not in name:
-                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen))
+    randomize_decoder(model, seed)
     model.save_pretrained(path, safe_serialization=True)
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
@@ -50,6 +42,20 @@ def build_embedder(path: str, seed: int = 3) -> transformers.Qwen3Model:
     tiny_tokenizer().save_pretrained(path)
     write_sentence_transformers_files(path, HIDDEN, "pooling_mode_lasttoken")
     return model
+
+
+def randomize_decoder(model, seed: int) -> None:
+    """Random weights a decoder's float32 outputs stay well-scaled with: norms near 1,
+    matrices scaled by their fan-in."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+            elif param.dim() == 2 and "embed" not in name:
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen))
 
 
 def write_sentence_transformers_files(path: str, hidden: int, mode: str) -> None:

@@ -18,6 +18,7 @@ from shared.pooling_config import parse_hf_overrides, pooling_facts, resolve_run
 from shared.protocol import EngineRequest, PoolingParams, SamplingParams, pack_ids, unpack_tensor
 from shared.startup_checks import StartupError
 from tests.servers import Stack
+from tests.tiny_embedder import randomize_decoder
 
 OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
              "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
@@ -62,15 +63,7 @@ def _build(path: str, tied: bool = True):
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = transformers.Qwen3ForCausalLM._from_config(config, attn_implementation="eager")
     model = model.to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
-            elif param.dim() == 2 and "embed" not in name:
-                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen))
+    randomize_decoder(model, seed=11)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return tok, model
