@@ -183,3 +183,22 @@ class DeepStackThreads:
 
 
 _STACK_SIZE_LOCK = threading.Lock()
+
+
+def parsed_schema(value: Any) -> dict | bool:
+    """A JSON schema given as an object or as JSON text, bounded and checked (ValueError
+    naming the problem)."""
+    if isinstance(value, str):
+        if len(value) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the schema has {len(value)} characters; at most "
+                             f"{MAX_GRAMMAR_CHARS} are allowed")
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"the schema is not valid JSON ({exc})") from exc
+    if not isinstance(value, dict | bool):
+        raise ValueError("a JSON schema must be an object")
+    problem = schema_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value

@@ -14,7 +14,7 @@ from llguidance import grammar_from
 
 from postproc.reasoning.gpt_oss import GptOssReasoningParser
 from postproc.tool_parsers.base import json_layout
-from shared.grammar_limits import MAX_GRAMMAR_CHARS, schema_problem
+from shared.grammar_limits import parsed_schema
 
 
 class AnswerSource(msgspec.Struct):
@@ -42,19 +42,7 @@ def harmony_answer_source(request: Any, source: Any) -> Any:
 
 
 def final_json_grammar(schema: Any, strict: bool) -> str:
-    if isinstance(schema, str):
-        if len(schema) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"the schema has {len(schema)} characters; at most "
-                             f"{MAX_GRAMMAR_CHARS} are allowed")
-        try:
-            schema = json.loads(schema)
-        except (ValueError, RecursionError) as exc:
-            raise ValueError(f"the schema is not valid JSON ({exc})") from exc
-    if not isinstance(schema, dict | bool):
-        raise ValueError("a JSON schema must be an object")
-    problem = schema_problem(schema)
-    if problem is not None:
-        raise ValueError(problem)
+    schema = parsed_schema(schema)
     layout = json.dumps(json_layout(schema, strict=strict))
     return grammar_from("lark", 'start: (think /[ \\t\\r\\n]{0,8}/)? <|channel|> "final" '
                         f"<|message|> answer\nanswer: %json {layout}\n"

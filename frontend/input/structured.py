@@ -38,6 +38,7 @@ from shared.grammar_limits import (
     MAX_REGEX_CHARS,
     DeepStackThreads,
     grammar_problem,
+    parsed_schema,
     schema_problem,
     validation_problem,
 )
@@ -263,7 +264,7 @@ def _kinds(prefix: str, schema, regex, choice, grammar, ws) -> list[_Source]:
     out = []
     if schema is not None:
         out.append(_Source(prefix + "json", "json_schema",
-                           lambda: _json_grammar(_schema(schema), strict=False, ws=ws)))
+                           lambda: _json_grammar(parsed_schema(schema), strict=False, ws=ws)))
     if regex is not None:
         out.append(_Source(prefix + "regex", "regex", lambda: _regex_grammar(regex)))
     if choice is not None:
@@ -300,24 +301,7 @@ def _response_format_source(fmt) -> _Source:
     # strict: every keyword must be enforced (one llguidance cannot is a 400); otherwise the
     # schema guides as far as llguidance supports it.
     return _Source("response_format.json_schema", "json_schema",
-                   lambda: _json_grammar(_schema(schema), strict=bool(spec.strict)))
-
-
-def _schema(value: Any) -> dict | bool:
-    if isinstance(value, str):
-        if len(value) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"the schema has {len(value)} characters; at most "
-                             f"{MAX_GRAMMAR_CHARS} are allowed")
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as exc:
-            raise ValueError(f"the schema is not valid JSON ({exc})") from exc
-    if not isinstance(value, dict | bool):
-        raise ValueError("a JSON schema must be an object")
-    problem = schema_problem(value)
-    if problem is not None:
-        raise ValueError(problem)
-    return value
+                   lambda: _json_grammar(parsed_schema(schema), strict=bool(spec.strict)))
 
 
 def _json_grammar(schema: dict | bool, *, strict: bool, ws: str | None = None) -> str:
