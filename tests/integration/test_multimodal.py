@@ -142,14 +142,19 @@ def test_two_images_in_one_prompt(vlm, reference):
     assert _answer(_chat(vlm["url"], "two", pngs)) == reference("two", pngs)
 
 
-def test_official_openai_client(vlm):
+def test_official_openai_client(vlm, reference):
+    """Greedy, so the answer is transformers' own: a sampled answer from a random model may
+    be only skipped special tokens (an empty content that proves nothing)."""
     client = openai.OpenAI(base_url=vlm["url"] + "/v1", api_key="x")
-    answer = client.chat.completions.create(model="model", max_tokens=4, messages=[
-        {"role": "user", "content": [
+    png = png_bytes()
+    answer = client.chat.completions.create(
+        model="model", max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(png), "detail": "low"}},
             {"type": "text", "text": "what is this"},
-            {"type": "image_url", "image_url": {"url": data_url(png_bytes()), "detail": "low"}},
         ]}])
-    assert answer.choices[0].message.content
+    assert (answer.choices[0].message.content, answer.usage.prompt_tokens) == reference(
+        "what is this", [png])
     assert answer.usage.prompt_tokens > 31  # the 31 tokens of a 64 px image's expansion
 
 
