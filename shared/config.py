@@ -131,6 +131,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     state_store: str | None = None
     responses_ttl_s: float = 30 * 24 * 3600.0
     max_stored_bytes: int = 16 * 2**20
+    max_conversation_items: int = 10_000  # items one /v1/conversations conversation holds
     # --generation-config auto|vllm|FOLDER and --override-generation-config JSON
     # (shared.generation_config): sampling defaults for fields a request leaves out.
     generation_config: str = "auto"

@@ -232,6 +232,7 @@ def _serve(args) -> int:
                       "--max-stored-responses", str(args.max_stored_responses),
                       "--responses-ttl", str(args.responses_ttl),
                       "--max-stored-bytes", str(args.max_stored_bytes),
+                      "--max-conversation-items", str(args.max_conversation_items),
                       "--generation-config", args.generation_config,
                       *limit_argv(args)]
     if args.override_generation_config is not None:

@@ -39,7 +39,14 @@ from frontend.openai import serving
 from frontend.pooling import embeddings as embeddings_api
 from frontend.pooling import scoring as scoring_api
 from frontend.responses import api as responses_api
+from frontend.responses import conversation_api
 from frontend.responses.background import BackgroundRunner
+from frontend.responses.conversation_models import (
+    ConversationCreate,
+    ConversationUpdate,
+    ItemsCreate,
+)
+from frontend.responses.conversations import ConversationRecords
 from frontend.responses.models import InputTokensRequest, ResponsesRequest
 from frontend.responses.stored import ResponseRecords
 from frontend.state.store import open_store
@@ -238,8 +245,10 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     state = open_store(config.state_store, config.max_stored_responses,
                        config.max_stored_bytes)
     records = ResponseRecords(state, config.responses_ttl_s or None)
-    responses = responses_api.Responses(records, BackgroundRunner(records),
-                                        keys=frozenset(config.api_keys))
+    responses = responses_api.Responses(
+        records, BackgroundRunner(records),
+        ConversationRecords(state, config.max_conversation_items),
+        keys=frozenset(config.api_keys))
 
     async def responses_create(request: Request) -> Response:
         body = _with_request_id(request, await _decode_body(request, ResponsesRequest))
@@ -253,6 +262,10 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         raise APIError(404, "/v1/responses/compact is not supported by this server.")
 
     async def responses_get(request: Request) -> Response:
+        stream, after = responses_api.stream_query(request)
+        if stream:  # a background response's events, stored and then live
+            return await responses_api.resume_stream(
+                ctx, request, responses, request.path_params["response_id"], after)
         return json_response(await responses_api.retrieve(
             ctx, request, responses, request.path_params["response_id"]))
 
@@ -267,6 +280,42 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     async def responses_input_items(request: Request) -> Response:
         return json_response(await responses_api.input_items(
             request, responses, request.path_params["response_id"]))
+
+    async def conversations_create(request: Request) -> Response:
+        body = await _decode_body(request, ConversationCreate)
+        return json_response(await conversation_api.create(request, body, responses))
+
+    async def conversation_get(request: Request) -> Response:
+        return json_response(await conversation_api.retrieve(
+            request, responses, request.path_params["conversation_id"]))
+
+    async def conversation_update(request: Request) -> Response:
+        body = await _decode_body(request, ConversationUpdate)
+        return json_response(await conversation_api.update(
+            request, body, responses, request.path_params["conversation_id"]))
+
+    async def conversation_delete(request: Request) -> Response:
+        return json_response(await conversation_api.delete(
+            request, responses, request.path_params["conversation_id"]))
+
+    async def conversation_items(request: Request) -> Response:
+        return json_response(await conversation_api.list_items(
+            request, responses, request.path_params["conversation_id"]))
+
+    async def conversation_items_add(request: Request) -> Response:
+        body = await _decode_body(request, ItemsCreate)
+        return json_response(await conversation_api.add_items(
+            request, body, responses, request.path_params["conversation_id"]))
+
+    async def conversation_item_get(request: Request) -> Response:
+        return json_response(await conversation_api.retrieve_item(
+            request, responses, request.path_params["conversation_id"],
+            request.path_params["item_id"]))
+
+    async def conversation_item_delete(request: Request) -> Response:
+        return json_response(await conversation_api.delete_item(
+            request, responses, request.path_params["conversation_id"],
+            request.path_params["item_id"]))
 
     async def messages(request: Request) -> Response:
         body = await _decode_body(request, MessagesRequest)
@@ -330,6 +379,21 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
               methods=["POST"]),
         Route("/v1/responses/{response_id}/input_items", _guarded(responses_input_items),
               methods=["GET"]),
+        Route("/v1/conversations", _guarded(conversations_create), methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", _guarded(conversation_get),
+              methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", _guarded(conversation_update),
+              methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", _guarded(conversation_delete),
+              methods=["DELETE"]),
+        Route("/v1/conversations/{conversation_id}/items", _guarded(conversation_items),
+              methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items", _guarded(conversation_items_add),
+              methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}/items/{item_id}",
+              _guarded(conversation_item_get), methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items/{item_id}",
+              _guarded(conversation_item_delete), methods=["DELETE"]),
         Route("/v1/messages", _guarded(messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", _guarded(messages_count_tokens), methods=["POST"]),
         # Batches are not run here: every batch route is a clear 404 in Anthropic's shape.

@@ -166,6 +166,9 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stored-bytes", type=int_at_least(1024), default=16 * 2**20,
                    help="the largest one stored object may be, encoded; a larger response is "
                         "returned with store false (default: 16 MiB)")
+    g.add_argument("--max-conversation-items", type=int_at_least(1), default=10_000,
+                   help="items one /v1/conversations conversation may hold; adding more is "
+                        "a 400 (default: %(default)s)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for fields a request leaves out: auto, the model's "
                         "generation_config.json (beside a .gguf file too); vllm, none (the "
@@ -316,6 +319,7 @@ def frontend_config(args, engine_address: str | list[str] | None,
         reasoning_field=args.reasoning_field, max_stored_responses=args.max_stored_responses,
         state_store=args.state_store, responses_ttl_s=args.responses_ttl,
         max_stored_bytes=args.max_stored_bytes,
+        max_conversation_items=args.max_conversation_items,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
         response_role=args.response_role,

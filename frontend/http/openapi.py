@@ -45,6 +45,14 @@ from frontend.pooling.scoring_models import (
     ScoreResponse,
 )
 from frontend.responses import models as responses_models
+from frontend.responses.conversation_models import (
+    Conversation,
+    ConversationCreate,
+    ConversationUpdate,
+    DeletedConversation,
+    ItemList,
+    ItemsCreate,
+)
 from frontend.responses.models import InputTokensRequest, ResponsesRequest
 from postproc.openai_shapes import (
     DetokenizeResponse,
@@ -102,12 +110,31 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/v1/responses/input_tokens", "Input tokens a response would take",
               InputTokensRequest),
     Operation("post", "/v1/responses/compact", "Not supported: always 404"),
-    Operation("get", "/v1/responses/{response_id}", "A stored response"),
+    Operation("get", "/v1/responses/{response_id}", "A stored response; with stream=true "
+              "(and starting_after=N), a background response's events, stored then live"),
     Operation("delete", "/v1/responses/{response_id}", "Delete a stored response"),
     Operation("post", "/v1/responses/{response_id}/cancel",
               "Cancel a background response (any frontend on the same state store)"),
     Operation("get", "/v1/responses/{response_id}/input_items",
               "A stored response's input items (limit, order, after)"),
+    Operation("post", "/v1/conversations", "OpenAI Conversations API: create a conversation "
+              "(items, metadata)", ConversationCreate, answer=Conversation),
+    Operation("get", "/v1/conversations/{conversation_id}", "A conversation",
+              answer=Conversation),
+    Operation("post", "/v1/conversations/{conversation_id}", "Update a conversation's metadata",
+              ConversationUpdate, answer=Conversation),
+    Operation("delete", "/v1/conversations/{conversation_id}", "Delete a conversation",
+              answer=DeletedConversation),
+    Operation("get", "/v1/conversations/{conversation_id}/items",
+              "A conversation's items (limit, order, after)", answer=ItemList),
+    Operation("post", "/v1/conversations/{conversation_id}/items",
+              "Add items to a conversation (at most 20 at a time)", ItemsCreate,
+              answer=ItemList),
+    Operation("get", "/v1/conversations/{conversation_id}/items/{item_id}",
+              "One item of a conversation"),
+    Operation("delete", "/v1/conversations/{conversation_id}/items/{item_id}",
+              "Delete one item of a conversation (answers with the conversation)",
+              answer=Conversation),
     Operation("post", "/v1/messages", "Anthropic Messages API", MessagesRequest, streams=True),
     Operation("post", "/v1/messages/count_tokens", "Input tokens a message would take",
               CountTokensRequest),

@@ -56,13 +56,17 @@ from frontend.core.serving_context import (
     structured_settings,
 )
 from frontend.input.structured import check_tool_names
+from frontend.responses import events as event_log
 from frontend.responses.background import BackgroundRunner, NoClient
+from frontend.responses.conversations import ConversationRecords
+from frontend.responses.events import EventLog
 from frontend.responses.models import (
     NEUTRAL_VALUES,
     UNSUPPORTED_WHEN_SET,
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     ContentPartEvent,
+    ConversationRef,
     DeletedResponse,
     FunctionCallItem,
     IncompleteDetails,
@@ -95,6 +99,7 @@ from frontend.responses.stored import (
     StoredResponse,
     input_item_dicts,
     list_input_items,
+    list_query,
     owner_of,
 )
 from frontend.state.store import StoreUnavailable
@@ -111,10 +116,12 @@ _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input
 
 
 class Responses(msgspec.Struct):
-    """What the routes share: the records, the background runner, the keys that own objects."""
+    """What the routes share: the records, the background runner, the conversations, the keys
+    that own objects."""
 
     records: ResponseRecords
     runner: BackgroundRunner
+    conversations: ConversationRecords
     keys: frozenset[str] = frozenset()  # API keys; where set, each owns what it stores
 
 
@@ -258,15 +265,41 @@ def chat_response_format(request: ResponsesRequest | InputTokensRequest
         name=fmt.name, description=fmt.description, schema=fmt.schema, strict=fmt.strict))
 
 
-async def conversation(request: ResponsesRequest | InputTokensRequest,
-                       records: ResponseRecords, owner: str) -> list[ChatMessage]:
-    """The earlier turns (previous_response_id) and this request's input, as chat messages."""
-    history: list[ChatMessage] = []
+def conversation_id(request: ResponsesRequest | InputTokensRequest) -> str | None:
+    """The `conversation` the request continues (a string id or `{"id": ...}`), if any."""
+    given = request.conversation
+    if given is None:
+        return None
     if request.previous_response_id is not None:
-        stored = await records.find(request.previous_response_id, owner,
-                                    "previous_response_id")
+        raise bad_request("Mutually exclusive parameters: Ensure you are only providing one "
+                          "of: 'previous_response_id' or 'conversation'.", "conversation")
+    return given if isinstance(given, str) else given.id
+
+
+async def conversation(request: ResponsesRequest | InputTokensRequest, responses: Responses,
+                       owner: str) -> list[ChatMessage]:
+    """The earlier turns (previous_response_id's, or the conversation's items) and this
+    request's input, as chat messages."""
+    history: list[ChatMessage] = []
+    conv_id = conversation_id(request)  # first: with previous_response_id, a 400
+    if request.previous_response_id is not None:
+        stored = await responses.records.find(request.previous_response_id, owner,
+                                              "previous_response_id")
         history = list(stored.conversation)
+    if conv_id is not None:
+        record = await responses.conversations.find(conv_id, owner, "conversation")
+        if isinstance(request, ResponsesRequest):  # room for its input and an answer
+            given = len(_as_items(request.input))
+            responses.conversations.check_room(record, given + 1, "conversation")
+        # The stored items were checked when added; the request's keep their own numbers.
+        history = input_messages([msgspec.convert(item, InputItem) for item in record.items])
     return history + input_messages(request.input)
+
+
+def _as_items(given: str | list[InputItem] | None) -> list[InputItem]:
+    if given is None:
+        return []
+    return [InputItem(role="user", content=given)] if isinstance(given, str) else given
 
 
 def to_chat(request: ResponsesRequest, messages: list[ChatMessage], request_id: str
@@ -440,6 +473,8 @@ def _skeleton(ctx: ServingContext, request: ResponsesRequest, response_id: str) 
         top_p=1.0 if request.top_p is None else request.top_p,
         metadata=request.metadata or {}, user=request.user,
         background=bool(request.background),
+        conversation=(None if (conv_id := conversation_id(request)) is None
+                      else ConversationRef(conv_id)),
     )
 
 
@@ -452,18 +487,18 @@ async def create(ctx: ServingContext, http: Request, request: ResponsesRequest,
     if request.background and request.store is False:
         raise bad_request("a background response must be stored: store false is not allowed "
                           "with background true", "store")
-    if request.background and request.stream:
-        raise bad_request("streaming a background response is not supported: poll it with "
-                          "GET /v1/responses/{id}", "stream")
     owner = owner_of(http, responses.keys)
-    messages = await conversation(request, responses.records, owner)
+    messages = await conversation(request, responses, owner)
     hex_id = uuid.uuid4().hex
     chat = to_chat(request, messages, request.request_id or hex_id)
     skeleton = _skeleton(ctx, request, f"resp_{hex_id}")
     record = StoredResponse(skeleton, messages, input_item_dicts(request.input, hex_id), owner,
                             hex=hex_id)
     if request.background:
-        return await _create_background(ctx, responses, record, chat)
+        started = await _create_background(ctx, responses, record, chat)
+        if request.stream:  # its events as they are stored: the same a resume replays
+            return sse_response(_follow(responses, started, owner, -1))
+        return Response(_json.encode(started), media_type="application/json")
     try:
         job, frames = await pipeline.start_job(ctx, http, chat, prefix="resp")
     except APIError as exc:
@@ -471,7 +506,9 @@ async def create(ctx: ServingContext, http: Request, request: ResponsesRequest,
     shaper = _Shaper(skeleton, hex_id, job.num_prompt_tokens)
 
     async def remember(response: ResponseObject, blocks: list[Block]) -> ResponseObject:
-        """Stores a finished response; says `store: false` when it was too large to keep."""
+        """Stores a finished response (says `store: false` when it was too large to keep),
+        and adds its items to its conversation."""
+        await _add_to_conversation(responses, record, response)
         if response.store and response.status in ("completed", "incomplete"):
             kept = await responses.records.put(msgspec.structs.replace(
                 record, response=response, conversation=[*messages, _answer_message(blocks)]))
@@ -488,8 +525,24 @@ async def create(ctx: ServingContext, http: Request, request: ResponsesRequest,
     return Response(_json.encode(response), media_type="application/json")
 
 
+async def _add_to_conversation(responses: Responses, record: StoredResponse,
+                               response: ResponseObject) -> None:
+    """A finished response's input and output items join its conversation (one deleted
+    meanwhile takes nothing)."""
+    if response.conversation is None or response.status not in ("completed", "incomplete"):
+        return
+    items = [*record.input_items, *(msgspec.to_builtins(item) for item in response.output)]
+    try:
+        async with responses.conversations.changing(response.conversation.id,
+                                                    record.owner) as conv:
+            conv.items.extend(items)
+    except APIError as exc:
+        if exc.status != 404:
+            raise
+
+
 async def _create_background(ctx: ServingContext, responses: Responses, record: StoredResponse,
-                             chat: ChatCompletionRequest) -> Response:
+                             chat: ChatCompletionRequest) -> ResponseObject:
     """Stores the response in_progress (so any frontend sees it), takes its lease and runs
     it here; a request the checks refuse is a 4xx now, and nothing stays stored."""
     records, response_id = responses.records, record.response.id
@@ -504,7 +557,7 @@ async def _create_background(ctx: ServingContext, responses: Responses, record: 
         await records.delete(response_id, record.owner)
         await records.finished(response_id)
         raise
-    return Response(_json.encode(record.response), media_type="application/json")
+    return record.response
 
 
 async def _run_background(ctx: ServingContext, responses: Responses, record: StoredResponse
@@ -514,18 +567,40 @@ async def _run_background(ctx: ServingContext, responses: Responses, record: Sto
     except APIError as exc:
         raise renamed(exc, _FIELD_NAMES) from exc
     shaper = _Shaper(record.response, record.hex, job.num_prompt_tokens)
+    records = responses.records
+    log = EventLog(records.store, record.response.id, records.ttl_s,
+                   records.store.max_value_bytes)
+    blocks = Blocks()
+
+    async def run() -> Outcome:
+        """The answer, its events stored as they are made (for streams and resumes)."""
+        try:
+            async with aclosing(_events(shaper, frames, blocks)) as events:
+                async for event in events:
+                    log.add(event)
+                    await log.flush(force=len(log.events) <= 2)  # response.created at once
+        except APIError as error:
+            log.add(shaper.error(error))
+            raise
+        return blocks.outcome()
 
     def finish(outcome: Outcome | None, error: APIError | None) -> StoredResponse:
         if error is not None:
-            code = "server_error" if error.status >= 500 else "invalid_prompt"
-            response = msgspec.structs.replace(
-                shaper.base, status="failed", error=ResponseError(code, error.message))
+            response = _failed(shaper, error, blocks)
+            log.add(shaper.lifecycle("response.failed", response))
             return msgspec.structs.replace(record, response=response, chat=None)
+        response = shaper.final(outcome)
+        if response.status in ("completed", "incomplete"):
+            log.add(shaper.lifecycle(f"response.{response.status}", response))
         return msgspec.structs.replace(
-            record, response=shaper.final(outcome), chat=None,
+            record, response=response, chat=None,
             conversation=[*record.conversation, _answer_message(outcome.blocks)])
 
-    responses.runner.start(record.response.id, frames, finish)
+    async def done(stored: StoredResponse) -> None:
+        await _add_to_conversation(responses, stored, stored.response)
+        await log.flush(force=True)  # the final event last: a follower then finds all done
+
+    responses.runner.start(record.response.id, run(), finish, done)
 
 
 async def _resume(ctx: ServingContext, responses: Responses, stored: StoredResponse) -> None:
@@ -546,23 +621,22 @@ async def sweep(ctx: ServingContext, responses: Responses) -> None:
     await responses.runner.sweep(lambda stored: _resume(ctx, responses, stored))
 
 
-async def _stream(shaper: _Shaper, frames, remember):
+def _failed(shaper: _Shaper, error: APIError, blocks: Blocks) -> ResponseObject:
+    code = "server_error" if error.status >= 500 else "invalid_prompt"
+    return msgspec.structs.replace(
+        shaper.base, status="failed", error=ResponseError(code, error.message),
+        output=[shaper.item(b, "incomplete") for b in blocks.blocks])
+
+
+async def _events(shaper: _Shaper, frames, blocks: Blocks):
+    """The stream's events up to the final one (the caller's, once the response is final):
+    response.created, in_progress, then each item's. An error frame raises its APIError."""
     yield shaper.lifecycle("response.created", shaper.base)
     yield shaper.lifecycle("response.in_progress", shaper.base)
-    blocks = Blocks()
-    try:
-        async with aclosing(block_events(frames, blocks)) as events:
-            async for ev in events:
-                for chunk in shaper.block_events(ev):
-                    yield chunk
-    except APIError as error:
-        code = "server_error" if error.status >= 500 else "invalid_prompt"
-        yield shaper.error(error)
-        failed = msgspec.structs.replace(
-            shaper.base, status="failed", error=ResponseError(code, error.message),
-            output=[shaper.item(b, "incomplete") for b in blocks.blocks])
-        yield shaper.lifecycle("response.failed", failed)
-        return
+    async with aclosing(block_events(frames, blocks)) as events:
+        async for ev in events:
+            for chunk in shaper.block_events(ev):
+                yield chunk
     outcome = blocks.outcome()
     if not outcome.finished:
         return  # the client left
@@ -571,6 +645,21 @@ async def _stream(shaper: _Shaper, frames, remember):
     for ev in blocks.finish():
         for chunk in shaper.block_events(ev, done):
             yield chunk
+
+
+async def _stream(shaper: _Shaper, frames, remember):
+    blocks = Blocks()
+    try:
+        async with aclosing(_events(shaper, frames, blocks)) as events:
+            async for chunk in events:
+                yield chunk
+    except APIError as error:
+        yield shaper.error(error)
+        yield shaper.lifecycle("response.failed", _failed(shaper, error, blocks))
+        return
+    outcome = blocks.outcome()
+    if not outcome.finished:
+        return  # the client left
     response = shaper.final(outcome)
     try:
         response = await remember(response, outcome.blocks)
@@ -592,7 +681,62 @@ async def retrieve(ctx: ServingContext, http: Request, responses: Responses,
 async def delete(http: Request, responses: Responses, response_id: str) -> DeletedResponse:
     await responses.records.delete(response_id, owner_of(http, responses.keys))
     await responses.records.ask_cancel(response_id)  # a background run stops too
+    await event_log.forget(responses.records.store, response_id)
     return DeletedResponse(response_id)
+
+
+def stream_query(http: Request) -> tuple[bool, int]:
+    """`GET /v1/responses/{id}`'s `stream` and `starting_after` (-1 when not given)."""
+    query = http.query_params
+    stream = query.get("stream", "false").lower()
+    if stream not in ("true", "false", "1", "0"):
+        raise bad_request("stream must be true or false", "stream")
+    if "starting_after" not in query:
+        return stream in ("true", "1"), -1
+    if stream not in ("true", "1"):
+        raise bad_request("starting_after is only allowed when stream is true",
+                          "starting_after")
+    try:
+        after = int(query["starting_after"])
+    except ValueError:
+        raise bad_request("starting_after must be an integer", "starting_after") from None
+    if after < 0:
+        raise bad_request("starting_after must be 0 or more", "starting_after")
+    return True, after
+
+
+async def resume_stream(ctx: ServingContext, http: Request, responses: Responses,
+                        response_id: str, after: int) -> Response:
+    """A background response's events after `after`, stored and then live, as OpenAI's
+    `GET /v1/responses/{id}?stream=true&starting_after=N`."""
+    owner = owner_of(http, responses.keys)
+    stored = await responses.records.find(response_id, owner)
+    if not stored.response.background:
+        raise bad_request("This response cannot be streamed because it was not created with "
+                          "background=true.", "stream")
+    kept = await event_log.count(responses.records.store, response_id)
+    if after >= kept:
+        last = f"its last is {kept - 1}" if kept else "none are stored"
+        raise bad_request(f"starting_after {after} is past this response's events "
+                          f"({last})", "starting_after")
+    if stored.chat is not None:  # unfinished: is anyone still running it?
+        await responses.runner.take_over_if_lapsed(
+            stored, lambda: _resume(ctx, responses, stored))
+    return sse_response(_follow(responses, stored.response, owner, after, ctx))
+
+
+def _follow(responses: Responses, response: ResponseObject, owner: str, after: int,
+            ctx: ServingContext | None = None):
+    """The stored events after `after`, then the live ones until the response ends; with
+    `ctx`, a follower whose response's runner died takes it over, as a poll would."""
+    async def finished() -> bool:
+        stored = await responses.records.get(response.id, owner)
+        if stored is not None and stored.chat is not None and ctx is not None:
+            await responses.runner.take_over_if_lapsed(
+                stored, lambda: _resume(ctx, responses, stored))
+        return stored is None or stored.response.status not in ("queued", "in_progress")
+
+    return event_log.follow(responses.records.store, response.id, after, finished)
 
 
 async def cancel(http: Request, responses: Responses, response_id: str) -> ResponseObject:
@@ -614,20 +758,13 @@ async def cancel(http: Request, responses: Responses, response_id: str) -> Respo
 async def input_items(http: Request, responses: Responses, response_id: str
                       ) -> InputItemList:
     stored = await responses.records.find(response_id, owner_of(http, responses.keys))
-    query = http.query_params
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        raise bad_request("limit must be an integer", "limit") from None
-    return list_input_items(stored, limit, query.get("order", "desc"), query.get("after"))
+    return list_input_items(stored, *list_query(http))
 
 
 async def input_tokens(ctx: ServingContext, http: Request, request: InputTokensRequest,
                        responses: Responses) -> InputTokens:
     """What the create request's prompt would be, in tokens: rendered and tokenized as it."""
-    if request.conversation is not None:
-        raise bad_request("'conversation' is not supported by this server", "conversation")
-    messages = await conversation(request, responses.records, owner_of(http, responses.keys))
+    messages = await conversation(request, responses, owner_of(http, responses.keys))
     chat = to_chat(ResponsesRequest(
         model=request.model, instructions=request.instructions, tools=request.tools,
         tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,

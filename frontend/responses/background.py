@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from frontend.base.errors import APIError
-from frontend.core.protocol_edge import Outcome, gather
+from frontend.core.protocol_edge import Outcome
 from frontend.responses.stored import LEASE_S, ResponseRecords, StoredResponse
 from frontend.state.store import StoreUnavailable
 
@@ -28,6 +28,8 @@ FINAL_WRITE_RETRY_S = 300.0  # how long a finished response waits for an absent 
 
 # What to store when the run ends: from its outcome, or from the error that ended it.
 Finish = Callable[[Outcome | None, APIError | None], StoredResponse]
+# What follows once the record is written (the conversation's items, the last events).
+Done = Callable[[StoredResponse], Awaitable[None]]
 
 
 class NoClient:
@@ -47,8 +49,10 @@ class BackgroundRunner:
         self.holder = uuid.uuid4().hex  # this frontend, as a lease holder
         self._tasks: dict[str, asyncio.Task] = {}
 
-    def start(self, response_id: str, frames, finish: Finish) -> None:
-        task = asyncio.create_task(self._run(response_id, frames, finish))
+    def start(self, response_id: str, run: Awaitable[Outcome], finish: Finish,
+              done: Done) -> None:
+        """Runs `run` (the answer, its events stored as they come) with the lease kept."""
+        task = asyncio.create_task(self._run(response_id, run, finish, done))
         self._tasks[response_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(response_id, None))
 
@@ -65,8 +69,9 @@ class BackgroundRunner:
         if await self.records.lease(response_id, self.holder):
             await run_again()
 
-    async def _run(self, response_id: str, frames, finish: Finish) -> None:
-        gathering = asyncio.ensure_future(gather(frames))
+    async def _run(self, response_id: str, run: Awaitable[Outcome], finish: Finish,
+                   done: Done) -> None:
+        gathering = asyncio.ensure_future(run)
         try:
             while not gathering.done():
                 await asyncio.wait({gathering}, timeout=LEASE_S / 3)
@@ -83,7 +88,8 @@ class BackgroundRunner:
                 stored = finish(gathering.result(), None)
             except APIError as error:
                 stored = finish(None, error)
-            await self._write(response_id, stored)
+            if await self._write(response_id, stored):
+                await done(stored)
         except asyncio.CancelledError:
             gathering.cancel()
             raise
@@ -93,22 +99,23 @@ class BackgroundRunner:
             with contextlib.suppress(BaseException):
                 await gathering
 
-    async def _write(self, response_id: str, stored: StoredResponse) -> None:
+    async def _write(self, response_id: str, stored: StoredResponse) -> bool:
+        """Writes the finished record; False when a cancel wrote it or it was lost."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + FINAL_WRITE_RETRY_S
         while True:
             try:
                 if await self.records.cancel_asked(response_id):
-                    return  # the cancel wrote the record already
+                    return False  # the cancel wrote the record already
                 if not await self.records.put(stored):
                     log.warning("background response %s is too large to store", response_id)
                 await self.records.finished(response_id)
-                return
+                return True
             except StoreUnavailable:
                 if loop.time() > deadline:
                     log.error("background response %s lost: the store stayed away",
                               response_id)
-                    return
+                    return False
                 await asyncio.sleep(1.0)
 
     async def stop(self) -> None:

