@@ -18,6 +18,7 @@ so a replay skips them. They live as long as stored responses (`--responses-ttl`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -122,7 +123,11 @@ async def follow(store: StateStore, response_id: str, after: int,
     next_check, ended_at = loop.time() + CHECK_S, None
     while True:
         chunk, pos = divmod(index, CHUNK)
-        raw = await store.get(_key(response_id, chunk))
+        try:
+            raw = await store.get(_key(response_id, chunk))
+        except StoreUnavailable:  # the stream has begun: wait for the store, not a 503
+            await asyncio.sleep(CHECK_S)
+            continue
         new = _decode(raw)[pos:] if raw is not None else []
         for event in new:
             if event:
@@ -135,8 +140,9 @@ async def follow(store: StateStore, response_id: str, after: int,
         now = loop.time()
         if now >= next_check:
             next_check = now + CHECK_S
-            if ended_at is None and await finished():
-                ended_at = now
+            with contextlib.suppress(StoreUnavailable):
+                if ended_at is None and await finished():
+                    ended_at = now
         if ended_at is not None and now - ended_at > GRACE_S:
             return
         await asyncio.sleep(POLL_S)

@@ -189,7 +189,8 @@ def test_errors_in_openai_shape(client, edge_url):
 
     assert error(input="x", temprature=0)["param"] == "temprature"
     assert error(input="x", background=True, store=False)["param"] == "store"
-    assert error(input="x", background=True, stream=True)["param"] == "stream"
+    assert error(input="x", conversation="conv_x", previous_response_id="resp_x"
+                 )["param"] == "conversation"
     # An image for a text-only model (tests/integration/test_multimodal.py serves a VLM).
     assert "takes no images" in error(input=[{"role": "user", "content": [
         {"type": "input_image", "image_url": "http://x"}]}])["message"]

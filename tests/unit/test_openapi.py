@@ -67,7 +67,7 @@ def test_unsupported_fields_admit_only_what_the_server_takes():
     schemas = openapi.document(MODEL, "0")["components"]["schemas"]
     assert schemas["ChatCompletionRequest"]["properties"]["audio"]["enum"] == [None]
     assert schemas["CompletionRequest"]["properties"]["suffix"]["enum"] == [None]
-    assert schemas["ResponsesRequest"]["properties"]["conversation"]["enum"] == [None]
+    assert schemas["ResponsesRequest"]["properties"]["prompt"]["enum"] == [None]
     assert schemas["MessagesRequest"]["properties"]["mcp_servers"]["enum"] == [None]
 
 
