@@ -607,6 +607,8 @@ async def _resume(ctx: ServingContext, responses: Responses, stored: StoredRespo
     """Runs a background response again whose runner died; a refusal now marks it failed."""
     # A new engine request id: the dead frontend's request may still be in the engine.
     chat = msgspec.structs.replace(stored.chat, request_id=uuid.uuid4().hex)
+    # Its events start again from 0: none of the first run's may outlast the new ones.
+    await event_log.forget(responses.records.store, stored.response.id)
     try:
         await _run_background(ctx, responses, msgspec.structs.replace(stored, chat=chat))
     except APIError as error:

@@ -415,3 +415,7 @@ def test_a_background_response_outlives_its_frontend(pair):
     wait_until(lambda: status() not in ("queued", "in_progress"), 120, "the sweep's rerun")
     done = pair.client(1).responses.retrieve(started.id)
     assert done.status == "incomplete" and done.usage.output_tokens == 48, done.error
+    # Its stream is the rerun's, whole: numbered from 0, none of the dead run's left over.
+    replay = list(pair.client(1).responses.retrieve(started.id, stream=True))
+    assert [e.sequence_number for e in replay] == list(range(len(replay)))
+    assert replay[-1].response.output_text == done.output_text
