@@ -107,3 +107,19 @@ def test_conversation_changes_from_two_frontends_at_once_lose_nothing(tmp_path):
         assert caught.value.status == 400 and caught.value.param == "items"
 
     asyncio.run(main())
+
+
+def test_a_conversation_larger_than_the_store_keeps_is_a_413():
+    async def main():
+        records = ConversationRecords(MemoryStore(max_value_bytes=2048), max_items=100)
+        with pytest.raises(APIError) as caught:
+            await records.create("", [{"id": "i", "text": "x" * 4096}], {})
+        assert caught.value.status == 413
+        record = await records.create("", [], {})
+        with pytest.raises(APIError) as caught:
+            async with records.changing(record.conversation.id, "") as current:
+                current.items.append({"id": "i", "text": "x" * 4096})
+        assert caught.value.status == 413
+        assert (await records.find(record.conversation.id, "")).items == []  # unchanged
+
+    asyncio.run(main())
