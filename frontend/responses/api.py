@@ -17,6 +17,7 @@ waiting (frontend.responses.background); it is polled, and cancelled, from any f
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -105,6 +106,7 @@ from frontend.responses.stored import (
 from frontend.state.store import StoreUnavailable
 from shared.tool_specs import ChatTool
 
+log = logging.getLogger("sluice.frontend.responses")
 _json = msgspec.json.Encoder()
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Chat fields whose checks (after translation) name them as this API does.
@@ -527,8 +529,9 @@ async def create(ctx: ServingContext, http: Request, request: ResponsesRequest,
 
 async def _add_to_conversation(responses: Responses, record: StoredResponse,
                                response: ResponseObject) -> None:
-    """A finished response's input and output items join its conversation (one deleted
-    meanwhile takes nothing)."""
+    """A finished response's input and output items join its conversation. The answer is
+    made by then, so a conversation deleted meanwhile (404) or grown past what the store
+    keeps (413) only goes without them; a store that is away is the caller's 503."""
     if response.conversation is None or response.status not in ("completed", "incomplete"):
         return
     items = [*record.input_items, *(msgspec.to_builtins(item) for item in response.output)]
@@ -536,9 +539,11 @@ async def _add_to_conversation(responses: Responses, record: StoredResponse,
         async with responses.conversations.changing(response.conversation.id,
                                                     record.owner) as conv:
             conv.items.extend(items)
+    except StoreUnavailable:
+        raise
     except APIError as exc:
-        if exc.status != 404:
-            raise
+        log.warning("response %s not added to conversation %s: %s", response.id,
+                    response.conversation.id, exc.message)
 
 
 async def _create_background(ctx: ServingContext, responses: Responses, record: StoredResponse,
@@ -568,8 +573,8 @@ async def _run_background(ctx: ServingContext, responses: Responses, record: Sto
         raise renamed(exc, _FIELD_NAMES) from exc
     shaper = _Shaper(record.response, record.hex, job.num_prompt_tokens)
     records = responses.records
-    log = EventLog(records.store, record.response.id, records.ttl_s,
-                   records.store.max_value_bytes)
+    kept = EventLog(records.store, record.response.id, records.ttl_s,
+                    records.store.max_value_bytes)
     blocks = Blocks()
 
     async def run() -> Outcome:
@@ -577,28 +582,30 @@ async def _run_background(ctx: ServingContext, responses: Responses, record: Sto
         try:
             async with aclosing(_events(shaper, frames, blocks)) as events:
                 async for event in events:
-                    log.add(event)
-                    await log.flush(force=len(log.events) <= 2)  # response.created at once
+                    kept.add(event)
+                    await kept.flush(force=len(kept.events) <= 2)  # response.created at once
         except APIError as error:
-            log.add(shaper.error(error))
+            kept.add(shaper.error(error))
             raise
         return blocks.outcome()
 
     def finish(outcome: Outcome | None, error: APIError | None) -> StoredResponse:
         if error is not None:
             response = _failed(shaper, error, blocks)
-            log.add(shaper.lifecycle("response.failed", response))
+            kept.add(shaper.lifecycle("response.failed", response))
             return msgspec.structs.replace(record, response=response, chat=None)
         response = shaper.final(outcome)
         if response.status in ("completed", "incomplete"):
-            log.add(shaper.lifecycle(f"response.{response.status}", response))
+            kept.add(shaper.lifecycle(f"response.{response.status}", response))
         return msgspec.structs.replace(
             record, response=response, chat=None,
             conversation=[*record.conversation, _answer_message(outcome.blocks)])
 
     async def done(stored: StoredResponse) -> None:
-        await _add_to_conversation(responses, stored, stored.response)
-        await log.flush(force=True)  # the final event last: a follower then finds all done
+        try:
+            await _add_to_conversation(responses, stored, stored.response)
+        finally:  # the final event last: a follower then finds the rest done
+            await kept.flush(force=True)
 
     responses.runner.start(record.response.id, run(), finish, done)
 
