@@ -266,6 +266,10 @@ def test_a_conversation_made_on_one_frontend_continues_on_the_other(pair):
     poll(b, later.id)
     items = b.conversations.items.list(conv.id, order="asc").data
     assert len(items) == 5 and items[3].content[0].text == "And again?"
+    streamed = list(a.responses.create(model=MODEL, input="Once more.", max_output_tokens=2,
+                                       stream=True, conversation=conv.id))
+    items = b.conversations.items.list(conv.id, order="asc").data
+    assert len(items) == 7 and items[6].content[0].text == streamed[-1].response.output_text
 
     # Items: add, page, read one, delete one.
     added = b.conversations.items.create(conv.id, items=[
@@ -275,13 +279,13 @@ def test_a_conversation_made_on_one_frontend_continues_on_the_other(pair):
     page = a.conversations.items.list(conv.id, limit=2)  # newest first
     assert [i.id for i in page.data] == [added.data[1].id, added.data[0].id] and page.has_more
     rest = a.conversations.items.list(conv.id, limit=100, after=page.data[-1].id)
-    assert len(rest.data) == 5 and not rest.has_more
+    assert len(rest.data) == 7 and not rest.has_more
     assert a.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id
                                           ).content[0].text == "one"
     assert b.conversations.items.delete(added.data[0].id, conversation_id=conv.id).id == conv.id
     with pytest.raises(openai.NotFoundError):
         a.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id)
-    assert len(a.conversations.items.list(conv.id, limit=100).data) == 6
+    assert len(a.conversations.items.list(conv.id, limit=100).data) == 8
 
     assert b.conversations.update(conv.id, metadata={"k": "v"}).metadata == {"k": "v"}
     assert a.conversations.retrieve(conv.id).metadata == {"k": "v"}
