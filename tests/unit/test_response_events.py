@@ -78,8 +78,8 @@ def test_a_follower_ends_when_the_response_ended_without_a_final_event(monkeypat
 
         async def cancelled() -> bool:
             return True
-        assert await asyncio.wait_for(collect(store, -1, cancelled), 2) == [event(0,
-                                                                                 "response.created")]
+        got = await asyncio.wait_for(collect(store, -1, cancelled), 2)
+        assert got == [event(0, "response.created")]
 
     asyncio.run(main())
 
