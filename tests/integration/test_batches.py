@@ -245,8 +245,8 @@ def test_every_new_field_has_clear_bounds(stack):
 
 def test_a_cancelled_batch_keeps_what_finished(stack):
     a, b = stack.client(0), stack.client(1)
-    lines = [chat_line(f"long-{i}", "Tell a story.", max_tokens=40, ignore_eos=True)
-             for i in range(20)]
+    lines = [chat_line(f"long-{i}", "Tell a story.", max_tokens=24, ignore_eos=True)
+             for i in range(8)]
     batch = a.batches.create(input_file_id=upload(a, jsonl(lines)).id,
                              endpoint="/v1/chat/completions", completion_window="24h")
     wait_until(lambda: b.batches.retrieve(batch.id).request_counts.completed > 0, 120,
@@ -254,10 +254,10 @@ def test_a_cancelled_batch_keeps_what_finished(stack):
     assert b.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = poll(a, batch.id, 60)
     assert done.status == "cancelled" and done.cancelled_at >= done.cancelling_at
-    assert 0 < done.request_counts.completed < 20
+    assert 0 < done.request_counts.completed < 8
     output = lines_of(a, done.output_file_id)
     assert len(output) == done.request_counts.completed
-    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 40
+    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 24
                for line in output)
 
 
@@ -298,17 +298,17 @@ def test_a_batch_outlives_its_frontend(stack):
     """Last: it SIGKILLs frontend a, whose lease runs out; frontend b's sweep resumes the
     batch and runs the lines that have no result yet."""
     a, b = stack.client(0), stack.client(1)
-    lines = [chat_line(f"r-{i}", f"Count to {i}.", max_tokens=8, ignore_eos=True)
-             for i in range(24)]
+    lines = [chat_line(f"r-{i}", f"Count to {i}.", max_tokens=4, ignore_eos=True)
+             for i in range(12)]
     batch = a.batches.create(input_file_id=upload(a, jsonl(lines)).id,
                              endpoint="/v1/chat/completions", completion_window="24h")
     # Frontend a took it (it had room): kill it once some, not all, lines are done.
-    wait_until(lambda: b.batches.retrieve(batch.id).request_counts.completed >= 3, 120,
+    wait_until(lambda: b.batches.retrieve(batch.id).request_counts.completed >= 1, 120,
                "the first lines on frontend a")
     os.killpg(stack.frontends[0].proc.popen.pid, signal.SIGKILL)
-    assert b.batches.retrieve(batch.id).request_counts.completed < 24
+    assert b.batches.retrieve(batch.id).request_counts.completed < 12
     done = poll(b, batch.id)
     assert done.status == "completed"
-    assert (done.request_counts.completed, done.request_counts.failed) == (24, 0)
+    assert (done.request_counts.completed, done.request_counts.failed) == (12, 0)
     output = lines_of(b, done.output_file_id)
-    assert [line["custom_id"] for line in output] == [f"r-{i}" for i in range(24)]
+    assert [line["custom_id"] for line in output] == [f"r-{i}" for i in range(12)]
