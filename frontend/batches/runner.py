@@ -182,11 +182,15 @@ class BatchRunner:
             batch.cancelling_at = batch.cancelling_at or at
             await self.finalize(stored, "cancelled", results)
             return
+        ending: list[str] = []  # why it stops early: cancelled, expired, lost
+        if time.time() > batch.expires_at:  # it waited its whole window for a runner
+            ending.append("expired")
         if batch.status == "validating":
             batch.status, batch.in_progress_at = "in_progress", int(time.time())
         await self._count(stored, results)
         stop = asyncio.Event()
-        ending: list[str] = []  # why it stops early: cancelled, expired, lost
+        if ending:
+            stop.set()
         keeper = asyncio.create_task(self._keep(stored, results, stop, ending))
         running: set[asyncio.Task] = set()
         try:
