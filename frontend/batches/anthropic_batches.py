@@ -25,7 +25,7 @@ from frontend.batches.runner import split_lines
 
 ENDPOINT = "/v1/messages"
 WINDOW_S = 24 * 3600  # Anthropic's batches expire after 24 hours
-_CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _encode = msgspec.json.Encoder().encode
 
 
@@ -66,7 +66,7 @@ async def create(http: Request, body: AnthropicBatchCreate, owner: str, b: Batch
                           "(--max-batch-lines)", "requests")
     seen = set()
     for i, request in enumerate(body.requests):
-        if not _CUSTOM_ID.match(request.custom_id):
+        if not _CUSTOM_ID.fullmatch(request.custom_id):
             raise bad_request("custom_id must be 1 to 64 letters, digits, '-' or '_'",
                               f"requests[{i}].custom_id")
         if request.custom_id in seen:

@@ -29,6 +29,7 @@ KEYS = ("key-a", "key-b")
 IN_FLIGHT = 3  # --max-batch-lines-in-flight
 MAX_LINES = 60
 MAX_BYTES = 40_000
+MAX_ACTIVE = 2  # --max-active-batches
 
 
 class Stack:
@@ -49,7 +50,8 @@ def stack(shared_engine, tmp_path_factory):
     redis = RedisServer(tmp)
     flags = ("--state-store", redis.url, *(f for key in KEYS for f in ("--api-key", key)),
              "--max-batch-lines-in-flight", str(IN_FLIGHT), "--max-batch-lines",
-             str(MAX_LINES), "--max-batch-file-bytes", str(MAX_BYTES))
+             str(MAX_LINES), "--max-batch-file-bytes", str(MAX_BYTES),
+             "--max-active-batches", str(MAX_ACTIVE))
     frontends = []
     try:
         for name in ("a", "b"):
@@ -247,11 +249,17 @@ def test_a_cancelled_batch_keeps_what_finished(stack):
     a, b = stack.client(0), stack.client(1)
     lines = [chat_line(f"long-{i}", "Tell a story.", max_tokens=24, ignore_eos=True)
              for i in range(8)]
-    batch = a.batches.create(input_file_id=upload(a, jsonl(lines)).id,
-                             endpoint="/v1/chat/completions", completion_window="24h")
+    source = upload(a, jsonl(lines)).id
+    batch, filler = (a.batches.create(input_file_id=source, endpoint="/v1/chat/completions",
+                                      completion_window="24h") for _ in range(MAX_ACTIVE))
+    with pytest.raises(openai.RateLimitError):  # MAX_ACTIVE unfinished already
+        b.batches.create(input_file_id=source, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    assert b.batches.cancel(filler.id).status in ("cancelling", "cancelled")
     wait_until(lambda: b.batches.retrieve(batch.id).request_counts.completed > 0, 120,
                "the first lines")
     assert b.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    assert poll(b, filler.id, 60).status == "cancelled"
     done = poll(a, batch.id, 60)
     assert done.status == "cancelled" and done.cancelled_at >= done.cancelling_at
     assert 0 < done.request_counts.completed < 8
