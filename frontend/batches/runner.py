@@ -218,6 +218,12 @@ class BatchRunner:
         if ending and ending[0] == "lost":
             return  # another frontend holds it now
         status = ending[0] if ending else "completed"
+        if status == "completed" and len(results) < len(planned):
+            # A line whose result the store did not take: keep the batch unfinished; the
+            # lease lapses and a sweep runs the missing lines again.
+            log.warning("batch %s: %d lines have no stored result yet", batch_id,
+                        len(planned) - len(results))
+            return
         if status == "expired":
             for index, item in enumerate(planned):
                 if index not in results:
