@@ -3,7 +3,8 @@
 through the official clients. A batch made on one frontend is polled and read on the other;
 its lines run through the chat route with a bounded number in the engine at once; bad lines
 land in the error file; objects belong to the API key that made them; every new field's
-bounds are clear 4xx; a batch whose frontend is SIGKILLed is finished by the other."""
+bounds are clear 4xx; a store that goes away gives 503s and keeps what it had; a batch whose
+frontend is SIGKILLed is finished by the other."""
 
 from __future__ import annotations
 
@@ -300,6 +301,31 @@ def test_anthropic_message_batches(stack):
     assert other.messages.batches.delete(made.id).type == "message_batch_deleted"
     with pytest.raises(anthropic.NotFoundError):
         other.messages.batches.retrieve(made.id)
+
+
+def test_a_store_that_goes_away_gives_503s_and_loses_nothing(stack):
+    a = stack.client(0)
+    kept = upload(a, jsonl([chat_line("kept", "Hi.")]))
+    url, headers = stack.urls[1], {"Authorization": f"Bearer {KEYS[0]}"}
+    stack.redis.stop()
+    try:
+        for method, path, body in (
+                ("GET", "/v1/files", None), ("GET", f"/v1/files/{kept.id}/content", None),
+                ("GET", "/v1/batches", None), ("GET", "/v1/messages/batches", None),
+                ("POST", "/v1/batches", {"input_file_id": kept.id, "completion_window": "24h",
+                                         "endpoint": "/v1/chat/completions"})):
+            answer = httpx.request(method, url + path, json=body, headers=headers, timeout=30)
+            assert answer.status_code == 503, (path, answer.text)
+    finally:
+        stack.redis.start()
+
+    def readable() -> bool:
+        try:
+            return a.files.content(kept.id).text.startswith('{"custom_id": "kept"')
+        except openai.InternalServerError:  # 503 while the client reconnects
+            return False
+
+    wait_until(readable, 30, "the file after Redis came back")
 
 
 def test_a_batch_outlives_its_frontend(stack):

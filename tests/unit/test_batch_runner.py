@@ -10,11 +10,12 @@ import json
 import time
 
 import msgspec
+import pytest
 
 from frontend.batches.models import BatchObject, LineResult, OutputLine, RequestCounts, StoredBatch
 from frontend.batches.records import BatchRecords, FileRecords
 from frontend.batches.runner import BATCH_PRIORITY, BatchRunner, plan_lines, split_lines
-from frontend.state.store import MemoryStore
+from frontend.state.store import MemoryStore, SqliteStore
 
 URL = "/v1/chat/completions"
 
@@ -56,8 +57,13 @@ class Echo:
         return status, json.dumps({"id": f"chatcmpl-{len(self.seen)}", **request}).encode()
 
 
-async def _setup(lines: list[bytes], expires_in: float = 3600.0):
-    store = MemoryStore()
+@pytest.fixture(params=["memory", "sqlite"])
+def store(request, tmp_path):
+    """The embedded stores; Redis runs under the same runner in test_batches.py."""
+    return MemoryStore() if request.param == "memory" else SqliteStore(str(tmp_path / "s.db"))
+
+
+async def _setup(store, lines: list[bytes], expires_in: float = 3600.0):
     files, batches = FileRecords(store), BatchRecords(store)
     source = await files.create(b"\n".join(lines), "in.jsonl", "batch", "owner")
     now = int(time.time())
@@ -79,10 +85,10 @@ async def _run_to_end(runner: BatchRunner, batches: BatchRecords) -> StoredBatch
     raise AssertionError("the batch did not finish")
 
 
-def test_a_batch_runs_with_a_bounded_number_of_lines_in_flight():
+def test_a_batch_runs_with_a_bounded_number_of_lines_in_flight(store):
     async def main():
         lines = [line(f"r{i}", bad=i == 4) for i in range(12)] + [b"[1"]
-        files, batches, echo, runner = await _setup(lines)
+        files, batches, echo, runner = await _setup(store, lines)
         stored = await _run_to_end(runner, batches)
         assert echo.most == 3  # --max-batch-lines-in-flight
         assert all(r["priority"] == BATCH_PRIORITY for r in echo.seen)
@@ -97,9 +103,10 @@ def test_a_batch_runs_with_a_bounded_number_of_lines_in_flight():
     asyncio.run(main())
 
 
-def test_a_resumed_batch_runs_only_the_lines_without_a_result():
+def test_a_resumed_batch_runs_only_the_lines_without_a_result(store):
     async def main():
-        files, batches, echo, runner = await _setup([line(f"r{i}", n=i) for i in range(6)])
+        files, batches, echo, runner = await _setup(store, [line(f"r{i}", n=i)
+                                                           for i in range(6)])
         done = LineResult(True, OutputLine("batch_req_1", "r1", None, None))
         await batches.put_result("batch_x", 1, done)  # finished by a frontend that died
         stored = await _run_to_end(runner, batches)
@@ -110,9 +117,10 @@ def test_a_resumed_batch_runs_only_the_lines_without_a_result():
     asyncio.run(main())
 
 
-def test_a_batch_past_its_window_expires_with_its_lines_in_the_error_file():
+def test_a_batch_past_its_window_expires_with_its_lines_in_the_error_file(store):
     async def main():
-        files, batches, echo, runner = await _setup([line("a"), line("b")], expires_in=-1)
+        files, batches, echo, runner = await _setup(store, [line("a"), line("b")],
+                                                    expires_in=-1)
         stored = await _run_to_end(runner, batches)
         assert stored.batch.status == "expired" and stored.batch.expired_at
         assert echo.seen == [] and stored.expired == 2
