@@ -280,7 +280,7 @@ class BatchRunner:
                     await self._count(stored, results)
                     continue
             except StoreUnavailable:
-                continue  # keep running; the results wait in memory for the store
+                continue  # keep running; a line whose result is not stored runs again
             stop.set()
             return
 
