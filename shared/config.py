@@ -131,6 +131,14 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     state_store: str | None = None
     responses_ttl_s: float = 30 * 24 * 3600.0
     max_stored_bytes: int = 16 * 2**20
+    # Files and batches (frontend.batches; docs/batches.md): bounds on an upload, on the
+    # unfinished batches in the store, on what one frontend runs at once, and their TTL.
+    max_batch_file_bytes: int = 100 * 2**20
+    max_batch_lines: int = 50_000
+    max_active_batches: int = 100
+    max_running_batches: int = 2
+    max_batch_lines_in_flight: int = 4
+    batch_ttl_s: float = 30 * 24 * 3600.0
     max_conversation_items: int = 10_000  # items one /v1/conversations conversation holds
     # --generation-config auto|vllm|FOLDER and --override-generation-config JSON
     # (shared.generation_config): sampling defaults for fields a request leaves out.

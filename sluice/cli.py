@@ -35,6 +35,7 @@ from frontend.http.cli import (
     add_frontend_arguments,
     add_routing_arguments,
     api_keys,
+    batch_argv,
     frontend_config,
     limit_argv,
     limit_config,
@@ -234,7 +235,7 @@ def _serve(args) -> int:
                       "--max-stored-bytes", str(args.max_stored_bytes),
                       "--max-conversation-items", str(args.max_conversation_items),
                       "--generation-config", args.generation_config,
-                      *limit_argv(args)]
+                      *batch_argv(args), *limit_argv(args)]
     if args.override_generation_config is not None:
         frontend_argv += ["--override-generation-config", args.override_generation_config]
     if args.state_store is not None:

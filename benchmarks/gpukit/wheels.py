@@ -30,6 +30,7 @@ CARRIED = {
     # FlashInfer's runtime; the kernels built ahead (kernels.py) link against this release.
     "apache-tvm-ffi": "0.1.15.post2",
     "redis": "8.1.0",  # --state-store redis://'s client (frontend.state.store)
+    "python-multipart": "0.0.34",  # /v1/files uploads (Starlette's form parser)
 }
 
 # On the device already, as KINDS.md lists them (read 2026-11-17); names normalized.

@@ -375,8 +375,3 @@ async def count_tokens(ctx: ServingContext, request: CountTokensRequest) -> Toke
     prompt = await chat_input(ctx, chat)
     return TokenCount(prompt.num_tokens)
 
-
-def batches_unsupported() -> APIError:
-    """Message batches are not run here: a 404 (not retried by clients, unlike a 5xx)."""
-    return APIError(404, "Message batches are not supported by this server; send each "
-                         "request to /v1/messages.")

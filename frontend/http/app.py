@@ -25,6 +25,11 @@ from frontend.base.api_models import (
     TokenizeRequest,
 )
 from frontend.base.errors import APIError, error_response, route_path
+from frontend.batches import anthropic_batches
+from frontend.batches import api as batches_api
+from frontend.batches.models import AnthropicBatchCreate, BatchCreate
+from frontend.batches.records import BatchRecords, FileRecords
+from frontend.batches.runner import BatchRunner
 from frontend.core.serving_context import ServingContext, check_model
 from frontend.http import lora as lora_routes
 from frontend.http import openapi
@@ -48,10 +53,11 @@ from frontend.responses.conversation_models import (
 )
 from frontend.responses.conversations import ConversationRecords
 from frontend.responses.models import InputTokensRequest, ResponsesRequest
-from frontend.responses.stored import ResponseRecords
+from frontend.responses.stored import ResponseRecords, owner_of
 from frontend.state.store import open_store
 from postproc.openai_shapes import ModelCard, ModelList
 from shared.config import FrontendConfig
+from shared.pooling_config import resolve_runner
 
 log = logging.getLogger("sluice.frontend")
 _json = msgspec.json.Encoder()
@@ -162,6 +168,25 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+def _internal_request(path: str, body: bytes) -> Request:
+    """A batch line as the HTTP request its route reads: a JSON POST whose client never
+    leaves (the runner cancels the line's task to abort it)."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+        return {}
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "client": None, "server": None, "scheme": "http", "http_version": "1.1"}
+    return Request(scope, receive)
+
+
 def _guarded(handler):
     async def endpoint(request: Request) -> Response:
         try:
@@ -250,6 +275,41 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         ConversationRecords(state, config.max_conversation_items),
         keys=frozenset(config.api_keys))
 
+    # Files and batches (frontend.batches): each line goes to the route an interactive
+    # request of its endpoint meets (`line_routes`, filled from the route table below).
+    line_routes: dict = {}
+
+    async def dispatch(path: str, body: bytes) -> tuple[int, bytes]:
+        response = await line_routes[path](_internal_request(path, body))
+        return response.status_code, bytes(response.body)
+
+    batch_ttl = config.batch_ttl_s or None
+    files, batch_records = FileRecords(state, batch_ttl), BatchRecords(state, batch_ttl)
+    pooling = resolve_runner(config.model, config.runner, config.hf_overrides) == "pooling"
+    batches = batches_api.Batches(
+        files, batch_records,
+        BatchRunner(batch_records, files, dispatch, config.max_running_batches,
+                    config.max_batch_lines_in_flight),
+        batches_api.BatchSettings(
+            config.max_batch_file_bytes, config.max_batch_lines, config.max_active_batches,
+            ("/v1/embeddings",) if pooling else ("/v1/chat/completions", "/v1/completions")))
+    keys = frozenset(config.api_keys)
+
+    def owned(handler):
+        """A batch wing handler, given the caller's owner and the shared records."""
+        async def endpoint(request: Request) -> Response:
+            answer = await handler(request, owner_of(request, keys), batches)
+            return answer if isinstance(answer, Response) else json_response(answer)
+        return _guarded(endpoint)
+
+    async def batch_create(request: Request, owner: str, b) -> Response:
+        return await batches_api.create_batch(
+            await _decode_body(request, BatchCreate), owner, b)
+
+    async def messages_batch_create(request: Request, owner: str, b) -> Response:
+        return await anthropic_batches.create(
+            request, await _decode_body(request, AnthropicBatchCreate), owner, b)
+
     async def responses_create(request: Request) -> Response:
         body = _with_request_id(request, await _decode_body(request, ResponsesRequest))
         return await responses_api.create(ctx, request, body, responses)
@@ -325,9 +385,6 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         body = await _decode_body(request, CountTokensRequest)
         return json_response(await anthropic_api.count_tokens(ctx, body))
 
-    async def messages_batches(request: Request) -> Response:
-        raise anthropic_api.batches_unsupported()
-
     async def tokenize(request: Request) -> Response:
         body = await _decode_body(request, TokenizeRequest)
         result = await serving.tokenize(ctx, body)
@@ -347,10 +404,13 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     async def lifespan(app):
         await ctx.client.start()
         sweep = asyncio.create_task(responses_api.sweep(ctx, responses))
+        batch_sweep = asyncio.create_task(batches.runner.sweep())
         try:
             yield
         finally:
             sweep.cancel()
+            batch_sweep.cancel()
+            await batches.runner.stop()
             await responses.runner.stop()
             await state.close()
             await ctx.client.stop()
@@ -396,14 +456,29 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
               _guarded(conversation_item_delete), methods=["DELETE"]),
         Route("/v1/messages", _guarded(messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", _guarded(messages_count_tokens), methods=["POST"]),
-        # Batches are not run here: every batch route is a clear 404 in Anthropic's shape.
-        Route("/v1/messages/batches", _guarded(messages_batches), methods=["GET", "POST"]),
-        Route("/v1/messages/batches/{batch_id}/results", _guarded(messages_batches),
+        # Anthropic's Message Batches, over the same batch runner as /v1/batches.
+        Route("/v1/messages/batches", owned(messages_batch_create), methods=["POST"]),
+        Route("/v1/messages/batches", owned(anthropic_batches.list_batches), methods=["GET"]),
+        Route("/v1/messages/batches/{batch_id}/results", owned(anthropic_batches.results),
               methods=["GET"]),
-        Route("/v1/messages/batches/{batch_id}/cancel", _guarded(messages_batches),
+        Route("/v1/messages/batches/{batch_id}/cancel", owned(anthropic_batches.cancel),
               methods=["POST"]),
-        Route("/v1/messages/batches/{batch_id}", _guarded(messages_batches),
-              methods=["GET", "DELETE"]),
+        Route("/v1/messages/batches/{batch_id}", owned(anthropic_batches.retrieve),
+              methods=["GET"]),
+        Route("/v1/messages/batches/{batch_id}", owned(anthropic_batches.delete),
+              methods=["DELETE"]),
+        # OpenAI's Files and Batch APIs (frontend.batches).
+        Route("/v1/files", owned(batches_api.upload_file), methods=["POST"]),
+        Route("/v1/files", owned(batches_api.list_files), methods=["GET"]),
+        Route("/v1/files/{file_id}", owned(batches_api.get_file), methods=["GET"]),
+        Route("/v1/files/{file_id}", owned(batches_api.delete_file), methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", owned(batches_api.file_content),
+              methods=["GET"]),
+        Route("/v1/batches", owned(batch_create), methods=["POST"]),
+        Route("/v1/batches", owned(batches_api.list_batches), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", owned(batches_api.get_batch), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", owned(batches_api.cancel_batch),
+              methods=["POST"]),
         Route("/invocations", _guarded(invocations), methods=["POST"]),
         Route("/tokenize", _guarded(tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(detokenize), methods=["POST"]),
@@ -412,6 +487,9 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi.endpoint(ctx.model_name, VERSION), methods=["GET"]),
     ]
+    line_routes.update({route.path: route.endpoint for route in routes
+                        if route.path in batches.settings.endpoints + ("/v1/messages",)
+                        and "POST" in (route.methods or ())})
     if config.allow_runtime_lora_updating:  # vLLM's run-time adapter routes (issue 36)
         load_lora, unload_lora = lora_routes.routes(ctx, _decode_body)
         routes += [Route("/v1/load_lora_adapter", _guarded(load_lora), methods=["POST"]),

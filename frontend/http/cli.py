@@ -166,6 +166,7 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stored-bytes", type=int_at_least(1024), default=16 * 2**20,
                    help="the largest one stored object may be, encoded; a larger response is "
                         "returned with store false (default: 16 MiB)")
+    _add_batch_arguments(g)
     g.add_argument("--max-conversation-items", type=int_at_least(1), default=10_000,
                    help="items one /v1/conversations conversation may hold; adding more is "
                         "a 400 (default: %(default)s)")
@@ -202,6 +203,45 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                         "stream_options.include_usage were true")
     _add_http_arguments(p)
     _add_limit_arguments(p)
+
+
+# The Files and Batch APIs (frontend.batches): flag -> (FrontendConfig field, type, default, help).
+_BATCH_FLAGS = {
+    "--max-batch-file-bytes": ("max_batch_file_bytes", int_at_least(1), 100 * 2**20,
+                               "the largest file /v1/files takes, in bytes (past it: a 413; "
+                               "--max-request-body-bytes bounds the upload too)"),
+    "--max-batch-lines": ("max_batch_lines", int_at_least(1), 50_000,
+                          "requests one batch input file may hold (OpenAI's 50,000)"),
+    "--max-active-batches": ("max_active_batches", int_at_least(1), 100,
+                             "unfinished batches in the state store, every frontend's "
+                             "together; past it creating one is a 429"),
+    "--max-running-batches": ("max_running_batches", int_at_least(1), 2,
+                              "batches this frontend runs at once; the others wait for a "
+                              "frontend with room"),
+    "--max-batch-lines-in-flight": ("max_batch_lines_in_flight", int_at_least(1), 4,
+                                    "batch requests this frontend has in the engines at once, "
+                                    "all its batches together: what interactive requests share "
+                                    "the engines with"),
+    "--batch-ttl": ("batch_ttl_s", seconds, 30 * 24 * 3600.0,
+                    "seconds files, batches and their output files are kept; 0: until "
+                    "deleted (default: 30 days)"),
+}
+
+
+def _add_batch_arguments(g) -> None:
+    for flag, (dest, kind, default, what) in _BATCH_FLAGS.items():
+        g.add_argument(flag, type=kind, default=default, dest=dest,
+                       help=f"{what} (default: %(default)s)")
+
+
+def batch_config(args) -> dict:
+    return {dest: getattr(args, dest) for dest, _, _, _ in _BATCH_FLAGS.values()}
+
+
+def batch_argv(args) -> list[str]:
+    """The batch flags, for the frontend `sluice serve` starts."""
+    return [x for flag, (dest, _, _, _) in _BATCH_FLAGS.items()
+            for x in (flag, str(getattr(args, dest)))]
 
 
 def _add_http_arguments(p: argparse.ArgumentParser) -> None:
@@ -318,7 +358,7 @@ def frontend_config(args, engine_address: str | list[str] | None,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         reasoning_field=args.reasoning_field, max_stored_responses=args.max_stored_responses,
         state_store=args.state_store, responses_ttl_s=args.responses_ttl,
-        max_stored_bytes=args.max_stored_bytes,
+        max_stored_bytes=args.max_stored_bytes, **batch_config(args),
         max_conversation_items=args.max_conversation_items,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,

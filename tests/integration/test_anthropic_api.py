@@ -160,8 +160,8 @@ def test_errors_in_anthropic_shape(client, edge_url):
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x"}}]}])
-    with pytest.raises(anthropic.NotFoundError) as err:
-        client.messages.batches.list()
-    assert "not supported" in err.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as err:  # batches: test_batches.py
+        client.messages.batches.retrieve("msgbatch_unknown")
+    assert err.value.body["error"]["type"] == "not_found_error"
     missing = httpx.get(f"{edge_url}/v1/messages/nothing/here", timeout=10)
     assert missing.status_code == 404 and missing.json()["type"] == "error"

@@ -80,3 +80,27 @@ def test_bounds_and_scheduling_flags_refuse_values_that_make_no_sense(capsys):
         ["engine", "--long-prefill-token-threshold", "0", "--frontend-timeout", "0"])
     assert (args.long_prefill_token_threshold, args.frontend_timeout) == (0, 0.0)
     assert cli.build_parser().parse_args(["frontend", "--max-n", "1"]).max_n == 1
+
+
+def test_batch_flags_reach_the_config_and_serve_forwards_them(monkeypatch, capsys):
+    import pytest
+
+    from frontend.http.cli import batch_argv, batch_config
+
+    monkeypatch.delenv("SLUICE_API_KEY", raising=False)
+    argv = ["--max-batch-file-bytes", "1000", "--max-batch-lines", "5",
+            "--max-active-batches", "3", "--max-running-batches", "1",
+            "--max-batch-lines-in-flight", "2", "--batch-ttl", "60"]
+    args = cli.build_parser().parse_args(["frontend", *argv])
+    config = cli.frontend_config(args, "tcp://127.0.0.1:1", None)
+    assert (config.max_batch_file_bytes, config.max_batch_lines, config.max_active_batches,
+            config.max_running_batches, config.max_batch_lines_in_flight,
+            config.batch_ttl_s) == (1000, 5, 3, 1, 2, 60.0)
+    serve = cli.build_parser().parse_args(["serve", *argv])
+    forwarded = cli.build_parser().parse_args(["frontend", *batch_argv(serve)])
+    assert batch_config(forwarded) == batch_config(args)
+    for flag, value in (("--max-batch-lines", "0"), ("--max-batch-lines-in-flight", "-1"),
+                        ("--max-batch-file-bytes", "big"), ("--batch-ttl", "-5")):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["frontend", flag, value])
+        assert flag in capsys.readouterr().err
