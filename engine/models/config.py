@@ -319,6 +319,12 @@ def _gguf_rope_scaling(reader, meta, tensor_names: set[str]) -> RopeScaling | No
                            freq_factors=gguf_tensor_values(reader, "rope_freqs.weight"))
     if kind == "none":
         return None
+    if kind == "yarn":  # llama.cpp's defaults for the ramp's edges are transformers' too
+        return RopeScaling(
+            rope_type=kind, factor=float(meta("rope.scaling.factor")),
+            original_max_position_embeddings=meta("rope.scaling.original_context_length"),
+            beta_fast=float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(meta("rope.scaling.yarn_beta_slow", 1.0)))
     return RopeScaling(rope_type=kind, factor=float(meta("rope.scaling.factor")))
 
 

@@ -120,8 +120,20 @@ def _family_names(config: ModelConfig) -> dict[str, str]:
 
 
 def _load_gguf(path, config, expected, dtype, take) -> dict[str, torch.Tensor]:
+    from engine.models.registry import family_of  # the registry imports the model modules
+
     weights = {}
     layer_names = _family_names(config)
+    regroup = family_of(config).gguf_tensors
+    if regroup is not None:  # a family whose file holds its tensors in another grouping
+        arrays = {t.name: gguf.quants.dequantize(t.data, t.tensor_type)
+                  for t in gguf_reader(path).tensors if t.name not in _GGUF_CONFIG_TENSORS}
+        named = regroup(arrays, lambda name: gguf_hf_name(name, layer_names))
+        for name, array in named.items():
+            if name not in expected:
+                raise ValueError(f"unexpected GGUF tensor for {name!r}")
+            weights[name] = take(name, _to_torch(array, dtype))
+        return weights
     for tensor in gguf_reader(path).tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
@@ -135,7 +147,7 @@ def _load_gguf(path, config, expected, dtype, take) -> dict[str, torch.Tensor]:
             weights.update({name: take(name, _to_torch(array[e], dtype))
                             for e, name in enumerate(experts)})
             continue
-        name = _hf_name(tensor.name, layer_names)
+        name = gguf_hf_name(tensor.name, layer_names)
         if name not in expected:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -167,7 +179,7 @@ def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, Qu
     layer_names = _family_names(config)
     for tensor in gguf_reader(model_path).tensors:
         kind = BLOCK_KINDS.get(tensor.tensor_type.name)
-        name = _hf_name(tensor.name, layer_names)
+        name = gguf_hf_name(tensor.name, layer_names)
         if kind is None or name is None or len(tensor.shape) != 2:
             continue
         rows = _undo_rope_permute(np.asarray(tensor.data), tensor.name, config)
@@ -186,7 +198,7 @@ def _expert_names(gguf_name: str, count: int) -> list[str] | None:
             for e in range(count)]
 
 
-def _hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:
+def gguf_hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:
     """Map `blk.3.attn_q.weight` to `model.layers.3.self_attn.q_proj.weight`; None if unknown.
     layer_names: the family's block names (_family_names)."""
     stem, _, suffix = gguf_name.rpartition(".")

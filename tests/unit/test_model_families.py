@@ -601,6 +601,87 @@ def test_llama_cpp_gguf_of_the_family(tmp_path, case):
         assert tokens[i] == ref.tokens[i]
 
 
+def test_gpt_oss_gguf(tmp_path):
+    """The file convert_hf_to_gguf.py writes for a gpt-oss checkpoint (general.architecture
+    "gpt-oss"; gate_up split into gate and up experts [E, out, in], stored as MXFP4 blocks;
+    sinks, router and expert biases under llama.cpp's names; YaRN in the metadata) serves
+    transformers' tokens and logits. The checkpoint's experts are first rounded to values
+    MXFP4 holds exactly, so the file's blocks are the checkpoint itself."""
+    import gguf
+
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+
+    def round_experts(model):  # through MXFP4 along each row's input dimension, as stored
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for param in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                    rows = param.transpose(1, 2).numpy()  # [E, out, in]
+                    exact = gguf.quants.dequantize(gguf.quants.quantize(rows, mxfp4), mxfp4)
+                    param.copy_(torch.from_numpy(exact).transpose(1, 2))
+
+    config_cls, model_cls, overrides = CASES["gpt_oss"]
+    kwargs = {**TINY, **overrides}
+    ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8,
+                         prepare=round_experts)
+    hf = config_cls(**kwargs)
+    rope = hf.rope_parameters
+    path = str(tmp_path / "tiny-gpt-oss.gguf")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, hf.num_hidden_layers)
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS])
+    _common_metadata(writer, hf, hf.head_dim)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_expert_count(hf.num_local_experts)
+    writer.add_expert_used_count(hf.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(hf.intermediate_size)
+    writer.add_sliding_window(hf.sliding_window)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+    def add(hf_name: str, suffix: str, tensor: torch.Tensor, quantize=False) -> None:
+        mapped = names.get_name(hf_name)
+        assert mapped is not None, hf_name
+        array = tensor.contiguous().numpy()
+        if quantize:
+            writer.add_tensor(f"{mapped}.{suffix}", gguf.quants.quantize(array, mxfp4),
+                              raw_dtype=mxfp4)
+        else:
+            writer.add_tensor(f"{mapped}.{suffix}", array)
+
+    for name, tensor in sorted(load_file(os.path.join(ref.path, "model.safetensors")).items()):
+        stem, _, suffix = name.rpartition(".")
+        if name.endswith("sinks"):
+            add(name, "weight", tensor)
+        elif "gate_up_proj" in name:  # columns interleave gate and up
+            stem = stem if name.endswith("_proj") else name.removesuffix("_bias")
+            stem = stem.replace(".gate_up_proj", "")
+            if name.endswith("_bias"):
+                add(stem + ".gate_proj", "bias", tensor[..., 0::2])
+                add(stem + ".up_proj", "bias", tensor[..., 1::2])
+            else:
+                rows = tensor.transpose(1, 2)  # [E, 2 * inter, hidden]
+                add(stem + ".gate_proj", "weight", rows[:, 0::2], quantize=True)
+                add(stem + ".up_proj", "weight", rows[:, 1::2], quantize=True)
+        elif name.endswith("down_proj_bias"):
+            add(name.removesuffix("_bias"), "bias", tensor)
+        elif name.endswith("down_proj"):
+            add(name, "weight", tensor.transpose(1, 2), quantize=True)
+        else:
+            add(stem, suffix, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = load_model_config(path)
+    assert config.architecture == "gpt_oss" and config.moe.num_experts == 4
+    assert [config.attention_of(i).window for i in range(3)] == [WINDOW, None, WINDOW]
+    assert config.rope_scaling.rope_type == "yarn" and not config.rope_scaling.truncate
+    tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
+    for i in range(len(ref.prompts)):
+        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+        assert tokens[i] == ref.tokens[i]
+
+
 @pytest.mark.parametrize(("arch", "layers", "globals_", "scalar"), [
     ("gemma2", 4, {1, 3}, 16), ("gemma3", 12, {5, 11}, 16),
     ("gemma2", 46, set(range(1, 46, 2)), 64 / 4), ("gemma3", 62, set(range(5, 62, 6)), 64 / 4)])
