@@ -122,6 +122,16 @@ class ModelConfig(msgspec.Struct, frozen=True):
     def attention_of(self, layer: int) -> LayerAttention:
         return self.layer_attention[layer] if self.layer_attention else PLAIN_ATTENTION
 
+    @property
+    def kv_window(self) -> int | None:
+        """The longest sliding window when every layer has one (Mistral v0.1, Mixtral, a
+        windowed Phi-3): K/V further back than that is never read again, so the scheduler
+        releases its pages. None when any layer attends the whole context (Gemma, gpt-oss)."""
+        windows = [self.attention_of(i).window for i in range(self.num_layers)]
+        if not windows or None in windows:
+            return None
+        return max(windows)
+
 
 def load_model_config(model_path: str) -> ModelConfig:
     """Read the config of a `.gguf` file or of an HF folder holding config.json; the

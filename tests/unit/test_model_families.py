@@ -113,6 +113,8 @@ def test_family_config_and_reference(reference):
     windows = [config.attention_of(i).window for i in range(config.num_layers)]
     assert sum(w is not None for w in windows) == windowed
     assert all(w in (None, WINDOW) for w in windows)
+    # Pages behind the window are released only where no layer attends the whole context.
+    assert config.kv_window == (WINDOW if windowed == config.num_layers else None)
     # The reference is worth comparing against: no greedy near-ties, varied outputs, and
     # prompts and generations longer than the window.
     for logits in ref.step_logits:
@@ -144,9 +146,9 @@ def test_matches_transformers(reference, mode, use_kernels):
 
 
 def _engine_config(path: str, **overrides) -> EngineConfig:
+    fields = dict(num_pages=64, max_num_batched_tokens=8) | overrides
     return EngineConfig(model=path, served_model_name="m", request_address="inproc://x",
-                        device="cpu", dtype="float32", attention_backend="torch",
-                        num_pages=64, max_num_batched_tokens=8, **overrides)
+                        device="cpu", dtype="float32", attention_backend="torch", **fields)
 
 
 def test_served_by_build_engine(reference):
@@ -166,6 +168,42 @@ def test_served_by_build_engine(reference):
             assert out.error is None, out.error
             tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
     assert [tokens[f"r{i}"] for i in range(len(ref.prompts))] == ref.tokens
+
+
+def test_windowed_model_releases_pages_behind_the_window(tmp_path):
+    """A Mistral-style model windowed in every layer, served by build_engine with 5 pages of
+    4 tokens: a 27-token prompt and 72 generated tokens (25 pages' worth) fit because the
+    pages behind the window go back, each step holding at most the pages its keys need;
+    greedy tokens still equal transformers' (whose eager attention masks the window)."""
+    from tests.unit.test_model_reference import _prompts, _randomize
+
+    kwargs = {**TINY, "sliding_window": WINDOW}
+    model = transformers.MistralForCausalLM._from_config(
+        transformers.MistralConfig(**kwargs), attn_implementation="eager").float().eval()
+    _randomize(model, seed=8)
+    model.save_pretrained(tmp_path)
+    tiny_vlm_tokenizer().save_pretrained(tmp_path)
+    prompt, steps = _prompts(seed=7)[-1], 72
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=steps, eos_token_id=None,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    core = build_engine(_engine_config(str(tmp_path), threads=1, page_size=4, num_pages=5))
+    assert core.scheduler.kv_window == WINDOW
+    core.add(EngineRequest(
+        request_id="r", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
+        params=SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True),
+        arrival_time=0.0))
+    tokens, held = [], []
+    while core.has_work:
+        for _, out in core.step():
+            assert out.error is None, out.error
+            tokens.extend(unpack_ids(out.new_token_ids).tolist())
+        held += [len(s.pages) - s.num_released_pages for s in core.scheduler.running]
+    assert tokens == expected
+    # window - 1 keys before a chunk of at most 8 tokens, one page of rounding: 5 pages.
+    assert max(held) <= 5 and core.allocator.num_free == 5
 
 
 # --- bad checkpoints stop the engine at start, naming the key or tensor ---------------------------

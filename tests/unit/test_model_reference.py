@@ -210,7 +210,8 @@ def _build_core(
     )
     runner = ModelRunner(model, backend, config.vocab_size)
     allocator = PageAllocator(NUM_PAGES, PAGE_SIZE)
-    scheduler = Scheduler(allocator, budget, max_num_seqs=16)
+    # As build_engine does: a model windowed in every layer releases the pages behind it.
+    scheduler = Scheduler(allocator, budget, max_num_seqs=16, kv_window=config.kv_window)
 
     recorded: dict[str, list[torch.Tensor]] = defaultdict(list)
     sampling_ids: list[str] = []
