@@ -324,7 +324,7 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
     started = time.monotonic()
     try:  # a missing or misshapen tensor: named
         weights = load_weights(config.model, model_config, torch.float32,
-                               pooling=pooling is not None, shard=shard)
+                               pooling=pooling is not None, shard=shard, map_experts_as=dtype)
     except ValueError as exc:
         raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     try:

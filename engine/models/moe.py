@@ -24,13 +24,34 @@ from engine.models.config import (
     whole_model_window,
 )
 from engine.models.llama import LlamaModel, attention_shapes, mlp_shapes
+from engine.models.weights import in_mapped_file
 
 
 class ExpertLinear(msgspec.Struct):
-    """Every expert's weight of one projection, [out, in] each, with optional biases."""
+    """Every expert's weight of one projection, [out, in] each, with optional biases. An
+    expert's gate_up may be its (gate, up) pair instead, where both stay in the memory-mapped
+    checkpoint apart (`expert_gate_up`): two matmuls rather than a copy of the pair."""
 
-    weights: list[torch.Tensor]
+    weights: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     biases: list[torch.Tensor] | None = None
+
+
+def expert_gate_up(gate: torch.Tensor, up: torch.Tensor):
+    """One expert's gate and up rows as one [2 * inter, hidden] weight: where both are in
+    the memory-mapped checkpoint (engine.models.weights.in_mapped_file), a view over both
+    when they lie back to back there (save_pretrained writes Qwen-MoE's gate_proj and
+    up_proj so), else the pair itself (Mixtral's w1 and w3, with w2 between them); loaded
+    tensors are concatenated."""
+    if not (in_mapped_file(gate) and in_mapped_file(up)):
+        return torch.cat([gate, up])
+    rows = gate.shape[0] + up.shape[0]
+    back_to_back = (gate.is_contiguous() and up.is_contiguous() and gate.dtype == up.dtype
+                    and gate.shape[1:] == up.shape[1:]
+                    and gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+                    and up.storage_offset() == gate.storage_offset() + gate.numel())
+    if back_to_back:
+        return gate.as_strided((rows, *gate.shape[1:]), gate.stride())
+    return gate, up
 
 
 class MoeBlock:
@@ -50,7 +71,10 @@ class MoeBlock:
 
     def linear_weights(self) -> list[torch.Tensor]:
         shared = [self.shared[0], self.shared[1]] if self.shared else []
-        return self.gate_up.weights + self.down.weights + shared
+        experts = []
+        for w in self.gate_up.weights + self.down.weights:
+            experts.extend(w if isinstance(w, tuple) else (w,))
+        return experts + shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k], as the checkpoint's
@@ -98,7 +122,12 @@ class MoeBlock:
     def _expert(self, e: int, rows: torch.Tensor, ops) -> torch.Tensor:
         up_bias = self.gate_up.biases[e] if self.gate_up.biases else None
         down_bias = self.down.biases[e] if self.down.biases else None
-        hidden = ops.linear(rows, self.gate_up.weights[e], up_bias)
+        gate_up = self.gate_up.weights[e]
+        if isinstance(gate_up, tuple):  # a mapped pair (no biases: only gpt-oss has them)
+            hidden = torch.cat([ops.linear(rows, gate_up[0]), ops.linear(rows, gate_up[1])],
+                               dim=-1)
+        else:
+            hidden = ops.linear(rows, gate_up, up_bias)
         act = self.activation(hidden) if self.activation else ops.silu_and_mul(hidden)
         return ops.linear(act, self.down.weights[e], down_bias)
 
@@ -137,7 +166,7 @@ class MoeModel(LlamaModel):
             return f"{p}experts.{e}.{proj}.weight"
 
         experts = range(moe.num_experts)
-        gate_up = ExpertLinear([torch.cat([w(expert(e, names.gate)), w(expert(e, names.up))])
+        gate_up = ExpertLinear([expert_gate_up(w(expert(e, names.gate)), w(expert(e, names.up)))
                                 for e in experts])
         down = ExpertLinear([w(expert(e, names.down)) for e in experts])
         shared = None

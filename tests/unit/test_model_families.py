@@ -206,6 +206,64 @@ def test_windowed_model_releases_pages_behind_the_window(tmp_path):
     assert max(held) <= 5 and core.allocator.num_free == 5
 
 
+def _rss_anon() -> int:
+    """This process's private resident bytes (file-backed pages, as a mapped checkpoint's,
+    are counted apart by the kernel), after handing glibc's free heap pages back, so that
+    memory freed earlier and reused does not hide a growth."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's RssAnon")
+@pytest.mark.parametrize(("case", "pairs"), [("qwen3_moe", False), ("mixtral", True)])
+def test_experts_stay_in_the_mapped_checkpoint(tmp_path, case, pairs):
+    """64 experts a layer (36 MiB of float32 experts): loaded and built into the model, they
+    stay views of the memory-mapped safetensors file, so private memory grows by far less
+    than their bytes; copied (no mapping), it grows by at least their bytes. Qwen-MoE's
+    gate_proj and up_proj lie back to back in the file (one weight viewing both); Mixtral's
+    w1 and w3 do not (kept as a pair)."""
+    from engine.models.registry import build_model
+    from engine.models.weights import expected_shapes, in_mapped_file, load_weights
+
+    config_cls, _, overrides = CASES[case]
+    experts = {"num_experts": 64} if case == "qwen3_moe" else {"num_local_experts": 64}
+    inter = {"moe_intermediate_size": 128} if case == "qwen3_moe" else {}
+    hf = config_cls(**{**TINY, **overrides, **experts, **inter, "hidden_size": 128,
+                       "intermediate_size": 128, "mlp_only_layers": []})
+    hf.save_pretrained(tmp_path)
+    config = load_model_config(str(tmp_path))
+    gen = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=gen) * 0.05
+               for name, shape in expected_shapes(config).items()}
+    expert_bytes = sum(t.nbytes for name, t in tensors.items() if ".experts." in name)
+    assert expert_bytes == 3 * 64 * 3 * 128 * 128 * 4
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    del tensors
+
+    def grown(mapped: bool):
+        before = _rss_anon()
+        weights = load_weights(str(tmp_path), config, torch.float32,
+                               map_experts_as=torch.float32 if mapped else None)
+        model = build_model(config, weights, 64, torch.float32, CPU)
+        del weights
+        return _rss_anon() - before, model
+
+    growth, model = grown(mapped=True)
+    gate_up = model.layers[0].moe.gate_up.weights
+    assert all(isinstance(w, tuple) == pairs for w in gate_up)
+    assert all(in_mapped_file(t) for w in gate_up for t in (w if pairs else (w,)))
+    assert growth < expert_bytes / 4, (growth, expert_bytes)
+    del model, gate_up
+    growth, _ = grown(mapped=False)
+    assert growth >= expert_bytes / 2, (growth, expert_bytes)
+
+
 # --- bad checkpoints stop the engine at start, naming the key or tensor ---------------------------
 
 
