@@ -5,9 +5,15 @@ Attention and norms are the Llama family's (engine.models.llama); each MoE layer
 routes every token to its top-k experts. Tokens are grouped by expert, so each expert's rows
 go through one matmul per projection (a loop over the experts a step uses, never over
 tokens), and the results are summed back per token, weighted by the router.
+
+SLUICE_MOE_PER_TOKEN=1 in the engine's environment runs every token's k experts one by one
+instead (`MoeBlock.per_token_experts`): a reference for the benchmark of grouping
+(docs/benchmarks.md), never for serving.
 """
 
 from __future__ import annotations
+
+import os
 
 import msgspec
 import torch
@@ -68,6 +74,7 @@ class MoeBlock:
         self.activation = activation
         # (gate_up [2 * inter, hidden], down [hidden, inter], gate [1, hidden]) or None
         self.shared = shared
+        self.per_token = os.environ.get("SLUICE_MOE_PER_TOKEN") == "1"  # the benchmark's
 
     def linear_weights(self) -> list[torch.Tensor]:
         shared = [self.shared[0], self.shared[1]] if self.shared else []
@@ -93,7 +100,8 @@ class MoeBlock:
     def __call__(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: [T, hidden], normed -> [T, hidden]."""
         experts, weights = self.route(x)
-        out = self.grouped_experts(x, experts, weights, ops)
+        run = self.per_token_experts if self.per_token else self.grouped_experts
+        out = run(x, experts, weights, ops)
         if self.shared is not None:
             gate_up, down, gate = self.shared
             shared = ops.linear(ops.silu_and_mul(ops.linear(x, gate_up)), down)
@@ -118,6 +126,15 @@ class MoeBlock:
         # Back to token order (each token's k results side by side), weighted and summed.
         per_choice = results.index_select(0, torch.argsort(order)).view(tokens, k, -1)
         return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
+
+    def per_token_experts(self, x, experts, weights, ops) -> torch.Tensor:
+        """The naive way, for benchmarks only: each token through its k experts in turn."""
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(experts.shape[1]):
+                e = int(experts[t, j])
+                out[t] += weights[t, j] * self._expert(e, x[t : t + 1], ops)[0]
+        return out
 
     def _expert(self, e: int, rows: torch.Tensor, ops) -> torch.Tensor:
         up_bias = self.gate_up.biases[e] if self.gate_up.biases else None

@@ -264,6 +264,35 @@ def test_experts_stay_in_the_mapped_checkpoint(tmp_path, case, pairs):
     assert growth >= expert_bytes / 2, (growth, expert_bytes)
 
 
+def test_moe_block_paths_agree(monkeypatch):
+    """One MoE MLP three ways: grouped by expert (as served), with each expert's gate and
+    up kept as a pair (Mixtral's mapped experts), and token by token (the reference that
+    SLUICE_MOE_PER_TOKEN=1 switches on for benchmarks/moe_serve.py): the same output."""
+    from engine.models.config import MoeConfig
+    from engine.models.moe import ExpertLinear, MoeBlock
+    from engine.models.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    config = MoeConfig(num_experts=8, top_k=2, intermediate_size=16, norm_topk_prob=True)
+    gates, ups = [rand(16, 32) for _ in range(8)], [rand(16, 32) for _ in range(8)]
+    downs, router = [rand(32, 16) for _ in range(8)], rand(8, 32)
+    fused = ExpertLinear([torch.cat([g, u]) for g, u in zip(gates, ups, strict=True)])
+    grouped = MoeBlock(config, router, None, fused, ExpertLinear(downs))
+    pairs = MoeBlock(config, router, None, ExpertLinear(list(zip(gates, ups, strict=True))),
+                     ExpertLinear(downs))
+    monkeypatch.setenv("SLUICE_MOE_PER_TOKEN", "1")
+    naive = MoeBlock(config, router, None, fused, ExpertLinear(downs))
+    assert naive.per_token and not grouped.per_token
+    x, ops = torch.randn(13, 32, generator=gen), TorchOps()
+    out = grouped(x, ops)
+    torch.testing.assert_close(pairs(x, ops), out)
+    torch.testing.assert_close(naive(x, ops), out)
+
+
 # --- bad checkpoints stop the engine at start, naming the key or tensor ---------------------------
 
 
