@@ -189,6 +189,11 @@ def test_windowed_model_releases_pages_behind_the_window(tmp_path):
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                   max_new_tokens=steps, eos_token_id=None,
                                   pad_token_id=0)[0, len(prompt):].tolist()
+    # A chunk of 8 after the window's 7 keys, from anywhere in a page: 18 tokens, 5 pages.
+    from shared.startup_checks import StartupError
+
+    with pytest.raises(StartupError, match=r"KV cache \(4 pages of 4 tokens\)"):
+        build_engine(_engine_config(str(tmp_path), threads=1, page_size=4, num_pages=4))
     core = build_engine(_engine_config(str(tmp_path), threads=1, page_size=4, num_pages=5))
     assert core.scheduler.kv_window == WINDOW
     core.add(EngineRequest(
