@@ -22,13 +22,7 @@ from engine.models.ops import TorchOps
 
 
 def per_token_loop(block: MoeBlock, x: torch.Tensor, ops) -> torch.Tensor:
-    experts, weights = block.route(x)
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(experts.shape[1]):
-            e = int(experts[t, j])
-            out[t] += weights[t, j] * block._expert(e, x[t : t + 1], ops)[0]
-    return out
+    return block.per_token_experts(x, *block.route(x), ops)
 
 
 def timed(fn, repeats: int) -> float:

@@ -98,8 +98,15 @@ def gpu_kv_pages(
     return max(1, int(budget) // _page_bytes(config, model, dtype))
 
 
-def _check_cache_holds(num_pages: int, config: EngineConfig, max_model_len: int) -> None:
-    if num_pages * config.page_size < max_model_len:
+def _check_cache_holds(num_pages: int, config: EngineConfig, max_model_len: int,
+                       kv_window: int | None = None) -> None:
+    """One sequence of max_model_len must fit. With kv_window (every layer windowed) a
+    sequence holds at most the pages of its next chunk's keys: the window - 1 tokens
+    before the chunk, the chunk (at most the step budget), and one page of rounding."""
+    held = max_model_len
+    if kv_window is not None:
+        held = min(held, kv_window - 1 + config.max_num_batched_tokens + config.page_size - 1)
+    if num_pages * config.page_size < held:
         more = ("raise --gpu-memory-utilization" if config.device.startswith("cuda")
                 else "give it more memory")
         raise StartupError(
@@ -218,7 +225,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
         Scheduler(allocator, max_batched, config.max_num_seqs,
                   config.scheduling_policy, config.long_prefill_token_threshold,
                   drafter=_drafter(config, loaded.device, loaded.quantized),
-                  max_loras=config.max_loras if lora is not None else 0),
+                  max_loras=config.max_loras if lora is not None else 0,
+                  kv_window=model_config.kv_window),
         eos_token_ids=facts.eos_token_ids,
         max_model_len=max_model_len,
         vocab_size=model_config.vocab_size,
@@ -305,7 +313,7 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
         torch.cuda.set_device(device)  # streams, graphs and kernel workspaces follow it
     if not on_gpu:  # sized up front; on a GPU the cache gets what the weights leave
         num_pages = kv_pages_for(config, local, dtype)
-        _check_cache_holds(num_pages, config, max_model_len)
+        _check_cache_holds(num_pages, config, max_model_len, model_config.kv_window)
     shard, tp, cmd_group, procs = None, None, None, []
     if rdv is not None:
         from engine.parallel.leader import connect, spawn_ranks
@@ -316,7 +324,7 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
     started = time.monotonic()
     try:  # a missing or misshapen tensor: named
         weights = load_weights(config.model, model_config, torch.float32,
-                               pooling=pooling is not None, shard=shard)
+                               pooling=pooling is not None, shard=shard, map_experts_as=dtype)
     except ValueError as exc:
         raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     try:
@@ -343,7 +351,7 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
     if tp is not None:
         num_pages = tp.min_int(num_pages)  # every rank: the same pages, rank 0's tables
     if on_gpu:
-        _check_cache_holds(num_pages, config, max_model_len)
+        _check_cache_holds(num_pages, config, max_model_len, model_config.kv_window)
         log.info("KV cache: %d pages of %d tokens", num_pages, config.page_size)
     try:
         backend = create_attention_backend(choice.name, local, num_pages,

@@ -28,6 +28,15 @@ of them. Draft pages are never registered (their tokens are not known yet); the 
 registers what verification accepted and hands back the pages past the need
 (`drop_unused_pages`). A draft never preempts anything: without free pages for it, the
 sequence decodes plainly.
+
+Sliding windows (`kv_window`, set when every layer of the model has one): before a
+sequence's next chunk is scheduled, its leading pages that lie wholly behind the window of
+the chunk's first token are released, so a long generation holds about window / page_size
+pages, not its whole context. They were registered when filled, so they wait in the prefix
+cache like any released page (a later request with that prefix still finds them, until
+they are recycled); their ids stay in the sequence's page list, where the backends read
+them only under the window's mask. A model with any full-attention layer (Gemma, gpt-oss)
+keeps every page.
 """
 
 from __future__ import annotations
@@ -81,7 +90,10 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         drafter: Drafter | None = None,
         max_loras: int = 0,
+        kv_window: int | None = None,
     ) -> None:
+        """kv_window: ModelConfig.kv_window, the window every layer attends within (None:
+        some layer attends the whole context, and no page is released early)."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}")
         self.allocator = allocator
@@ -96,6 +108,9 @@ class Scheduler:
         # Distinct LoRA adapters in one step (--max-loras): a request for another one waits
         # in the queue until a running adapter's requests are done; none is ever evicted.
         self.max_loras = max_loras
+        if kv_window is not None and kv_window < 1:
+            raise ValueError(f"kv_window must be positive, not {kv_window}")
+        self.kv_window = kv_window
         self.waiting: list[Sequence] = []  # kept sorted by _key
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
@@ -129,6 +144,7 @@ class Scheduler:
             if n == 0:
                 i += 1  # a long prefill waits for the one this step already has
                 continue
+            self._release_behind_window(seq)
             draft = self._draft(seq, n, min(budget - 1, room)) if room else []
             room -= len(draft)
             if not self._reserve_pages(seq, n, preempted):
@@ -160,6 +176,7 @@ class Scheduler:
             else:
                 if seq.num_computed == 0 and not seq.pages:
                     self._take_cached_prefix(seq)
+                    self._release_behind_window(seq)
                 n = longs.take(seq, budget)
             if n == 0:
                 # A long prompt while another one prefills: short ones go first. Its cached
@@ -309,7 +326,21 @@ class Scheduler:
         self._enqueue(seq)
 
     def _free_pages(self, seq: Sequence) -> None:
-        self.allocator.release(seq.pages)
+        self.allocator.release(seq.pages[seq.num_released_pages:])
         seq.pages = []
         seq.num_computed = 0
         seq.num_registered_pages = 0
+        seq.num_released_pages = 0
+
+    def _release_behind_window(self, seq: Sequence) -> None:
+        """Give back the leading pages no query from seq.num_computed on can see: the
+        first one sees keys from num_computed - kv_window + 1, and later ones see less far
+        back. Released pages keep their prefix-cache entries (registered when filled)."""
+        if self.kv_window is None:
+            return
+        first_seen = seq.num_computed - self.kv_window + 1
+        behind = min(max(0, first_seen) // self.allocator.page_size, len(seq.pages))
+        if behind > seq.num_released_pages:
+            self._register_pages(seq, seq.num_computed)  # normally done already
+            self.allocator.release(seq.pages[seq.num_released_pages:behind])
+            seq.num_released_pages = behind

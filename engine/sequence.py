@@ -43,6 +43,10 @@ class Sequence(msgspec.Struct, kw_only=True):
     # Prefix-cache hashes of the full pages of token_ids, computed as pages fill.
     page_hashes: list[bytes] = []
     num_registered_pages: int = 0  # leading pages already recorded in the prefix cache
+    # Leading pages given back because they lie wholly behind every layer's sliding window
+    # (Scheduler's kv_window); their ids stay in `pages` so positions keep their index, but
+    # they are no longer this sequence's and are only ever read masked out.
+    num_released_pages: int = 0
     # Prompt tokens the prefix cache held when the request was first scheduled (usage's
     # prompt_tokens_details.cached_tokens); a preempted request's recompute does not count.
     num_cached_tokens: int | None = None

@@ -17,8 +17,9 @@ Layers that attend other than plainly (engine.models.config.LayerAttention: a sl
 window, a score scale, soft-capping, attention sinks) take `_attend_special`: the same
 pages, gathered, under an explicit mask of causality and window, through SDPA or, for
 soft-caps and sinks, through the scores written out as transformers' eager attention
-computes them. Every page stays in the cache (a window only masks), so prefix caching and
-preemption work as for any model.
+computes them. Where every layer is windowed, the scheduler releases the pages wholly
+behind the window (engine.scheduler); their ids stay in the page table, and since the mask
+hides every key there, whatever those pages hold by then is never seen.
 
 In the batch-invariant mode every token of the step is attended as a decode row of its own
 (context: its sequence's tokens up to and including it), by that one kernel, which sums

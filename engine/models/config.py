@@ -122,6 +122,16 @@ class ModelConfig(msgspec.Struct, frozen=True):
     def attention_of(self, layer: int) -> LayerAttention:
         return self.layer_attention[layer] if self.layer_attention else PLAIN_ATTENTION
 
+    @property
+    def kv_window(self) -> int | None:
+        """The longest sliding window when every layer has one (Mistral v0.1, Mixtral, a
+        windowed Phi-3): K/V further back than that is never read again, so the scheduler
+        releases its pages. None when any layer attends the whole context (Gemma, gpt-oss)."""
+        windows = [self.attention_of(i).window for i in range(self.num_layers)]
+        if not windows or None in windows:
+            return None
+        return max(windows)
+
 
 def load_model_config(model_path: str) -> ModelConfig:
     """Read the config of a `.gguf` file or of an HF folder holding config.json; the
@@ -319,6 +329,12 @@ def _gguf_rope_scaling(reader, meta, tensor_names: set[str]) -> RopeScaling | No
                            freq_factors=gguf_tensor_values(reader, "rope_freqs.weight"))
     if kind == "none":
         return None
+    if kind == "yarn":  # llama.cpp's defaults for the ramp's edges are transformers' too
+        return RopeScaling(
+            rope_type=kind, factor=float(meta("rope.scaling.factor")),
+            original_max_position_embeddings=meta("rope.scaling.original_context_length"),
+            beta_fast=float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(meta("rope.scaling.yarn_beta_slow", 1.0)))
     return RopeScaling(rope_type=kind, factor=float(meta("rope.scaling.factor")))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import msgspec
+import numpy as np
 import torch
 
 from engine.models.config import (
@@ -23,7 +24,9 @@ from engine.models.config import (
     LayerAttention,
     ModelConfig,
     MoeConfig,
+    config_from_gguf,
     config_from_hf,
+    gguf_arch_value,
     layer_windows,
     require,
 )
@@ -41,6 +44,8 @@ class GptOssOptions(msgspec.Struct, frozen=True):
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32  # values per shared scale: 16 bytes of two codes each
+# The clamped SwiGLU's constants in every released checkpoint (and fixed in llama.cpp).
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -135,8 +140,8 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 class _GptOssHF(HFConfig):
     num_local_experts: int = 128
     num_experts_per_tok: int = 4
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
+    swiglu_alpha: float = SWIGLU_ALPHA
+    swiglu_limit: float = SWIGLU_LIMIT
     quantization_config: dict | None = None
 
 
@@ -164,3 +169,77 @@ def read_gpt_oss_config(raw: bytes) -> ModelConfig:
         hf, "gpt_oss", max_positions, attention_bias=True, moe=moe,
         layer_attention=tuple(LayerAttention(window=w, sinks=True) for w in windows),
         family_options=GptOssOptions(hf.swiglu_alpha, hf.swiglu_limit, mxfp4))
+
+
+# --- GGUF (llama.cpp's convert_hf_to_gguf.py, general.architecture "gpt-oss") --------------------
+
+GGUF_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+}
+_GGUF_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def read_gpt_oss_gguf(reader) -> ModelConfig:
+    """llama.cpp's gpt-oss: every other layer windowed from the first (its pattern of 2, as
+    transformers' default), sinks in every layer, biases everywhere. What the file does not
+    store is the checkpoints' own: the clamped SwiGLU's alpha and limit (llama.cpp fixes them
+    too), and YaRN's ramp untruncated ("truncate": false). Experts load dequantized, whatever
+    block type (MXFP4 in the converter's files) they are stored in."""
+    meta = functools.partial(gguf_arch_value, reader)
+    layers, context = meta("block_count"), meta("context_length")
+    window = meta("attention.sliding_window")
+    require(0 < window <= context, "GGUF attention.sliding_window",
+            f"{window} is not a window within the context (1..{context})")
+    attention = tuple(LayerAttention(window=None if i % 2 else window, sinks=True)
+                      for i in range(layers))
+    moe = MoeConfig(num_experts=meta("expert_count"), top_k=meta("expert_used_count"),
+                    intermediate_size=meta("expert_feed_forward_length"),
+                    routing="topk_softmax", router_bias=True, expert_bias=True)
+    options = GptOssOptions(SWIGLU_ALPHA, SWIGLU_LIMIT)
+    config = config_from_gguf(reader, architecture="gpt_oss", attention_bias=True, moe=moe,
+                              layer_attention=attention, family_options=options)
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == "yarn":
+        scaling = msgspec.structs.replace(config.rope_scaling, truncate=False)
+        config = msgspec.structs.replace(config, rope_scaling=scaling)
+    return config
+
+
+def gguf_tensors(arrays: dict[str, np.ndarray], hf_name) -> dict[str, np.ndarray]:
+    """A gpt-oss GGUF's tensors (dequantized, numpy's dimension order) under the checkpoint's
+    names. The converter splits each layer's interleaved gate_up experts into gate and up and
+    stores every expert projection as [E, out, in]; they go back to the checkpoint's stacked
+    [E, in, out], gate and up interleaved column by column."""
+    named, experts = {}, {}
+    for name, array in arrays.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
+            experts[(parts[1], parts[2], parts[3])] = array
+            continue
+        hf = hf_name(name)
+        if hf is None:
+            raise ValueError(f"unexpected GGUF tensor {name!r}")
+        named[hf.removesuffix(".weight") if hf.endswith(".sinks.weight") else hf] = array
+    for layer in sorted({key[0] for key in experts}):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate, up, down = (experts.pop((layer, proj, "weight"), None) for proj in _GGUF_EXPERTS)
+        gate_b, up_b, down_b = (experts.pop((layer, proj, "bias"), None)
+                                for proj in _GGUF_EXPERTS)
+        if gate is not None and up is not None:  # else the loader names what is missing
+            named[p + "gate_up_proj"] = _interleave(gate.swapaxes(1, 2), up.swapaxes(1, 2))
+        if gate_b is not None and up_b is not None:
+            named[p + "gate_up_proj_bias"] = _interleave(gate_b, up_b)
+        if down is not None:
+            named[p + "down_proj"] = np.ascontiguousarray(down.swapaxes(1, 2))
+        if down_b is not None:
+            named[p + "down_proj_bias"] = down_b
+    if experts:
+        layer, proj, suffix = sorted(experts)[0]
+        raise ValueError(f"unexpected GGUF tensor 'blk.{layer}.{proj}.{suffix}'")
+    return named
+
+
+def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """[..., n] and [..., n] -> [..., 2n]: g0 u0 g1 u1 ..., the checkpoint's gate_up columns."""
+    return np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)

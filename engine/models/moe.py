@@ -5,9 +5,15 @@ Attention and norms are the Llama family's (engine.models.llama); each MoE layer
 routes every token to its top-k experts. Tokens are grouped by expert, so each expert's rows
 go through one matmul per projection (a loop over the experts a step uses, never over
 tokens), and the results are summed back per token, weighted by the router.
+
+SLUICE_MOE_PER_TOKEN=1 in the engine's environment runs every token's k experts one by one
+instead (`MoeBlock.per_token_experts`): a reference for the benchmark of grouping
+(docs/benchmarks.md), never for serving.
 """
 
 from __future__ import annotations
+
+import os
 
 import msgspec
 import torch
@@ -24,13 +30,34 @@ from engine.models.config import (
     whole_model_window,
 )
 from engine.models.llama import LlamaModel, attention_shapes, mlp_shapes
+from engine.models.weights import in_mapped_file
 
 
 class ExpertLinear(msgspec.Struct):
-    """Every expert's weight of one projection, [out, in] each, with optional biases."""
+    """Every expert's weight of one projection, [out, in] each, with optional biases. An
+    expert's gate_up may be its (gate, up) pair instead, where both stay in the memory-mapped
+    checkpoint apart (`expert_gate_up`): two matmuls rather than a copy of the pair."""
 
-    weights: list[torch.Tensor]
+    weights: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     biases: list[torch.Tensor] | None = None
+
+
+def expert_gate_up(gate: torch.Tensor, up: torch.Tensor):
+    """One expert's gate and up rows as one [2 * inter, hidden] weight: where both are in
+    the memory-mapped checkpoint (engine.models.weights.in_mapped_file), a view over both
+    when they lie back to back there (save_pretrained writes Qwen-MoE's gate_proj and
+    up_proj so), else the pair itself (Mixtral's w1 and w3, with w2 between them); loaded
+    tensors are concatenated."""
+    if not (in_mapped_file(gate) and in_mapped_file(up)):
+        return torch.cat([gate, up])
+    rows = gate.shape[0] + up.shape[0]
+    back_to_back = (gate.is_contiguous() and up.is_contiguous() and gate.dtype == up.dtype
+                    and gate.shape[1:] == up.shape[1:]
+                    and gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+                    and up.storage_offset() == gate.storage_offset() + gate.numel())
+    if back_to_back:
+        return gate.as_strided((rows, *gate.shape[1:]), gate.stride())
+    return gate, up
 
 
 class MoeBlock:
@@ -47,10 +74,14 @@ class MoeBlock:
         self.activation = activation
         # (gate_up [2 * inter, hidden], down [hidden, inter], gate [1, hidden]) or None
         self.shared = shared
+        self.per_token = os.environ.get("SLUICE_MOE_PER_TOKEN") == "1"  # the benchmark's
 
     def linear_weights(self) -> list[torch.Tensor]:
         shared = [self.shared[0], self.shared[1]] if self.shared else []
-        return self.gate_up.weights + self.down.weights + shared
+        experts = []
+        for w in self.gate_up.weights + self.down.weights:
+            experts.extend(w if isinstance(w, tuple) else (w,))
+        return experts + shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k], as the checkpoint's
@@ -69,7 +100,8 @@ class MoeBlock:
     def __call__(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: [T, hidden], normed -> [T, hidden]."""
         experts, weights = self.route(x)
-        out = self.grouped_experts(x, experts, weights, ops)
+        run = self.per_token_experts if self.per_token else self.grouped_experts
+        out = run(x, experts, weights, ops)
         if self.shared is not None:
             gate_up, down, gate = self.shared
             shared = ops.linear(ops.silu_and_mul(ops.linear(x, gate_up)), down)
@@ -95,10 +127,24 @@ class MoeBlock:
         per_choice = results.index_select(0, torch.argsort(order)).view(tokens, k, -1)
         return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
 
+    def per_token_experts(self, x, experts, weights, ops) -> torch.Tensor:
+        """The naive way, for benchmarks only: each token through its k experts in turn."""
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(experts.shape[1]):
+                e = int(experts[t, j])
+                out[t] += weights[t, j] * self._expert(e, x[t : t + 1], ops)[0]
+        return out
+
     def _expert(self, e: int, rows: torch.Tensor, ops) -> torch.Tensor:
         up_bias = self.gate_up.biases[e] if self.gate_up.biases else None
         down_bias = self.down.biases[e] if self.down.biases else None
-        hidden = ops.linear(rows, self.gate_up.weights[e], up_bias)
+        gate_up = self.gate_up.weights[e]
+        if isinstance(gate_up, tuple):  # a mapped pair (no biases: only gpt-oss has them)
+            hidden = torch.cat([ops.linear(rows, gate_up[0]), ops.linear(rows, gate_up[1])],
+                               dim=-1)
+        else:
+            hidden = ops.linear(rows, gate_up, up_bias)
         act = self.activation(hidden) if self.activation else ops.silu_and_mul(hidden)
         return ops.linear(act, self.down.weights[e], down_bias)
 
@@ -137,7 +183,7 @@ class MoeModel(LlamaModel):
             return f"{p}experts.{e}.{proj}.weight"
 
         experts = range(moe.num_experts)
-        gate_up = ExpertLinear([torch.cat([w(expert(e, names.gate)), w(expert(e, names.up))])
+        gate_up = ExpertLinear([expert_gate_up(w(expert(e, names.gate)), w(expert(e, names.up)))
                                 for e in experts])
         down = ExpertLinear([w(expert(e, names.down)) for e in experts])
         shared = None

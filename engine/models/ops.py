@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.models.weights import BLOCK_KINDS
+from engine.models.weights import BLOCK_KINDS, in_mapped_file
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,7 +61,9 @@ class TorchOps:
     def prepack(self, weight: torch.Tensor) -> None:
         """Reorder a linear weight into oneDNN's blocked layout once, where that pays (CPU
         bf16): F.linear would redo the reorder on every call. Elsewhere a no-op."""
-        if id(weight) in self._packed or not can_prepack(weight):
+        # Not a weight left in its memory-mapped checkpoint (MoE experts): the reordered copy
+        # would take its bytes again, in private memory.
+        if id(weight) in self._packed or not can_prepack(weight) or in_mapped_file(weight):
             return
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)

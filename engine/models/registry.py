@@ -30,6 +30,9 @@ class Family(msgspec.Struct, frozen=True):
     # llama.cpp block tensor names that mean something else in this family than in Llama's
     # (engine.models.weights), e.g. Phi-3's fused attn_qkv.
     gguf_layer_names: dict[str, str] = msgspec.field(default_factory=dict)
+    # (GGUF name -> dequantized array, GGUF name -> HF name or None) -> HF name -> array: for
+    # a family whose GGUF tensors are grouped otherwise than its checkpoint's (gpt-oss).
+    gguf_tensors: Callable | None = None
 
 
 # A bare `*Model` architecture is the same network without its LM head: an embedding
@@ -69,7 +72,8 @@ FAMILIES = (
                        "XLMRobertaForSequenceClassification"), ("roberta", "xlm-roberta"),
            bert.read_bert_config, bert.tensor_shapes, bert.BertModel),
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss.read_gpt_oss_config,
-           gpt_oss.tensor_shapes, gpt_oss.GptOssModel),
+           gpt_oss.tensor_shapes, gpt_oss.GptOssModel, ("gpt-oss",), gpt_oss.read_gpt_oss_gguf,
+           gpt_oss.GGUF_LAYER_NAMES, gpt_oss.gguf_tensors),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}

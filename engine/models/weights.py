@@ -6,6 +6,7 @@ checkpoint format; `expected_shapes` is the contract both loaders are checked ag
 
 import glob
 import os
+import weakref
 
 import gguf
 import msgspec
@@ -57,7 +58,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def load_weights(
     model_path: str, config: ModelConfig, dtype: torch.dtype, pooling: bool = False,
-    shard=None,
+    shard=None, map_experts_as: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load all weights of a `.gguf` file or HF safetensors folder as `dtype` tensors.
 
@@ -65,7 +66,11 @@ def load_weights(
     (it then shares the embedding's storage, unused), and a checkpoint saved from the bare
     model (Qwen3-Embedding: `layers.0...`, no `model.` prefix) loads too.
     shard: a tensor-parallel rank's `engine.parallel.sharding.Shard`; each tensor is then cut
-    to that rank's part as it is read, so no process holds the whole model."""
+    to that rank's part as it is read, so no process holds the whole model.
+    map_experts_as: the dtype the model computes in. A safetensors checkpoint's MoE expert
+    tensors stored in it are left in the file, memory-mapped (see `in_mapped_file`), not
+    copied as `dtype`: experts are most of an MoE model's bytes, and the page cache holds
+    them once however many times they are mapped. Not with a shard."""
     expected = expected_shapes(config)
 
     def take(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -81,7 +86,8 @@ def load_weights(
         rename = _text_name_of(config)
         if pooling:
             rename = _bare_model_names(rename, expected)
-        weights = _load_safetensors(model_path, expected, dtype, rename, take)
+        mapped = map_experts_as if shard is None else None
+        weights = _load_safetensors(model_path, expected, dtype, rename, take, mapped)
     embed = weights.get("model.embed_tokens.weight")
     if pooling and embed is not None and "lm_head.weight" in expected.keys() - weights.keys():
         weights["lm_head.weight"] = embed  # shapes agree: [vocab, hidden]
@@ -120,8 +126,20 @@ def _family_names(config: ModelConfig) -> dict[str, str]:
 
 
 def _load_gguf(path, config, expected, dtype, take) -> dict[str, torch.Tensor]:
+    from engine.models.registry import family_of  # the registry imports the model modules
+
     weights = {}
     layer_names = _family_names(config)
+    regroup = family_of(config).gguf_tensors
+    if regroup is not None:  # a family whose file holds its tensors in another grouping
+        arrays = {t.name: gguf.quants.dequantize(t.data, t.tensor_type)
+                  for t in gguf_reader(path).tensors if t.name not in _GGUF_CONFIG_TENSORS}
+        named = regroup(arrays, lambda name: gguf_hf_name(name, layer_names))
+        for name, array in named.items():
+            if name not in expected:
+                raise ValueError(f"unexpected GGUF tensor for {name!r}")
+            weights[name] = take(name, _to_torch(array, dtype))
+        return weights
     for tensor in gguf_reader(path).tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
@@ -135,7 +153,7 @@ def _load_gguf(path, config, expected, dtype, take) -> dict[str, torch.Tensor]:
             weights.update({name: take(name, _to_torch(array[e], dtype))
                             for e, name in enumerate(experts)})
             continue
-        name = _hf_name(tensor.name, layer_names)
+        name = gguf_hf_name(tensor.name, layer_names)
         if name not in expected:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -167,7 +185,7 @@ def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, Qu
     layer_names = _family_names(config)
     for tensor in gguf_reader(model_path).tensors:
         kind = BLOCK_KINDS.get(tensor.tensor_type.name)
-        name = _hf_name(tensor.name, layer_names)
+        name = gguf_hf_name(tensor.name, layer_names)
         if kind is None or name is None or len(tensor.shape) != 2:
             continue
         rows = _undo_rope_permute(np.asarray(tensor.data), tensor.name, config)
@@ -186,7 +204,7 @@ def _expert_names(gguf_name: str, count: int) -> list[str] | None:
             for e in range(count)]
 
 
-def _hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:
+def gguf_hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:
     """Map `blk.3.attn_q.weight` to `model.layers.3.self_attn.q_proj.weight`; None if unknown.
     layer_names: the family's block names (_family_names)."""
     stem, _, suffix = gguf_name.rpartition(".")
@@ -251,19 +269,88 @@ def _text_name_of(config: ModelConfig):
 
 
 def _load_safetensors(folder, expected, dtype, rename=lambda n: n,
-                      take=lambda name, t: t) -> dict[str, torch.Tensor]:
+                      take=lambda name, t: t, map_experts_as=None) -> dict[str, torch.Tensor]:
     weights = {}
     for shard in _safetensors_shards(folder):
+        mapped = _MappedFile(shard) if map_experts_as is not None else None
         with safe_open(shard, framework="pt") as f:
             for stored in f.keys():
                 name = rename(stored)
                 if name is None:
                     continue
                 if name in expected:
-                    weights[name] = take(name, f.get_tensor(stored).to(dtype))
+                    tensor = None
+                    if mapped is not None and ".experts." in name:
+                        tensor = mapped.tensor(stored, map_experts_as)
+                    if tensor is None:
+                        tensor = take(name, f.get_tensor(stored).to(dtype))
+                    weights[name] = tensor
                 elif not _ignorable(name):
                     raise ValueError(f"unexpected tensor {name!r} in {shard}")
     return weights
+
+
+# safetensors' dtype names -> torch's, for the tensors worth mapping.
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class _TensorEntry(msgspec.Struct):
+    dtype: str
+    shape: list[int]
+    data_offsets: tuple[int, int]  # from the end of the header
+
+
+class _MappedFile:
+    """A .safetensors file mapped copy-on-write (never written: its pages stay the page
+    cache's), handing out tensors that are views of it. The format: an 8-byte little-endian
+    header length, a JSON header of name -> dtype, shape, byte offsets, then the data."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = msgspec.json.decode(f.read(length))
+        header.pop("__metadata__", None)
+        self.entries = msgspec.convert(header, dict[str, _TensorEntry])
+        self.data_start = 8 + length
+        self.path = path
+        self._bytes: torch.Tensor | None = None  # the whole file, mapped on first use
+
+    def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The stored tensor as a view of the file, or None where it is not stored as
+        `dtype` (or not aligned for it): the caller copies it then."""
+        entry = self.entries.get(name)
+        if entry is None or _SAFETENSORS_DTYPES.get(entry.dtype) != dtype:
+            return None
+        begin, end = (self.data_start + offset for offset in entry.data_offsets)
+        if begin % dtype.itemsize or end - begin != _numel(entry.shape) * dtype.itemsize:
+            return None
+        if self._bytes is None:
+            self._bytes = torch.from_file(self.path, shared=False,
+                                          size=os.path.getsize(self.path), dtype=torch.uint8)
+            storage = self._bytes.untyped_storage()
+            _MAPPED_STORAGES.add(storage.data_ptr())
+            # Unmapped once no view of it is left; its address may then be reused.
+            weakref.finalize(storage, _MAPPED_STORAGES.discard, storage.data_ptr())
+        return self._bytes[begin:end].view(dtype).view(entry.shape)
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+# The addresses of the checkpoint files mapped now (the storages _MappedFile views).
+_MAPPED_STORAGES: set[int] = set()
+
+
+def in_mapped_file(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is one of the memory-mapped expert tensors `load_weights` hands out
+    (a view of its checkpoint file). Copying it (a concatenation, a reordered layout) would
+    take its bytes again, in private memory."""
+    return (tensor.device.type == "cpu"
+            and tensor.untyped_storage().data_ptr() in _MAPPED_STORAGES)
 
 
 def _ignorable(name: str) -> bool:

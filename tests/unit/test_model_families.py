@@ -113,6 +113,8 @@ def test_family_config_and_reference(reference):
     windows = [config.attention_of(i).window for i in range(config.num_layers)]
     assert sum(w is not None for w in windows) == windowed
     assert all(w in (None, WINDOW) for w in windows)
+    # Pages behind the window are released only where no layer attends the whole context.
+    assert config.kv_window == (WINDOW if windowed == config.num_layers else None)
     # The reference is worth comparing against: no greedy near-ties, varied outputs, and
     # prompts and generations longer than the window.
     for logits in ref.step_logits:
@@ -144,9 +146,9 @@ def test_matches_transformers(reference, mode, use_kernels):
 
 
 def _engine_config(path: str, **overrides) -> EngineConfig:
+    fields = dict(num_pages=64, max_num_batched_tokens=8) | overrides
     return EngineConfig(model=path, served_model_name="m", request_address="inproc://x",
-                        device="cpu", dtype="float32", attention_backend="torch",
-                        num_pages=64, max_num_batched_tokens=8, **overrides)
+                        device="cpu", dtype="float32", attention_backend="torch", **fields)
 
 
 def test_served_by_build_engine(reference):
@@ -166,6 +168,134 @@ def test_served_by_build_engine(reference):
             assert out.error is None, out.error
             tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
     assert [tokens[f"r{i}"] for i in range(len(ref.prompts))] == ref.tokens
+
+
+def test_windowed_model_releases_pages_behind_the_window(tmp_path):
+    """A Mistral-style model windowed in every layer, served by build_engine with 5 pages of
+    4 tokens: a 27-token prompt and 72 generated tokens (25 pages' worth) fit because the
+    pages behind the window go back, each step holding at most the pages its keys need;
+    greedy tokens still equal transformers' (whose eager attention masks the window)."""
+    from tests.unit.test_model_reference import _prompts, _randomize
+
+    kwargs = {**TINY, "sliding_window": WINDOW}
+    model = transformers.MistralForCausalLM._from_config(
+        transformers.MistralConfig(**kwargs), attn_implementation="eager").float().eval()
+    _randomize(model, seed=8)
+    model.save_pretrained(tmp_path)
+    tiny_vlm_tokenizer().save_pretrained(tmp_path)
+    prompt, steps = _prompts(seed=7)[-1], 72
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=steps, eos_token_id=None,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    # A chunk of 8 after the window's 7 keys, from anywhere in a page: 18 tokens, 5 pages.
+    from shared.startup_checks import StartupError
+
+    with pytest.raises(StartupError, match=r"KV cache \(4 pages of 4 tokens\)"):
+        build_engine(_engine_config(str(tmp_path), threads=1, page_size=4, num_pages=4))
+    core = build_engine(_engine_config(str(tmp_path), threads=1, page_size=4, num_pages=5))
+    assert core.scheduler.kv_window == WINDOW
+    core.add(EngineRequest(
+        request_id="r", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
+        params=SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True),
+        arrival_time=0.0))
+    tokens, held = [], []
+    while core.has_work:
+        for _, out in core.step():
+            assert out.error is None, out.error
+            tokens.extend(unpack_ids(out.new_token_ids).tolist())
+        held += [len(s.pages) - s.num_released_pages for s in core.scheduler.running]
+    assert tokens == expected
+    # window - 1 keys before a chunk of at most 8 tokens, one page of rounding: 5 pages.
+    assert max(held) <= 5 and core.allocator.num_free == 5
+
+
+def _rss_anon() -> int:
+    """This process's private resident bytes (file-backed pages, as a mapped checkpoint's,
+    are counted apart by the kernel), after handing glibc's free heap pages back, so that
+    memory freed earlier and reused does not hide a growth."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's RssAnon")
+@pytest.mark.parametrize(("case", "pairs"), [("qwen3_moe", False), ("mixtral", True)])
+def test_experts_stay_in_the_mapped_checkpoint(tmp_path, case, pairs):
+    """64 experts a layer (36 MiB of float32 experts): loaded and built into the model, they
+    stay views of the memory-mapped safetensors file, so private memory grows by far less
+    than their bytes; copied (no mapping), it grows by at least their bytes. Qwen-MoE's
+    gate_proj and up_proj lie back to back in the file (one weight viewing both); Mixtral's
+    w1 and w3 do not (kept as a pair)."""
+    from engine.models.registry import build_model
+    from engine.models.weights import expected_shapes, in_mapped_file, load_weights
+
+    config_cls, _, overrides = CASES[case]
+    experts = {"num_experts": 64} if case == "qwen3_moe" else {"num_local_experts": 64}
+    inter = {"moe_intermediate_size": 128} if case == "qwen3_moe" else {}
+    hf = config_cls(**{**TINY, **overrides, **experts, **inter, "hidden_size": 128,
+                       "intermediate_size": 128, "mlp_only_layers": []})
+    hf.save_pretrained(tmp_path)
+    config = load_model_config(str(tmp_path))
+    gen = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=gen) * 0.05
+               for name, shape in expected_shapes(config).items()}
+    expert_bytes = sum(t.nbytes for name, t in tensors.items() if ".experts." in name)
+    assert expert_bytes == 3 * 64 * 3 * 128 * 128 * 4
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    del tensors
+
+    def grown(mapped: bool):
+        before = _rss_anon()
+        weights = load_weights(str(tmp_path), config, torch.float32,
+                               map_experts_as=torch.float32 if mapped else None)
+        model = build_model(config, weights, 64, torch.float32, CPU)
+        del weights
+        return _rss_anon() - before, model
+
+    growth, model = grown(mapped=True)
+    gate_up = model.layers[0].moe.gate_up.weights
+    assert all(isinstance(w, tuple) == pairs for w in gate_up)
+    assert all(in_mapped_file(t) for w in gate_up for t in (w if pairs else (w,)))
+    assert growth < expert_bytes / 4, (growth, expert_bytes)
+    del model, gate_up
+    growth, _ = grown(mapped=False)
+    assert growth >= expert_bytes / 2, (growth, expert_bytes)
+
+
+def test_moe_block_paths_agree(monkeypatch):
+    """One MoE MLP three ways: grouped by expert (as served), with each expert's gate and
+    up kept as a pair (Mixtral's mapped experts), and token by token (the reference that
+    SLUICE_MOE_PER_TOKEN=1 switches on for benchmarks/moe_serve.py): the same output."""
+    from engine.models.config import MoeConfig
+    from engine.models.moe import ExpertLinear, MoeBlock
+    from engine.models.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    config = MoeConfig(num_experts=8, top_k=2, intermediate_size=16, norm_topk_prob=True)
+    gates, ups = [rand(16, 32) for _ in range(8)], [rand(16, 32) for _ in range(8)]
+    downs, router = [rand(32, 16) for _ in range(8)], rand(8, 32)
+    fused = ExpertLinear([torch.cat([g, u]) for g, u in zip(gates, ups, strict=True)])
+    grouped = MoeBlock(config, router, None, fused, ExpertLinear(downs))
+    pairs = MoeBlock(config, router, None, ExpertLinear(list(zip(gates, ups, strict=True))),
+                     ExpertLinear(downs))
+    monkeypatch.setenv("SLUICE_MOE_PER_TOKEN", "1")
+    naive = MoeBlock(config, router, None, fused, ExpertLinear(downs))
+    assert naive.per_token and not grouped.per_token
+    x, ops = torch.randn(13, 32, generator=gen), TorchOps()
+    out = grouped(x, ops)
+    torch.testing.assert_close(pairs(x, ops), out)
+    torch.testing.assert_close(naive(x, ops), out)
 
 
 # --- bad checkpoints stop the engine at start, naming the key or tensor ---------------------------
@@ -595,6 +725,87 @@ def test_llama_cpp_gguf_of_the_family(tmp_path, case):
                            _phi3_gguf_metadata(hf), extra_tensors=factors)
     config = load_model_config(path)
     assert config.architecture == EXPECTED[case][0]
+    tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
+    for i in range(len(ref.prompts)):
+        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+        assert tokens[i] == ref.tokens[i]
+
+
+def test_gpt_oss_gguf(tmp_path):
+    """The file convert_hf_to_gguf.py writes for a gpt-oss checkpoint (general.architecture
+    "gpt-oss"; gate_up split into gate and up experts [E, out, in], stored as MXFP4 blocks;
+    sinks, router and expert biases under llama.cpp's names; YaRN in the metadata) serves
+    transformers' tokens and logits. The checkpoint's experts are first rounded to values
+    MXFP4 holds exactly, so the file's blocks are the checkpoint itself."""
+    import gguf
+
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+
+    def round_experts(model):  # through MXFP4 along each row's input dimension, as stored
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for param in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                    rows = param.transpose(1, 2).numpy()  # [E, out, in]
+                    exact = gguf.quants.dequantize(gguf.quants.quantize(rows, mxfp4), mxfp4)
+                    param.copy_(torch.from_numpy(exact).transpose(1, 2))
+
+    config_cls, model_cls, overrides = CASES["gpt_oss"]
+    kwargs = {**TINY, **overrides}
+    ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8,
+                         prepare=round_experts)
+    hf = config_cls(**kwargs)
+    rope = hf.rope_parameters
+    path = str(tmp_path / "tiny-gpt-oss.gguf")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, hf.num_hidden_layers)
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS])
+    _common_metadata(writer, hf, hf.head_dim)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_expert_count(hf.num_local_experts)
+    writer.add_expert_used_count(hf.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(hf.intermediate_size)
+    writer.add_sliding_window(hf.sliding_window)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+    def add(hf_name: str, suffix: str, tensor: torch.Tensor, quantize=False) -> None:
+        mapped = names.get_name(hf_name)
+        assert mapped is not None, hf_name
+        array = tensor.contiguous().numpy()
+        if quantize:
+            writer.add_tensor(f"{mapped}.{suffix}", gguf.quants.quantize(array, mxfp4),
+                              raw_dtype=mxfp4)
+        else:
+            writer.add_tensor(f"{mapped}.{suffix}", array)
+
+    for name, tensor in sorted(load_file(os.path.join(ref.path, "model.safetensors")).items()):
+        stem, _, suffix = name.rpartition(".")
+        if name.endswith("sinks"):
+            add(name, "weight", tensor)
+        elif "gate_up_proj" in name:  # columns interleave gate and up
+            stem = stem if name.endswith("_proj") else name.removesuffix("_bias")
+            stem = stem.replace(".gate_up_proj", "")
+            if name.endswith("_bias"):
+                add(stem + ".gate_proj", "bias", tensor[..., 0::2])
+                add(stem + ".up_proj", "bias", tensor[..., 1::2])
+            else:
+                rows = tensor.transpose(1, 2)  # [E, 2 * inter, hidden]
+                add(stem + ".gate_proj", "weight", rows[:, 0::2], quantize=True)
+                add(stem + ".up_proj", "weight", rows[:, 1::2], quantize=True)
+        elif name.endswith("down_proj_bias"):
+            add(name.removesuffix("_bias"), "bias", tensor)
+        elif name.endswith("down_proj"):
+            add(name, "weight", tensor.transpose(1, 2), quantize=True)
+        else:
+            add(stem, suffix, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = load_model_config(path)
+    assert config.architecture == "gpt_oss" and config.moe.num_experts == 4
+    assert [config.attention_of(i).window for i in range(3)] == [WINDOW, None, WINDOW]
+    assert config.rope_scaling.rope_type == "yarn" and not config.rope_scaling.truncate
     tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)

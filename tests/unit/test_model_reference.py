@@ -194,7 +194,8 @@ def _build_core(
     """EngineCore around our model loaded from `path`; records every sampled row's logits.
     compiled: the CPU kernels module to run with, or None for plain torch ops."""
     config = load_model_config(path)
-    weights = load_weights(path, config, torch.float32)
+    # Experts left in the memory-mapped checkpoint, as build_engine leaves them.
+    weights = load_weights(path, config, torch.float32, map_experts_as=torch.float32)
     ops = CpuKernelOps(compiled) if compiled is not None else None
     model = build_model(config, weights, MAX_MODEL_LEN, torch.float32, CPU, ops=ops)
     backend = TorchAttentionBackend(
@@ -210,7 +211,8 @@ def _build_core(
     )
     runner = ModelRunner(model, backend, config.vocab_size)
     allocator = PageAllocator(NUM_PAGES, PAGE_SIZE)
-    scheduler = Scheduler(allocator, budget, max_num_seqs=16)
+    # As build_engine does: a model windowed in every layer releases the pages behind it.
+    scheduler = Scheduler(allocator, budget, max_num_seqs=16, kv_window=config.kv_window)
 
     recorded: dict[str, list[torch.Tensor]] = defaultdict(list)
     sampling_ids: list[str] = []

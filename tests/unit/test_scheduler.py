@@ -55,11 +55,13 @@ class Sim:
     """Plays the engine around a Scheduler and checks its invariants on every step."""
 
     def __init__(self, num_pages: int, page_size: int, budget: int, max_num_seqs: int = 64,
-                 long_prefill_token_threshold: int = 0):
+                 long_prefill_token_threshold: int = 0, kv_window: int | None = None):
         # No long-prefill cap unless a test asks: most tests check the plain mechanics.
         self.alloc = PageAllocator(num_pages, page_size)
         self.sched = Scheduler(self.alloc, budget, max_num_seqs,
-                               long_prefill_token_threshold=long_prefill_token_threshold)
+                               long_prefill_token_threshold=long_prefill_token_threshold,
+                               kv_window=kv_window)
+        self.kv_window = kv_window
         self.budget = budget
         self.max_num_seqs = max_num_seqs
         self.finished: list[Sequence] = []
@@ -113,6 +115,10 @@ class Sim:
             # The pages must already cover every position written this step.
             needed = self.alloc.pages_needed(chunk.start + chunk.num_tokens)
             assert len(seq.pages) >= needed
+            # Pages given back lie wholly behind the window of the chunk's first query.
+            if seq.num_released_pages:
+                first_seen = chunk.start - self.kv_window + 1
+                assert seq.num_released_pages * self.alloc.page_size <= first_seen
         for seq in out.preempted:
             assert seq.request_id not in seen
         # Pages may be shared through the prefix cache: each page's owners match its
@@ -120,8 +126,9 @@ class Sim:
         # place in every owner, and distinct owned + free == total.
         owners: dict[int, list[tuple[Sequence, int]]] = {}
         for s in self.sched.running + self.sched.waiting:
-            assert len(s.pages) == len(set(s.pages)), "a sequence owns a page twice"
-            for index, page in enumerate(s.pages):
+            owned = s.pages[s.num_released_pages:]
+            assert len(owned) == len(set(owned)), "a sequence owns a page twice"
+            for index, page in enumerate(owned, start=s.num_released_pages):
                 owners.setdefault(page, []).append((s, index))
         size = self.alloc.page_size
         for page, holders in owners.items():
@@ -368,12 +375,14 @@ def test_finish_mid_decode_lets_a_waiting_one_in():
     assert [x.seq for x in out.chunks] == [b]
 
 
+@pytest.mark.parametrize("kv_window", [None, 5])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("budget", [1, 3, 16, 128])
 @pytest.mark.parametrize("num_pages", [8, 64])
-def test_random_workload_drains_and_frees_everything(budget, num_pages, shared):
+def test_random_workload_drains_and_frees_everything(budget, num_pages, shared, kv_window):
     rng = random.Random(budget * 1000 + num_pages)
-    sim = Sim(num_pages=num_pages, page_size=4, budget=budget, max_num_seqs=5)
+    sim = Sim(num_pages=num_pages, page_size=4, budget=budget, max_num_seqs=5,
+              kv_window=kv_window)
     # Every sequence fits the cache on its own (8 pages * 4 = 32 tokens). With `shared`,
     # prompts share prefixes, so pages are shared too (Sim checks their bookkeeping).
     seqs = [
@@ -396,6 +405,58 @@ def test_random_workload_drains_and_frees_everything(budget, num_pages, shared):
     assert not sim.sched.running and not sim.sched.waiting
     if shared:
         assert sim.alloc.prefix_hits > 0
+
+
+# --- sliding windows: pages wholly behind every layer's window go back ---------------------
+
+
+def test_a_windowed_generation_holds_a_bounded_number_of_pages():
+    """80 tokens need 20 pages of 4; with a window of 8 a sequence holds at most the pages
+    its next chunk's queries can see (window - 1 + chunk tokens) plus one of rounding, so 8
+    pages are enough and nothing is ever preempted."""
+    sim = Sim(num_pages=8, page_size=4, budget=8, kv_window=8)
+    seq = make_seq(20, max_tokens=60)
+    sim.add(seq)
+    held = []
+    while sim.sched.has_work:
+        step = sim.step()
+        assert not step.preempted
+        if seq.pages:
+            held.append(len(seq.pages) - seq.num_released_pages)
+    assert seq.num_output_tokens == 60 and sim.alloc.num_free == 8
+    assert max(held) <= -(-(8 - 1 + 8) // 4) + 1
+    assert held[-1] <= -(-8 // 4) + 1  # decoding: the window's pages and the new token's
+
+
+def test_without_a_window_the_same_generation_is_preempted():
+    """The control: with every page kept, 8 pages cannot hold the 80 tokens."""
+    sim = Sim(num_pages=8, page_size=4, budget=8)
+    sim.add(make_seq(20, max_tokens=60))
+    with pytest.raises(AssertionError, match="no progress"):
+        sim.run(max_steps=300)
+
+
+def test_released_pages_stay_in_the_prefix_cache():
+    """A page released behind the window was registered when filled: the next request with
+    the same prompt finds it (prefix caching is unchanged), and at once releases the
+    cached pages behind its own window again."""
+    sim = Sim(num_pages=64, page_size=4, budget=8, kv_window=8)
+    first = make_seq(30, max_tokens=4, shared=True)
+    sim.add(first)
+    sim.run()
+    assert sim.alloc.num_free == 64
+    second = make_seq(30, max_tokens=4, shared=True)
+    sim.add(second)
+    [chunk] = sim.step().chunks
+    assert second.num_cached_tokens == 28  # the 7 full prompt pages (the last token runs)
+    assert chunk.start == 28 and second.num_released_pages == (28 - 8 + 1) // 4
+    sim.run()
+    assert second.output_ids == first.output_ids
+
+
+def test_kv_window_must_be_positive():
+    with pytest.raises(ValueError, match="kv_window must be positive"):
+        Scheduler(PageAllocator(8, 4), 8, 4, kv_window=0)
 
 
 # --- long prefills (issue 15: a long prompt must not stall the others) ----------------------
