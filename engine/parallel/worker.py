@@ -48,7 +48,7 @@ def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
                               backend, meta)
             elif kind == commands.LOGITS:
                 hidden = torch.empty((n, hidden_size), dtype=dtype, device=device)
-                dist.broadcast(hidden, 0)
+                model.tp.broadcast(hidden)
                 model.logits(hidden)
             elif kind == commands.STOP:
                 break
@@ -69,6 +69,8 @@ def run_rank(config: EngineConfig, rdv: Rendezvous) -> int:
         return 1
     except Exception as exc:  # rank 0 gone, a collective timed out: this rank is done
         log.error("tensor-parallel rank %d stops: %s: %s", rdv.rank, type(exc).__name__, exc)
+        for _, proc in procs:  # ours too, even a stopped one (SIGTERM waits for SIGCONT)
+            proc.kill()
         return 1
     for _, proc in procs:
         proc.wait()

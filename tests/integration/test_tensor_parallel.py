@@ -4,6 +4,9 @@
 - a tiny Llama at -tp 2 serves completions and streams; a rank killed mid-stream takes its
   engine down at once (the engine exits non-zero), the frontend ends the stream with its
   503 error and answers 503 after, nothing hangs;
+- a rank stopped mid-stream (SIGSTOP: alive, never answering) takes its engine down once
+  the step's collective gives up on it (SLUICE_TP_TIMEOUT_S, 5 s here), the engine naming
+  the rank and killing it, the stream ending with its 503 error;
 - the default model (SmolLM2-135M, 9 heads over 3 KV heads) at -tp 3 gives the greedy text
   the session's one-rank engine gives (slow: three ranks load it on a 2-core machine).
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 
@@ -55,9 +59,14 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tp_engine(tmp_path_factory):
+def tiny_llama(tmp_path_factory) -> str:
+    return _tiny_llama(tmp_path_factory.mktemp("tp-model"))
+
+
+@pytest.fixture(scope="module")
+def tp_engine(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("tp")
-    model = _tiny_llama(tmp / "model")
+    model = tiny_llama
     engine = Engine(str(tmp), "--model", model, "-tp", "2", "--dtype", "float32",
                     "--threads", "2")
     frontend = engine.frontend(str(tmp), "frontend", "--model", model, "--engine-timeout", "2")
@@ -66,14 +75,8 @@ def tp_engine(tmp_path_factory):
     engine.stop()
 
 
-def test_a_killed_rank_ends_its_engine_and_the_stream(tp_engine):
-    engine, frontend = tp_engine
-    r = httpx.post(f"{frontend.base_url}/v1/completions",
-                   json={**STREAM, "max_tokens": 8}, timeout=60)
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 8
-    [rank] = _children(engine.proc.popen.pid)  # -tp 2: one rank beside the engine
-
+def _stream(frontend) -> tuple[threading.Thread, list[str]]:
+    """A long greedy stream, read on a thread, once its first tokens have come."""
     events: list[str] = []
 
     def stream() -> None:
@@ -86,6 +89,18 @@ def test_a_killed_rank_ends_its_engine_and_the_stream(tp_engine):
     reader = threading.Thread(target=stream)
     reader.start()
     wait_until(lambda: len(events) >= 3, 60, "the stream's first tokens")
+    return reader, events
+
+
+def test_a_killed_rank_ends_its_engine_and_the_stream(tp_engine):
+    engine, frontend = tp_engine
+    r = httpx.post(f"{frontend.base_url}/v1/completions",
+                   json={**STREAM, "max_tokens": 8}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+    [rank] = _children(engine.proc.popen.pid)  # -tp 2: one rank beside the engine
+
+    reader, events = _stream(frontend)
     os.kill(rank, 9)
     killed = time.monotonic()
     reader.join(timeout=30)
@@ -117,4 +132,41 @@ def test_default_model_at_three_ranks_matches_one(base_url, tmp_path):
         finally:
             frontend.stop()
     finally:
+        engine.stop()
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its exit status left (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_hung_rank_ends_its_engine_naming_it(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLUICE_TP_TIMEOUT_S", "5")
+    engine = Engine(str(tmp_path), "--model", tiny_llama, "-tp", "2", "--dtype", "float32",
+                    "--threads", "2")
+    [rank] = _children(engine.proc.popen.pid)
+    try:
+        frontend = engine.frontend(str(tmp_path), "frontend", "--model", tiny_llama,
+                                   "--engine-timeout", "2")
+        try:
+            reader, events = _stream(frontend)
+            os.kill(rank, signal.SIGSTOP)
+            stopped = time.monotonic()
+            reader.join(timeout=60)
+            assert not reader.is_alive(), "the stream hangs after its engine's rank hung"
+            assert time.monotonic() - stopped < 30  # the 5 s timeout, the step, the 503
+            assert events[-1] == "[DONE]", events[-3:]
+            assert json.loads(events[-2])["error"]["code"] == 503
+            assert engine.proc.popen.wait(timeout=10) != 0
+            assert "tensor-parallel rank 1 is stopped" in engine.proc.log()
+            wait_until(lambda: _gone(rank), 10, "the stopped rank's end")
+        finally:
+            frontend.stop()
+    finally:
+        if not _gone(rank):
+            os.kill(rank, signal.SIGKILL)
         engine.stop()

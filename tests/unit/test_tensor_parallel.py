@@ -7,8 +7,14 @@ equal, logprobs within float32 tolerance.
 Tiny random transformers checkpoints cover each sharding case: KV heads split across ranks,
 fewer KV heads than ranks (replicated), 3 ranks over a vocabulary and an intermediate that
 do not divide by 3 (zero-padded parts), q/k norms, q/k/v biases, MoE experts with a shared
-expert."""
+expert; and each family beyond Llama's blocks, on the checkpoints of
+tests/unit/test_model_families.py: Gemma 2 and 3 (GeGLU, scaled embedding, soft caps, two
+rotary bases), Phi-3 (fused qkv_proj with one KV head on 2 ranks, fused gate_up_proj),
+gpt-oss (attention sinks, o_proj and expert biases, stacked interleaved experts over an odd
+intermediate size, so the last rank's part is padded)."""
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -27,8 +33,10 @@ from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from shared.startup_checks import StartupError
 from shared.transport import free_tcp_port
 from sluice import cli
+from tests.servers import wait_until
 from tests.tiny_vlm import tiny_vlm_tokenizer
 from tests.unit.engine_builders import CONFIG
+from tests.unit.test_model_families import CASES as FAMILIES
 from tests.unit.test_model_reference import TINY, _randomize
 
 # case -> (config class, model class, overrides, ranks)
@@ -48,6 +56,11 @@ CASES = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=48), 2),
+    "gemma2": (*FAMILIES["gemma2"], 2),
+    "gemma3": (*FAMILIES["gemma3"], 2),
+    "phi3": (*FAMILIES["phi3"][:2], dict(FAMILIES["phi3"][2], num_key_value_heads=1), 2),
+    "gpt_oss": (*FAMILIES["gpt_oss"][:2], dict(FAMILIES["gpt_oss"][2], intermediate_size=101),
+                2),
 }
 PROMPT_LENGTHS = [1, 6, 19, 27]
 STEPS = 10
@@ -143,6 +156,28 @@ def test_shards_put_back_together_give_the_tensor():
     held = [Shard(r, 4, 8, 2, 4).take("model.layers.0.self_attn.k_proj.weight", k)
             for r in range(4)]
     assert [int(h[0, 0]) for h in held] == [0, 0, 4, 4]  # ranks 0,1: head 0; 2,3: head 1
+    # Phi-3's fused qkv_proj (2 heads, 1 KV head, head_dim 2) over 2 ranks: each holds its
+    # query head and the one KV head's k and v rows; gate_up_proj: its half of each part.
+    qkv = torch.arange(2 * 2 + 2 * 2, dtype=torch.float32).view(8, 1)  # q0 q0 q1 q1 k k v v
+    held = [Shard(r, 2, 2, 1, 2).take("model.layers.0.self_attn.qkv_proj.weight", qkv)
+            for r in range(2)]
+    assert [h.flatten().tolist() for h in held] == [[0, 1, 4, 5, 6, 7], [2, 3, 4, 5, 6, 7]]
+    gate_up = torch.arange(2 * 3, dtype=torch.float32).view(6, 1)  # gate 0-2, up 3-5
+    held = [Shard(r, 2, 2, 2, 1).take("model.layers.0.mlp.gate_up_proj.weight", gate_up)
+            for r in range(2)]
+    assert [h.flatten().tolist() for h in held] == [[0, 1, 3, 4], [2, 0, 5, 0]]
+    # gpt-oss: interleaved gate/up columns split by pairs (3 pairs: 2 + 1 and a zero pair);
+    # a bias after a row-parallel matmul on rank 0 only; sinks with the query heads.
+    stacked = torch.arange(6, dtype=torch.float32).view(1, 1, 6)  # g0 u0 g1 u1 g2 u2
+    held = [Shard(r, 2, 2, 2, 1).take("model.layers.0.mlp.experts.gate_up_proj", stacked)
+            for r in range(2)]
+    assert [h.flatten().tolist() for h in held] == [[0, 1, 2, 3], [4, 5, 0, 0]]
+    bias = torch.rand(1, 4)
+    held = [Shard(r, 2, 2, 2, 1).take("model.layers.0.mlp.experts.down_proj_bias", bias)
+            for r in range(2)]
+    assert torch.equal(held[0], bias) and not held[1].any() and held[1].shape == bias.shape
+    sinks = torch.arange(4.0)
+    assert Shard(1, 2, 4, 2, 1).take("model.layers.0.self_attn.sinks", sinks).tolist() == [2, 3]
     # Replicated: whole, but a copy (no view keeps the checkpoint's mapping alive).
     for name, whole in (("model.layers.0.input_layernorm.weight", torch.rand(4)),
                         ("model.layers.0.mlp.gate.weight", torch.rand(4, 8)),
@@ -154,7 +189,7 @@ def test_shards_put_back_together_give_the_tensor():
 @pytest.mark.parametrize("fields, ranks, match", [
     (dict(num_heads=4, num_kv_heads=2), 3, "4 attention heads do not divide into 3"),
     (dict(num_heads=6, num_kv_heads=4), 3, "4 KV heads neither divide"),
-    (dict(architecture="gemma2"), 2, "gemma2 family is not sharded"),
+    (dict(architecture="bert"), 2, "bert family is not sharded"),
 ])
 def test_unsplittable_models_are_refused(fields, ranks, match):
     with pytest.raises(StartupError, match=match):
@@ -243,31 +278,42 @@ def test_two_nodes_meet_over_the_documented_rendezvous(tmp_path):
         k: v["tokens"] for k, v in expected.items()}
 
 
-def test_a_collective_that_fails_on_a_dead_rank_names_it(monkeypatch):
+def test_a_collective_that_fails_on_a_lost_rank_names_it(monkeypatch):
     """A peer's death can reach a collective before the watchdog's next look: the engine
-    then stops with the same line naming the rank; with every rank alive the error goes
-    on as it is."""
+    then stops with the same line naming the rank. A collective that gives up on a rank
+    (its timeout) names the rank started here that is stopped, or says it timed out. With
+    every rank alive and running, another error goes on as it is."""
     from engine.parallel import leader
 
     stopped = []
-    monkeypatch.setattr(leader, "_exit_engine", lambda rank, code: stopped.append((rank, code)))
+    monkeypatch.setattr(leader, "_stop_engine", lambda why, procs: stopped.append(why))
 
-    def collective_fails():
-        raise RuntimeError("Connection closed by peer")
+    def fails(message):
+        def collective():
+            raise RuntimeError(message)
+        return collective
 
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         with pytest.raises(RuntimeError, match="closed by peer"):
-            leader.collective([(1, alive)], collective_fails)
+            leader.collective([(1, alive)], fails("Connection closed by peer"))
         assert stopped == []
+        with pytest.raises(RuntimeError):  # a timeout, every rank here running: elsewhere
+            leader.collective([(1, alive)], fails("Timed out waiting 3000ms for recv"))
+        assert "collective timed out after" in stopped.pop()
+        os.kill(alive.pid, signal.SIGSTOP)
+        wait_until(lambda: leader._stopped_ranks([(1, alive)]) == [1], 10, "the stop")
+        with pytest.raises(RuntimeError):
+            leader.collective([(2, alive)], fails("Timed out waiting 3000ms for recv"))
+        assert stopped.pop().startswith("tensor-parallel rank 2 is stopped")
     finally:
         alive.kill()
         alive.wait()
     dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     dead.wait()
     with pytest.raises(RuntimeError):
-        leader.collective([(1, dead)], collective_fails)
-    assert stopped == [(1, 3)]
+        leader.collective([(1, dead)], fails("Connection closed by peer"))
+    assert stopped == ["tensor-parallel rank 1 exited (code 3)"]
     assert leader.collective([(1, dead)], lambda: 7) == 7
 
 
