@@ -177,7 +177,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     if rdv is not None:  # rank 0 stands in for every rank (engine.parallel.leader)
         from engine.parallel.leader import LeaderBackend, LeaderModel, Watchdog
 
-        backend = LeaderBackend(backend, loaded.cmd_group, loaded.procs)
+        backend = LeaderBackend(backend)
         model = LeaderModel(model, loaded.cmd_group, loaded.procs,
                             Watchdog(loaded.procs) if loaded.procs else None)
     vision = None

@@ -1,6 +1,8 @@
 """What rank 0 sends the other ranks, and how: a two-int header on the command group, then
 the command's payload. One STEP per model step (its plan: every chunk's tokens, positions
-and pages, so each rank builds the same attention metadata over its own KV cache), one
+and pages, so each rank builds the same attention metadata over its own KV cache; with a
+VLM's image tokens in the step, their rows and embeddings follow on the compute group, as
+only rank 0 holds the vision encoder), one
 LOGITS per LM-head call (the hidden rows, gathered back as full-vocabulary logits), STOP
 at the end. Never anything per layer: inside a step the ranks meet only in the model's own
 all-reduces.
@@ -36,6 +38,7 @@ class ChunkPlan(msgspec.Struct, array_like=True):
 
 class StepPlan(msgspec.Struct, array_like=True):
     chunks: list[ChunkPlan]
+    embeds: int = 0  # image-token rows whose embeddings follow (a VLM's step)
 
 
 class PlanSeq(msgspec.Struct):
@@ -45,13 +48,13 @@ class PlanSeq(msgspec.Struct):
     pages: list[int]
 
 
-def plan_of(chunks) -> bytes:
+def plan_of(chunks, embeds: int = 0) -> bytes:
     out = []
     for c in chunks:
         known = c.start + c.num_tokens - len(c.draft)
         out.append(ChunkPlan(c.seq.request_id, c.start, c.num_tokens,
                              c.seq.token_ids[c.start:known], list(c.draft), list(c.seq.pages)))
-    return msgspec.msgpack.encode(StepPlan(out))
+    return msgspec.msgpack.encode(StepPlan(out, embeds))
 
 
 _plan_decoder = msgspec.msgpack.Decoder(StepPlan)

@@ -2,8 +2,9 @@
 the model and the attention backend inside the engine, so the scheduler, KV allocator,
 grammar and sampling (ModelRunner, EngineCore) run unchanged on rank 0 only.
 
-- `LeaderBackend.prepare` sends each step's plan (one command) before building rank 0's own
-  metadata; every rank then runs the same forward pass over its shard.
+- `LeaderModel.forward` sends each step's plan (one command: the chunks `LeaderBackend.prepare`
+  saw, and a VLM's image embeddings, which rank 0's vision encoder made); every rank then
+  runs the same forward pass over its shard.
 - `LeaderModel.logits` sends the hidden rows (one command) and returns the gathered
   full-vocabulary logits, which only rank 0 samples from.
 
@@ -186,18 +187,16 @@ def _stop_engine(why: str, procs) -> None:
 
 
 class LeaderBackend:
-    """Rank 0's attention backend: sends the step's plan, then is the backend it wraps."""
+    """Rank 0's attention backend: keeps the step's chunks for its plan (sent with the
+    forward pass), then is the backend it wraps."""
 
-    def __init__(self, inner, cmd_group, procs=()) -> None:
+    def __init__(self, inner) -> None:
         self.inner = inner
         self.name = inner.name
-        self._cmd = cmd_group
-        self._procs = list(procs)
+        self.chunks = None
 
     def prepare(self, chunks):
-        payload = commands.plan_of(chunks)
-        collective(self._procs, commands.send_command, self._cmd, commands.STEP, len(payload),
-                   payload)
+        self.chunks = chunks
         return self.inner.prepare(chunks)
 
     def __getattr__(self, name):
@@ -214,8 +213,20 @@ class LeaderModel:
         self.watchdog = watchdog
         self.closed = False
 
-    def forward(self, *args, **kwargs):
-        return collective(self.procs, self.inner.forward, *args, **kwargs)
+    def forward(self, input_ids, positions, backend, meta, embeds=None):
+        return collective(self.procs, self._forward, input_ids, positions, backend, meta,
+                          embeds)
+
+    def _forward(self, input_ids, positions, backend, meta, embeds):
+        payload = commands.plan_of(backend.chunks, 0 if embeds is None else len(embeds[0]))
+        commands.send_command(self._cmd, commands.STEP, len(payload), payload)
+        if embeds is not None:
+            rows = embeds[0].to(torch.long).contiguous()
+            vectors = embeds[1].to(self.inner.dtype).contiguous()
+            self.inner.tp.broadcast(rows)
+            self.inner.tp.broadcast(vectors)
+            embeds = (rows, vectors)
+        return self.inner.forward(input_ids, positions, backend, meta, embeds)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.contiguous()

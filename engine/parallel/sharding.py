@@ -56,10 +56,11 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Refuse, naming it, a model that `size` ranks cannot split."""
     if size == 1:
         return
-    if config.architecture not in TP_FAMILIES or config.multimodal:
+    if config.architecture not in TP_FAMILIES or config.multimodal not in (None, "idefics3"):
+        name = config.multimodal or config.architecture
         raise StartupError(
-            f"--tensor-parallel-size {size}: the {config.architecture} family is not sharded "
-            f"yet (tensor parallelism serves {', '.join(TP_FAMILIES)})")
+            f"--tensor-parallel-size {size}: the {name} family is not sharded "
+            f"yet (tensor parallelism serves {', '.join(TP_FAMILIES)}, idefics3)")
     if config.num_heads % size:
         raise StartupError(
             f"--tensor-parallel-size {size}: the model's {config.num_heads} attention heads "

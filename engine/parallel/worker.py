@@ -42,10 +42,18 @@ def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
                                          c.draft) for c in plan.chunks]
                 ids = [t for c in plan.chunks for t in (*c.fed, *c.draft)]
                 positions = [p for c in plan.chunks for p in range(c.start, c.start + c.num_tokens)]
+                embeds = None
+                if plan.embeds:  # a VLM's image tokens: rank 0's encoder made them
+                    rows = torch.empty(plan.embeds, dtype=torch.long, device=device)
+                    vectors = torch.empty((plan.embeds, hidden_size), dtype=dtype,
+                                          device=device)
+                    model.tp.broadcast(rows)
+                    model.tp.broadcast(vectors)
+                    embeds = (rows, vectors)
                 meta = backend.prepare(chunks)
                 model.forward(torch.tensor(ids, dtype=torch.long, device=device),
                               torch.tensor(positions, dtype=torch.long, device=device),
-                              backend, meta)
+                              backend, meta, embeds)
             elif kind == commands.LOGITS:
                 hidden = torch.empty((n, hidden_size), dtype=dtype, device=device)
                 model.tp.broadcast(hidden)

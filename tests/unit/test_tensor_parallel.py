@@ -29,12 +29,19 @@ from engine.parallel.leader import Watchdog
 from engine.parallel.rendezvous import plan_rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel
 from shared.config import EngineConfig
-from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
+from shared.protocol import (
+    EngineRequest,
+    ImageInput,
+    SamplingParams,
+    pack_ids,
+    pack_tensor,
+    unpack_ids,
+)
 from shared.startup_checks import StartupError
 from shared.transport import free_tcp_port
 from sluice import cli
 from tests.servers import wait_until
-from tests.tiny_vlm import tiny_vlm_tokenizer
+from tests.tiny_vlm import build_tiny_vlm, tiny_vlm_tokenizer
 from tests.unit.engine_builders import CONFIG
 from tests.unit.test_model_families import CASES as FAMILIES
 from tests.unit.test_model_reference import TINY, _randomize
@@ -82,12 +89,13 @@ def _config(path: str, ranks: int) -> EngineConfig:
     return EngineConfig(model=path, served_model_name="m", request_address="inproc://x",
                         device="cpu", dtype="float32", attention_backend="torch",
                         num_pages=64, page_size=4, max_num_batched_tokens=8, threads=1,
-                        tensor_parallel_size=ranks)
+                        tensor_parallel_size=ranks, max_model_len=128)
 
 
-def _serve(core, prompts) -> dict[str, dict]:
+def _serve(core, prompts, images=None) -> dict[str, dict]:
     """Every prompt twice, greedy, with logprobs; the first round with prompt logprobs
-    too, the second without (so its prompts hit the prefix cache)."""
+    too, the second without (so its prompts hit the prefix cache). images: each prompt's
+    ImageInputs (a VLM)."""
     out: dict[str, dict] = {}
     for round_ in range(2):
         for i, prompt in enumerate(prompts):
@@ -97,7 +105,7 @@ def _serve(core, prompts) -> dict[str, dict]:
                 params=SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True,
                                       logprobs=3,
                                       prompt_logprobs=2 if round_ == 0 else None),
-                arrival_time=0.0))
+                arrival_time=0.0, images=images[i] if images else []))
             out[rid] = {"tokens": [], "logprobs": [], "prompt_logprobs": None}
         while core.has_work:
             for _, o in core.step():
@@ -116,12 +124,16 @@ def test_ranks_match_one_rank(checkpoint):
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist()
                for n in PROMPT_LENGTHS]
+    _compare(path, ranks, prompts)
+
+
+def _compare(path: str, ranks: int, prompts, images=None) -> None:
     single = build_engine(_config(path, 1))
-    expected = _serve(single, prompts)
+    expected = _serve(single, prompts, images)
     core = build_engine(_config(path, ranks))
     try:
         assert core.runner.model.inner.tp.size == ranks
-        got = _serve(core, prompts)
+        got = _serve(core, prompts, images)
         assert core.allocator.prefix_hits > 0
     finally:
         core.runner.model.close()
@@ -132,6 +144,22 @@ def test_ranks_match_one_rank(checkpoint):
         if want["prompt_logprobs"] is not None:
             np.testing.assert_allclose(got[rid]["prompt_logprobs"], want["prompt_logprobs"],
                                        atol=1e-4, rtol=0, equal_nan=True)
+
+
+def test_a_vlm_at_two_ranks_matches_one(tmp_path):
+    """Idefics3: the text model sharded, the vision encoder on rank 0 only, whose image
+    embeddings reach every rank with the step's plan; one image's tokens split over two
+    prefill chunks (positions 6..9 over an 8-token budget), a text-only prompt beside."""
+    path = build_tiny_vlm(str(tmp_path / "vlm"))
+    tok = tiny_vlm_tokenizer()
+    image, around = (tok.convert_tokens_to_ids(t) for t in ("<image>",
+                                                             "<fake_token_around_image>"))
+    words = tok.convert_tokens_to_ids(["describe", "the", "image", "a", "red", "blue", "cat"])
+    prompt = words[:5] + [around] + [image] * 4 + [around] + words
+    gen = torch.Generator().manual_seed(3)
+    pixels = torch.rand((1, 3, 32, 32), generator=gen).numpy()
+    picture = ImageInput(pack_tensor(pixels), pack_tensor(np.ones((1, 32, 32), bool)), 5, 6)
+    _compare(path, 2, [prompt, words * 3], [[picture], []])
 
 
 # --- the slicing and the refusals, without processes ---------------------------------------------
