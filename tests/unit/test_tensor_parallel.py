@@ -25,6 +25,8 @@ import torch
 import transformers
 
 from engine.build import build_engine
+from engine.models.config import MoeConfig
+from engine.models.gpt_oss import GptOssOptions, dequantize_mxfp4
 from engine.parallel.leader import Watchdog
 from engine.parallel.rendezvous import plan_rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel
@@ -214,10 +216,31 @@ def test_shards_put_back_together_give_the_tensor():
         assert torch.equal(held, whole) and held.data_ptr() != whole.data_ptr(), name
 
 
+def test_mxfp4_experts_sliced_then_dequantized_are_the_dense_slices():
+    """gpt-oss's MXFP4 experts: a rank's slice of the blocks and scales dequantizes to its
+    slice of the dense experts (which the family cases check end to end)."""
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter = 2, 64, 128  # inter: 4 blocks of 32, 2 per rank
+    for name, rows, width in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+        blocks = torch.randint(0, 256, (experts, rows, width // 32, 16), generator=gen)
+        scales = torch.randint(120, 130, (experts, rows, width // 32), generator=gen)
+        dense = dequantize_mxfp4(blocks.float(), scales.float())
+        stem = f"model.layers.0.mlp.experts.{name}"
+        for rank in range(2):
+            shard = Shard(rank, 2, 4, 2, 16)
+            local = dequantize_mxfp4(shard.take(stem + "_blocks", blocks.float()),
+                                     shard.take(stem + "_scales", scales.float()))
+            assert torch.equal(local, shard.take(stem, dense)), (name, rank)
+
+
 @pytest.mark.parametrize("fields, ranks, match", [
     (dict(num_heads=4, num_kv_heads=2), 3, "4 attention heads do not divide into 3"),
     (dict(num_heads=6, num_kv_heads=4), 3, "4 KV heads neither divide"),
     (dict(architecture="bert"), 2, "bert family is not sharded"),
+    (dict(architecture="llama", multimodal="qwen2_vl"), 2, "qwen2_vl family is not sharded"),
+    (dict(architecture="gpt_oss", family_options=GptOssOptions(1.7, 7.0, mxfp4=True),
+          moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=96)), 2,
+     "96 is 3 MXFP4 blocks of 32, which do not divide into 2"),
 ])
 def test_unsplittable_models_are_refused(fields, ranks, match):
     with pytest.raises(StartupError, match=match):
