@@ -13,6 +13,7 @@ rotary bases), Phi-3 (fused qkv_proj with one KV head on 2 ranks, fused gate_up_
 gpt-oss (attention sinks, o_proj and expert biases, stacked interleaved experts over an odd
 intermediate size, so the last rank's part is padded)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -34,15 +35,18 @@ from shared.config import EngineConfig
 from shared.protocol import (
     EngineRequest,
     ImageInput,
+    PoolingParams,
     SamplingParams,
     pack_ids,
     pack_tensor,
     unpack_ids,
+    unpack_tensor,
 )
 from shared.startup_checks import StartupError
 from shared.transport import free_tcp_port
 from sluice import cli
 from tests.servers import wait_until
+from tests.tiny_embedder import build_embedder, reference_vector
 from tests.tiny_vlm import build_tiny_vlm, tiny_vlm_tokenizer
 from tests.unit.engine_builders import CONFIG
 from tests.unit.test_model_families import CASES as FAMILIES
@@ -162,6 +166,42 @@ def test_a_vlm_at_two_ranks_matches_one(tmp_path):
     pixels = torch.rand((1, 3, 32, 32), generator=gen).numpy()
     picture = ImageInput(pack_tensor(pixels), pack_tensor(np.ones((1, 32, 32), bool)), 5, 6)
     _compare(path, 2, [prompt, words * 3], [[picture], []])
+
+
+def test_embeddings_at_two_ranks_match_transformers(tmp_path):
+    """The pooling runner over 2 ranks: a tiny Qwen3 embedder (a bare-model checkpoint, no
+    LM head), last-token pooling, normalized, batched prompts prefilled whole."""
+    model = build_embedder(str(tmp_path))
+    core = build_engine(msgspec.structs.replace(_config(str(tmp_path), 2), max_model_len=48))
+    prompts = [[5, 9, 10], list(range(4, 13)) * 3, [7]]
+    try:
+        assert core.runner.model.inner.tp.size == 2
+        for i, ids in enumerate(prompts):
+            core.add(EngineRequest(f"e{i}", pack_ids(ids), SamplingParams(max_tokens=1),
+                                   "tcp://test", 0.0, pooling=PoolingParams()))
+        outs = {}
+        while core.has_work:
+            outs.update((o.request_id, o) for _, o in core.step())
+    finally:
+        core.runner.model.close()
+    for i, ids in enumerate(prompts):
+        assert outs[f"e{i}"].error is None
+        np.testing.assert_allclose(unpack_tensor(outs[f"e{i}"].pooled),
+                                   reference_vector(model, ids).numpy(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(enable_lora=True), "--enable-lora cannot run with --tensor-parallel-size 2"),
+    (dict(runner="pooling", hf_overrides=json.dumps({
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": ["a", "b"], "is_original_qwen3_reranker": True})),
+     "yes/no reranker cannot run with --tensor-parallel-size 2"),
+])
+def test_what_ranks_do_not_serve_is_refused_before_they_start(tmp_path, fields, match):
+    build_embedder(str(tmp_path))
+    config = msgspec.structs.replace(_config(str(tmp_path), 2), **fields)
+    with pytest.raises(StartupError, match=match):
+        build_engine(config)
 
 
 # --- the slicing and the refusals, without processes ---------------------------------------------
