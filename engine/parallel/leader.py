@@ -45,6 +45,9 @@ log = logging.getLogger("sluice.engine")
 # How long a step's collective waits for a peer (a hung rank) before the step fails.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(
     os.environ.get("SLUICE_TP_TIMEOUT_S", "120")))
+# How long a failed collective waits for a rank started here to be seen exiting (its
+# sockets can close a moment before the process is reaped).
+REAP_WAIT_S = 2.0
 # How long the ranks wait for each other at start: each loads its shard first, which can
 # take minutes for a large model (the default group's timeout).
 STARTUP_TIMEOUT = max(COLLECTIVE_TIMEOUT, datetime.timedelta(minutes=30))
@@ -151,7 +154,7 @@ def collective(procs: list[tuple[int, subprocess.Popen]], fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:  # gloo / NCCL: a peer closed its connection, or timed out
-        lost = _exited_rank(procs, wait_s=2.0)
+        lost = _exited_rank(procs, wait_s=REAP_WAIT_S)
         if lost is not None:
             _exit_engine(*lost, procs)
         stopped = _stopped_ranks(procs)

@@ -378,6 +378,7 @@ def test_a_collective_that_fails_on_a_lost_rank_names_it(monkeypatch):
 
     stopped = []
     monkeypatch.setattr(leader, "_stop_engine", lambda why, procs: stopped.append(why))
+    monkeypatch.setattr(leader, "REAP_WAIT_S", 0.2)  # each alive case waits this long
 
     def fails(message):
         def collective():
