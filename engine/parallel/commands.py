@@ -8,8 +8,11 @@ at the end. Never anything per layer: inside a step the ranks meet only in the m
 all-reduces.
 
 The command group (gloo, on the CPU) has no practical timeout: an idle engine sends
-nothing for as long as it is idle. The compute collectives run on the default group, whose
-timeout bounds a wait for a hung rank; a dead one is seen at once (its sockets close).
+nothing for as long as it is idle. A step's collectives (the hidden rows, the image
+embeddings, the model's own) run on the compute group, whose timeout (SLUICE_TP_TIMEOUT_S)
+bounds a wait for a hung rank; a dead one is seen at once (its sockets close). A plan's
+bytes go on the command group too: rank 0's send of them returns once the socket holds
+them, so a hung rank shows in the collectives that follow.
 """
 
 from __future__ import annotations
