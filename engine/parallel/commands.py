@@ -10,9 +10,9 @@ all-reduces.
 The command group (gloo, on the CPU) has no practical timeout: an idle engine sends
 nothing for as long as it is idle. A step's collectives (the hidden rows, the image
 embeddings, the model's own) run on the compute group, whose timeout (SLUICE_TP_TIMEOUT_S)
-bounds a wait for a hung rank; a dead one is seen at once (its sockets close). A plan's
-bytes go on the command group too: rank 0's send of them returns once the socket holds
-them, so a hung rank shows in the collectives that follow.
+bounds a wait for a hung rank; a dead one is seen at once (its sockets close). Rank 0's
+sends on the command group wait at most that long too (the other ranks wait for their next
+command for as long as the engine is idle).
 """
 
 from __future__ import annotations
@@ -67,12 +67,16 @@ def decode_plan(payload: bytes) -> StepPlan:
     return _plan_decoder.decode(payload)
 
 
-def send_command(group, kind: int, n: int, payload: bytes = b"") -> None:
-    """Rank 0: the header, then (STEP) the plan's bytes."""
-    dist.broadcast(torch.tensor([kind, n], dtype=torch.int64), 0, group=group)
+def send_command(group, kind: int, n: int, payload: bytes = b"",
+                 timeout: datetime.timedelta | None = None) -> None:
+    """Rank 0: the header, then (STEP) the plan's bytes. gloo's broadcast waits for every
+    rank to take part, so a rank that hangs while idle would hold rank 0 here for the
+    group's (idle) timeout: rank 0 waits at most `timeout` instead (RuntimeError)."""
+    header = torch.tensor([kind, n], dtype=torch.int64)
+    dist.broadcast(header, 0, group=group, async_op=True).wait(timeout=timeout)
     if payload:
         data = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
-        dist.broadcast(data, 0, group=group)
+        dist.broadcast(data, 0, group=group, async_op=True).wait(timeout=timeout)
 
 
 def receive_command(group) -> tuple[int, int]:

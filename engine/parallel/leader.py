@@ -222,7 +222,8 @@ class LeaderModel:
 
     def _forward(self, input_ids, positions, backend, meta, embeds):
         payload = commands.plan_of(backend.chunks, 0 if embeds is None else len(embeds[0]))
-        commands.send_command(self._cmd, commands.STEP, len(payload), payload)
+        commands.send_command(self._cmd, commands.STEP, len(payload), payload,
+                              COLLECTIVE_TIMEOUT)
         if embeds is not None:
             rows = embeds[0].to(torch.long).contiguous()
             vectors = embeds[1].to(self.inner.dtype).contiguous()
@@ -236,7 +237,8 @@ class LeaderModel:
         return collective(self.procs, self._logits, hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        commands.send_command(self._cmd, commands.LOGITS, hidden.shape[0])
+        commands.send_command(self._cmd, commands.LOGITS, hidden.shape[0],
+                              timeout=COLLECTIVE_TIMEOUT)
         self.inner.tp.broadcast(hidden)
         return self.inner.logits(hidden)
 
@@ -248,7 +250,7 @@ class LeaderModel:
         if self.watchdog is not None:
             self.watchdog.closing.set()
         try:
-            commands.send_command(self._cmd, commands.STOP, 0)
+            commands.send_command(self._cmd, commands.STOP, 0, timeout=COLLECTIVE_TIMEOUT)
         except Exception as exc:  # a rank already gone: nothing to tell it
             log.warning("could not tell the ranks to stop: %s", exc)
         for _, proc in self.procs:
