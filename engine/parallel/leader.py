@@ -12,11 +12,11 @@ A watchdog thread watches the ranks this process started: one that exits takes t
 down at once (one log line, exit 1), so nothing waits on a rank that is gone; the frontends
 then treat the engine as dead, as for any engine fault. A rank that hangs (stopped, or
 stuck) makes rank 0's next command or collective wait at most COLLECTIVE_TIMEOUT; the
-engine then stops
-naming it (a rank started here that is stopped) or saying a collective timed out (a rank on
-another machine). Ranks on other machines that die close their sockets: the step fails at
-once. Whatever ends the engine, it kills the ranks it started first, so none is left behind
-(a stopped one would not act on the SIGTERM its parent's death sends it).
+engine then stops naming it (a rank started here that is stopped) or saying a collective
+timed out (a rank on another machine). Ranks on other machines that die close their
+sockets: the step fails at once. Whatever ends the engine, it kills the ranks it started
+first, so none is left behind (a stopped one would not act on the SIGTERM its parent's
+death sends it).
 """
 
 from __future__ import annotations
