@@ -149,6 +149,7 @@ def _gone(pid: int) -> bool:
     return _state(pid) in (None, "Z")
 
 
+@pytest.mark.slow  # its own engine and frontend, and the 5 s wait: ~40 s
 def test_a_hung_rank_ends_its_engine_naming_it(tiny_llama, tmp_path, monkeypatch):
     """The rank is stopped while the engine is idle: rank 0's next command to it (the
     step's plan) waits at most SLUICE_TP_TIMEOUT_S, then the engine stops naming the rank,
