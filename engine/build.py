@@ -174,9 +174,8 @@ class RankModel(msgspec.Struct):
 def build_engine(config: EngineConfig) -> EngineCore:
     rdv = _rendezvous(config)
     pooling = _pooling(config)
-    if rdv is not None and (pooling is not None or config.enable_lora):
-        raise StartupError("--tensor-parallel-size above 1 serves generation without LoRA "
-                           "adapters for now: not with --runner pooling or --enable-lora")
+    if rdv is not None:
+        _check_parallel_features(config, pooling)
     loaded = _load(config, rdv, pooling)
     model, backend, model_config = loaded.model, loaded.backend, loaded.model_config
     max_model_len, num_pages = loaded.max_model_len, loaded.num_pages
@@ -184,7 +183,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     if rdv is not None:  # rank 0 stands in for every rank (engine.parallel.leader)
         from engine.parallel.leader import LeaderBackend, LeaderModel, Watchdog
 
-        backend = LeaderBackend(backend, loaded.cmd_group, loaded.procs)
+        backend = LeaderBackend(backend)
         model = LeaderModel(model, loaded.cmd_group, loaded.procs,
                             Watchdog(loaded.procs) if loaded.procs else None)
     vision = None
@@ -242,6 +241,18 @@ def build_engine(config: EngineConfig) -> EngineCore:
     )
 
 
+def _check_parallel_features(config: EngineConfig, pooling: PoolingFacts | None) -> None:
+    """What tensor-parallel ranks do not serve yet, refused before any rank starts."""
+    size = config.tensor_parallel_size
+    if config.enable_lora:
+        raise StartupError(f"--enable-lora cannot run with --tensor-parallel-size {size} yet: "
+                           "adapters are loaded and chosen per request on rank 0 only")
+    if pooling is not None and pooling.score_tokens:
+        raise StartupError(f"--hf-overrides' yes/no reranker cannot run with "
+                           f"--tensor-parallel-size {size} yet: its head is two rows of the "
+                           "LM head, which the ranks split by vocabulary")
+
+
 def _rendezvous(config: EngineConfig) -> Rendezvous | None:
     from engine.parallel.rendezvous import plan_rendezvous
 
@@ -252,7 +263,7 @@ def _rendezvous(config: EngineConfig) -> Rendezvous | None:
 def load_rank(config: EngineConfig, rdv: Rendezvous):
     """A tensor-parallel rank other than 0 (engine.parallel.worker): its model shard, its
     attention backend, and the group rank 0's commands come on."""
-    loaded = _load(config, rdv)
+    loaded = _load(config, rdv, _pooling(config))  # an embedder's checkpoint: its names
     return loaded.model, loaded.backend, loaded.cmd_group
 
 

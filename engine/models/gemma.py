@@ -32,6 +32,7 @@ from engine.models.config import (
 )
 from engine.models.llama import DecoderLayer, LlamaModel, attention_shapes, mlp_shapes
 from engine.models.rotary import RotaryEmbedding
+from engine.parallel.group import SINGLE, TPGroup
 
 
 class GemmaOptions(msgspec.Struct, frozen=True):
@@ -56,9 +57,9 @@ class GemmaLayer(DecoderLayer):
 
 class GemmaModel(LlamaModel):
     def __init__(self, config: ModelConfig, weights, max_positions, dtype, device, ops=None,
-                 quantized=None) -> None:
+                 quantized=None, tp: TPGroup = SINGLE) -> None:
         super().__init__(config, weights, max_positions, dtype, device, ops=ops,
-                         quantized=quantized)
+                         quantized=quantized, tp=tp)
         options = config.family_options
         self.norm = self.norm + _norm_offset(config)
         self.local_rope = self.rope
@@ -91,7 +92,7 @@ class GemmaModel(LlamaModel):
         )
 
     def forward(self, input_ids, positions, backend, meta, embeds=None) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed) * self.embed_scale
+        h = self._embed_tokens(input_ids) * self.embed_scale
         ropes = {}
         for rope in (self.rope, self.local_rope):
             ropes[id(rope)] = (rope, positions, self.ops.rope_tables(rope, positions))
@@ -109,9 +110,10 @@ class GemmaModel(LlamaModel):
             x, h = ops.add_rms_norm(h, mlp, self.layers[index + 1].input_norm, eps)
         return h
 
-    def _mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.ops.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-        return self.ops.linear(F.gelu(gate, approximate="tanh") * up, layer.down_weight)
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (the MLP around it, and its tensor-parallel sum, are Llama's)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().logits(hidden)

@@ -221,8 +221,12 @@ class LlamaModel:
             # Each expert's down projection is row-parallel too: one sum for the block.
             return self.tp.all_reduce(layer.moe(x, self.ops))
         gate_up = self.ops.linear(x, layer.gate_up_weight)
-        down = self.ops.linear(self.ops.silu_and_mul(gate_up), layer.down_weight)
+        down = self.ops.linear(self._activation(gate_up), layer.down_weight)
         return self.tp.all_reduce(down)  # row-parallel down_proj: partial sums
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2 * inter] gate then up -> [n, inter]: SwiGLU (Gemma's GeGLU overrides it)."""
+        return self.ops.silu_and_mul(gate_up)
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """`forward`'s rows after the final norm: what a pooling runner pools (HF's

@@ -1,13 +1,18 @@
 """What rank 0 sends the other ranks, and how: a two-int header on the command group, then
 the command's payload. One STEP per model step (its plan: every chunk's tokens, positions
-and pages, so each rank builds the same attention metadata over its own KV cache), one
+and pages, so each rank builds the same attention metadata over its own KV cache; with a
+VLM's image tokens in the step, their rows and embeddings follow on the compute group, as
+only rank 0 holds the vision encoder), one
 LOGITS per LM-head call (the hidden rows, gathered back as full-vocabulary logits), STOP
 at the end. Never anything per layer: inside a step the ranks meet only in the model's own
 all-reduces.
 
 The command group (gloo, on the CPU) has no practical timeout: an idle engine sends
-nothing for as long as it is idle. The compute collectives run on the default group, whose
-timeout bounds a wait for a hung rank; a dead one is seen at once (its sockets close).
+nothing for as long as it is idle. A step's collectives (the hidden rows, the image
+embeddings, the model's own) run on the compute group, whose timeout (SLUICE_TP_TIMEOUT_S)
+bounds a wait for a hung rank; a dead one is seen at once (its sockets close). Rank 0's
+sends on the command group wait at most that long too (the other ranks wait for their next
+command for as long as the engine is idle).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class ChunkPlan(msgspec.Struct, array_like=True):
 
 class StepPlan(msgspec.Struct, array_like=True):
     chunks: list[ChunkPlan]
+    embeds: int = 0  # image-token rows whose embeddings follow (a VLM's step)
 
 
 class PlanSeq(msgspec.Struct):
@@ -45,13 +51,13 @@ class PlanSeq(msgspec.Struct):
     pages: list[int]
 
 
-def plan_of(chunks) -> bytes:
+def plan_of(chunks, embeds: int = 0) -> bytes:
     out = []
     for c in chunks:
         known = c.start + c.num_tokens - len(c.draft)
         out.append(ChunkPlan(c.seq.request_id, c.start, c.num_tokens,
                              c.seq.token_ids[c.start:known], list(c.draft), list(c.seq.pages)))
-    return msgspec.msgpack.encode(StepPlan(out))
+    return msgspec.msgpack.encode(StepPlan(out, embeds))
 
 
 _plan_decoder = msgspec.msgpack.Decoder(StepPlan)
@@ -61,12 +67,16 @@ def decode_plan(payload: bytes) -> StepPlan:
     return _plan_decoder.decode(payload)
 
 
-def send_command(group, kind: int, n: int, payload: bytes = b"") -> None:
-    """Rank 0: the header, then (STEP) the plan's bytes."""
-    dist.broadcast(torch.tensor([kind, n], dtype=torch.int64), 0, group=group)
+def send_command(group, kind: int, n: int, payload: bytes = b"",
+                 timeout: datetime.timedelta | None = None) -> None:
+    """Rank 0: the header, then (STEP) the plan's bytes. gloo's broadcast waits for every
+    rank to take part, so a rank that hangs while idle would hold rank 0 here for the
+    group's (idle) timeout: rank 0 waits at most `timeout` instead (RuntimeError)."""
+    header = torch.tensor([kind, n], dtype=torch.int64)
+    dist.broadcast(header, 0, group=group, async_op=True).wait(timeout=timeout)
     if payload:
         data = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
-        dist.broadcast(data, 0, group=group)
+        dist.broadcast(data, 0, group=group, async_op=True).wait(timeout=timeout)
 
 
 def receive_command(group) -> tuple[int, int]:

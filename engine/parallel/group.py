@@ -1,8 +1,10 @@
 """A rank's collectives: what the sharded model blocks call, and nothing else.
 
 `SINGLE` (one rank) makes every collective a no-op, so the model code is the same with and
-without tensor parallelism. The collectives run on the default process group (gloo on CPU,
-NCCL on CUDA), whose timeout bounds how long a rank waits for a dead or hung peer.
+without tensor parallelism. A step's collectives run on the compute group (gloo on CPU, NCCL
+on CUDA), whose timeout (engine.parallel.leader.COLLECTIVE_TIMEOUT) bounds how long a rank
+waits for a hung peer; the start-up ones (`min_int`, after each rank's load, which may take
+long) on the default group, with the longer start-up timeout.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from engine.parallel.sharding import Shard
 
 
 class TPGroup:
-    def __init__(self, shard: Shard | None = None) -> None:
+    def __init__(self, shard: Shard | None = None, group=None) -> None:
         self.shard = shard
+        self.group = group  # the compute group (None: the default group)
         self.rank = shard.rank if shard else 0
         self.size = shard.size if shard else 1
 
@@ -27,8 +30,13 @@ class TPGroup:
         """Sum of every rank's partial output (after a row-parallel block)."""
         if self.size > 1:
             x = x.contiguous()
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
+
+    def broadcast(self, x: torch.Tensor) -> None:
+        """Rank 0's `x` into every rank's (the hidden rows of an LM-head call)."""
+        if self.size > 1:
+            dist.broadcast(x, 0, group=self.group)
 
     def gather_last(self, x: torch.Tensor, length: int) -> torch.Tensor:
         """Every rank's equal-width slice of the last dimension, side by side, cut to
@@ -37,11 +45,12 @@ class TPGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x)
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)[..., :length]
 
     def min_int(self, value: int) -> int:
-        """The smallest `value` over the ranks (KV pages: the same count everywhere)."""
+        """The smallest `value` over the ranks (KV pages: the same count everywhere), on
+        the default group: ranks reach it as their loads end."""
         if self.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64)

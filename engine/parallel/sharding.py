@@ -1,18 +1,25 @@
 """Which slice of each checkpoint tensor a tensor-parallel rank holds, by HF name.
 
-Megatron's layout, in the building blocks every Llama-derived family shares:
+Megatron's layout, in the building blocks every family shares:
 - column-parallel (rows of [out, in] split): q/k/v (by heads), gate/up (by intermediate);
+  a checkpoint that fuses them (Phi-3's qkv_proj and gate_up_proj) gives each rank its
+  slice of each part, side by side in the same order;
 - row-parallel (columns split): o_proj (by heads) and down_proj (by intermediate), whose
-  partial outputs one all-reduce per block sums;
+  partial outputs one all-reduce per block sums; a bias after a row-parallel matmul
+  (gpt-oss's o_proj and expert down biases) is held by rank 0 only (zeros elsewhere), so
+  the sum adds it once;
 - vocab-parallel: the embedding and the LM head, rows split by token id;
 - MoE experts: tensor parallel inside each expert (each expert's gate/up/down split like a
-  dense MLP); the router is replicated, so every rank routes the same way.
+  dense MLP, gpt-oss's stacked experts and their biases too); the router is replicated, so
+  every rank routes the same way;
+- attention sinks (gpt-oss: one logit per query head) split with the query heads.
 KV heads split across ranks; with fewer KV heads than ranks each KV head is held by the
 ranks whose query heads use it (replicated). Norms, routers and gates are replicated.
 
 A dimension split into n parts that does not divide evenly (vocabulary, intermediate) is
 padded with zero rows/columns to ceil(size / n) per rank: a zero row of gate/up gives a
-zero activation and a zero column of down adds nothing, so the result is exact.
+zero activation (SwiGLU, GeGLU and gpt-oss's clamped SwiGLU all give 0 for a zero gate)
+and a zero column of down adds nothing, so the result is exact.
 """
 
 from __future__ import annotations
@@ -23,25 +30,37 @@ import torch
 from engine.models.config import ModelConfig
 from shared.startup_checks import StartupError
 
-# Families whose model is LlamaModel's blocks with HF per-projection tensors. The others
-# (fused checkpoint tensors, attention sinks, biases on o_proj, vision encoders) are
-# refused under tensor parallelism until their blocks are sharded too.
-TP_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+# Families whose blocks are sharded (Idefics3's text model is "llama", marked multimodal).
+TP_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma2",
+               "gemma3", "phi3", "gpt_oss")
 
 # Last parts of HF names: column-parallel by intermediate, row-parallel by intermediate.
 _GATE_UP = (".gate_proj.weight", ".up_proj.weight", ".w1.weight", ".w3.weight")
 _DOWN = (".down_proj.weight", ".w2.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
-
+# gpt-oss's stacked experts: (dimension, how) by the name's last part; gate and up are
+# interleaved column by column ("pairs": a rank's slice keeps each gate beside its up).
+_STACKED_EXPERTS = {
+    ".experts.gate_up_proj": (2, "pairs"),  # [E, hidden, 2 * inter]
+    ".experts.gate_up_proj_bias": (1, "pairs"),  # [E, 2 * inter]
+    ".experts.down_proj": (1, "even"),  # [E, inter, hidden]
+    ".experts.down_proj_bias": (1, "first"),  # [E, hidden]: added after the sum
+    # MXFP4: [E, out, in / 32, 16] blocks and [E, out, in / 32] scales
+    ".experts.gate_up_proj_blocks": (1, "pairs"),
+    ".experts.gate_up_proj_scales": (1, "pairs"),
+    ".experts.down_proj_blocks": (2, "even"),
+    ".experts.down_proj_scales": (2, "even"),
+}
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Refuse, naming it, a model that `size` ranks cannot split."""
     if size == 1:
         return
-    if config.architecture not in TP_FAMILIES or config.multimodal:
+    if config.architecture not in TP_FAMILIES or config.multimodal not in (None, "idefics3"):
+        name = config.multimodal or config.architecture
         raise StartupError(
-            f"--tensor-parallel-size {size}: the {config.architecture} family is not sharded "
-            f"yet (tensor parallelism serves {', '.join(TP_FAMILIES)})")
+            f"--tensor-parallel-size {size}: the {name} family is not sharded "
+            f"yet (tensor parallelism serves {', '.join(TP_FAMILIES)}, idefics3)")
     if config.num_heads % size:
         raise StartupError(
             f"--tensor-parallel-size {size}: the model's {config.num_heads} attention heads "
@@ -51,6 +70,16 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         raise StartupError(
             f"--tensor-parallel-size {size}: the model's {kv} KV heads neither divide into "
             f"{size} ranks nor does {size} divide by them (needed to replicate them)")
+    options = config.family_options
+    if getattr(options, "mxfp4", False):
+        from engine.models.gpt_oss import MXFP4_BLOCK
+
+        blocks = config.moe.intermediate_size // MXFP4_BLOCK
+        if blocks % size:  # a rank's part of down_proj must be whole MXFP4 blocks
+            raise StartupError(
+                f"--tensor-parallel-size {size}: the experts' intermediate size "
+                f"{config.moe.intermediate_size} is {blocks} MXFP4 blocks of {MXFP4_BLOCK}, "
+                f"which do not divide into {size} ranks")
 
 
 def local_config(config: ModelConfig, size: int) -> ModelConfig:
@@ -75,21 +104,30 @@ class Shard(msgspec.Struct, frozen=True):
         return cls(rank, size, config.num_heads, config.num_kv_heads, config.head_dim)
 
     def _split(self, name: str) -> tuple[int, str] | None:
-        """(dimension, what is split) for a sharded tensor, None for a replicated one."""
+        """(dimension, how it is split) for a sharded tensor, None for a replicated one."""
         if name in _VOCAB:
             return 0, "even"
         if ".self_attn." in name:
-            if ".q_proj." in name:
+            if ".qkv_proj." in name:  # Phi-3: q, k and v rows in one tensor
+                return 0, "qkv"
+            if ".q_proj." in name or name.endswith(".sinks"):
                 return 0, "q"
             if ".k_proj." in name or ".v_proj." in name:
                 return 0, "kv"
             if name.endswith(".o_proj.weight"):
                 return 1, "q"
+            if name.endswith(".o_proj.bias"):
+                return 0, "first"
             return None  # q/k norms: per head_dim
+        if name.endswith(".gate_up_proj.weight"):  # Phi-3: gate rows, then up rows
+            return 0, "halves"
         if name.endswith(_GATE_UP):
             return 0, "even"
         if name.endswith(_DOWN):
             return 1, "even"
+        for suffix, split in _STACKED_EXPERTS.items():
+            if name.endswith(suffix):
+                return split
         return None
 
     def _range(self, how: str, length: int) -> tuple[int, int, int]:
@@ -109,12 +147,30 @@ class Shard(msgspec.Struct, frozen=True):
         start = min(length, self.rank * per)
         return start, min(length, start + per), per
 
+    def _pieces(self, how: str, length: int) -> list[tuple[int, int, int]]:
+        """This rank's pieces of a dimension, in order: (start, stop, padded length) each.
+        One piece, except for a fused tensor: a piece of each of its parts."""
+        if how == "qkv":
+            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return [self._range("q", q), _shift(self._range("kv", kv), q),
+                    _shift(self._range("kv", kv), q + kv)]
+        if how == "halves":
+            half = self._range("even", length // 2)
+            return [half, _shift(half, length // 2)]
+        if how == "pairs":  # gate/up interleaved: split by (gate, up) column pairs
+            start, stop, per = self._range("even", length // 2)
+            return [(2 * start, 2 * stop, 2 * per)]
+        if how == "first":  # rank 0 holds it whole, the others zeros of its shape
+            return [(0, length if self.rank == 0 else 0, length)]
+        return [self._range(how, length)]
+
     def local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         split = self._split(name)
         if split is None or self.size == 1:
             return shape
         dim, how = split
-        return (*shape[:dim], self._range(how, shape[dim])[2], *shape[dim + 1:])
+        per = sum(p for _, _, p in self._pieces(how, shape[dim]))
+        return (*shape[:dim], per, *shape[dim + 1:])
 
     def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor, in memory of its own (a copy, so
@@ -127,17 +183,22 @@ class Shard(msgspec.Struct, frozen=True):
         if split is None:
             return tensor.clone()
         dim, how = split
-        start, stop, per = self._range(how, tensor.shape[dim])
-        part = tensor.narrow(dim, start, stop - start)
-        if stop - start == per:
-            return part.clone()
-        shape = list(tensor.shape)
-        shape[dim] = per
-        padded = tensor.new_zeros(shape)
-        padded.narrow(dim, 0, stop - start).copy_(part)
-        return padded
+        parts = []
+        for start, stop, per in self._pieces(how, tensor.shape[dim]):
+            part = tensor.narrow(dim, start, stop - start)
+            if stop - start < per:  # the padding of an uneven split (or "first": all of it)
+                shape = list(tensor.shape)
+                shape[dim] = per - (stop - start)
+                part = torch.cat([part, tensor.new_zeros(shape)], dim=dim)
+            parts.append(part)
+        return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=dim)
 
     def vocab_range(self, vocab_size: int) -> tuple[int, int]:
         """(first token id, rows) of this rank's vocabulary part (rows: padded length)."""
         start, _, per = self._range("even", vocab_size)
         return start, per
+
+
+def _shift(piece: tuple[int, int, int], offset: int) -> tuple[int, int, int]:
+    start, stop, per = piece
+    return start + offset, stop + offset, per

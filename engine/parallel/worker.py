@@ -42,13 +42,21 @@ def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
                                          c.draft) for c in plan.chunks]
                 ids = [t for c in plan.chunks for t in (*c.fed, *c.draft)]
                 positions = [p for c in plan.chunks for p in range(c.start, c.start + c.num_tokens)]
+                embeds = None
+                if plan.embeds:  # a VLM's image tokens: rank 0's encoder made them
+                    rows = torch.empty(plan.embeds, dtype=torch.long, device=device)
+                    vectors = torch.empty((plan.embeds, hidden_size), dtype=dtype,
+                                          device=device)
+                    model.tp.broadcast(rows)
+                    model.tp.broadcast(vectors)
+                    embeds = (rows, vectors)
                 meta = backend.prepare(chunks)
                 model.forward(torch.tensor(ids, dtype=torch.long, device=device),
                               torch.tensor(positions, dtype=torch.long, device=device),
-                              backend, meta)
+                              backend, meta, embeds)
             elif kind == commands.LOGITS:
                 hidden = torch.empty((n, hidden_size), dtype=dtype, device=device)
-                dist.broadcast(hidden, 0)
+                model.tp.broadcast(hidden)
                 model.logits(hidden)
             elif kind == commands.STOP:
                 break
@@ -69,6 +77,8 @@ def run_rank(config: EngineConfig, rdv: Rendezvous) -> int:
         return 1
     except Exception as exc:  # rank 0 gone, a collective timed out: this rank is done
         log.error("tensor-parallel rank %d stops: %s: %s", rdv.rank, type(exc).__name__, exc)
+        for _, proc in procs:  # ours too, even a stopped one (SIGTERM waits for SIGCONT)
+            proc.kill()
         return 1
     for _, proc in procs:
         proc.wait()

@@ -4,6 +4,9 @@
 - a tiny Llama at -tp 2 serves completions and streams; a rank killed mid-stream takes its
   engine down at once (the engine exits non-zero), the frontend ends the stream with its
   503 error and answers 503 after, nothing hangs;
+- a rank stopped while the engine is idle (SIGSTOP: alive, never answering) takes its
+  engine down once rank 0's next command gives up on it (SLUICE_TP_TIMEOUT_S, 5 s here),
+  the engine naming the rank and killing it, the request in flight answered 503;
 - the default model (SmolLM2-135M, 9 heads over 3 KV heads) at -tp 3 gives the greedy text
   the session's one-rank engine gives (slow: three ranks load it on a 2-core machine).
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 
@@ -55,9 +59,14 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tp_engine(tmp_path_factory):
+def tiny_llama(tmp_path_factory) -> str:
+    return _tiny_llama(tmp_path_factory.mktemp("tp-model"))
+
+
+@pytest.fixture(scope="module")
+def tp_engine(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("tp")
-    model = _tiny_llama(tmp / "model")
+    model = tiny_llama
     engine = Engine(str(tmp), "--model", model, "-tp", "2", "--dtype", "float32",
                     "--threads", "2")
     frontend = engine.frontend(str(tmp), "frontend", "--model", model, "--engine-timeout", "2")
@@ -66,14 +75,8 @@ def tp_engine(tmp_path_factory):
     engine.stop()
 
 
-def test_a_killed_rank_ends_its_engine_and_the_stream(tp_engine):
-    engine, frontend = tp_engine
-    r = httpx.post(f"{frontend.base_url}/v1/completions",
-                   json={**STREAM, "max_tokens": 8}, timeout=60)
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 8
-    [rank] = _children(engine.proc.popen.pid)  # -tp 2: one rank beside the engine
-
+def _stream(frontend) -> tuple[threading.Thread, list[str]]:
+    """A long greedy stream, read on a thread, once its first tokens have come."""
     events: list[str] = []
 
     def stream() -> None:
@@ -86,6 +89,18 @@ def test_a_killed_rank_ends_its_engine_and_the_stream(tp_engine):
     reader = threading.Thread(target=stream)
     reader.start()
     wait_until(lambda: len(events) >= 3, 60, "the stream's first tokens")
+    return reader, events
+
+
+def test_a_killed_rank_ends_its_engine_and_the_stream(tp_engine):
+    engine, frontend = tp_engine
+    r = httpx.post(f"{frontend.base_url}/v1/completions",
+                   json={**STREAM, "max_tokens": 8}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+    [rank] = _children(engine.proc.popen.pid)  # -tp 2: one rank beside the engine
+
+    reader, events = _stream(frontend)
     os.kill(rank, 9)
     killed = time.monotonic()
     reader.join(timeout=30)
@@ -117,4 +132,51 @@ def test_default_model_at_three_ranks_matches_one(base_url, tmp_path):
         finally:
             frontend.stop()
     finally:
+        engine.stop()
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (R, S, T: stopped, Z: exited), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its exit status left (a zombie)."""
+    return _state(pid) in (None, "Z")
+
+
+@pytest.mark.slow  # its own engine and frontend, and the 5 s wait: ~40 s
+def test_a_hung_rank_ends_its_engine_naming_it(tiny_llama, tmp_path, monkeypatch):
+    """The rank is stopped while the engine is idle: rank 0's next command to it (the
+    step's plan) waits at most SLUICE_TP_TIMEOUT_S, then the engine stops naming the rank,
+    and the request in flight gets its 503."""
+    monkeypatch.setenv("SLUICE_TP_TIMEOUT_S", "5")
+    engine = Engine(str(tmp_path), "--model", tiny_llama, "-tp", "2", "--dtype", "float32",
+                    "--threads", "2")
+    [rank] = _children(engine.proc.popen.pid)
+    try:
+        frontend = engine.frontend(str(tmp_path), "frontend", "--model", tiny_llama,
+                                   "--engine-timeout", "2")
+        try:
+            url = f"{frontend.base_url}/v1/completions"
+            r = httpx.post(url, json={**STREAM, "max_tokens": 4}, timeout=60)
+            assert r.status_code == 200, r.text
+            os.kill(rank, signal.SIGSTOP)
+            wait_until(lambda: _state(rank) == "T", 10, "the rank's stop")
+            stopped = time.monotonic()
+            r = httpx.post(url, json={**STREAM, "max_tokens": 4}, timeout=90)
+            assert r.status_code == 503, r.text
+            assert time.monotonic() - stopped < 60  # the 5 s timeout, then the 503
+            assert engine.proc.popen.wait(timeout=10) != 0
+            assert "tensor-parallel rank 1 is stopped" in engine.proc.log()
+            wait_until(lambda: _gone(rank), 10, "the stopped rank's end")
+        finally:
+            frontend.stop()
+    finally:
+        if not _gone(rank):
+            os.kill(rank, signal.SIGKILL)
         engine.stop()

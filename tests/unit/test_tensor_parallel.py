@@ -7,8 +7,15 @@ equal, logprobs within float32 tolerance.
 Tiny random transformers checkpoints cover each sharding case: KV heads split across ranks,
 fewer KV heads than ranks (replicated), 3 ranks over a vocabulary and an intermediate that
 do not divide by 3 (zero-padded parts), q/k norms, q/k/v biases, MoE experts with a shared
-expert."""
+expert; and each family beyond Llama's blocks, on the checkpoints of
+tests/unit/test_model_families.py: Gemma 2 and 3 (GeGLU, scaled embedding, soft caps, two
+rotary bases), Phi-3 (fused qkv_proj with one KV head on 2 ranks, fused gate_up_proj),
+gpt-oss (attention sinks, o_proj and expert biases, stacked interleaved experts over an odd
+intermediate size, so the last rank's part is padded)."""
 
+import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -19,16 +26,30 @@ import torch
 import transformers
 
 from engine.build import build_engine
+from engine.models.config import MoeConfig
+from engine.models.gpt_oss import GptOssOptions, dequantize_mxfp4
 from engine.parallel.leader import Watchdog
 from engine.parallel.rendezvous import plan_rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel
 from shared.config import EngineConfig
-from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
+from shared.protocol import (
+    EngineRequest,
+    ImageInput,
+    PoolingParams,
+    SamplingParams,
+    pack_ids,
+    pack_tensor,
+    unpack_ids,
+    unpack_tensor,
+)
 from shared.startup_checks import StartupError
 from shared.transport import free_tcp_port
 from sluice import cli
-from tests.tiny_vlm import tiny_vlm_tokenizer
+from tests.servers import wait_until
+from tests.tiny_embedder import build_embedder, reference_vector
+from tests.tiny_vlm import build_tiny_vlm, tiny_vlm_tokenizer
 from tests.unit.engine_builders import CONFIG
+from tests.unit.test_model_families import CASES as FAMILIES
 from tests.unit.test_model_reference import TINY, _randomize
 
 # case -> (config class, model class, overrides, ranks)
@@ -48,6 +69,11 @@ CASES = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=48), 2),
+    "gemma2": (*FAMILIES["gemma2"], 2),
+    "gemma3": (*FAMILIES["gemma3"], 2),
+    "phi3": (*FAMILIES["phi3"][:2], dict(FAMILIES["phi3"][2], num_key_value_heads=1), 2),
+    "gpt_oss": (*FAMILIES["gpt_oss"][:2], dict(FAMILIES["gpt_oss"][2], intermediate_size=101),
+                2),
 }
 PROMPT_LENGTHS = [1, 6, 19, 27]
 STEPS = 10
@@ -69,12 +95,13 @@ def _config(path: str, ranks: int) -> EngineConfig:
     return EngineConfig(model=path, served_model_name="m", request_address="inproc://x",
                         device="cpu", dtype="float32", attention_backend="torch",
                         num_pages=64, page_size=4, max_num_batched_tokens=8, threads=1,
-                        tensor_parallel_size=ranks)
+                        tensor_parallel_size=ranks, max_model_len=128)
 
 
-def _serve(core, prompts) -> dict[str, dict]:
+def _serve(core, prompts, images=None) -> dict[str, dict]:
     """Every prompt twice, greedy, with logprobs; the first round with prompt logprobs
-    too, the second without (so its prompts hit the prefix cache)."""
+    too, the second without (so its prompts hit the prefix cache). images: each prompt's
+    ImageInputs (a VLM)."""
     out: dict[str, dict] = {}
     for round_ in range(2):
         for i, prompt in enumerate(prompts):
@@ -84,7 +111,7 @@ def _serve(core, prompts) -> dict[str, dict]:
                 params=SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True,
                                       logprobs=3,
                                       prompt_logprobs=2 if round_ == 0 else None),
-                arrival_time=0.0))
+                arrival_time=0.0, images=images[i] if images else []))
             out[rid] = {"tokens": [], "logprobs": [], "prompt_logprobs": None}
         while core.has_work:
             for _, o in core.step():
@@ -103,12 +130,16 @@ def test_ranks_match_one_rank(checkpoint):
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist()
                for n in PROMPT_LENGTHS]
+    _compare(path, ranks, prompts)
+
+
+def _compare(path: str, ranks: int, prompts, images=None) -> None:
     single = build_engine(_config(path, 1))
-    expected = _serve(single, prompts)
+    expected = _serve(single, prompts, images)
     core = build_engine(_config(path, ranks))
     try:
         assert core.runner.model.inner.tp.size == ranks
-        got = _serve(core, prompts)
+        got = _serve(core, prompts, images)
         assert core.allocator.prefix_hits > 0
     finally:
         core.runner.model.close()
@@ -119,6 +150,58 @@ def test_ranks_match_one_rank(checkpoint):
         if want["prompt_logprobs"] is not None:
             np.testing.assert_allclose(got[rid]["prompt_logprobs"], want["prompt_logprobs"],
                                        atol=1e-4, rtol=0, equal_nan=True)
+
+
+def test_a_vlm_at_two_ranks_matches_one(tmp_path):
+    """Idefics3: the text model sharded, the vision encoder on rank 0 only, whose image
+    embeddings reach every rank with the step's plan; one image's tokens split over two
+    prefill chunks (positions 6..9 over an 8-token budget), a text-only prompt beside."""
+    path = build_tiny_vlm(str(tmp_path / "vlm"))
+    tok = tiny_vlm_tokenizer()
+    image, around = (tok.convert_tokens_to_ids(t) for t in ("<image>",
+                                                             "<fake_token_around_image>"))
+    words = tok.convert_tokens_to_ids(["describe", "the", "image", "a", "red", "blue", "cat"])
+    prompt = words[:5] + [around] + [image] * 4 + [around] + words
+    gen = torch.Generator().manual_seed(3)
+    pixels = torch.rand((1, 3, 32, 32), generator=gen).numpy()
+    picture = ImageInput(pack_tensor(pixels), pack_tensor(np.ones((1, 32, 32), bool)), 5, 6)
+    _compare(path, 2, [prompt, words * 3], [[picture], []])
+
+
+def test_embeddings_at_two_ranks_match_transformers(tmp_path):
+    """The pooling runner over 2 ranks: a tiny Qwen3 embedder (a bare-model checkpoint, no
+    LM head), last-token pooling, normalized, batched prompts prefilled whole."""
+    model = build_embedder(str(tmp_path))
+    core = build_engine(msgspec.structs.replace(_config(str(tmp_path), 2), max_model_len=48))
+    prompts = [[5, 9, 10], list(range(4, 13)) * 3, [7]]
+    try:
+        assert core.runner.model.inner.tp.size == 2
+        for i, ids in enumerate(prompts):
+            core.add(EngineRequest(f"e{i}", pack_ids(ids), SamplingParams(max_tokens=1),
+                                   "tcp://test", 0.0, pooling=PoolingParams()))
+        outs = {}
+        while core.has_work:
+            outs.update((o.request_id, o) for _, o in core.step())
+    finally:
+        core.runner.model.close()
+    for i, ids in enumerate(prompts):
+        assert outs[f"e{i}"].error is None
+        np.testing.assert_allclose(unpack_tensor(outs[f"e{i}"].pooled),
+                                   reference_vector(model, ids).numpy(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(enable_lora=True), "--enable-lora cannot run with --tensor-parallel-size 2"),
+    (dict(runner="pooling", hf_overrides=json.dumps({
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": ["a", "b"], "is_original_qwen3_reranker": True})),
+     "yes/no reranker cannot run with --tensor-parallel-size 2"),
+])
+def test_what_ranks_do_not_serve_is_refused_before_they_start(tmp_path, fields, match):
+    build_embedder(str(tmp_path))
+    config = msgspec.structs.replace(_config(str(tmp_path), 2), **fields)
+    with pytest.raises(StartupError, match=match):
+        build_engine(config)
 
 
 # --- the slicing and the refusals, without processes ---------------------------------------------
@@ -143,6 +226,28 @@ def test_shards_put_back_together_give_the_tensor():
     held = [Shard(r, 4, 8, 2, 4).take("model.layers.0.self_attn.k_proj.weight", k)
             for r in range(4)]
     assert [int(h[0, 0]) for h in held] == [0, 0, 4, 4]  # ranks 0,1: head 0; 2,3: head 1
+    # Phi-3's fused qkv_proj (2 heads, 1 KV head, head_dim 2) over 2 ranks: each holds its
+    # query head and the one KV head's k and v rows; gate_up_proj: its half of each part.
+    qkv = torch.arange(2 * 2 + 2 * 2, dtype=torch.float32).view(8, 1)  # q0 q0 q1 q1 k k v v
+    held = [Shard(r, 2, 2, 1, 2).take("model.layers.0.self_attn.qkv_proj.weight", qkv)
+            for r in range(2)]
+    assert [h.flatten().tolist() for h in held] == [[0, 1, 4, 5, 6, 7], [2, 3, 4, 5, 6, 7]]
+    gate_up = torch.arange(2 * 3, dtype=torch.float32).view(6, 1)  # gate 0-2, up 3-5
+    held = [Shard(r, 2, 2, 2, 1).take("model.layers.0.mlp.gate_up_proj.weight", gate_up)
+            for r in range(2)]
+    assert [h.flatten().tolist() for h in held] == [[0, 1, 3, 4], [2, 0, 5, 0]]
+    # gpt-oss: interleaved gate/up columns split by pairs (3 pairs: 2 + 1 and a zero pair);
+    # a bias after a row-parallel matmul on rank 0 only; sinks with the query heads.
+    stacked = torch.arange(6, dtype=torch.float32).view(1, 1, 6)  # g0 u0 g1 u1 g2 u2
+    held = [Shard(r, 2, 2, 2, 1).take("model.layers.0.mlp.experts.gate_up_proj", stacked)
+            for r in range(2)]
+    assert [h.flatten().tolist() for h in held] == [[0, 1, 2, 3], [4, 5, 0, 0]]
+    bias = torch.rand(1, 4)
+    held = [Shard(r, 2, 2, 2, 1).take("model.layers.0.mlp.experts.down_proj_bias", bias)
+            for r in range(2)]
+    assert torch.equal(held[0], bias) and not held[1].any() and held[1].shape == bias.shape
+    sinks = torch.arange(4.0)
+    assert Shard(1, 2, 4, 2, 1).take("model.layers.0.self_attn.sinks", sinks).tolist() == [2, 3]
     # Replicated: whole, but a copy (no view keeps the checkpoint's mapping alive).
     for name, whole in (("model.layers.0.input_layernorm.weight", torch.rand(4)),
                         ("model.layers.0.mlp.gate.weight", torch.rand(4, 8)),
@@ -151,10 +256,31 @@ def test_shards_put_back_together_give_the_tensor():
         assert torch.equal(held, whole) and held.data_ptr() != whole.data_ptr(), name
 
 
+def test_mxfp4_experts_sliced_then_dequantized_are_the_dense_slices():
+    """gpt-oss's MXFP4 experts: a rank's slice of the blocks and scales dequantizes to its
+    slice of the dense experts (which the family cases check end to end)."""
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter = 2, 64, 128  # inter: 4 blocks of 32, 2 per rank
+    for name, rows, width in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+        blocks = torch.randint(0, 256, (experts, rows, width // 32, 16), generator=gen)
+        scales = torch.randint(120, 130, (experts, rows, width // 32), generator=gen)
+        dense = dequantize_mxfp4(blocks.float(), scales.float())
+        stem = f"model.layers.0.mlp.experts.{name}"
+        for rank in range(2):
+            shard = Shard(rank, 2, 4, 2, 16)
+            local = dequantize_mxfp4(shard.take(stem + "_blocks", blocks.float()),
+                                     shard.take(stem + "_scales", scales.float()))
+            assert torch.equal(local, shard.take(stem, dense)), (name, rank)
+
+
 @pytest.mark.parametrize("fields, ranks, match", [
     (dict(num_heads=4, num_kv_heads=2), 3, "4 attention heads do not divide into 3"),
     (dict(num_heads=6, num_kv_heads=4), 3, "4 KV heads neither divide"),
-    (dict(architecture="gemma2"), 2, "gemma2 family is not sharded"),
+    (dict(architecture="bert"), 2, "bert family is not sharded"),
+    (dict(architecture="llama", multimodal="qwen2_vl"), 2, "qwen2_vl family is not sharded"),
+    (dict(architecture="gpt_oss", family_options=GptOssOptions(1.7, 7.0, mxfp4=True),
+          moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=96)), 2,
+     "96 is 3 MXFP4 blocks of 32, which do not divide into 2"),
 ])
 def test_unsplittable_models_are_refused(fields, ranks, match):
     with pytest.raises(StartupError, match=match):
@@ -243,31 +369,43 @@ def test_two_nodes_meet_over_the_documented_rendezvous(tmp_path):
         k: v["tokens"] for k, v in expected.items()}
 
 
-def test_a_collective_that_fails_on_a_dead_rank_names_it(monkeypatch):
+def test_a_collective_that_fails_on_a_lost_rank_names_it(monkeypatch):
     """A peer's death can reach a collective before the watchdog's next look: the engine
-    then stops with the same line naming the rank; with every rank alive the error goes
-    on as it is."""
+    then stops with the same line naming the rank. A collective that gives up on a rank
+    (its timeout) names the rank started here that is stopped, or says it timed out. With
+    every rank alive and running, another error goes on as it is."""
     from engine.parallel import leader
 
     stopped = []
-    monkeypatch.setattr(leader, "_exit_engine", lambda rank, code: stopped.append((rank, code)))
+    monkeypatch.setattr(leader, "_stop_engine", lambda why, procs: stopped.append(why))
+    monkeypatch.setattr(leader, "REAP_WAIT_S", 0.2)  # each alive case waits this long
 
-    def collective_fails():
-        raise RuntimeError("Connection closed by peer")
+    def fails(message):
+        def collective():
+            raise RuntimeError(message)
+        return collective
 
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         with pytest.raises(RuntimeError, match="closed by peer"):
-            leader.collective([(1, alive)], collective_fails)
+            leader.collective([(1, alive)], fails("Connection closed by peer"))
         assert stopped == []
+        with pytest.raises(RuntimeError):  # a timeout, every rank here running: elsewhere
+            leader.collective([(1, alive)], fails("Timed out waiting 3000ms for recv"))
+        assert "collective timed out after" in stopped.pop()
+        os.kill(alive.pid, signal.SIGSTOP)
+        wait_until(lambda: leader._stopped_ranks([(1, alive)]) == [1], 10, "the stop")
+        with pytest.raises(RuntimeError):
+            leader.collective([(2, alive)], fails("Timed out waiting 3000ms for recv"))
+        assert stopped.pop().startswith("tensor-parallel rank 2 is stopped")
     finally:
         alive.kill()
         alive.wait()
     dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     dead.wait()
     with pytest.raises(RuntimeError):
-        leader.collective([(1, dead)], collective_fails)
-    assert stopped == [(1, 3)]
+        leader.collective([(1, dead)], fails("Connection closed by peer"))
+    assert stopped == ["tensor-parallel rank 1 exited (code 3)"]
     assert leader.collective([(1, dead)], lambda: 7) == 7
 
 
