@@ -2,7 +2,10 @@ import pytest
 
 from tests.servers import Cluster, Engine, Stack
 
-SHARED_ENGINE_ARGS = ("--max-num-batched-tokens", "256", "--dtype", "float32")
+# One torch thread: on a 2-core machine the step's second thread waits on cores that the
+# frontend, the test client and the session's other servers hold (measured under load there:
+# a 32-token completion took 8.5 s with two threads, 1.1 s with one); the model is tiny.
+SHARED_ENGINE_ARGS = ("--max-num-batched-tokens", "256", "--dtype", "float32", "--threads", "1")
 
 
 @pytest.fixture(scope="session")
