@@ -2,7 +2,10 @@ import pytest
 
 from tests.servers import Cluster, Engine, Stack
 
-SHARED_ENGINE_ARGS = ("--max-num-batched-tokens", "256", "--dtype", "float32")
+# One torch thread: on a 2-core machine the step's second thread waits on cores that the
+# frontend, the test client and the session's other servers hold (measured under load there:
+# a 32-token completion took 8.5 s with two threads, 1.1 s with one); the model is tiny.
+SHARED_ENGINE_ARGS = ("--max-num-batched-tokens", "256", "--dtype", "float32", "--threads", "1")
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +18,7 @@ def shared_engine(tmp_path_factory):
     float32: many tests compare the answers of requests sent at once, which the engine may
     batch differently; in bfloat16 the logits are 1/8 apart near 20, so another batch's
     summation order can swap two near-tied tokens; and the reference test compares with
-    transformers' float32 greedy tokens. (`edge_url` runs the bf16 default.)
+    transformers' float32 greedy tokens.
     """
     e = Engine(str(tmp_path_factory.mktemp("engine")), *SHARED_ENGINE_ARGS)
     yield e
@@ -56,14 +59,17 @@ def base_url(stack):
 
 
 @pytest.fixture(scope="session")
-def edge_url(tmp_path_factory):
-    """`sluice serve` with the hermes tool-call parser and the qwen3 reasoning parser, and
-    room for only 3 stored responses: the Responses and Anthropic Messages tests share it."""
-    s = Stack(str(tmp_path_factory.mktemp("edge")), "--tool-call-parser", "hermes",
-              "--reasoning-parser", "qwen3", "--max-stored-responses", "3")
+def edge_url(shared_engine, tmp_path_factory):
+    """A frontend over the shared engine with the hermes tool-call parser and the qwen3
+    reasoning parser, and room for only 3 stored responses: the Responses and Anthropic
+    Messages tests share it. Its flags are all the frontend's, so it loads no model (an
+    engine start is the suite's dearest setup); it exports the engine's series, as `serve`'s
+    frontend does."""
+    s = shared_engine.frontend(str(tmp_path_factory.mktemp("edge")), "edge",
+                               "--export-engine-metrics", "--tool-call-parser", "hermes",
+                               "--reasoning-parser", "qwen3", "--max-stored-responses", "3")
     yield s.base_url
     s.stop()
-
 
 
 @pytest.fixture(scope="session")

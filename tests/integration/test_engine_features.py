@@ -49,10 +49,10 @@ def test_cache_salt_keeps_tenants_apart(base_url):
 
 @pytest.fixture(scope="module")
 def starved():
-    # 16 pages of 16 tokens: any one request fits, six at once do not.
+    # 8 pages of 16 tokens: any one request (3 pages at its end) fits, six at once do not.
     return build_engine(EngineConfig(
         model=default_model_path(), served_model_name="m", request_address="inproc://starved",
-        dtype="float32", num_pages=16, max_model_len=256))
+        dtype="float32", num_pages=8, max_model_len=128))
 
 
 @pytest.mark.slow
@@ -61,11 +61,11 @@ def test_memory_starved_engine_preempts_and_completes_everything(starved):
     prompts = [tokenizer.encode(f"Write a short poem about the number {i}.") for i in range(6)]
 
     def asks(tag: str) -> list:
-        return [request(f"{tag}{i}", p, max_tokens=40, ignore_eos=True)
+        return [request(f"{tag}{i}", p, max_tokens=20, ignore_eos=True)
                 for i, p in enumerate(prompts)]
 
     alone = [run(starved, [r])[r.request_id].tokens for r in asks("alone")]
     together = run(starved, asks("together"))  # run() checks every page is free again
     assert [together[f"together{i}"].tokens for i in range(6)] == alone
-    assert all(len(tokens) == 40 for tokens in alone)
+    assert all(len(tokens) == 20 for tokens in alone)
     assert starved.num_preemptions > 0

@@ -46,7 +46,8 @@ class Faults:
 
     def start_engine(self) -> None:
         n = len(self.engines)
-        self.engines.append(Proc(["engine", "--engine-address", self.address],
+        # One torch thread, as the session engine (tests/conftest.py says why).
+        self.engines.append(Proc(["engine", "--engine-address", self.address, "--threads", "1"],
                                  os.path.join(self.tmp_dir, f"engine{n}.log")))
 
     def stop(self) -> None:

@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from shared.model_source import DEFAULT_MODEL_FILE, default_model_path
-from tests.servers import Stack
 
 PROMPT = "Once upon a time"
 
@@ -23,12 +22,15 @@ def _text(base_url: str, **fields) -> str:
 
 
 @pytest.mark.slow
-def test_top_k_1_from_generation_config_makes_sampling_greedy(tmp_path):
+def test_top_k_1_from_generation_config_makes_sampling_greedy(shared_engine, tmp_path):
+    """The defaults are the frontend's (it reads the file and fills the requests in): a
+    frontend over the session's engine, on the same GGUF through a folder of its own."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     os.symlink(default_model_path(), model_dir / DEFAULT_MODEL_FILE)
     (model_dir / "generation_config.json").write_text(json.dumps({"top_k": 1}))
-    stack = Stack(str(tmp_path), "--model", str(model_dir / DEFAULT_MODEL_FILE))
+    stack = shared_engine.frontend(str(tmp_path), "frontend", "--model",
+                                   str(model_dir / DEFAULT_MODEL_FILE))
     try:
         assert "generation defaults in force" in stack.proc.log()
         assert "'top_k': 1" in stack.proc.log()

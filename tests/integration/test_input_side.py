@@ -37,7 +37,7 @@ def short(tmp_path_factory):
     template.write_text(TEMPLATE)
     s = Stack(str(tmp), "--max-model-len", str(SHORT_LEN), "--chat-template", str(template),
               "--render-timeout", str(TIMEOUT_S), "--trust-request-chat-template",
-              "--tokenizer-threads", "1", "--enable-log-requests")
+              "--tokenizer-threads", "1", "--enable-log-requests", "--threads", "1")
     yield s
     s.stop()
 

@@ -27,7 +27,8 @@ TIMEOUT_S = 3
 class Limited:
     def __init__(self, tmp_dir: str) -> None:
         address = f"tcp://127.0.0.1:{free_tcp_port()}"
-        self.engine = Proc(["engine", "--engine-address", address, "--max-num-seqs", "1"],
+        self.engine = Proc(["engine", "--engine-address", address, "--max-num-seqs", "1",
+                            "--threads", "1"],
                            os.path.join(tmp_dir, "engine.log"))
         self.guarded, self.url = start_frontend(
             tmp_dir, address, "guarded", "--api-key", KEYS[0], "--api-key", KEYS[1],

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from shared.bench import _PASSAGE
+from tests.conftest import SHARED_ENGINE_ARGS
 from tests.servers import Stack, metrics
 
 pytestmark = pytest.mark.slow  # its own stack
@@ -20,8 +21,9 @@ COPY = f"Repeat this paragraph word for word:\n\n{_PASSAGE}"
 
 @pytest.fixture(scope="module")
 def spec_url(tmp_path_factory):
-    stack = Stack(str(tmp_path_factory.mktemp("spec")), "--dtype", "float32",
-                  "--max-num-batched-tokens", "256", "--speculative-config", json.dumps(SPEC))
+    # The session engine's settings (its answers are the reference) plus the drafts.
+    stack = Stack(str(tmp_path_factory.mktemp("spec")), *SHARED_ENGINE_ARGS,
+                  "--speculative-config", json.dumps(SPEC))
     yield stack.base_url
     stack.stop()
 

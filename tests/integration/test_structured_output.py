@@ -10,8 +10,6 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.servers import Stack
-
 # Strings, arrays and decimals are bounded: a grammar cannot make a small model stop talking,
 # and an unbounded one may run to max_tokens (finish "length", JSON cut short).
 S = {"type": "string", "maxLength": 12}
@@ -89,10 +87,13 @@ SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHE
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    stack = Stack(str(tmp_path_factory.mktemp("structured")), "--tool-call-parser", "hermes")
-    yield stack.base_url
-    stack.stop()
+def url(shared_engine, tmp_path_factory):
+    """A frontend with the hermes tool-call parser over the session's engine (a frontend
+    flag: no model of its own to load)."""
+    front = shared_engine.frontend(str(tmp_path_factory.mktemp("structured")), "structured",
+                                   "--tool-call-parser", "hermes")
+    yield front.base_url
+    front.stop()
 
 
 def chat(url: str, content: str, **extra) -> httpx.Response:

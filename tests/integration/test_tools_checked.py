@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fuzz_checks import answer_problem
-from tests.servers import Stack, metrics
+from tests.servers import metrics
 
 pytestmark = pytest.mark.slow  # a stack of its own and forced calls on the default model
 
@@ -135,11 +135,13 @@ def test_a_malformed_messages_tool_is_a_400_naming_its_field(edge_url, tools, fi
 
 
 @pytest.fixture(scope="module")
-def deepseek_url(tmp_path_factory):
+def deepseek_url(shared_engine, tmp_path_factory):
     """deepseek_r1 reads a silent prompt's output as thinking; requests may bring their own
-    chat template (one that opens thinking)."""
-    s = Stack(str(tmp_path_factory.mktemp("deepseek")), "--tool-call-parser", "hermes",
-              "--reasoning-parser", "deepseek_r1", "--trust-request-chat-template")
+    chat template (one that opens thinking). Frontend flags only: a frontend over the
+    session's engine."""
+    s = shared_engine.frontend(str(tmp_path_factory.mktemp("deepseek")), "deepseek",
+                               "--tool-call-parser", "hermes", "--reasoning-parser",
+                               "deepseek_r1", "--trust-request-chat-template")
     yield s.base_url
     s.stop()
 

@@ -27,7 +27,7 @@ def engine(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("nobody"))
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     proc = Proc(["engine", "--engine-address", address,
-                 "--frontend-timeout", str(FRONTEND_TIMEOUT_S)],
+                 "--frontend-timeout", str(FRONTEND_TIMEOUT_S), "--threads", "1"],
                 os.path.join(tmp, "engine.log"))
     yield proc, address, tmp
     proc.stop()
