@@ -4,7 +4,9 @@
 Attention and norms are the Llama family's (engine.models.llama); each MoE layer's MLP
 routes every token to its top-k experts. Tokens are grouped by expert, so each expert's rows
 go through one matmul per projection (a loop over the experts a step uses, never over
-tokens), and the results are summed back per token, weighted by the router.
+tokens), and the results are summed back per token, weighted by the router. On CUDA, with
+bfloat16 experts, every expert's rows go through one grouped GEMM per projection instead
+(`F.grouped_mm`: one kernel, not one launch per expert); the CPU tests run that path too.
 
 SLUICE_MOE_PER_TOKEN=1 in the engine's environment runs every token's k experts one by one
 instead (`MoeBlock.per_token_experts`): a reference for the benchmark of grouping
@@ -60,6 +62,25 @@ def expert_gate_up(gate: torch.Tensor, up: torch.Tensor):
     return gate, up
 
 
+class ExpertStacks(msgspec.Struct):
+    """Every expert's weights of one layer as one [experts, out, in] tensor per projection
+    (and [experts, out] biases), as a grouped GEMM takes them."""
+
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _stackable(gate_up: ExpertLinear, down: ExpertLinear) -> bool:
+    """Whether every expert's weights are plain tensors of one shape (not mapped pairs,
+    not quantized blocks), as one stacked tensor per projection needs."""
+    return all(
+        proj.weights and all(isinstance(w, torch.Tensor) and w.dtype.is_floating_point
+                             and w.shape == proj.weights[0].shape for w in proj.weights)
+        for proj in (gate_up, down))
+
+
 class MoeBlock:
     """Router, experts and (Qwen2-MoE) the gated shared expert of one layer.
 
@@ -75,6 +96,22 @@ class MoeBlock:
         # (gate_up [2 * inter, hidden], down [hidden, inter], gate [1, hidden]) or None
         self.shared = shared
         self.per_token = os.environ.get("SLUICE_MOE_PER_TOKEN") == "1"  # the benchmark's
+        self.stacks: ExpertStacks | None = None  # for the grouped GEMM; None: the loop
+        if _stackable(gate_up, down) and gate_up.weights[0].is_cuda:
+            self.stack_experts()
+
+    def stack_experts(self) -> None:
+        """Holds each projection's experts in one [experts, out, in] tensor, which the
+        per-expert lists then view (no second copy), so the grouped GEMM can take them."""
+        stacks = []
+        for proj in (self.gate_up, self.down):
+            weights = torch.stack(proj.weights)
+            proj.weights = list(weights.unbind(0))
+            biases = torch.stack(proj.biases) if proj.biases else None
+            if biases is not None:
+                proj.biases = list(biases.unbind(0))
+            stacks += [weights, biases]
+        self.stacks = ExpertStacks(*stacks)
 
     def linear_weights(self) -> list[torch.Tensor]:
         shared = [self.shared[0], self.shared[1]] if self.shared else []
@@ -100,7 +137,12 @@ class MoeBlock:
     def __call__(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: [T, hidden], normed -> [T, hidden]."""
         experts, weights = self.route(x)
-        run = self.per_token_experts if self.per_token else self.grouped_experts
+        if self.per_token:
+            run = self.per_token_experts
+        elif self.stacks is not None and x.is_cuda and x.dtype == torch.bfloat16:
+            run = self.grouped_gemm_experts  # the kernel takes bfloat16 on CUDA only
+        else:
+            run = self.grouped_experts
         out = run(x, experts, weights, ops)
         if self.shared is not None:
             gate_up, down, gate = self.shared
@@ -124,6 +166,27 @@ class MoeBlock:
                 results[part] = self._expert(expert, rows[part], ops)
                 start += count
         # Back to token order (each token's k results side by side), weighted and summed.
+        per_choice = results.index_select(0, torch.argsort(order)).view(tokens, k, -1)
+        return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
+
+    def grouped_gemm_experts(self, x, experts, weights, ops) -> torch.Tensor:
+        """grouped_experts with each projection as one grouped GEMM over the stacks: the
+        rows sorted by expert, `offs` where each expert's rows end."""
+        stacks = self.stacks
+        tokens, k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        ends = torch.cumsum(torch.bincount(flat, minlength=len(stacks.gate_up)), 0)
+        ends = ends.to(torch.int32)
+        rows = x.index_select(0, order // k)
+        row_expert = flat.index_select(0, order)  # each sorted row's expert, for its bias
+        hidden = F.grouped_mm(rows, stacks.gate_up.transpose(1, 2), offs=ends)
+        if stacks.gate_up_bias is not None:
+            hidden = hidden + stacks.gate_up_bias.index_select(0, row_expert)
+        act = self.activation(hidden) if self.activation else ops.silu_and_mul(hidden)
+        results = F.grouped_mm(act, stacks.down.transpose(1, 2), offs=ends)
+        if stacks.down_bias is not None:
+            results = results + stacks.down_bias.index_select(0, row_expert)
         per_choice = results.index_select(0, torch.argsort(order)).view(tokens, k, -1)
         return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
 

@@ -270,9 +270,11 @@ def test_experts_stay_in_the_mapped_checkpoint(tmp_path, case, pairs):
 
 
 def test_moe_block_paths_agree(monkeypatch):
-    """One MoE MLP three ways: grouped by expert (as served), with each expert's gate and
-    up kept as a pair (Mixtral's mapped experts), and token by token (the reference that
-    SLUICE_MOE_PER_TOKEN=1 switches on for benchmarks/moe_serve.py): the same output."""
+    """One MoE MLP four ways: grouped by expert (as served on CPU), with each expert's gate
+    and up kept as a pair (Mixtral's mapped experts), as one grouped GEMM per projection
+    over stacked experts (as served on CUDA in bfloat16; F.grouped_mm runs on CPU too), and
+    token by token (the reference that SLUICE_MOE_PER_TOKEN=1 switches on for
+    benchmarks/moe_serve.py): the same output."""
     from engine.models.config import MoeConfig
     from engine.models.moe import ExpertLinear, MoeBlock
     from engine.models.ops import TorchOps
@@ -296,6 +298,20 @@ def test_moe_block_paths_agree(monkeypatch):
     out = grouped(x, ops)
     torch.testing.assert_close(pairs(x, ops), out)
     torch.testing.assert_close(naive(x, ops), out)
+    stacked = MoeBlock(config, router, None, fused, ExpertLinear(downs))
+    assert stacked.stacks is None  # CPU tensors: the loop serves
+    stacked.stack_experts()
+    assert stacked.gate_up.weights[3].data_ptr() == stacked.stacks.gate_up[3].data_ptr()
+    torch.testing.assert_close(stacked.grouped_gemm_experts(x, *grouped.route(x), ops), out)
+    # Experts with biases (gpt-oss's) and a batch that leaves experts without rows.
+    biased = MoeBlock(config, router, None, ExpertLinear(fused.weights, [rand(32) for _ in
+                      range(8)]), ExpertLinear(downs, [rand(32) for _ in range(8)]))
+    want = biased(x[:2], ops)
+    biased.stack_experts()
+    routed = biased.route(x[:2])
+    assert len(routed[0].unique()) < 8
+    torch.testing.assert_close(biased.grouped_gemm_experts(x[:2], *routed, ops), want)
+    assert not torch.allclose(want, grouped(x[:2], ops))  # the biases count
 
 
 # --- bad checkpoints stop the engine at start, naming the key or tensor ---------------------------
