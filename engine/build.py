@@ -186,6 +186,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
         backend = LeaderBackend(backend)
         model = LeaderModel(model, loaded.cmd_group, loaded.procs,
                             Watchdog(loaded.procs) if loaded.procs else None)
+        model.lora = lora  # its loads and removals go to the ranks with the next plan
     vision = None
     if model_config.multimodal == "idefics3":  # the vision half; the text half is ours
         from engine.models.idefics3 import Idefics3Vision
@@ -244,9 +245,6 @@ def build_engine(config: EngineConfig) -> EngineCore:
 def _check_parallel_features(config: EngineConfig, pooling: PoolingFacts | None) -> None:
     """What tensor-parallel ranks do not serve yet, refused before any rank starts."""
     size = config.tensor_parallel_size
-    if config.enable_lora:
-        raise StartupError(f"--enable-lora cannot run with --tensor-parallel-size {size} yet: "
-                           "adapters are loaded and chosen per request on rank 0 only")
     if pooling is not None and pooling.score_tokens:
         raise StartupError(f"--hf-overrides' yes/no reranker cannot run with "
                            f"--tensor-parallel-size {size} yet: its head is two rows of the "

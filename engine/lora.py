@@ -10,6 +10,14 @@ Each loaded adapter gets an id that is never reused: the model's `LoraOps` keys 
 by it, and the prefix cache salts page hashes with it, so two adapters (or an adapter and
 the one loaded later under its name) never share a cached page. An adapter unloaded while
 requests use it stays installed until the last of them finishes.
+
+Under tensor parallelism each rank holds its slice of every adapter, cut like the base
+weight it adds to (vLLM's layout): on the column-parallel q/k/v and gate/up, A whole and B's
+output rows split; on the row-parallel o_proj and down_proj, A's input columns split and B
+whole, so the low-rank product is a partial sum like the base matmul's and joins its
+all-reduce. Rank 0's manager decides (names, ids, which request uses which); it records each
+load and removal as a `LoraChange`, which the next step's plan carries to the other ranks
+(engine.parallel.commands), each reading its slice from the same folder (`apply`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 from safetensors import safe_open
 
 from engine.models.lora import TARGETS, LinearSite, LoraOps, LowRank, fuse, linear_sites
+from engine.parallel.sharding import Shard
 from shared.protocol import LoraAdapterInfo
 
 log = logging.getLogger("sluice.engine")
@@ -58,6 +67,13 @@ _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
+class LoraChange(msgspec.Struct, array_like=True):
+    """An adapter installed (its folder) or removed (path ""), for the other ranks."""
+
+    adapter_id: int
+    path: str = ""
+
+
 def read_peft_config(path: str) -> PeftConfig:
     config_path = os.path.join(path, CONFIG_FILE)
     # 404 as vLLM answers a path without an adapter ("No adapter found").
@@ -87,9 +103,12 @@ def read_peft_config(path: str) -> PeftConfig:
 
 
 def read_adapter(path: str, sites: dict[tuple[int, str], LinearSite], max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> dict[int, LowRank]:
+                 dtype: torch.dtype, device: torch.device, shard: Shard | None = None,
+                 rank_sites: dict[tuple[int, str], LinearSite] | None = None
+                 ) -> dict[int, LowRank]:
     """A PEFT LoRA folder as low-rank products by weight id, checked against the model's
-    `sites`. Raises LoraError."""
+    `sites` (the whole model's). With a shard, each product is this rank's slice, fused
+    over `rank_sites` (the rank's own linears). Raises LoraError."""
     config = read_peft_config(path)
     weights_path = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
@@ -128,9 +147,46 @@ def read_adapter(path: str, sites: dict[tuple[int, str], LinearSite], max_rank: 
                             f"and B {tuple(b.shape)}; this model needs A (r, "
                             f"{site.in_features}) and B ({out}, r)")
         scaling = config.lora_alpha / (math.sqrt(rank) if config.use_rslora else rank)
+        if shard is not None:
+            a, b = _slice(shard, layer, module, site_key[1], a, b)
         by_site.setdefault(site_key, {})[part] = (a, b, scaling)
-    return {sites[key].weight_id: fuse(sites[key], parts, dtype, device)
+    local = sites if rank_sites is None else rank_sites
+    return {local[key].weight_id: fuse(local[key], parts, dtype, device)
             for key, parts in by_site.items()}
+
+
+_ROW_PARALLEL = ("o_weight", "down_weight")
+
+
+def _slice(shard: Shard, layer: int, module: str, attr: str, a: torch.Tensor,
+           b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A, B) of one module: cut by the base weight's own rule (its HF name),
+    A's input columns on a row-parallel linear, B's output rows on a column-parallel one."""
+    block = "self_attn" if attr in ("qkv_weight", "o_weight") else "mlp"
+    name = f"model.layers.{layer}.{block}.{module}.weight"
+    if attr in _ROW_PARALLEL:
+        return shard.take(name, a), b
+    return a, shard.take(name, b)
+
+
+def whole_sites(sites: dict[tuple[int, str], LinearSite], shard: Shard,
+                intermediate: int) -> dict[tuple[int, str], LinearSite]:
+    """The whole model's linears, from one rank's (an adapter's tensors are whole); the
+    weight ids stay the rank's."""
+    q, kv = shard.num_heads * shard.head_dim, shard.num_kv_heads * shard.head_dim
+    whole = {}
+    for key, site in sites.items():
+        attr = key[1]
+        if attr == "qkv_weight":
+            parts, width = (q, kv, kv), site.in_features
+        elif attr == "o_weight":
+            parts, width = site.parts, q
+        elif attr == "gate_up_weight":
+            parts, width = (intermediate, intermediate), site.in_features
+        else:
+            parts, width = site.parts, intermediate
+        whole[key] = LinearSite(site.weight_id, parts, width)
+    return whole
 
 
 def _site_of(path: str, layer: int, module: str, sites) -> tuple:
@@ -160,6 +216,15 @@ class LoraManager:
         self.ops = LoraOps(model.ops)
         model.ops = self.ops  # every family's linears go through model.ops
         self.sites = linear_sites(model)
+        tp = getattr(model, "tp", None)
+        # Tensor parallel: adapters are checked whole and cut to this rank's slices.
+        self.shard = tp.shard if tp is not None and tp.parallel else None
+        self.rank_sites = None
+        if self.shard is not None:
+            self.rank_sites = self.sites
+            self.sites = whole_sites(self.sites, self.shard, model.config.intermediate_size)
+        # Rank 0 under tensor parallelism: what the other ranks have yet to apply.
+        self.changes: list[LoraChange] | None = [] if self.shard is not None else None
         self.dtype, self.device = model.dtype, model.device
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -179,11 +244,12 @@ class LoraManager:
         if self.max_cpu_loras and resident >= self.max_cpu_loras:
             raise LoraError(f"{resident} adapters are loaded, the most --max-cpu-loras "
                             f"allows; unload one first")
-        products = read_adapter(info.path, self.sites, self.max_lora_rank, self.dtype,
-                                self.device)
+        products = self._read(info.path)
         adapter = Adapter(info, self._next_id)
         self._next_id += 1
         self.ops.install(adapter.adapter_id, products)
+        if self.changes is not None:
+            self.changes.append(LoraChange(adapter.adapter_id, info.path))
         self.by_name[info.name] = adapter
         self._by_id[adapter.adapter_id] = adapter
         log.info("LoRA adapter %r loaded from %s (id %d)", info.name, info.path,
@@ -217,3 +283,23 @@ class LoraManager:
         if adapter.unloaded and adapter.users <= 0:
             self.ops.remove(adapter.adapter_id)
             del self._by_id[adapter.adapter_id]
+            if self.changes is not None:
+                self.changes.append(LoraChange(adapter.adapter_id))
+
+    def _read(self, path: str) -> dict[int, LowRank]:
+        return read_adapter(path, self.sites, self.max_lora_rank, self.dtype, self.device,
+                            self.shard, self.rank_sites)
+
+    def take_changes(self) -> list[LoraChange]:
+        """Rank 0: the loads and removals since the last step's plan."""
+        changes, self.changes = self.changes or [], []
+        return changes
+
+    def apply(self, change: LoraChange) -> None:
+        """Another rank: rank 0's load or removal, under rank 0's id. An adapter rank 0
+        read but this rank cannot (its folder gone or changed since) raises: the rank
+        stops, as its steps could no longer match rank 0's."""
+        if change.path:
+            self.ops.install(change.adapter_id, self._read(change.path))
+        else:
+            self.ops.remove(change.adapter_id)

@@ -2,7 +2,8 @@
 the command's payload. One STEP per model step (its plan: every chunk's tokens, positions
 and pages, so each rank builds the same attention metadata over its own KV cache; with a
 VLM's image tokens in the step, their rows and embeddings follow on the compute group, as
-only rank 0 holds the vision encoder), one
+only rank 0 holds the vision encoder; with LoRA, each chunk's adapter and the adapters
+loaded or removed since the last step, which every rank applies before it runs it), one
 LOGITS per LM-head call (the hidden rows, gathered back as full-vocabulary logits), STOP
 at the end. Never anything per layer: inside a step the ranks meet only in the model's own
 all-reduces.
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.lora import LoraChange
+
 STEP, LOGITS, STOP = 1, 2, 3
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
@@ -37,11 +40,13 @@ class ChunkPlan(msgspec.Struct, array_like=True):
     fed: list[int]  # the known tokens fed (then the draft)
     draft: list[int]
     pages: list[int]
+    lora_id: int = 0  # its LoRA adapter's id (engine.lora); 0: the base model
 
 
 class StepPlan(msgspec.Struct, array_like=True):
     chunks: list[ChunkPlan]
     embeds: int = 0  # image-token rows whose embeddings follow (a VLM's step)
+    lora: list[LoraChange] = []  # adapters loaded or removed on rank 0 since the last plan
 
 
 class PlanSeq(msgspec.Struct):
@@ -51,13 +56,14 @@ class PlanSeq(msgspec.Struct):
     pages: list[int]
 
 
-def plan_of(chunks, embeds: int = 0) -> bytes:
+def plan_of(chunks, embeds: int = 0, lora: list[LoraChange] | None = None) -> bytes:
     out = []
     for c in chunks:
         known = c.start + c.num_tokens - len(c.draft)
         out.append(ChunkPlan(c.seq.request_id, c.start, c.num_tokens,
-                             c.seq.token_ids[c.start:known], list(c.draft), list(c.seq.pages)))
-    return msgspec.msgpack.encode(StepPlan(out, embeds))
+                             c.seq.token_ids[c.start:known], list(c.draft), list(c.seq.pages),
+                             c.seq.lora_id))
+    return msgspec.msgpack.encode(StepPlan(out, embeds, lora or []))
 
 
 _plan_decoder = msgspec.msgpack.Decoder(StepPlan)

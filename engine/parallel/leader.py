@@ -3,8 +3,9 @@ the model and the attention backend inside the engine, so the scheduler, KV allo
 grammar and sampling (ModelRunner, EngineCore) run unchanged on rank 0 only.
 
 - `LeaderModel.forward` sends each step's plan (one command: the chunks `LeaderBackend.prepare`
-  saw, and a VLM's image embeddings, which rank 0's vision encoder made); every rank then
-  runs the same forward pass over its shard.
+  saw, each with its LoRA adapter, the adapters loaded or removed since the last plan, and
+  a VLM's image embeddings, which rank 0's vision encoder made); every rank then runs the
+  same forward pass over its shard.
 - `LeaderModel.logits` sends the hidden rows (one command) and returns the gathered
   full-vocabulary logits, which only rank 0 samples from.
 
@@ -216,13 +217,16 @@ class LeaderModel:
         self.procs = procs
         self.watchdog = watchdog
         self.closed = False
+        self.lora = None  # rank 0's engine.lora.LoraManager (--enable-lora)
 
     def forward(self, input_ids, positions, backend, meta, embeds=None):
         return collective(self.procs, self._forward, input_ids, positions, backend, meta,
                           embeds)
 
     def _forward(self, input_ids, positions, backend, meta, embeds):
-        payload = commands.plan_of(backend.chunks, 0 if embeds is None else len(embeds[0]))
+        changes = self.lora.take_changes() if self.lora is not None else None
+        payload = commands.plan_of(backend.chunks, 0 if embeds is None else len(embeds[0]),
+                                   changes)
         commands.send_command(self._cmd, commands.STEP, len(payload), payload,
                               COLLECTIVE_TIMEOUT)
         if embeds is not None:

@@ -31,6 +31,11 @@ def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
 
     model, backend, cmd_group = load_rank(config, rdv)
     device, dtype = model.device, model.dtype
+    lora = None
+    if config.enable_lora:  # adapters come with the plans, under rank 0's ids
+        from engine.lora import LoraManager
+
+        lora = LoraManager(model, config.max_loras, config.max_lora_rank, 0)
     hidden_size = model.config.hidden_size
     log.info("tensor-parallel rank %d of %d ready", rdv.rank, rdv.world_size)
     with torch.inference_mode():
@@ -50,6 +55,11 @@ def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
                     model.tp.broadcast(rows)
                     model.tp.broadcast(vectors)
                     embeds = (rows, vectors)
+                if lora is not None:
+                    for change in plan.lora:
+                        lora.apply(change)
+                    lora.ops.set_step([(c.lora_id, c.num_tokens) for c in plan.chunks],
+                                      len(ids), device)
                 meta = backend.prepare(chunks)
                 model.forward(torch.tensor(ids, dtype=torch.long, device=device),
                               torch.tensor(positions, dtype=torch.long, device=device),

@@ -13,6 +13,7 @@ rotary bases), Phi-3 (fused qkv_proj with one KV head on 2 ranks, fused gate_up_
 gpt-oss (attention sinks, o_proj and expert biases, stacked interleaved experts over an odd
 intermediate size, so the last rank's part is padded)."""
 
+import copy
 import json
 import os
 import signal
@@ -35,6 +36,8 @@ from shared.config import EngineConfig
 from shared.protocol import (
     EngineRequest,
     ImageInput,
+    LoraAdapterInfo,
+    LoraUpdate,
     PoolingParams,
     SamplingParams,
     pack_ids,
@@ -190,8 +193,85 @@ def test_embeddings_at_two_ranks_match_transformers(tmp_path):
                                    reference_vector(model, ids).numpy(), atol=1e-5, rtol=0)
 
 
+def _lora_serve(core, prompts) -> dict[str, dict]:
+    """Each prompt under the base model and each adapter, in one batch: greedy, logprobs."""
+    out: dict[str, dict] = {}
+    for i, prompt in enumerate(prompts):
+        for name in (None, "a", "b"):
+            rid = f"{name}-{i}"
+            core.add(EngineRequest(
+                request_id=rid, prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
+                params=SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True,
+                                      logprobs=3), arrival_time=0.0, lora_name=name))
+            out[rid] = {"tokens": [], "logprobs": []}
+    while core.has_work:
+        for _, o in core.step():
+            assert o.error is None, o.error
+            out[o.request_id]["tokens"].extend(unpack_ids(o.new_token_ids).tolist())
+            if o.logprobs is not None:
+                out[o.request_id]["logprobs"].append(np.frombuffer(o.logprobs.top_logprobs,
+                                                                   "<f4"))
+    return out
+
+
+def _lora_run(path: str, adapters: dict[str, str], ranks: int, prompts) -> dict:
+    """Adapter a loaded at start, b at run time (after the ranks started); a mixed batch;
+    then a unloaded and loaded again (a new id on every rank) for a second batch."""
+    core = build_engine(msgspec.structs.replace(
+        _config(path, ranks), enable_lora=True, max_loras=2, max_lora_rank=8,
+        lora_modules=[LoraAdapterInfo("a", adapters["a"])]))
+    try:
+        assert core.update_lora(LoraUpdate("1", "load", "b", adapters["b"])).status == 200
+        first = _lora_serve(core, prompts)
+        for op, action in (("2", "unload"), ("3", "load")):
+            assert core.update_lora(LoraUpdate(op, action, "a", adapters["a"])).status == 200
+        second = _lora_serve(core, prompts[:1])
+    finally:
+        if ranks > 1:
+            core.runner.model.close()
+    return {**{f"1:{k}": v for k, v in first.items()}, **{f"2:{k}": v for k, v in second.items()}}
+
+
+def test_lora_adapters_at_two_ranks_match_one(tmp_path):
+    """PEFT adapters sliced over 2 ranks: A on every target (q/k/v, o, gate/up, down) and an
+    rsLoRA B of another rank on q, v and down; an intermediate size of 37, so the ranks'
+    gate/up rows and down columns (and the adapters' slices of them) are padded. Base rows
+    and both adapters in one batch, with chunked prefill and the prefix cache."""
+    peft = pytest.importorskip("peft")
+    overrides = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=37)
+    base = transformers.LlamaForCausalLM._from_config(
+        transformers.LlamaConfig(**{**TINY, **overrides}), attn_implementation="eager")
+    _randomize(base.to(torch.float32), seed=8)
+    base.save_pretrained(tmp_path / "m", safe_serialization=True)
+    tiny_vlm_tokenizer().save_pretrained(tmp_path / "m")
+    adapters = {}
+    for name, seed, config in (
+            ("a", 1, dict(r=4, lora_alpha=8, target_modules=[
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])),
+            ("b", 2, dict(r=8, lora_alpha=16, use_rslora=True,
+                          target_modules=["q_proj", "v_proj", "down_proj"]))):
+        torch.manual_seed(seed)
+        model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+            init_lora_weights=False, lora_dropout=0.0, **config))
+        model.save_pretrained(tmp_path / name)
+        adapters[name] = str(tmp_path / name)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist()
+               for n in (3, 19)]
+    expected = _lora_run(str(tmp_path / "m"), adapters, 1, prompts)
+    got = _lora_run(str(tmp_path / "m"), adapters, 2, prompts)
+    assert got.keys() == expected.keys()
+    for rid, want in expected.items():
+        assert got[rid]["tokens"] == want["tokens"], rid
+        np.testing.assert_allclose(np.stack(got[rid]["logprobs"]), np.stack(want["logprobs"]),
+                                   atol=1e-4, rtol=0, err_msg=rid)
+    for i in range(len(prompts)):  # each adapter changes the model
+        base_lp = expected[f"1:None-{i}"]["logprobs"][0]
+        for name in "ab":
+            assert np.abs(expected[f"1:{name}-{i}"]["logprobs"][0] - base_lp).max() > 1e-3
+
+
 @pytest.mark.parametrize("fields, match", [
-    (dict(enable_lora=True), "--enable-lora cannot run with --tensor-parallel-size 2"),
     (dict(runner="pooling", hf_overrides=json.dumps({
         "architectures": ["Qwen3ForSequenceClassification"],
         "classifier_from_token": ["a", "b"], "is_original_qwen3_reranker": True})),
