@@ -137,15 +137,17 @@ def _drafter(config: EngineConfig, device: torch.device, quantized: dict) -> Dra
 # ---------------------------------------------------------------- the engine
 
 
-def _lora_manager(config: EngineConfig, model) -> LoraManager | None:
+def _lora_manager(config: EngineConfig, model, peers=None) -> LoraManager | None:
     """--enable-lora: the model's linears take adapters; --lora-modules load now (a bad one
-    stops the start, naming it)."""
+    stops the start, naming it). peers: tensor parallel, what sends a load or removal to
+    the other ranks."""
     if not config.enable_lora:
         return None
     if config.batch_invariant:  # the adapters' products go through oneDNN, row count and all
         raise StartupError("--enable-lora cannot run with --batch-invariant yet: the adapters' "
                            "products are not batch-invariant")
     lora = LoraManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+    lora.peers = peers
     for info in config.lora_modules:
         try:
             lora.load(info)
@@ -179,14 +181,20 @@ def build_engine(config: EngineConfig) -> EngineCore:
     loaded = _load(config, rdv, pooling)
     model, backend, model_config = loaded.model, loaded.backend, loaded.model_config
     max_model_len, num_pages = loaded.max_model_len, loaded.num_pages
-    lora = _lora_manager(config, model)
+    shard_model = model
     if rdv is not None:  # rank 0 stands in for every rank (engine.parallel.leader)
         from engine.parallel.leader import LeaderBackend, LeaderModel, Watchdog
 
         backend = LeaderBackend(backend)
         model = LeaderModel(model, loaded.cmd_group, loaded.procs,
                             Watchdog(loaded.procs) if loaded.procs else None)
-        model.lora = lora  # its loads and removals go to the ranks with the next plan
+    try:  # the adapters' loads and removals reach every rank (LeaderModel.lora_change)
+        lora = _lora_manager(config, shard_model,
+                             model.lora_change if rdv is not None else None)
+    except StartupError:
+        if rdv is not None:
+            model.close()
+        raise
     vision = None
     if model_config.multimodal == "idefics3":  # the vision half; the text half is ours
         from engine.models.idefics3 import Idefics3Vision

@@ -15,9 +15,10 @@ Under tensor parallelism each rank holds its slice of every adapter, cut like th
 weight it adds to (vLLM's layout): on the column-parallel q/k/v and gate/up, A whole and B's
 output rows split; on the row-parallel o_proj and down_proj, A's input columns split and B
 whole, so the low-rank product is a partial sum like the base matmul's and joins its
-all-reduce. Rank 0's manager decides (names, ids, which request uses which); it records each
-load and removal as a `LoraChange`, which the next step's plan carries to the other ranks
-(engine.parallel.commands), each reading its slice from the same folder (`apply`).
+all-reduce. Rank 0's manager decides (names, ids, which request uses which) and sends each
+load and removal as a `LoraChange` to the other ranks (`peers`: engine.parallel.leader),
+each reading its slice from the same folder (`apply`): the folder must be readable on every
+machine, as the model's is. A rank that cannot read it fails the load, naming the rank.
 """
 
 from __future__ import annotations
@@ -223,8 +224,9 @@ class LoraManager:
         if self.shard is not None:
             self.rank_sites = self.sites
             self.sites = whole_sites(self.sites, self.shard, model.config.intermediate_size)
-        # Rank 0 under tensor parallelism: what the other ranks have yet to apply.
-        self.changes: list[LoraChange] | None = [] if self.shard is not None else None
+        # Rank 0 under tensor parallelism: sends a change to the other ranks, returns
+        # (rank, "STATUS why") for each that could not apply it.
+        self.peers = None
         self.dtype, self.device = model.dtype, model.device
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -247,9 +249,15 @@ class LoraManager:
         products = self._read(info.path)
         adapter = Adapter(info, self._next_id)
         self._next_id += 1
+        if self.peers is not None:
+            failed = self.peers(LoraChange(adapter.adapter_id, info.path))
+            if failed:  # the ranks that took it drop it again
+                self.peers(LoraChange(adapter.adapter_id))
+                rank, word = failed[0]
+                status, _, why = word.partition(" ")
+                raise LoraError(f"tensor-parallel rank {rank} cannot load it: {why}",
+                                int(status) if status.isdigit() else 400)
         self.ops.install(adapter.adapter_id, products)
-        if self.changes is not None:
-            self.changes.append(LoraChange(adapter.adapter_id, info.path))
         self.by_name[info.name] = adapter
         self._by_id[adapter.adapter_id] = adapter
         log.info("LoRA adapter %r loaded from %s (id %d)", info.name, info.path,
@@ -283,22 +291,15 @@ class LoraManager:
         if adapter.unloaded and adapter.users <= 0:
             self.ops.remove(adapter.adapter_id)
             del self._by_id[adapter.adapter_id]
-            if self.changes is not None:
-                self.changes.append(LoraChange(adapter.adapter_id))
+            if self.peers is not None:
+                self.peers(LoraChange(adapter.adapter_id))
 
     def _read(self, path: str) -> dict[int, LowRank]:
         return read_adapter(path, self.sites, self.max_lora_rank, self.dtype, self.device,
                             self.shard, self.rank_sites)
 
-    def take_changes(self) -> list[LoraChange]:
-        """Rank 0: the loads and removals since the last step's plan."""
-        changes, self.changes = self.changes or [], []
-        return changes
-
     def apply(self, change: LoraChange) -> None:
-        """Another rank: rank 0's load or removal, under rank 0's id. An adapter rank 0
-        read but this rank cannot (its folder gone or changed since) raises: the rank
-        stops, as its steps could no longer match rank 0's."""
+        """Another rank: rank 0's load or removal, under rank 0's id. Raises LoraError."""
         if change.path:
             self.ops.install(change.adapter_id, self._read(change.path))
         else:

@@ -2,11 +2,11 @@
 the command's payload. One STEP per model step (its plan: every chunk's tokens, positions
 and pages, so each rank builds the same attention metadata over its own KV cache; with a
 VLM's image tokens in the step, their rows and embeddings follow on the compute group, as
-only rank 0 holds the vision encoder; with LoRA, each chunk's adapter and the adapters
-loaded or removed since the last step, which every rank applies before it runs it), one
-LOGITS per LM-head call (the hidden rows, gathered back as full-vocabulary logits), STOP
-at the end. Never anything per layer: inside a step the ranks meet only in the model's own
-all-reduces.
+only rank 0 holds the vision encoder; with LoRA, each chunk's adapter id), one
+LOGITS per LM-head call (the hidden rows, gathered back as full-vocabulary logits), one
+LORA per adapter loaded or removed on rank 0 (every rank reads its slice from the folder and
+answers, so a rank that cannot read it fails the load, not the engine), STOP at the end.
+Never anything per layer: inside a step the ranks meet only in the model's own all-reduces.
 
 The command group (gloo, on the CPU) has no practical timeout: an idle engine sends
 nothing for as long as it is idle. A step's collectives (the hidden rows, the image
@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from engine.lora import LoraChange
 
-STEP, LOGITS, STOP = 1, 2, 3
+STEP, LOGITS, STOP, LORA = 1, 2, 3, 4
+VERDICT_BYTES = 512  # a rank's answer to a LORA command: its error, cut to this
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -46,7 +47,6 @@ class ChunkPlan(msgspec.Struct, array_like=True):
 class StepPlan(msgspec.Struct, array_like=True):
     chunks: list[ChunkPlan]
     embeds: int = 0  # image-token rows whose embeddings follow (a VLM's step)
-    lora: list[LoraChange] = []  # adapters loaded or removed on rank 0 since the last plan
 
 
 class PlanSeq(msgspec.Struct):
@@ -56,14 +56,14 @@ class PlanSeq(msgspec.Struct):
     pages: list[int]
 
 
-def plan_of(chunks, embeds: int = 0, lora: list[LoraChange] | None = None) -> bytes:
+def plan_of(chunks, embeds: int = 0) -> bytes:
     out = []
     for c in chunks:
         known = c.start + c.num_tokens - len(c.draft)
         out.append(ChunkPlan(c.seq.request_id, c.start, c.num_tokens,
                              c.seq.token_ids[c.start:known], list(c.draft), list(c.seq.pages),
                              c.seq.lora_id))
-    return msgspec.msgpack.encode(StepPlan(out, embeds, lora or []))
+    return msgspec.msgpack.encode(StepPlan(out, embeds))
 
 
 _plan_decoder = msgspec.msgpack.Decoder(StepPlan)
@@ -71,6 +71,29 @@ _plan_decoder = msgspec.msgpack.Decoder(StepPlan)
 
 def decode_plan(payload: bytes) -> StepPlan:
     return _plan_decoder.decode(payload)
+
+
+_change_decoder = msgspec.msgpack.Decoder(LoraChange)
+
+
+def decode_change(payload: bytes) -> LoraChange:
+    return _change_decoder.decode(payload)
+
+
+def verdicts(group, error: str, timeout: datetime.timedelta | None = None) -> list[str]:
+    """Every rank's answer to a LORA command ("": done, else its error), on every rank;
+    rank 0 waits at most `timeout` (a rank that hangs while reading)."""
+    raw = error.encode()[:VERDICT_BYTES]
+    buf = torch.zeros(VERDICT_BYTES, dtype=torch.uint8)
+    if raw:
+        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    parts = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(parts, buf, group=group, async_op=True)
+    if timeout is None:  # a rank waits as long as rank 0 does (wait() takes no None)
+        work.wait()
+    else:
+        work.wait(timeout=timeout)
+    return [p.numpy().tobytes().rstrip(b"\0").decode(errors="replace") for p in parts]
 
 
 def send_command(group, kind: int, n: int, payload: bytes = b"",

@@ -3,9 +3,10 @@ the model and the attention backend inside the engine, so the scheduler, KV allo
 grammar and sampling (ModelRunner, EngineCore) run unchanged on rank 0 only.
 
 - `LeaderModel.forward` sends each step's plan (one command: the chunks `LeaderBackend.prepare`
-  saw, each with its LoRA adapter, the adapters loaded or removed since the last plan, and
-  a VLM's image embeddings, which rank 0's vision encoder made); every rank then runs the
-  same forward pass over its shard.
+  saw, each with its LoRA adapter id, and a VLM's image embeddings, which rank 0's vision
+  encoder made); every rank then runs the same forward pass over its shard.
+- `LeaderModel.lora_change` sends an adapter loaded or removed on rank 0 (one command);
+  every rank applies it to its slices and answers.
 - `LeaderModel.logits` sends the hidden rows (one command) and returns the gathered
   full-vocabulary logits, which only rank 0 samples from.
 
@@ -217,16 +218,13 @@ class LeaderModel:
         self.procs = procs
         self.watchdog = watchdog
         self.closed = False
-        self.lora = None  # rank 0's engine.lora.LoraManager (--enable-lora)
 
     def forward(self, input_ids, positions, backend, meta, embeds=None):
         return collective(self.procs, self._forward, input_ids, positions, backend, meta,
                           embeds)
 
     def _forward(self, input_ids, positions, backend, meta, embeds):
-        changes = self.lora.take_changes() if self.lora is not None else None
-        payload = commands.plan_of(backend.chunks, 0 if embeds is None else len(embeds[0]),
-                                   changes)
+        payload = commands.plan_of(backend.chunks, 0 if embeds is None else len(embeds[0]))
         commands.send_command(self._cmd, commands.STEP, len(payload), payload,
                               COLLECTIVE_TIMEOUT)
         if embeds is not None:
@@ -246,6 +244,18 @@ class LeaderModel:
                               timeout=COLLECTIVE_TIMEOUT)
         self.inner.tp.broadcast(hidden)
         return self.inner.logits(hidden)
+
+    def lora_change(self, change) -> list[tuple[int, str]]:
+        """An adapter loaded or removed on rank 0 (engine.lora.LoraChange), applied by every
+        rank: (rank, its error) for each rank that could not."""
+        return collective(self.procs, self._lora_change, change)
+
+    def _lora_change(self, change) -> list[tuple[int, str]]:
+        payload = msgspec.msgpack.encode(change)
+        commands.send_command(self._cmd, commands.LORA, len(payload), payload,
+                              COLLECTIVE_TIMEOUT)
+        words = commands.verdicts(self._cmd, "", COLLECTIVE_TIMEOUT)
+        return [(rank, word) for rank, word in enumerate(words) if word]
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the ranks and leave the group (an engine's end, or a test's)."""

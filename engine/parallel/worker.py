@@ -32,7 +32,7 @@ def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
     model, backend, cmd_group = load_rank(config, rdv)
     device, dtype = model.device, model.dtype
     lora = None
-    if config.enable_lora:  # adapters come with the plans, under rank 0's ids
+    if config.enable_lora:  # adapters come as LORA commands, under rank 0's ids
         from engine.lora import LoraManager
 
         lora = LoraManager(model, config.max_loras, config.max_lora_rank, 0)
@@ -56,8 +56,6 @@ def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
                     model.tp.broadcast(vectors)
                     embeds = (rows, vectors)
                 if lora is not None:
-                    for change in plan.lora:
-                        lora.apply(change)
                     lora.ops.set_step([(c.lora_id, c.num_tokens) for c in plan.chunks],
                                       len(ids), device)
                 meta = backend.prepare(chunks)
@@ -68,9 +66,29 @@ def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
                 hidden = torch.empty((n, hidden_size), dtype=dtype, device=device)
                 model.tp.broadcast(hidden)
                 model.logits(hidden)
+            elif kind == commands.LORA:
+                change = commands.decode_change(commands.receive_payload(cmd_group, n))
+                commands.verdicts(cmd_group, _apply_lora(lora, change))
             elif kind == commands.STOP:
                 break
     dist.destroy_process_group()
+
+
+def _apply_lora(lora, change) -> str:
+    """This rank's slice of an adapter installed (or removed); "" or "STATUS why"."""
+    from engine.lora import LoraError
+
+    if lora is None:
+        return "400 LoRA is not enabled on this rank"
+    try:
+        lora.apply(change)
+    except LoraError as exc:
+        log.warning("LoRA adapter %d: %s", change.adapter_id, exc)
+        return f"{exc.status} {exc}"
+    except Exception as exc:  # whatever else reading it raised: the adapter's fault
+        log.warning("LoRA adapter %d: %s: %s", change.adapter_id, type(exc).__name__, exc)
+        return f"400 {type(exc).__name__}: {exc}"
+    return ""
 
 
 def run_rank(config: EngineConfig, rdv: Rendezvous) -> int:

@@ -26,6 +26,7 @@ import pytest
 import torch
 import transformers
 
+import engine.lora as engine_lora
 from engine.build import build_engine
 from engine.models.config import MoeConfig
 from engine.models.gpt_oss import GptOssOptions, dequantize_mxfp4
@@ -214,13 +215,24 @@ def _lora_serve(core, prompts) -> dict[str, dict]:
     return out
 
 
-def _lora_run(path: str, adapters: dict[str, str], ranks: int, prompts) -> dict:
-    """Adapter a loaded at start, b at run time (after the ranks started); a mixed batch;
+def _lora_run(path: str, adapters: dict[str, str], ranks: int, prompts, monkeypatch) -> dict:
+    """Adapter a loaded at start, b at run time (after the ranks started, after a load of a
+    missing folder was refused, and over ranks one only rank 0 could read); a mixed batch;
     then a unloaded and loaded again (a new id on every rank) for a second batch."""
     core = build_engine(msgspec.structs.replace(
         _config(path, ranks), enable_lora=True, max_loras=2, max_lora_rank=8,
         lora_modules=[LoraAdapterInfo("a", adapters["a"])]))
     try:
+        missing = core.update_lora(LoraUpdate("0", "load", "b", adapters["b"] + "-gone"))
+        assert missing.status == 404, missing  # refused on rank 0, before any rank reads it
+        if ranks > 1:  # a folder only rank 0 reads (the other machines lack it): faked here
+            real = engine_lora.read_adapter
+            with monkeypatch.context() as m:
+                m.setattr(engine_lora, "read_adapter", lambda _, *a: real(adapters["b"], *a))
+                lost = core.update_lora(LoraUpdate("x", "load", "c", adapters["b"] + "-gone"))
+            assert lost.status == 404 and "tensor-parallel rank 1 cannot load it: No adapter " \
+                "found" in lost.message, lost
+            assert [i.name for i in core.lora.infos()] == ["a"]
         assert core.update_lora(LoraUpdate("1", "load", "b", adapters["b"])).status == 200
         first = _lora_serve(core, prompts)
         for op, action in (("2", "unload"), ("3", "load")):
@@ -232,7 +244,7 @@ def _lora_run(path: str, adapters: dict[str, str], ranks: int, prompts) -> dict:
     return {**{f"1:{k}": v for k, v in first.items()}, **{f"2:{k}": v for k, v in second.items()}}
 
 
-def test_lora_adapters_at_two_ranks_match_one(tmp_path):
+def test_lora_adapters_at_two_ranks_match_one(tmp_path, monkeypatch):
     """PEFT adapters sliced over 2 ranks: A on every target (q/k/v, o, gate/up, down) and an
     rsLoRA B of another rank on q, v and down; an intermediate size of 37, so the ranks'
     gate/up rows and down columns (and the adapters' slices of them) are padded. Base rows
@@ -258,8 +270,8 @@ def test_lora_adapters_at_two_ranks_match_one(tmp_path):
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist()
                for n in (3, 19)]
-    expected = _lora_run(str(tmp_path / "m"), adapters, 1, prompts)
-    got = _lora_run(str(tmp_path / "m"), adapters, 2, prompts)
+    expected = _lora_run(str(tmp_path / "m"), adapters, 1, prompts, monkeypatch)
+    got = _lora_run(str(tmp_path / "m"), adapters, 2, prompts, monkeypatch)
     assert got.keys() == expected.keys()
     for rid, want in expected.items():
         assert got[rid]["tokens"] == want["tokens"], rid
