@@ -303,6 +303,37 @@ def _small_config(**fields):
     return msgspec.structs.replace(CONFIG, **fields)
 
 
+@pytest.mark.parametrize("module, width, out", [
+    ("q_proj", 32, 16), ("k_proj", 32, 8), ("v_proj", 32, 8), ("qkv_proj", 32, 32),
+    ("gate_proj", 32, 37), ("up_proj", 32, 37), ("gate_up_proj", 32, 74),
+    ("o_proj", 16, 32), ("down_proj", 37, 32)])
+def test_adapter_slices_give_each_rank_its_part_of_the_product(module, width, out):
+    """engine.lora's slices at 2 ranks (4 heads of 4, 1 KV head: replicated; an odd
+    intermediate: padded): on a column-parallel module each rank's x A_r^T B_r^T is its
+    rows of the whole product, as the base weight's rows are; on a row-parallel one the
+    ranks' products over their input columns sum to the whole."""
+    a, b, x = torch.randn(3, width), torch.randn(out, 3), torch.randn(5, width)
+    whole = x @ a.T @ b.T
+    block = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+    name = f"model.layers.0.{block}.{module}.weight"
+    shards = [Shard(r, 2, 4, 1, 4) for r in range(2)]
+    if module in ("o_proj", "down_proj"):
+        attr = "o_weight" if module == "o_proj" else "down_weight"
+        parts = [engine_lora._slice(sh, 0, module, attr, a, b) for sh in shards]
+        assert all(torch.equal(pb, b) and pa.shape[1] == sh.local_shape(name, (out, width))[1]
+                   for sh, (pa, pb) in zip(shards, parts, strict=True))  # B whole, A cut
+        total = sum(sh.take(name, x) @ pa.T @ pb.T
+                    for sh, (pa, pb) in zip(shards, parts, strict=True))
+        torch.testing.assert_close(total, whole)
+    else:
+        attr = "qkv_weight" if block == "self_attn" else "gate_up_weight"
+        for sh in shards:
+            pa, pb = engine_lora._slice(sh, 0, module, attr, a, b)
+            # A whole, B's rows as the base weight's (a replicated KV head's: all of them)
+            assert torch.equal(pa, a) and pb.shape[0] == sh.local_shape(name, (out, width))[0]
+            torch.testing.assert_close(x @ pa.T @ pb.T, sh.take(name, whole.T).T)
+
+
 def test_shards_put_back_together_give_the_tensor():
     """Column parts stack to the whole, padded parts carry zeros only, replicated KV heads
     follow the query heads that use them."""
