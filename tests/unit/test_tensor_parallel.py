@@ -11,7 +11,8 @@ expert; and each family beyond Llama's blocks, on the checkpoints of
 tests/unit/test_model_families.py: Gemma 2 and 3 (GeGLU, scaled embedding, soft caps, two
 rotary bases), Phi-3 (fused qkv_proj with one KV head on 2 ranks, fused gate_up_proj),
 gpt-oss (attention sinks, o_proj and expert biases, stacked interleaved experts over an odd
-intermediate size, so the last rank's part is padded)."""
+intermediate size, so the last rank's part is padded). LoRA adapters sliced over 2 ranks
+against one rank, and each module's slices against the whole low-rank product."""
 
 import copy
 import json
