@@ -218,6 +218,10 @@ class BatchRunner:
         if ending and ending[0] == "lost":
             return  # another frontend holds it now
         status = ending[0] if ending else "completed"
+        if status == "completed" and (at := await self.batches.cancel_asked(batch_id)):
+            # A cancel that came after the keeper's last look: the record says cancelling,
+            # and the client was told so; it ends cancelled, with every line it finished.
+            status, batch.cancelling_at = "cancelled", batch.cancelling_at or at
         if status == "completed" and len(results) < len(planned):
             # A line whose result the store did not take: keep the batch unfinished; the
             # lease lapses and a sweep runs the missing lines again.

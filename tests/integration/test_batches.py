@@ -248,8 +248,10 @@ def test_every_new_field_has_clear_bounds(stack):
 
 def test_a_cancelled_batch_keeps_what_finished(stack):
     a, b = stack.client(0), stack.client(1)
-    lines = [chat_line(f"long-{i}", "Tell a story.", max_tokens=24, ignore_eos=True)
-             for i in range(8)]
+    # Four waves of lines (the in-flight bound is 4), long enough that the cancel comes
+    # before the last: a batch that completed first could not be cancelled (409).
+    lines = [chat_line(f"long-{i}", "Tell a story.", max_tokens=48, ignore_eos=True)
+             for i in range(16)]
     source = upload(a, jsonl(lines)).id
     batch, filler = (a.batches.create(input_file_id=source, endpoint="/v1/chat/completions",
                                       completion_window="24h") for _ in range(MAX_ACTIVE))
@@ -263,10 +265,10 @@ def test_a_cancelled_batch_keeps_what_finished(stack):
     assert poll(b, filler.id, 60).status == "cancelled"
     done = poll(a, batch.id, 60)
     assert done.status == "cancelled" and done.cancelled_at >= done.cancelling_at
-    assert 0 < done.request_counts.completed < 8
+    assert 0 < done.request_counts.completed < 16
     output = lines_of(a, done.output_file_id)
     assert len(output) == done.request_counts.completed
-    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 24
+    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 48
                for line in output)
 
 
