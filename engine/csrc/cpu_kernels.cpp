@@ -228,9 +228,10 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-// The elementwise kernels' vector (norms, RoPE), written once for the build's widest:
-// sixteen lanes with AVX-512, eight with AVX2. Elementwise steps give the same bits at any
-// width; the norms' one reduction (sum_squares16) fixes its order for both.
+// The norms' vector, written once for the build's widest: sixteen lanes with AVX-512, eight
+// with AVX2. Elementwise steps give the same bits at any width; the one reduction
+// (sum_squares16) fixes its order for both. (RoPE's omp simd loops need no more: the
+// compiler vectorises them at either width, and hand-written intrinsics measured slower.)
 #if defined(__AVX512F__) || defined(SLUICE_AVX2)
 #define SLUICE_VEC 1
 #ifdef __AVX512F__
@@ -242,9 +243,6 @@ template <typename T> inline vecf vround(vecf v) { return round16(v, T{}); }
 inline vecf vset(float a) { return _mm512_set1_ps(a); }
 inline vecf vadd(vecf a, vecf b) { return _mm512_add_ps(a, b); }
 inline vecf vmul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
-inline vecf vneg(vecf a) {  // the sign bit flipped, as C's unary minus (0 - a would give +0)
-  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
-}
 #else
 using vecf = __m256;
 constexpr int64_t kLanes = 8;
@@ -254,7 +252,6 @@ template <typename T> inline vecf vround(vecf v) { return round8(v, T{}); }
 inline vecf vset(float a) { return _mm256_set1_ps(a); }
 inline vecf vadd(vecf a, vecf b) { return _mm256_add_ps(a, b); }
 inline vecf vmul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
-inline vecf vneg(vecf a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
 #endif
 
 // The sum of the squares of n16 (a multiple of 16) values, which next(d) hands out kLanes
@@ -446,33 +443,17 @@ void rope_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
         const T* x = h < qh ? ptr<T>(q) + t * q.stride(0) + h * q.stride(1)
                             : ptr<T>(k) + t * k.stride(0) + (h - qh) * k.stride(1);
         T* dst = op + (t * heads + h) * dim;
-        int64_t d = 0;  // first half: x * cos - x[d + half] * sin
-#ifdef SLUICE_VEC
-        for (; d + kLanes <= half; d += kLanes) {
-          const vecf a = vround<T>(vmul(vload(x + d), vload(c + d)));
-          const vecf b = vround<T>(vmul(vneg(vload(x + d + half)), vload(s + d)));
-          vstore(dst + d, vadd(a, b));
-        }
-#endif
 #pragma omp simd
-        for (int64_t j = d; j < half; ++j) {
-          float a = Elem<T>::round(Elem<T>::load(x[j]) * Elem<T>::load(c[j]));
-          float b = Elem<T>::round(-Elem<T>::load(x[j + half]) * Elem<T>::load(s[j]));
-          dst[j] = Elem<T>::store(a + b);
+        for (int64_t d = 0; d < half; ++d) {
+          float a = Elem<T>::round(Elem<T>::load(x[d]) * Elem<T>::load(c[d]));
+          float b = Elem<T>::round(-Elem<T>::load(x[d + half]) * Elem<T>::load(s[d]));
+          dst[d] = Elem<T>::store(a + b);
         }
-        d = half;  // second half: x * cos + x[d - half] * sin
-#ifdef SLUICE_VEC
-        for (; d + kLanes <= dim; d += kLanes) {
-          const vecf a = vround<T>(vmul(vload(x + d), vload(c + d)));
-          const vecf b = vround<T>(vmul(vload(x + d - half), vload(s + d)));
-          vstore(dst + d, vadd(a, b));
-        }
-#endif
 #pragma omp simd
-        for (int64_t j = d; j < dim; ++j) {
-          float a = Elem<T>::round(Elem<T>::load(x[j]) * Elem<T>::load(c[j]));
-          float b = Elem<T>::round(Elem<T>::load(x[j - half]) * Elem<T>::load(s[j]));
-          dst[j] = Elem<T>::store(a + b);
+        for (int64_t d = half; d < dim; ++d) {
+          float a = Elem<T>::round(Elem<T>::load(x[d]) * Elem<T>::load(c[d]));
+          float b = Elem<T>::round(Elem<T>::load(x[d - half]) * Elem<T>::load(s[d]));
+          dst[d] = Elem<T>::store(a + b);
         }
       }
     }
