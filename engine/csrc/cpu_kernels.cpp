@@ -134,6 +134,16 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// The sum of v's sixteen lanes in the AVX2 build's order for two 8-lane halves (hsum8 of
+// their sum): lanes i + 8, then + 4, + 2, + 1.
+inline float hsum16(__m512 v) {
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), high);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
 // The lane sums of n <= 16 vectors at once: out[i] = the sum of v[i]'s 16 lanes. Every
 // vector goes through the same tree, whatever n and its place among them (lanes i and i+8,
 // then +4, +2, +1, as pairs of shuffles and one add per level), so a sum's bits do not
@@ -218,6 +228,56 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
+// The norms' vector, written once for the build's widest: sixteen lanes with AVX-512, eight
+// with AVX2. Elementwise steps give the same bits at any width; the one reduction
+// (sum_squares16) fixes its order for both. (RoPE's omp simd loops need no more: the
+// compiler vectorises them at either width, and hand-written intrinsics measured slower.)
+#if defined(__AVX512F__) || defined(SLUICE_AVX2)
+#define SLUICE_VEC 1
+#ifdef __AVX512F__
+using vecf = __m512;
+constexpr int64_t kLanes = 16;
+template <typename T> inline vecf vload(const T* p) { return load16(p); }
+template <typename T> inline void vstore(T* p, vecf v) { store16(p, v); }
+template <typename T> inline vecf vround(vecf v) { return round16(v, T{}); }
+inline vecf vset(float a) { return _mm512_set1_ps(a); }
+inline vecf vadd(vecf a, vecf b) { return _mm512_add_ps(a, b); }
+inline vecf vmul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
+#else
+using vecf = __m256;
+constexpr int64_t kLanes = 8;
+template <typename T> inline vecf vload(const T* p) { return load8(p); }
+template <typename T> inline void vstore(T* p, vecf v) { store8(p, v); }
+template <typename T> inline vecf vround(vecf v) { return round8(v, T{}); }
+inline vecf vset(float a) { return _mm256_set1_ps(a); }
+inline vecf vadd(vecf a, vecf b) { return _mm256_add_ps(a, b); }
+inline vecf vmul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
+#endif
+
+// The sum of the squares of n16 (a multiple of 16) values, which next(d) hands out kLanes
+// at a time from d on (and may store): sixteen running lane sums on either build (one
+// 16-lane vector, or two 8-lane ones), then added i + 8, + 4, + 2, + 1. So both builds
+// give a row the same bits.
+template <typename Next> inline float sum_squares16(int64_t n16, Next&& next) {
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n16; d += 16) {
+    const __m512 v = next(d);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return hsum16(acc);
+#else
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t d = 0; d < n16; d += 16) {
+    const __m256 a = next(d), b = next(d + 8);
+    lo = _mm256_fmadd_ps(a, a, lo);
+    hi = _mm256_fmadd_ps(b, b, hi);
+  }
+  return hsum8(_mm256_add_ps(lo, hi));
+#endif
+}
+#endif
+
 void check_cpu_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16, name,
@@ -234,6 +294,27 @@ template <typename F> void dispatch(const torch::Tensor& t, F&& f) {
 
 // ------------------------------------------------------------------------------- RMSNorm
 
+// out = weight * round(x * scale), each product rounded as torch's ops round: the second
+// pass of both norms, a row of dim values.
+template <typename T>
+inline void scale_by_weight(const T* x, const T* weight, float scale, int64_t dim, T* out) {
+  int64_t d = 0;
+#ifdef SLUICE_VEC
+  const vecf s = vset(scale);
+  for (; d + kLanes <= dim; d += kLanes)
+    vstore(out + d, vmul(vload(weight + d), vround<T>(vmul(vload(x + d), s))));
+#endif
+#pragma omp simd
+  for (int64_t j = d; j < dim; ++j) {
+    const float normed = Elem<T>::round(Elem<T>::load(x[j]) * scale);
+    out[j] = Elem<T>::store(Elem<T>::load(weight[j]) * normed);
+  }
+}
+
+inline float norm_scale(float sum_squares, int64_t dim, double eps) {
+  return 1.f / std::sqrt(sum_squares / static_cast<float>(dim) + static_cast<float>(eps));
+}
+
 // out = weight * round(x * rsqrt(mean(x^2) + eps)), the normalisation in float32, over the
 // last dim of a [rows, heads, dim] view whose last dim is contiguous.
 template <typename T>
@@ -247,19 +328,22 @@ void rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, torch::T
   at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* row = xp + (i / heads) * s0 + (i % heads) * s1;
-      T* dst = op + i * dim;
       float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t d = 0; d < dim; ++d) {
-        float v = Elem<T>::load(row[d]);
+#ifdef SLUICE_VEC
+      int64_t d = dim / 16 * 16;
+      sum = sum_squares16(d, [&](int64_t j) { return vload(row + j); });
+      for (; d < dim; ++d) {  // in order: a vectorised tail would sum by the build's width
+        const float v = Elem<T>::load(row[d]);
         sum += v * v;
       }
-      const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
-#pragma omp simd
+#else
+#pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < dim; ++d) {
-        float normed = Elem<T>::round(Elem<T>::load(row[d]) * scale);
-        dst[d] = Elem<T>::store(Elem<T>::load(wp[d]) * normed);
+        const float v = Elem<T>::load(row[d]);
+        sum += v * v;
       }
+#endif
+      scale_by_weight(row, wp, norm_scale(sum, dim, eps), dim, op + i * dim);
     }
   });
 }
@@ -295,19 +379,27 @@ void add_rms_norm_rows(const torch::Tensor& h, const torch::Tensor& delta,
       const T* b = dp + r * dim;
       T* s = sp + r * dim;
       float sum = 0.f;
+#ifdef SLUICE_VEC
+      int64_t d = dim / 16 * 16;
+      sum = sum_squares16(d, [&](int64_t j) {
+        const vecf v = vround<T>(vadd(vload(a + j), vload(b + j)));
+        vstore(s + j, v);
+        return v;
+      });
+      for (; d < dim; ++d) {  // in order, as rms_norm_rows
+        const float v = Elem<T>::round(Elem<T>::load(a[d]) + Elem<T>::load(b[d]));
+        s[d] = Elem<T>::store(v);
+        sum += v * v;
+      }
+#else
 #pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < dim; ++d) {
         const float v = Elem<T>::round(Elem<T>::load(a[d]) + Elem<T>::load(b[d]));
         s[d] = Elem<T>::store(v);
         sum += v * v;
       }
-      const float scale = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
-      T* dst = np_ + r * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) {
-        float n = Elem<T>::round(Elem<T>::load(s[d]) * scale);
-        dst[d] = Elem<T>::store(Elem<T>::load(wp[d]) * n);
-      }
+#endif
+      scale_by_weight(s, wp, norm_scale(sum, dim, eps), dim, np_ + r * dim);
     }
   });
 }

@@ -1,6 +1,7 @@
 """The compiled CPU kernels (engine/csrc/cpu_kernels.cpp) against the torch code they
 replace: RoPE and the residual add give the same bits; RMSNorm (alone and after the add)
-too, but for a rare last-bit rounding (it sums in another order); SiLU-and-mul the same
+too, but where its float32 sum of squares (taken in another order) moves a normalised
+bfloat16 value across a rounding midpoint; SiLU-and-mul the same
 bfloat16 values (its exp is a polynomial, so float32 may differ in the last bits); the
 paged decode attention the float64 answer over the same context, read through a shuffled
 page table; and the block-quantized linear the product with the weights the dense model
@@ -8,6 +9,7 @@ holds."""
 
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -43,45 +45,79 @@ def test_the_engine_uses_them_on_cpu(compiled):
     assert isinstance(make_ops("torch", torch.device("cpu")), CpuKernelOps)
 
 
+# Dims: SmolLM2's hidden size and head dim, a multiple of 16 (the vector paths alone), and
+# 40 and 100, which leave a tail after the 16-wide sum (and 8 or 16-wide steps).
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 576), (5, 576), (64, 576), (300, 576), (7, 4, 32)])
+@pytest.mark.parametrize("shape", [(1, 576), (5, 576), (64, 576), (300, 576), (7, 4, 32),
+                                   (6, 9, 64), (3, 5, 40), (4, 100)])
 def test_rms_norm(compiled, dtype, shape):
     gen = torch.Generator().manual_seed(sum(shape))
     x = (3 * torch.randn(*shape, generator=gen)).to(dtype)
     weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
-    _assert_same_norm(compiled.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
+    _assert_same_norm(compiled.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), x,
+                      weight, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 4, 300])
-def test_add_rms_norm_is_the_add_then_the_norm(compiled, dtype, rows):
+@pytest.mark.parametrize("rows,dim", [(1, 576), (4, 576), (300, 576), (3, 100)])
+def test_add_rms_norm_is_the_add_then_the_norm(compiled, dtype, rows, dim):
     gen = torch.Generator().manual_seed(rows)
-    h = (3 * torch.randn(rows, 576, generator=gen)).to(dtype)
-    delta = torch.randn(rows, 576, generator=gen).to(dtype)
-    weight = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+    h = (3 * torch.randn(rows, dim, generator=gen)).to(dtype)
+    delta = torch.randn(rows, dim, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
     normed, summed = CpuKernelOps(compiled).add_rms_norm(h, delta, weight, 1e-5)
     want_normed, want_summed = TorchOps().add_rms_norm(h, delta, weight, 1e-5)
     assert torch.equal(summed, want_summed)
-    _assert_same_norm(normed, want_normed)
+    _assert_same_norm(normed, want_normed, summed, weight, 1e-5)
 
 
-# One bfloat16 step (2^-7 relative) of the normalised value, and the rounding of its
-# product with the weight (half a step, 2^-8): a one-step difference in the normalised value
-# can so become two steps of the output.
-NORM_BF16_RTOL = 2**-7 + 2**-8
+# How far (relative) the kernel's float32 normalised value x * scale may be from the exact
+# one, and torch's too: a few float32 ulps (2^-24 to 2^-23 each) of the scale, whose sum of
+# squares each adds in its own order, and the product's rounding.
+NORM_SCALE_RTOL = 2**-19
 
 
-def _assert_same_norm(got, want):
-    """The norm's sum of squares runs in another order than torch's (and than the other
-    ISA's build: 16 or 8 lanes): float32 scales a few ulps apart, so a bfloat16 normalised
-    value rarely lands one step the other side of a rounding. Some rows land every value
-    on a rounding midpoint (x * scale = k + 1/2 steps, up to the scale's last bits): there a
-    one-ulp scale moves many of the row's values at once."""
-    if got.dtype == torch.bfloat16:
-        assert (got != want).float().mean() < 1e-3
-        torch.testing.assert_close(got, want, rtol=NORM_BF16_RTOL, atol=1e-5)
-    else:
+def _assert_same_norm(got, want, x, weight, eps):
+    """What the norm promises against torch. float32: a few ulps. bfloat16: torch's bits,
+    except where the exact normalised value x / rms(x) lies within NORM_SCALE_RTOL of a
+    midpoint between two bfloat16 values: there the two float32 sums (taken in other orders)
+    may round it to either side, and the output is the weight times the other one. (The
+    AVX-512 and AVX2 builds sum in one order: they agree bit for bit, tested below.)"""
+    if got.dtype != torch.bfloat16:
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+        return
+    differ = got != want
+    if not differ.any():
+        return
+    x64 = x.double()
+    exact = (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps))[differ]
+    step = torch.exp2(torch.floor(torch.log2(exact.abs())) - 7)  # bfloat16: 8 bits
+    below = torch.floor(exact / step) * step  # the bfloat16 values either side of it
+    midpoint = below + step / 2
+    near = (exact - midpoint).abs() <= NORM_SCALE_RTOL * exact.abs()
+    assert near.all(), f"{int((~near).sum())} of {differ.sum()} differences not at a midpoint"
+    w = weight.expand_as(got)[differ]
+    either = [w * side.to(torch.bfloat16) for side in (below, below + step)]
+    assert ((got[differ] == either[0]) | (got[differ] == either[1])).all()
+
+
+def test_the_norm_tolerance_lets_only_a_midpoint_round_either_way():
+    """_assert_same_norm itself (the kernels rarely hit a midpoint in the cases above): a
+    row whose first value normalises to exactly 1 + 2^-8, halfway between the bfloat16
+    values 1 and 1 + 2^-7, may give either; its second value, far from a midpoint, may not
+    move one step."""
+    first = 1 + 2**-8
+    x = torch.tensor([[first] + [((4 - first**2) / 3) ** 0.5] * 3], dtype=torch.float64)
+    weight = torch.ones(4, dtype=torch.bfloat16)
+    want = rms_norm(x.float(), weight.float(), 0.0).bfloat16()
+    assert want[0, 0] == 1  # torch: the midpoint to even
+    other_side = want.clone()
+    other_side[0, 0] = 1 + 2**-7
+    _assert_same_norm(other_side, want, x, weight, 0.0)
+    moved = want.clone()
+    moved[0, 1] = moved[0, 1] * (1 + 2**-7)
+    with pytest.raises(AssertionError, match="not at a midpoint"):
+        _assert_same_norm(moved, want, x, weight, 0.0)
 
 
 def test_rms_norm_of_per_head_views(compiled):
@@ -93,18 +129,35 @@ def test_rms_norm_of_per_head_views(compiled):
     assert torch.equal(compiled.rms_norm(q, weight, 1e-6), rms_norm(q, weight, 1e-6))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_gives_the_same_bits(compiled, dtype):
-    rope = RotaryEmbedding(CONFIG, 256, dtype, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim = CONFIG.num_heads, CONFIG.num_kv_heads, CONFIG.head_dim
-    qkv = torch.randn(9, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns: torch.equal alone takes -0.0 for 0.0."""
+    return t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _rope_case(dtype, dim, seed):
+    """A rotary table for head_dim `dim` and q/k views of a fused qkv, some of it zeros of
+    either sign (their products' signs are part of the bits)."""
+    rope = RotaryEmbedding(msgspec.structs.replace(CONFIG, head_dim=dim), 256, dtype,
+                           torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads = CONFIG.num_heads, CONFIG.num_kv_heads
+    qkv = torch.randn(9, (heads + 2 * kv_heads) * dim, generator=gen)
+    qkv[0, : 2 * dim] = 0.0
+    qkv[1, : 2 * dim] = -0.0
+    qkv = qkv.to(dtype)
     q = qkv[:, : heads * dim].view(9, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(9, kv_heads, dim)
-    positions = torch.tensor([0, 1, 2, 40, 41, 200, 3, 255, 17])
+    return rope, q, k, torch.tensor([0, 1, 2, 40, 41, 200, 3, 255, 17])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# 16: half a head (8) is one AVX2 vector and below AVX-512's; 40: 16 wide then a tail
+@pytest.mark.parametrize("dim", [16, 40, 64, 128])
+def test_rope_gives_the_same_bits(compiled, dtype, dim):
+    rope, q, k, positions = _rope_case(dtype, dim, dim)
     q_out, k_out = CpuKernelOps(compiled).rope(rope, q, k, positions)
-    assert torch.equal(q_out, rope.apply(q, positions))
-    assert torch.equal(k_out, rope.apply(k, positions))
+    assert torch.equal(_bits(q_out), _bits(rope.apply(q, positions)))
+    assert torch.equal(_bits(k_out), _bits(rope.apply(k, positions)))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
@@ -374,6 +427,29 @@ def test_a_float32_model_holds_bf16_exact_weights_in_bfloat16(compiled):
                                    F.linear(x, want_weight), atol=1e-5, rtol=1e-5)
     inexact = CpuKernelOps(compiled).stored_weight(torch.full((8, 64), 1 + 2**-12))
     assert inexact.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_avx2_norms_and_rope_are_the_avx512_ones(dtype):
+    """The norms' sum of squares runs through sixteen lane sums and one tree on both builds
+    (one 16-lane vector or two 8-lane ones), and RoPE is elementwise: the same bits, tails
+    included, though neither is always torch's (see _assert_same_norm)."""
+    native, avx2 = _both_builds()
+    gen = torch.Generator().manual_seed(11)
+    for shape in [(300, 576), (5, 9, 64), (6, 3, 40), (4, 100)]:
+        x = (3 * torch.randn(*shape, generator=gen)).to(dtype)
+        delta = torch.randn(*shape, generator=gen).to(dtype).view(-1, shape[-1])
+        weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
+        assert torch.equal(_bits(native.rms_norm(x, weight, 1e-6)),
+                           _bits(avx2.rms_norm(x, weight, 1e-6)))
+        h = x.view(-1, shape[-1])
+        for a, b in zip(native.add_rms_norm(h, delta, weight, 1e-6),
+                        avx2.add_rms_norm(h, delta, weight, 1e-6), strict=True):
+            assert torch.equal(_bits(a), _bits(b))
+    for dim in (40, 64):
+        rope, q, k, positions = _rope_case(dtype, dim, 12)
+        args = (q, k, rope.cos, rope.sin, positions)
+        assert torch.equal(_bits(native.rope(*args)), _bits(avx2.rope(*args)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
