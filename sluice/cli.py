@@ -289,7 +289,7 @@ def _serve(args) -> int:
                     *(start(argv) for argv in worker_argvs)]
         # The frontend (children[1]) drains first, while the engines still run its requests.
         return _supervise(children, drain_first=children[1:2],
-                          grace_s=args.shutdown_timeout + 5)
+                          grace_s=args.shutdown_timeout + FRONTEND_EXIT_S)
     finally:
         for ipc in ipc_files:
             remove_ipc_file(ipc)
@@ -311,6 +311,11 @@ def _child_of_serve(cpus: list[int] | None) -> dict:
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# How long the frontend may take to exit once its drain window (--shutdown-timeout) is over
+# before serve kills it: up to 2 s for its last error frames to go out, uvicorn's 5 s for
+# open connections, then its clean-up (the batch and background-response runners, the state
+# store, the engine client, the grammar checker's process), all slower on a loaded host.
+FRONTEND_EXIT_S = 30
 
 
 def _engine_shares(args, n: int) -> list[tuple[dict | None, list[int] | None]]:
@@ -382,6 +387,17 @@ def _stop(children: list[subprocess.Popen], timeout_s: float,
         try:
             child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            # Said, so a process that vanished without its clean-up is not a mystery.
+            logging.getLogger("sluice").warning(
+                "%s (pid %d) did not exit within %gs of the signal: killing it",
+                _label(child), child.pid, timeout_s)
             child.kill()
+            child.wait()
+
+
+def _label(child: subprocess.Popen) -> str:
+    """The subcommand of a process `serve` started (`python -m sluice engine ...`)."""
+    args = [str(a) for a in child.args] if isinstance(child.args, list) else [str(child.args)]
+    return args[3] if args[1:3] == ["-m", "sluice"] and len(args) > 3 else args[0]
 
 

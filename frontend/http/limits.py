@@ -135,8 +135,12 @@ async def drain(admission: Admission, client, timeout_s: float) -> None:
         await asyncio.sleep(0.1)
     if admission.in_flight:
         log.warning("drain timeout: ending %d requests", admission.in_flight)
+        # Named apart from the refusal above and the engine client's 503s: a request that
+        # outlasted the window, so whoever reads it knows which limit ended it.
+        message = (f"The server is shutting down and the request ran past its drain window "
+                   f"(--shutdown-timeout {timeout_s:g} s).")
         for request_id in client.active_request_ids():
-            await client.fail_request(request_id, "The server is shutting down.", 503)
+            await client.fail_request(request_id, message, 503)
         grace = time.monotonic() + 2  # let the error frames reach their clients
         while admission.in_flight and time.monotonic() < grace:
             await asyncio.sleep(0.05)

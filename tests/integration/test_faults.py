@@ -200,7 +200,7 @@ def test_a_drain_that_runs_out_ends_the_stream_with_an_error(faults):
         assert events[-1] == "[DONE]", events[-3:]
         error = json.loads(events[-2])
         _error_shape(error, 503)
-        assert "shutting down" in error["error"]["message"]
+        assert "drain window (--shutdown-timeout 1 s)" in error["error"]["message"]
         assert all("error" not in json.loads(e) for e in events[:-2])
         assert proc.popen.wait(timeout=30) == 0
     finally:
