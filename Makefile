@@ -36,7 +36,7 @@ serve: install
 
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
