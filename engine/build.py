@@ -8,6 +8,7 @@ start-up checks do: one `sluice: ...` line (`shared.startup_checks.StartupError`
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -125,7 +126,7 @@ CPU_DENSE_DRAFT_STEP_TOKENS = 8
 GPU_DRAFT_STEP_TOKENS = 64
 
 
-def _drafter(config: EngineConfig, device: torch.device, quantized: dict) -> Drafter | None:
+def _drafter(config: EngineConfig, device: torch.device, quantized: bool) -> Drafter | None:
     if config.speculative is None:
         return None
     if device.type == "cuda":
@@ -165,7 +166,7 @@ class RankModel(msgspec.Struct):
     model_config: ModelConfig  # the whole model's
     max_model_len: int
     num_pages: int
-    quantized: dict
+    quantized: bool  # the checkpoint has GGUF blocks the CPU kernels may multiply by
     device: torch.device
     dtype: torch.dtype
     choice: object  # the attention backend's BackendChoice
@@ -341,6 +342,7 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
     # A GGUF's blocks, as the ops multiply small batches by them (a rank: its part of each).
     quantized = (load_quantized_weights(config.model, model_config, shard)
                  if device.type == "cpu" else {})
+    has_blocks = bool(quantized)
     try:
         model = build_model(local, weights, max_model_len, dtype, device, ops=ops,
                             quantized=quantized, tp=tp)
@@ -349,7 +351,8 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
     score_head = (_score_head(config, model_config, weights, pooling.score_tokens, device,
                               tp or SINGLE)
                   if pooling is not None and pooling.score_tokens else None)
-    del weights
+    del weights, quantized  # the ops hold the blocks repacked
+    _return_freed_memory()
     if rdv is None or rdv.rank == 0:
         log.info("loaded %s (%s, %s ops%s) in %.1fs", config.served_model_name, dtype,
                  model.ops.name, "" if rdv is None else f", {size} tensor-parallel ranks",
@@ -367,8 +370,19 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
                                            config.batch_invariant)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    return RankModel(model, backend, model_config, max_model_len, num_pages, quantized,
+    return RankModel(model, backend, model_config, max_model_len, num_pages, has_blocks,
                      device, dtype, choice, cmd_group, procs, score_head)
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS once the weights are loaded: glibc keeps
+    the load's transient copies (float32 tensors before they were fused, cut or repacked)
+    as free heap, which otherwise stays in the process's resident set, about half the
+    weights' bytes again (docs/benchmarks.md, *Tensor parallelism*)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to hand back
+        pass
 
 
 def _score_head(config: EngineConfig, model_config, weights, tokens: list[str], device,
