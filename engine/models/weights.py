@@ -148,11 +148,17 @@ def _load_gguf(path, config, expected, dtype, take, shard=None) -> dict[str, tor
             continue
         experts = _expert_names(tensor.name, int(tensor.shape[-1]))  # ggml: experts last
         if experts is not None:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             unexpected = [name for name in experts if name not in expected]
             if unexpected:
                 raise ValueError(f"unexpected GGUF tensor {tensor.name!r} (no "
                                  f"{unexpected[0]} in this model)")
+            if shard is not None:  # each expert's part, as a 2-D tensor's
+                stored = (int(tensor.shape[1]), int(tensor.shape[0]))
+                weights.update({name: _gguf_part(
+                    tensor.data[e], tensor.tensor_type, tensor.name, name, stored,
+                    expected[name], config, dtype, shard) for e, name in enumerate(experts)})
+                continue
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             weights.update({name: take(name, _to_torch(array[e], dtype))
                             for e, name in enumerate(experts)})
             continue
@@ -160,7 +166,9 @@ def _load_gguf(path, config, expected, dtype, take, shard=None) -> dict[str, tor
         if name not in expected:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
         if shard is not None and len(tensor.shape) == 2:
-            weights[name] = _gguf_part(tensor, name, expected[name], config, dtype, shard)
+            stored = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's order: [in, out]
+            weights[name] = _gguf_part(tensor.data, tensor.tensor_type, tensor.name, name,
+                                       stored, expected[name], config, dtype, shard)
             continue
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         array = _undo_rope_permute(array, tensor.name, config)
@@ -168,14 +176,15 @@ def _load_gguf(path, config, expected, dtype, take, shard=None) -> dict[str, tor
     return weights
 
 
-def _gguf_part(tensor, name: str, shape: tuple[int, ...], config: ModelConfig,
-               dtype: torch.dtype, shard) -> torch.Tensor:
-    """A tensor-parallel rank's part of a 2-D GGUF tensor, dequantized: only the blocks its
-    part lies in (whole blocks, then narrowed), so no rank dequantizes the whole tensor."""
-    stored = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's order is [in, out]
+def _gguf_part(data: np.ndarray, qtype, gguf_name: str, name: str, stored: tuple[int, int],
+               shape: tuple[int, ...], config: ModelConfig, dtype: torch.dtype, shard
+               ) -> torch.Tensor:
+    """A tensor-parallel rank's part of a 2-D GGUF tensor (or one expert's of a stacked
+    one), `data` as the file stores it ([out, blocks' bytes], or [out, in] values), `stored`
+    its [out, in]: only the blocks the part lies in are dequantized (whole blocks, then
+    narrowed), so no rank dequantizes the whole tensor."""
     if stored != shape:  # checked whole, before it is cut
         raise ValueError(f"{name} has shape {stored}, expected {shape}")
-    data, qtype = tensor.data, tensor.tensor_type
     block = gguf.GGML_QUANT_SIZES[qtype][0]  # weights a block
     units = data.shape[1] // (shape[1] // block)  # data columns a block (bytes, or 1 value)
 
@@ -184,7 +193,7 @@ def _gguf_part(tensor, name: str, shape: tuple[int, ...], config: ModelConfig,
             return torch.zeros((0, shape[1]) if dim == 0 else (shape[0], 0), dtype=dtype)
         if dim == 0:  # whole rows; q/k: whole heads, un-permuted as the full tensor is
             array = gguf.quants.dequantize(np.ascontiguousarray(data[start:stop]), qtype)
-            array = _undo_rope_permute(array, tensor.name, config)
+            array = _undo_rope_permute(array, gguf_name, config)
         else:
             first, end = start // block, -(-stop // block)
             cut = np.ascontiguousarray(data[:, first * units:end * units])

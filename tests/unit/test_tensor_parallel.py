@@ -59,6 +59,7 @@ from tests.tiny_vlm import build_tiny_vlm, tiny_vlm_tokenizer
 from tests.unit.engine_builders import CONFIG
 from tests.unit.kquant_builders import LlamaShape, write_q4_k_m
 from tests.unit.test_model_families import CASES as FAMILIES
+from tests.unit.test_model_families import _write_gguf as write_family_gguf
 from tests.unit.test_model_reference import TINY, _randomize
 
 # case -> (config class, model class, overrides, ranks)
@@ -391,6 +392,27 @@ def test_each_rank_reads_only_its_blocks_of_a_gguf(gguf_file):
         rows, width = whole[name].blocks.shape
         padding = width if name in ("model.embed_tokens.weight", "lm_head.weight") else 0
         assert count == rows * width + padding, name
+
+
+def test_a_moe_gguf_rank_dequantizes_only_its_part_of_each_expert(tmp_path):
+    """A Qwen2-MoE GGUF (llama.cpp's stacked experts, a shared expert): each rank's experts,
+    cut from the stacked tensors one expert at a time, are its slices of the whole ones."""
+    config_cls, model_cls, overrides, ranks = CASES["qwen2_moe"]
+    hf = config_cls(**{**TINY, **overrides})
+    model = model_cls._from_config(hf).to(torch.float32)
+    _randomize(model, seed=4)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    path = str(tmp_path / "tiny-qwen2moe.gguf")
+    write_family_gguf(str(tmp_path / "hf"), path, hf, "qwen2moe")
+    config = load_model_config(path)
+    dense = load_weights(path, config, torch.float32)
+    assert any(".experts." in name for name in dense)
+    for rank in range(ranks):
+        shard = Shard.of(config, rank, ranks)
+        part = load_weights(path, config, torch.float32, shard=shard)
+        assert part.keys() == dense.keys()
+        for name, tensor in part.items():
+            assert torch.equal(tensor, shard.take(name, dense[name])), name
 
 
 def test_a_gguf_at_two_ranks_decodes_through_its_blocks_as_one_rank(gguf_file):
