@@ -8,6 +8,7 @@ start-up checks do: one `sluice: ...` line (`shared.startup_checks.StartupError`
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from engine.models.config import ModelConfig, load_model_config
 from engine.models.ops import QUANTIZED_MAX_ROWS, make_ops
 from engine.models.registry import build_model
 from engine.models.weights import load_quantized_weights, load_weights
+from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.rendezvous import Rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel, local_config
 from engine.pooling import TokenScoreHead
@@ -124,7 +126,7 @@ CPU_DENSE_DRAFT_STEP_TOKENS = 8
 GPU_DRAFT_STEP_TOKENS = 64
 
 
-def _drafter(config: EngineConfig, device: torch.device, quantized: dict) -> Drafter | None:
+def _drafter(config: EngineConfig, device: torch.device, quantized: bool) -> Drafter | None:
     if config.speculative is None:
         return None
     if device.type == "cuda":
@@ -164,7 +166,7 @@ class RankModel(msgspec.Struct):
     model_config: ModelConfig  # the whole model's
     max_model_len: int
     num_pages: int
-    quantized: dict
+    quantized: bool  # the checkpoint has GGUF blocks the CPU kernels may multiply by
     device: torch.device
     dtype: torch.dtype
     choice: object  # the attention backend's BackendChoice
@@ -176,8 +178,6 @@ class RankModel(msgspec.Struct):
 def build_engine(config: EngineConfig) -> EngineCore:
     rdv = _rendezvous(config)
     pooling = _pooling(config)
-    if rdv is not None:
-        _check_parallel_features(config, pooling)
     loaded = _load(config, rdv, pooling)
     model, backend, model_config = loaded.model, loaded.backend, loaded.model_config
     max_model_len, num_pages = loaded.max_model_len, loaded.num_pages
@@ -248,15 +248,6 @@ def build_engine(config: EngineConfig) -> EngineCore:
         hidden_size=model_config.hidden_size,
         lora=lora,
     )
-
-
-def _check_parallel_features(config: EngineConfig, pooling: PoolingFacts | None) -> None:
-    """What tensor-parallel ranks do not serve yet, refused before any rank starts."""
-    size = config.tensor_parallel_size
-    if pooling is not None and pooling.score_tokens:
-        raise StartupError(f"--hf-overrides' yes/no reranker cannot run with "
-                           f"--tensor-parallel-size {size} yet: its head is two rows of the "
-                           "LM head, which the ranks split by vocabulary")
 
 
 def _rendezvous(config: EngineConfig) -> Rendezvous | None:
@@ -348,17 +339,20 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
         ops = make_ops(choice.name, device, config.batch_invariant)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    # The checkpoint's quantized blocks are whole rows of whole tensors: not used by a shard.
-    quantized = (load_quantized_weights(config.model, model_config)
-                 if device.type == "cpu" and rdv is None else {})
+    # A GGUF's blocks, as the ops multiply small batches by them (a rank: its part of each).
+    quantized = (load_quantized_weights(config.model, model_config, shard)
+                 if device.type == "cpu" else {})
+    has_blocks = bool(quantized)
     try:
         model = build_model(local, weights, max_model_len, dtype, device, ops=ops,
                             quantized=quantized, tp=tp)
     except ValueError as exc:  # a weight the batch-invariant kernels cannot take
         raise StartupError(str(exc)) from None
-    score_head = (_score_head(config, model_config, weights, pooling.score_tokens, device)
+    score_head = (_score_head(config, model_config, weights, pooling.score_tokens, device,
+                              tp or SINGLE)
                   if pooling is not None and pooling.score_tokens else None)
-    del weights
+    del weights, quantized  # the ops hold the blocks repacked
+    _return_freed_memory()
     if rdv is None or rdv.rank == 0:
         log.info("loaded %s (%s, %s ops%s) in %.1fs", config.served_model_name, dtype,
                  model.ops.name, "" if rdv is None else f", {size} tensor-parallel ranks",
@@ -376,13 +370,27 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
                                            config.batch_invariant)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    return RankModel(model, backend, model_config, max_model_len, num_pages, quantized,
+    return RankModel(model, backend, model_config, max_model_len, num_pages, has_blocks,
                      device, dtype, choice, cmd_group, procs, score_head)
 
 
-def _score_head(config: EngineConfig, model_config, weights, tokens: list[str], device
-                ) -> TokenScoreHead:
-    """--hf-overrides' yes/no head from the LM head's rows of its two tokens."""
+def _return_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS once the weights are loaded: glibc keeps
+    the load's transient copies (float32 tensors before they were fused, cut or repacked)
+    as free heap, which otherwise stays in the process's resident set, about half the
+    weights' bytes again (docs/benchmarks.md, *Tensor parallelism*)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to hand back
+        pass
+
+
+def _score_head(config: EngineConfig, model_config, weights, tokens: list[str], device,
+                tp: TPGroup) -> TokenScoreHead:
+    """--hf-overrides' yes/no head from the LM head's rows of its two tokens. Under tensor
+    parallelism each rank holds a part of the vocabulary, so the two rows may lie on two
+    ranks: each rank gives what it holds of row(true) - row(false), zeros elsewhere, and
+    one sum at start gives every rank the whole difference (rank 0's head uses it)."""
     head = weights.get("lm_head.weight")
     if head is None and model_config.tie_word_embeddings:
         head = weights.get("model.embed_tokens.weight")
@@ -397,7 +405,13 @@ def _score_head(config: EngineConfig, model_config, weights, tokens: list[str], 
     ids = [vocab[t] for t in tokens]
     if max(ids) >= model_config.vocab_size:
         raise StartupError(f"--hf-overrides tokens {tokens} lie outside the LM head")
-    return TokenScoreHead(head, ids[0], ids[1], device)
+    start = tp.shard.vocab_range(model_config.vocab_size)[0] if tp.parallel else 0
+    difference = torch.zeros(head.shape[1], dtype=torch.float32)
+    for token_id, sign in ((ids[1], 1.0), (ids[0], -1.0)):
+        row = token_id - start
+        if 0 <= row < head.shape[0]:  # this rank's part of the vocabulary
+            difference += sign * head[row].to(torch.float32)
+    return TokenScoreHead(tp.sum_at_start(difference.to(device)), device)
 
 
 def _pooling(config: EngineConfig) -> PoolingFacts | None:

@@ -42,11 +42,12 @@ def pool_chunks(hidden: torch.Tensor, chunks: list[ScheduledChunk], pooler: Pool
 class TokenScoreHead:
     """A decoder served as a yes/no reranker (vLLM's `is_original_qwen3_reranker`): its one
     label's logit is logit(true token) - logit(false token) at the pooled (last) row, from
-    the LM head's two rows; so the score's sigmoid equals P(true) of a softmax over the two."""
+    the LM head's two rows; so the score's sigmoid equals P(true) of a softmax over the two.
+    `difference`: row(true) - row(false) in float32 (engine.build puts it together from the
+    ranks' parts of the LM head under tensor parallelism)."""
 
-    def __init__(self, lm_head: torch.Tensor, false_id: int, true_id: int, device) -> None:
-        rows = lm_head.to(torch.float32)
-        self.weight = (rows[true_id] - rows[false_id])[None].to(device)
+    def __init__(self, difference: torch.Tensor, device) -> None:
+        self.weight = difference.to(torch.float32)[None].to(device)
 
     def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
         return pooled.to(torch.float32) @ self.weight.T

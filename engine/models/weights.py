@@ -5,6 +5,7 @@ checkpoint format; `expected_shapes` is the contract both loaders are checked ag
 """
 
 import glob
+import logging
 import os
 import weakref
 
@@ -15,6 +16,8 @@ import torch
 from safetensors import safe_open
 
 from engine.models.config import ModelConfig, gguf_reader
+
+log = logging.getLogger("sluice.engine")
 
 # llama.cpp per-block tensor names -> HF names under model.layers.{i}.
 _GGUF_LAYER_NAMES = {
@@ -81,7 +84,7 @@ def load_weights(
         return shard.take(name, tensor)
 
     if model_path.endswith(".gguf"):
-        weights = _load_gguf(model_path, config, expected, dtype, take)
+        weights = _load_gguf(model_path, config, expected, dtype, take, shard)
     else:
         rename = _text_name_of(config)
         if pooling:
@@ -125,7 +128,7 @@ def _family_names(config: ModelConfig) -> dict[str, str]:
     return {**_GGUF_LAYER_NAMES, **family_of(config).gguf_layer_names}
 
 
-def _load_gguf(path, config, expected, dtype, take) -> dict[str, torch.Tensor]:
+def _load_gguf(path, config, expected, dtype, take, shard=None) -> dict[str, torch.Tensor]:
     from engine.models.registry import family_of  # the registry imports the model modules
 
     weights = {}
@@ -145,21 +148,60 @@ def _load_gguf(path, config, expected, dtype, take) -> dict[str, torch.Tensor]:
             continue
         experts = _expert_names(tensor.name, int(tensor.shape[-1]))  # ggml: experts last
         if experts is not None:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             unexpected = [name for name in experts if name not in expected]
             if unexpected:
                 raise ValueError(f"unexpected GGUF tensor {tensor.name!r} (no "
                                  f"{unexpected[0]} in this model)")
+            if shard is not None:  # each expert's part, as a 2-D tensor's
+                stored = (int(tensor.shape[1]), int(tensor.shape[0]))
+                weights.update({name: _gguf_part(
+                    tensor.data[e], tensor.tensor_type, tensor.name, name, stored,
+                    expected[name], config, dtype, shard) for e, name in enumerate(experts)})
+                continue
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             weights.update({name: take(name, _to_torch(array[e], dtype))
                             for e, name in enumerate(experts)})
             continue
         name = gguf_hf_name(tensor.name, layer_names)
         if name not in expected:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
+        if shard is not None and len(tensor.shape) == 2:
+            stored = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's order: [in, out]
+            weights[name] = _gguf_part(tensor.data, tensor.tensor_type, tensor.name, name,
+                                       stored, expected[name], config, dtype, shard)
+            continue
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         array = _undo_rope_permute(array, tensor.name, config)
         weights[name] = take(name, _to_torch(array, dtype))
     return weights
+
+
+def _gguf_part(data: np.ndarray, qtype, gguf_name: str, name: str, stored: tuple[int, int],
+               shape: tuple[int, ...], config: ModelConfig, dtype: torch.dtype, shard
+               ) -> torch.Tensor:
+    """A tensor-parallel rank's part of a 2-D GGUF tensor (or one expert's of a stacked
+    one), `data` as the file stores it ([out, blocks' bytes], or [out, in] values), `stored`
+    its [out, in]: only the blocks the part lies in are dequantized (whole blocks, then
+    narrowed), so no rank dequantizes the whole tensor."""
+    if stored != shape:  # checked whole, before it is cut
+        raise ValueError(f"{name} has shape {stored}, expected {shape}")
+    block = gguf.GGML_QUANT_SIZES[qtype][0]  # weights a block
+    units = data.shape[1] // (shape[1] // block)  # data columns a block (bytes, or 1 value)
+
+    def read(dim: int, start: int, stop: int) -> torch.Tensor:
+        if start == stop:  # a part held by another rank only
+            return torch.zeros((0, shape[1]) if dim == 0 else (shape[0], 0), dtype=dtype)
+        if dim == 0:  # whole rows; q/k: whole heads, un-permuted as the full tensor is
+            array = gguf.quants.dequantize(np.ascontiguousarray(data[start:stop]), qtype)
+            array = _undo_rope_permute(array, gguf_name, config)
+        else:
+            first, end = start // block, -(-stop // block)
+            cut = np.ascontiguousarray(data[:, first * units:end * units])
+            offset = first * block
+            array = gguf.quants.dequantize(cut, qtype)[:, start - offset:stop - offset]
+        return _to_torch(array, dtype)
+
+    return shard.take_from(name, shape, read)
 
 
 # GGUF block formats the CPU kernels multiply in place (engine/csrc/cpu_kernels.cpp),
@@ -176,20 +218,35 @@ class QuantizedWeight(msgspec.Struct, frozen=True):
     blocks: torch.Tensor  # uint8 [out, in / block weights * block bytes]
 
 
-def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, QuantizedWeight]:
+def load_quantized_weights(model_path: str, config: ModelConfig, shard=None
+                           ) -> dict[str, QuantizedWeight]:
     """The 2-D tensors of a GGUF file stored in a block format the CPU kernels take, by HF
-    name, rows in HF order (q/k un-permuted as `load_weights` does). Empty for anything else."""
+    name, rows in HF order (q/k un-permuted as `load_weights` does). Empty for anything else.
+    shard: a tensor-parallel rank's `engine.parallel.sharding.Shard`: each tensor's blocks
+    are cut to the rank's part as they are read (`Shard.take_blocks`), before anything is
+    copied; a row-parallel tensor whose cut falls inside a block is left out (the rank
+    multiplies its dense slice)."""
     if not model_path.endswith(".gguf"):
         return {}
-    found = {}
+    found, dense = {}, []
     layer_names = _family_names(config)
     for tensor in gguf_reader(model_path).tensors:
         kind = BLOCK_KINDS.get(tensor.tensor_type.name)
         name = gguf_hf_name(tensor.name, layer_names)
         if kind is None or name is None or len(tensor.shape) != 2:
             continue
-        rows = _undo_rope_permute(np.asarray(tensor.data), tensor.name, config)
+        rows = np.asarray(tensor.data)  # a view of the memory-mapped file
+        if shard is not None:  # whole heads of q/k: un-permuted after the cut just the same
+            rows = shard.take_blocks(name, rows, *gguf.GGML_QUANT_SIZES[tensor.tensor_type])
+            if rows is None:
+                dense.append(name)
+                continue
+        rows = _undo_rope_permute(rows, tensor.name, config)
         found[name] = QuantizedWeight(kind, torch.from_numpy(np.ascontiguousarray(rows).copy()))
+    if dense and shard.rank == 0:  # the same cuts on every rank: said once
+        log.info("tensor-parallel GGUF: %d of %d quantized matrices are cut inside a block at "
+                 "%d ranks and multiplied by their dense slices (e.g. %s)", len(dense),
+                 len(dense) + len(found), shard.size, dense[0])
     return found
 
 
@@ -225,12 +282,10 @@ def _undo_rope_permute(array: np.ndarray, gguf_name: str, config: ModelConfig) -
     """
     if config.architecture != "llama":
         return array
-    if ".attn_q." in gguf_name:
-        n_head = config.num_heads
-    elif ".attn_k." in gguf_name:
-        n_head = config.num_kv_heads
-    else:
+    if ".attn_q." not in gguf_name and ".attn_k." not in gguf_name:
         return array
+    # Whole heads: the tensor's (num_heads or num_kv_heads), or a tensor-parallel rank's.
+    n_head = array.shape[0] // config.head_dim
     # Within a head, GGUF row 2j+p holds HF row p*half+j (p picks the rotary half).
     half = array.shape[0] // n_head // 2
     grouped = array.reshape(n_head, half, 2, *array.shape[1:])

@@ -48,6 +48,14 @@ class TPGroup:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)[..., :length]
 
+    def sum_at_start(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` summed (on `x`'s device), on the default group: a start-up sum,
+        which ranks reach as their loads end."""
+        if self.size > 1:
+            x = x.contiguous()
+            dist.all_reduce(x)
+        return x
+
     def min_int(self, value: int) -> int:
         """The smallest `value` over the ranks (KV pages: the same count everywhere), on
         the default group: ranks reach it as their loads end."""

@@ -25,6 +25,7 @@ and a zero column of down adds nothing, so the result is exact.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import torch
 
 from engine.models.config import ModelConfig
@@ -177,21 +178,60 @@ class Shard(msgspec.Struct, frozen=True):
         the full tensor is freed once the loader lets go of it). Replicated tensors are
         copied too: a safetensors tensor is a view of the memory-mapped file, and one view
         kept would keep the whole file mapped (and resident) in every rank."""
-        split = self._split(name)
         if self.size == 1:
             return tensor
-        if split is None:
+        if self._split(name) is None:
             return tensor.clone()
+        return self.take_from(name, tuple(tensor.shape),
+                              lambda dim, start, stop: tensor.narrow(dim, start, stop - start))
+
+    def take_from(self, name: str, shape: tuple[int, ...], read) -> torch.Tensor:
+        """`take` of a tensor of `shape` that is read piece by piece: read(dim, start, stop)
+        gives its [start, stop) along dim (a GGUF's blocks dequantized only where the rank's
+        part lies, engine.models.weights)."""
+        split = self._split(name)
+        if split is None:
+            return read(0, 0, shape[0]).clone()
         dim, how = split
         parts = []
-        for start, stop, per in self._pieces(how, tensor.shape[dim]):
-            part = tensor.narrow(dim, start, stop - start)
+        for start, stop, per in self._pieces(how, shape[dim]):
+            part = read(dim, start, stop)
             if stop - start < per:  # the padding of an uneven split (or "first": all of it)
-                shape = list(tensor.shape)
-                shape[dim] = per - (stop - start)
-                part = torch.cat([part, tensor.new_zeros(shape)], dim=dim)
+                padding = list(part.shape)
+                padding[dim] = per - (stop - start)
+                part = torch.cat([part, part.new_zeros(padding)], dim=dim)
             parts.append(part)
         return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+    def take_blocks(self, name: str, blocks: np.ndarray, block_weights: int,
+                    block_bytes: int) -> np.ndarray | None:
+        """This rank's part of a GGUF block-quantized matrix (uint8 [out, in / block_weights
+        * block_bytes], rows in HF order), cut as `take` cuts the dense one, in memory of its
+        own. Rows (column-parallel, vocab-parallel) cut anywhere; the input dimension
+        (row-parallel o_proj, down_proj) only on block boundaries: None where a cut falls
+        inside a block (the rank then multiplies its dense slice). Padding is zero bytes,
+        which every kind reads as zero weights (its scales are 0)."""
+        split = self._split(name)
+        if split is None or self.size == 1:
+            return np.array(blocks)
+        dim, how = split
+        if dim == 0:
+            length, unit, scale = blocks.shape[0], 1, 1
+        else:  # in weights, cut in whole blocks of block_bytes
+            length = blocks.shape[1] // block_bytes * block_weights
+            unit, scale = block_weights, block_bytes
+        parts = []
+        for start, stop, per in self._pieces(how, length):
+            if start % unit or stop % unit or per % unit:
+                return None
+            start, stop, per = (v // unit * scale for v in (start, stop, per))
+            part = blocks[start:stop] if dim == 0 else blocks[:, start:stop]
+            if stop - start < per:
+                shape = list(blocks.shape)
+                shape[dim] = per - (stop - start)
+                part = np.concatenate([part, np.zeros(shape, blocks.dtype)], axis=dim)
+            parts.append(part)
+        return np.ascontiguousarray(np.concatenate(parts, axis=dim))
 
     def vocab_range(self, vocab_size: int) -> tuple[int, int]:
         """(first token id, rows) of this rank's vocabulary part (rows: padded length)."""

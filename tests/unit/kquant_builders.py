@@ -11,10 +11,14 @@ import torch
 
 
 def random_blocks(name: str, rows: int, cols: int, seed: int, amp: float = 0.1) -> np.ndarray:
-    """uint8 [rows, cols / 256 * block bytes] of `name` blocks, weights up to about amp."""
+    """uint8 [rows, cols / block weights * block bytes] of `name` blocks, weights up to
+    about amp. Q4_1 and Q8_0, which gguf-py quantizes, from random floats."""
     qtype = gguf.GGMLQuantizationType[name]
     block_weights, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
+    if name in ("Q4_1", "Q8_0"):
+        floats = rng.uniform(-amp, amp, (rows, cols)).astype(np.float32)
+        return gguf.quants.quantize(floats, qtype)
     raw = rng.integers(0, 256, (rows, cols // block_weights, block_bytes), dtype=np.uint8)
 
     def scales(top: float) -> np.ndarray:  # fp16 super-block scales, as uint8 pairs
@@ -45,9 +49,11 @@ class LlamaShape(msgspec.Struct, frozen=True):
     vocab: int = 256
 
 
-def write_q4_k_m(path: str, shape: LlamaShape, q6_k: set[str], bulk: str = "Q4_K") -> None:
+def write_q4_k_m(path: str, shape: LlamaShape, q6_k: set[str], bulk: str = "Q4_K",
+                 kinds: dict[str, str] | None = None) -> None:
     """A llama GGUF of random blocks: `bulk` for every matrix, Q6_K for the names in q6_k
-    (llama.cpp's Q4_K_M mix gives the output and some layers' attn_v / ffn_down Q6_K)."""
+    (llama.cpp's Q4_K_M mix gives the output and some layers' attn_v / ffn_down Q6_K), and
+    the kind `kinds` names for a tensor named there."""
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(shape.layers)
     writer.add_context_length(512)
@@ -71,7 +77,7 @@ def write_q4_k_m(path: str, shape: LlamaShape, q6_k: set[str], bulk: str = "Q4_K
                      f"blk.{i}.ffn_up.weight": (shape.ffn, hidden),
                      f"blk.{i}.ffn_down.weight": (hidden, shape.ffn)}
     for seed, (name, (rows, cols)) in enumerate(matrices.items()):
-        kind = "Q6_K" if name in q6_k else bulk
+        kind = (kinds or {}).get(name) or ("Q6_K" if name in q6_k else bulk)
         amp = 1.0 if name == "token_embd.weight" else 2.0 / cols**0.5
         writer.add_tensor(name, random_blocks(kind, rows, cols, seed, amp),
                           raw_dtype=gguf.GGMLQuantizationType[kind])

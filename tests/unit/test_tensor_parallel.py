@@ -17,10 +17,12 @@ against one rank, and each module's slices against the whole low-rank product.""
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 
+import gguf
 import msgspec
 import numpy as np
 import pytest
@@ -29,8 +31,9 @@ import transformers
 
 import engine.lora as engine_lora
 from engine.build import build_engine
-from engine.models.config import MoeConfig
+from engine.models.config import MoeConfig, load_model_config
 from engine.models.gpt_oss import GptOssOptions, dequantize_mxfp4
+from engine.models.weights import BLOCK_KINDS, load_quantized_weights, load_weights
 from engine.parallel.leader import Watchdog
 from engine.parallel.rendezvous import plan_rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel
@@ -54,7 +57,9 @@ from tests.servers import wait_until
 from tests.tiny_embedder import build_embedder, reference_vector
 from tests.tiny_vlm import build_tiny_vlm, tiny_vlm_tokenizer
 from tests.unit.engine_builders import CONFIG
+from tests.unit.kquant_builders import LlamaShape, write_q4_k_m
 from tests.unit.test_model_families import CASES as FAMILIES
+from tests.unit.test_model_families import _write_gguf as write_family_gguf
 from tests.unit.test_model_reference import TINY, _randomize
 
 # case -> (config class, model class, overrides, ranks)
@@ -284,17 +289,172 @@ def test_lora_adapters_at_two_ranks_match_one(tmp_path, monkeypatch):
             assert np.abs(expected[f"1:{name}-{i}"]["logprobs"][0] - base_lp).max() > 1e-3
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(runner="pooling", hf_overrides=json.dumps({
-        "architectures": ["Qwen3ForSequenceClassification"],
-        "classifier_from_token": ["a", "b"], "is_original_qwen3_reranker": True})),
-     "yes/no reranker cannot run with --tensor-parallel-size 2"),
-])
-def test_what_ranks_do_not_serve_is_refused_before_they_start(tmp_path, fields, match):
-    build_embedder(str(tmp_path))
-    config = msgspec.structs.replace(_config(str(tmp_path), 2), **fields)
-    with pytest.raises(StartupError, match=match):
-        build_engine(config)
+def _word_tokenizer(ids: dict[str, int]):
+    """A word-level tokenizer whose words have the given ids (gaps allowed)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel(ids, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+def test_a_yes_no_reranker_at_two_ranks_scores_as_transformers(tmp_path):
+    """--hf-overrides' yes/no head (Qwen3-Reranker) over 2 ranks: "no" (id 5) lies in rank
+    0's half of the vocabulary, "yes" (id 100) in rank 1's, so the head's row difference is
+    put together from both ranks' parts. Scores: the one-rank engine's, and transformers'
+    sigmoid(last hidden . (E[yes] - E[no])) (the embedder's LM head is its embedding)."""
+    model = build_embedder(str(tmp_path))
+    _word_tokenizer({"<unk>": 0, "no": 5, "yes": 100}).save_pretrained(tmp_path)
+    overrides = json.dumps({"architectures": ["Qwen3ForSequenceClassification"],
+                            "classifier_from_token": ["no", "yes"],
+                            "is_original_qwen3_reranker": True})
+    prompts = [[5, 9, 10], list(range(4, 13)) * 3, [7], [100, 3, 64, 65]]
+    scores = {}
+    for ranks in (1, 2):
+        core = build_engine(msgspec.structs.replace(
+            _config(str(tmp_path), ranks), max_model_len=48, runner="pooling",
+            hf_overrides=overrides))
+        try:
+            for i, ids in enumerate(prompts):
+                core.add(EngineRequest(f"s{i}", pack_ids(ids), SamplingParams(max_tokens=1),
+                                       "tcp://test", 0.0, pooling=PoolingParams(task="score")))
+            outs = {}
+            while core.has_work:
+                outs.update((o.request_id, o) for _, o in core.step())
+        finally:
+            if ranks > 1:
+                assert core.runner.model.inner.tp.size == 2
+                core.runner.model.close()
+        assert all(outs[f"s{i}"].error is None for i in range(len(prompts)))
+        scores[ranks] = np.array([float(unpack_tensor(outs[f"s{i}"].pooled).reshape(-1)[0])
+                                  for i in range(len(prompts))])
+    embed = model.embed_tokens.weight.detach()
+    want = np.array([float(torch.sigmoid(reference_vector(model, ids, normalize=False)
+                                         @ (embed[100] - embed[5]))) for ids in prompts])
+    np.testing.assert_allclose(scores[1], want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(scores[2], scores[1], atol=1e-6, rtol=0)
+    assert np.ptp(want) > 0.05  # the prompts score differently: not one constant answer
+
+
+# --- a GGUF's quantized blocks, cut per rank ------------------------------------------------------
+
+# Hidden 256, intermediate 512, 4 heads, 2 KV heads; a vocabulary of 251 rows, 126 a rank
+# at 2 ranks: rank 1's part of the embedding and the LM head is padded with a zero row.
+GGUF_SHAPE = LlamaShape(vocab=251)
+# Layer 0: Q8_0 attention, Q4_1 MLP (32-weight blocks: every cut at 2 ranks on a boundary).
+# Layer 1: Q4_K_M's mix (256-weight blocks): Q4_K with Q6_K v (q/k/v of mixed kinds) and down;
+# its o_proj's input (256) halves to 128, inside a block: that weight stays dense at 2 ranks,
+# while down_proj's (512) halves to 256, a whole block.
+GGUF_KINDS = {
+    **{f"blk.0.attn_{x}.weight": "Q8_0" for x in ("q", "k", "v", "output")},
+    **{f"blk.0.ffn_{x}.weight": "Q4_1" for x in ("gate", "up", "down")},
+    "blk.1.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K", "output.weight": "Q6_K",
+}
+OFF_BLOCK = "model.layers.1.self_attn.o_proj.weight"  # its 2-rank cut falls inside a block
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf-tp")
+    path = str(folder / "tiny-mixed.gguf")
+    write_q4_k_m(path, GGUF_SHAPE, set(), kinds=GGUF_KINDS)
+    # The file has no vocabulary: --tokenizer FOLDER (a folder with a config.json).
+    tiny_vlm_tokenizer().save_pretrained(folder / "tokenizer")
+    (folder / "tokenizer" / "config.json").write_text("{}")
+    return path
+
+
+def test_each_rank_reads_only_its_blocks_of_a_gguf(gguf_file):
+    """Each rank's blocks of every quantized matrix, dequantized, are exactly its slice of
+    the dense weights (q/k un-permuted after the cut; the vocabulary's padding row zero
+    bytes, which read as zero weights); the ranks' blocks together are the file's bytes
+    (plus the padding row), and a row-parallel weight whose cut falls inside a block is
+    left to its dense slice. The rank's dense weights, dequantized from only the blocks its
+    part lies in (whole blocks, then narrowed), are its slices of the whole ones."""
+    config = load_model_config(gguf_file)
+    dense = load_weights(gguf_file, config, torch.float32)
+    whole = load_quantized_weights(gguf_file, config)
+    kinds = {v: gguf.GGMLQuantizationType[k] for k, v in BLOCK_KINDS.items()}
+    held = {}
+    for rank in range(2):
+        shard = Shard.of(config, rank, 2)
+        part = load_weights(gguf_file, config, torch.float32, shard=shard)
+        assert part.keys() == dense.keys()
+        for name, tensor in part.items():
+            assert torch.equal(tensor, shard.take(name, dense[name])), name
+        blocks = load_quantized_weights(gguf_file, config, shard)
+        assert set(whole) - set(blocks) == {OFF_BLOCK}
+        for name, q in blocks.items():
+            got = gguf.quants.dequantize(q.blocks.numpy(), kinds[q.kind])
+            assert np.array_equal(got, shard.take(name, dense[name]).numpy()), name
+            held[name] = held.get(name, 0) + q.blocks.numel()
+    for name, count in held.items():
+        rows, width = whole[name].blocks.shape
+        padding = width if name in ("model.embed_tokens.weight", "lm_head.weight") else 0
+        assert count == rows * width + padding, name
+
+
+def test_a_moe_gguf_rank_dequantizes_only_its_part_of_each_expert(tmp_path):
+    """A Qwen2-MoE GGUF (llama.cpp's stacked experts, a shared expert): each rank's experts,
+    cut from the stacked tensors one expert at a time, are its slices of the whole ones."""
+    config_cls, model_cls, overrides, ranks = CASES["qwen2_moe"]
+    hf = config_cls(**{**TINY, **overrides})
+    model = model_cls._from_config(hf).to(torch.float32)
+    _randomize(model, seed=4)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    path = str(tmp_path / "tiny-qwen2moe.gguf")
+    write_family_gguf(str(tmp_path / "hf"), path, hf, "qwen2moe")
+    config = load_model_config(path)
+    dense = load_weights(path, config, torch.float32)
+    assert any(".experts." in name for name in dense)
+    for rank in range(ranks):
+        shard = Shard.of(config, rank, ranks)
+        part = load_weights(path, config, torch.float32, shard=shard)
+        assert part.keys() == dense.keys()
+        for name, tensor in part.items():
+            assert torch.equal(tensor, shard.take(name, dense[name])), name
+
+
+def test_a_gguf_at_two_ranks_decodes_through_its_blocks_as_one_rank(gguf_file):
+    """The GGUF served at 2 ranks against 1 (the CPU kernels over the blocks at every step:
+    8-row chunks): greedy tokens equal, logprobs within 1e-4; rank 0 multiplies by its
+    half of each weight's blocks, every linear but layer 1's o_proj (dense, see above)."""
+    from engine.cpu_kernels import enabled, kernels
+
+    if kernels() is None:
+        assert not enabled() or shutil.which("c++") is None, "the CPU kernels failed to build"
+        pytest.skip("no CPU kernels here: nothing multiplies by the blocks")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, GGUF_SHAPE.vocab, (n,), generator=gen).tolist()
+               for n in PROMPT_LENGTHS]
+    tokenizer = os.path.join(os.path.dirname(gguf_file), "tokenizer")
+    config = msgspec.structs.replace(_config(gguf_file, 1), tokenizer=tokenizer)
+    single = build_engine(config)
+    expected = _serve(single, prompts)
+    core = build_engine(msgspec.structs.replace(config, tensor_parallel_size=2))
+    try:
+        got = _serve(core, prompts)
+        rank0 = core.runner.model.inner
+    finally:
+        core.runner.model.close()
+    one = single.runner.model
+    names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+    pairs = [(getattr(a, n), getattr(b, n)) for a, b in zip(one.layers, rank0.layers, strict=True)
+             for n in names] + [(one.lm_head, rank0.lm_head)]
+    for i, (whole, half) in enumerate(pairs):
+        whole_q = one.ops._quantized[id(whole)]
+        half_q = rank0.ops._quantized.get(id(half))
+        if i == len(names) + 1:  # layer 1's o_proj
+            assert half_q is None
+        elif i < len(pairs) - 1:
+            assert 2 * half_q.blocks.numel() == whole_q.blocks.numel(), i
+        else:  # the LM head: 126 of 251 rows (rank 1's 125 and a padding row)
+            assert half_q.blocks.shape[0] == 126 and whole_q.blocks.shape[0] == 251
+    for rid, want in expected.items():
+        assert got[rid]["tokens"] == want["tokens"], rid
+        np.testing.assert_allclose(np.stack(got[rid]["logprobs"]),
+                                   np.stack(want["logprobs"]), atol=1e-4, rtol=0)
+    assert len({tuple(r["tokens"]) for r in expected.values()}) > 2  # not one answer
 
 
 # --- the slicing and the refusals, without processes ---------------------------------------------
