@@ -258,6 +258,25 @@ class MoeModel(LlamaModel):
                          shared=shared)
         return dict(gate_up_weight=None, down_weight=None, moe=block)
 
+    def _attach_quantized(self, quantized) -> None:
+        """Besides the dense linears', each expert's blocks (a GGUF's ffn_*_exps stored in a
+        kind the CPU kernels take): the ops multiply an expert's few decode rows by them."""
+        super()._attach_quantized(quantized)
+        names = self.names
+        for i, layer in enumerate(self.layers):
+            if layer.moe is None:
+                continue
+            p = f"model.layers.{i}.{names.block}experts."
+            experts = zip(layer.moe.gate_up.weights, layer.moe.down.weights, strict=True)
+            for e, (gate_up, down) in enumerate(experts):
+                found = [quantized.get(f"{p}{e}.{n}.weight") for n in (names.gate, names.up)]
+                if isinstance(gate_up, tuple):  # a mapped pair: one weight each
+                    self._attach(gate_up[0], found[:1])
+                    self._attach(gate_up[1], found[1:])
+                else:
+                    self._attach(gate_up, found)
+                self._attach(down, [quantized.get(f"{p}{e}.{names.down}.weight")])
+
 
 class MixtralModel(MoeModel):
     names = _MIXTRAL

@@ -178,13 +178,28 @@ class QuantizedWeight(msgspec.Struct, frozen=True):
 
 def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, QuantizedWeight]:
     """The 2-D tensors of a GGUF file stored in a block format the CPU kernels take, by HF
-    name, rows in HF order (q/k un-permuted as `load_weights` does). Empty for anything else."""
+    name, rows in HF order (q/k un-permuted as `load_weights` does), and each expert of a
+    stacked MoE tensor (`ffn_*_exps`) so stored, under the expert's HF name: a view of one
+    copy of the stacked blocks (an expert's rows are a contiguous run of them). Empty for
+    anything else."""
     if not model_path.endswith(".gguf"):
         return {}
+    from engine.models.registry import family_of  # the registry imports the model modules
+
     found = {}
     layer_names = _family_names(config)
+    # A family that regroups its file's tensors (gpt-oss) loads its experts dequantized.
+    per_expert = family_of(config).gguf_tensors is None
     for tensor in gguf_reader(model_path).tensors:
         kind = BLOCK_KINDS.get(tensor.tensor_type.name)
+        if kind is not None and len(tensor.shape) == 3 and per_expert:
+            stacked = np.asarray(tensor.data)  # [experts, out, row bytes]
+            experts = _expert_names(tensor.name, stacked.shape[0])
+            if experts is not None:
+                blocks = torch.from_numpy(np.array(stacked))  # one copy, out of the map
+                found.update({n: QuantizedWeight(kind, b)
+                              for n, b in zip(experts, blocks, strict=True)})
+            continue
         name = gguf_hf_name(tensor.name, layer_names)
         if kind is None or name is None or len(tensor.shape) != 2:
             continue

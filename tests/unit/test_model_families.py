@@ -22,6 +22,9 @@ from safetensors.torch import load_file, save_file
 from engine.build import build_engine
 from engine.cpu_kernels import kernels
 from engine.models.config import load_model_config
+from engine.models.ops import CpuKernelOps
+from engine.models.registry import build_model
+from engine.models.weights import BLOCK_KINDS, load_quantized_weights, load_weights
 from shared.config import EngineConfig
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from tests.tiny_vlm import tiny_vlm_tokenizer
@@ -544,10 +547,11 @@ def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _write_gguf(folder: str, path: str, hf, arch: str) -> None:
+def _write_gguf(folder: str, path: str, hf, arch: str, experts_as=None) -> None:
     """What convert_hf_to_gguf.py writes for these checkpoints, in float32: MoE experts
-    stacked into one tensor per projection; a Llama's q/k rows permuted to ggml's rope
-    layout and its llama3 scaling as the rope_freqs divisors."""
+    stacked into one tensor per projection (quantized to experts_as, a GGMLQuantizationType,
+    if given); a Llama's q/k rows permuted to ggml's rope layout and its llama3 scaling as
+    the rope_freqs divisors."""
     import gguf
 
     tensors = load_file(os.path.join(folder, "model.safetensors"))
@@ -587,8 +591,13 @@ def _write_gguf(folder: str, path: str, hf, arch: str) -> None:
             names = [f"{prefix}mlp.experts.{e}.{proj}.weight"
                      for e in range(getattr(hf, "num_experts", 0))]
             if names and names[0] in tensors:
-                experts = torch.stack([tensors.pop(n) for n in names])
-                writer.add_tensor(f"blk.{i}.{stacked}.weight", experts.numpy())
+                experts = torch.stack([tensors.pop(n) for n in names]).numpy()
+                if experts_as is None:
+                    writer.add_tensor(f"blk.{i}.{stacked}.weight", experts)
+                else:
+                    writer.add_tensor(f"blk.{i}.{stacked}.weight",
+                                      gguf.quants.quantize(experts, experts_as),
+                                      raw_dtype=experts_as)
         for hf_name, gguf_name in _LLAMACPP_LAYER.items():
             if prefix + hf_name in tensors:
                 writer.add_tensor(f"blk.{i}.{gguf_name}", tensors.pop(prefix + hf_name).numpy())
@@ -615,6 +624,47 @@ def test_moe_gguf(tmp_path, case, arch, dense_layers):
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
         assert tokens[i] == ref.tokens[i]
+
+
+@pytest.mark.parametrize(("case", "arch"), [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe")])
+def test_moe_gguf_experts_multiply_as_blocks(tmp_path, case, arch):
+    """A GGUF whose stacked experts are Q8_0: on CPU each expert's gate+up and down are
+    held as its slice of the stacked blocks (views of one copy) and small batches are
+    multiplied by them, with the greedy tokens (and logits within float32 summation order)
+    of the same file loaded dequantized on plain torch."""
+    import gguf
+
+    compiled = kernels()
+    if compiled is None:
+        pytest.skip("no C++ compiler: the engine runs plain torch ops")
+    config_cls, model_cls, overrides = CASES[case]
+    kwargs = {**TINY, **overrides}
+    ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8)
+    path = str(tmp_path / f"tiny-{arch}-q8.gguf")
+    _write_gguf(ref.path, path, config_cls(**kwargs), arch, gguf.GGMLQuantizationType.Q8_0)
+    config = load_model_config(path)
+    quantized = load_quantized_weights(path, config)
+    ops = CpuKernelOps(compiled)
+    weights = load_weights(path, config, torch.float32)
+    model = build_model(config, weights, 64, torch.float32, CPU, ops=ops, quantized=quantized)
+    moe = next(layer.moe for layer in model.layers if layer.moe is not None)
+    layer = next(i for i, layer in enumerate(model.layers) if layer.moe is not None)
+    x = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for e in range(config.moe.num_experts):
+        q = quantized[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"]
+        assert q.kind == BLOCK_KINDS["Q8_0"] and q.blocks.dtype == torch.uint8
+        stacked = quantized[f"model.layers.{layer}.mlp.experts.0.down_proj.weight"].blocks
+        assert q.blocks.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+        for weight in (moe.gate_up.weights[e], moe.down.weights[e]):
+            blocks = ops._quantized[id(weight)]  # held as blocks, multiplied by the kernel
+            rows = x[:, : weight.shape[1]].contiguous()
+            assert torch.equal(ops.linear(rows, weight),
+                               compiled.quantized_linear(rows, blocks.blocks, blocks.kind))
+    tokens, logits, _ = _run(path, ref.prompts, "together", compiled, quantized=True)
+    want_tokens, want_logits, _ = _run(path, ref.prompts, "together")
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_llama3_gguf_reads_rope_freqs(tmp_path):
