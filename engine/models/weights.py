@@ -179,8 +179,8 @@ class QuantizedWeight(msgspec.Struct, frozen=True):
 def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, QuantizedWeight]:
     """The 2-D tensors of a GGUF file stored in a block format the CPU kernels take, by HF
     name, rows in HF order (q/k un-permuted as `load_weights` does), and each expert of a
-    stacked MoE tensor (`ffn_*_exps`) so stored, under the expert's HF name: a view of one
-    copy of the stacked blocks (an expert's rows are a contiguous run of them). Empty for
+    stacked MoE tensor (`ffn_*_exps`) so stored, under the expert's HF name: a view of the
+    stacked blocks in the file (an expert's rows are a contiguous run of them). Empty for
     anything else."""
     if not model_path.endswith(".gguf"):
         return {}
@@ -193,10 +193,13 @@ def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, Qu
     for tensor in gguf_reader(model_path).tensors:
         kind = BLOCK_KINDS.get(tensor.tensor_type.name)
         if kind is not None and len(tensor.shape) == 3 and per_expert:
-            stacked = np.asarray(tensor.data)  # [experts, out, row bytes]
-            experts = _expert_names(tensor.name, stacked.shape[0])
+            experts = _expert_names(tensor.name, tensor.data.shape[0])
             if experts is not None:
-                blocks = torch.from_numpy(np.array(stacked))  # one copy, out of the map
+                # [experts, out, row bytes], mapped copy-on-write (never written): the page
+                # cache holds the blocks, not the engine's private memory.
+                stacked = np.memmap(model_path, np.uint8, "c", tensor.data_offset,
+                                    tensor.data.shape)
+                blocks = torch.from_numpy(stacked)
                 found.update({n: QuantizedWeight(kind, b)
                               for n, b in zip(experts, blocks, strict=True)})
             continue
