@@ -62,11 +62,7 @@ class FileRecords:
 
     async def get(self, file_id: str, owner: str | None) -> StoredFile | None:
         """The file, if `owner` owns it (None: whoever does; the runner reads any)."""
-        raw = await self.store.get(f"file:{file_id}")
-        if raw is None:
-            return None
-        stored = _file.decode(raw)
-        return stored if owner is None or stored.owner == owner else None
+        return await self.store.get_owned(f"file:{file_id}", _file, owner)
 
     async def find(self, file_id: str, owner: str, param: str | None = None) -> StoredFile:
         stored = await self.get(file_id, owner)
@@ -104,11 +100,7 @@ class BatchRecords:
         self.ttl_s = ttl_s or None
 
     async def get(self, batch_id: str, owner: str | None) -> StoredBatch | None:
-        raw = await self.store.get(f"batch:{batch_id}")
-        if raw is None:
-            return None
-        stored = _batch.decode(raw)
-        return stored if owner is None or stored.owner == owner else None
+        return await self.store.get_owned(f"batch:{batch_id}", _batch, owner)
 
     async def find(self, batch_id: str, owner: str, kind: str) -> StoredBatch:
         stored = await self.get(batch_id, owner)

@@ -71,11 +71,7 @@ class ConversationRecords:
         self.max_items = max_items
 
     async def get(self, conversation_id: str, owner: str) -> ConversationRecord | None:
-        raw = await self.store.get(f"conversation:{conversation_id}")
-        if raw is None:
-            return None
-        record = _decoder.decode(raw)
-        return record if record.owner == owner else None
+        return await self.store.get_owned(f"conversation:{conversation_id}", _decoder, owner)
 
     async def find(self, conversation_id: str, owner: str, param: str | None = None
                    ) -> ConversationRecord:

@@ -103,11 +103,7 @@ class ResponseRecords:
         self.ttl_s = ttl_s
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
-        raw = await self.store.get(f"response:{response_id}")
-        if raw is None:
-            return None
-        stored = _decoder.decode(raw)
-        return stored if stored.owner == owner else None
+        return await self.store.get_owned(f"response:{response_id}", _decoder, owner)
 
     async def find(self, response_id: str, owner: str, param: str | None = None
                    ) -> StoredResponse:

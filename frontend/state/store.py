@@ -70,6 +70,15 @@ class StateStore:
                   counted: bool = False) -> None:
         raise NotImplementedError
 
+    async def get_owned(self, key: str, decoder, owner: str | None):
+        """The record at `key` decoded, if `owner` owns it (None: whoever does); else None,
+        so another API key's object reads as missing (a 404), as OpenAI's API does."""
+        raw = await self.get(key)
+        if raw is None:
+            return None
+        record = decoder.decode(raw)
+        return record if owner is None or record.owner == owner else None
+
     async def delete(self, key: str) -> bool:
         raise NotImplementedError
 

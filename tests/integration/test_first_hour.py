@@ -173,7 +173,8 @@ def test_ctrl_c_drains_names_sigint_and_leaves_no_socket_files(first_hour):
     health = _health(url)
     assert health.headers["retry-after"] == "1" and health.headers["connection"] == "close"
     running.join(180)
-    assert answer["response"].status_code == 200  # in flight: it finished
+    assert answer["response"].status_code == 200, (  # in flight: it finished
+        answer["response"].text, proc.log()[-4000:])
     assert proc.popen.wait(60) == 0
     log = proc.log()
     assert "sluice: SIGINT: stopping" in log and "sluice.frontend: SIGINT: draining" in log
