@@ -339,18 +339,22 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
         procs = spawn_ranks(config, rdv)  # they load while this process does
         tp, cmd_group = connect(rdv, device, shard)
     started = time.monotonic()
-    try:  # a missing or misshapen tensor: named
-        weights = load_weights(config.model, model_config, torch.float32,
-                               pooling=pooling is not None, shard=shard, map_experts_as=dtype)
-    except ValueError as exc:
-        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     try:
         ops = make_ops(choice.name, device, config.batch_invariant)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     # The checkpoint's quantized blocks are whole rows of whole tensors: not used by a shard.
-    quantized = (load_quantized_weights(config.model, model_config)
-                 if device.type == "cpu" and rdv is None else {})
+    blocks = device.type == "cpu" and rdv is None
+    # A GGUF MoE's experts stored in blocks the ops multiply at every row count are not
+    # dequantized at all: experts are most of such a model's bytes.
+    experts_as_blocks = dtype if blocks and ops.multiplies_blocks(dtype) else None
+    try:  # a missing or misshapen tensor: named
+        weights = load_weights(config.model, model_config, torch.float32,
+                               pooling=pooling is not None, shard=shard, map_experts_as=dtype,
+                               experts_as_blocks=experts_as_blocks)
+    except ValueError as exc:
+        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
+    quantized = load_quantized_weights(config.model, model_config) if blocks else {}
     try:
         model = build_model(local, weights, max_model_len, dtype, device, ops=ops,
                             quantized=quantized, tp=tp)

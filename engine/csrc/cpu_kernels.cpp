@@ -1568,6 +1568,43 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
   return out;
 }
 
+// A pack_blocks weight as a dense float32 [out, in]: the very values quantized_linear reads
+// (gguf-py's float32 weights, exactly), for a caller that multiplies many rows by one
+// expert with a dense matmul and holds the dense copy only for that call. The SIMD builds
+// unpack as the linear's column tiles do; the scalar build reads each weight alone.
+template <int64_t LAYOUT>
+void dequantize_rows(const uint8_t* wp, int64_t row_bytes, int64_t rows, int64_t k, float* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__) || defined(SLUICE_AVX2)
+    unpack_cols<Quant<LAYOUT>, float>(wp + begin * row_bytes, row_bytes, end - begin, k,
+                                      out + begin * k);
+#else
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < k / kBlock; ++b)
+        for (int j = 0; j < kBlock; ++j)
+          out[r * k + b * kBlock + j] = Quant<LAYOUT>::weight(
+              wp + r * row_bytes + b * Quant<LAYOUT>::block_bytes, j);
+#endif
+  });
+}
+
+torch::Tensor dequantize_blocks(const torch::Tensor& packed, int64_t kind) {
+  check_kind(kind);
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.dim() == 2 && packed.size(1) % packed_block_bytes(kind) == 0,
+              "weights must be pack_blocks' contiguous uint8 [out, in / 32 * packed bytes]");
+  const int64_t rows = packed.size(0), k = packed.size(1) / packed_block_bytes(kind) * kBlock;
+  auto out = torch::empty({rows, k}, packed.options().dtype(torch::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (layout_of(kind)) {
+    case kNibbles: dequantize_rows<kNibbles>(wp, packed.size(1), rows, k, op); break;
+    case kBytes: dequantize_rows<kBytes>(wp, packed.size(1), rows, k, op); break;
+    case kScaledBytes: dequantize_rows<kScaledBytes>(wp, packed.size(1), rows, k, op); break;
+  }
+  return out;
+}
+
 // The batch-invariant mode's linear over a dense weight of x's dtype: the quantized
 // linear's arithmetic with weights read as they are.
 // A bfloat16 weight under a float32 x is widened block by block in the kernel (exact): the
@@ -1606,6 +1643,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("blocks"), py::arg("kind"), py::arg("as_kind") = -1);
   m.def("quantized_linear", &quantized_linear,
         "x @ W^T with W from pack_blocks (the same kind)");
+  m.def("dequantize_blocks", &dequantize_blocks,
+        "W from pack_blocks (of kind) as a dense float32 [out, in]: the weights "
+        "quantized_linear reads");
   m.attr("bf16_quantized") = kHasBf16Dot;
   // The vector path this build runs (tests check they load the build they mean to).
 #if defined(__AVX512F__)

@@ -71,7 +71,10 @@ class LlamaModel:
         self.ops = ops or TorchOps()
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(dtype=dtype, device=device)
+            tensor = weights[name]
+            if tensor.is_meta:  # an expert held only as the checkpoint's blocks: no bytes
+                return tensor
+            return tensor.to(dtype=dtype, device=device)
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")

@@ -120,11 +120,14 @@ class MoeBlock:
             experts.extend(w if isinstance(w, tuple) else (w,))
         return experts + shared
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k], as the checkpoint's
-        transformers router computes them."""
+        transformers router computes them. Through ops.linear where given: in the
+        batch-invariant mode a token's logits, so its experts, must not depend on the batch
+        (F.linear's blocking does: a row routed alone and among 40 got other weights)."""
         c = self.config
-        logits = F.linear(x, self.router, self.router_bias)
+        linear = ops.linear if ops is not None else F.linear
+        logits = linear(x, self.router, self.router_bias)
         if c.routing == "topk_softmax":  # gpt-oss: softmax over the chosen k logits
             top, experts = torch.topk(logits, c.top_k, dim=-1)
             return experts, F.softmax(top, dim=-1, dtype=top.dtype)
@@ -136,7 +139,7 @@ class MoeBlock:
 
     def __call__(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: [T, hidden], normed -> [T, hidden]."""
-        experts, weights = self.route(x)
+        experts, weights = self.route(x, ops)
         if self.per_token:
             run = self.per_token_experts
         elif self.stacks is not None and x.is_cuda and x.dtype == torch.bfloat16:
@@ -258,9 +261,20 @@ class MoeModel(LlamaModel):
                          shared=shared)
         return dict(gate_up_weight=None, down_weight=None, moe=block)
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # An expert loaded as blocks only (load_weights' experts_as_blocks) has no other
+        # weights: the ops must hold its blocks, or its first matmul would fail mid-serving.
+        for i, layer in enumerate(self.layers):
+            weights = layer.moe.linear_weights() if layer.moe is not None else []
+            if any(w.is_meta and not self.ops.holds_blocks(w) for w in weights):
+                raise ValueError(f"layer {i}'s experts were loaded as GGUF blocks, but the "
+                                 f"{self.ops.name} ops do not hold their blocks")
+
     def _attach_quantized(self, quantized) -> None:
         """Besides the dense linears', each expert's blocks (a GGUF's ffn_*_exps stored in a
-        kind the CPU kernels take): the ops multiply an expert's few decode rows by them."""
+        kind the CPU kernels take): the ops multiply an expert's rows by them (all of them,
+        where the expert was loaded as blocks only; else the few of a decode step)."""
         super()._attach_quantized(quantized)
         names = self.names
         for i, layer in enumerate(self.layers):

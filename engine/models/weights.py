@@ -59,6 +59,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def load_weights(
     model_path: str, config: ModelConfig, dtype: torch.dtype, pooling: bool = False,
     shard=None, map_experts_as: torch.dtype | None = None,
+    experts_as_blocks: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load all weights of a `.gguf` file or HF safetensors folder as `dtype` tensors.
 
@@ -70,7 +71,13 @@ def load_weights(
     map_experts_as: the dtype the model computes in. A safetensors checkpoint's MoE expert
     tensors stored in it are left in the file, memory-mapped (see `in_mapped_file`), not
     copied as `dtype`: experts are most of an MoE model's bytes, and the page cache holds
-    them once however many times they are mapped. Not with a shard."""
+    them once however many times they are mapped. Not with a shard.
+    experts_as_blocks: the dtype the model computes in, where its ops multiply a GGUF's
+    block-quantized experts themselves (CpuKernelOps.multiplies_blocks). A layer whose
+    stacked experts (ffn_*_exps) are all stored in a BLOCK_KINDS kind is then not
+    dequantized: each expert's weight is a meta tensor of that dtype and its shape, holding
+    no bytes, which the model hands to the ops with the expert's blocks
+    (load_quantized_weights). Not with a shard."""
     expected = expected_shapes(config)
 
     def take(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -81,7 +88,8 @@ def load_weights(
         return shard.take(name, tensor)
 
     if model_path.endswith(".gguf"):
-        weights = _load_gguf(model_path, config, expected, dtype, take)
+        blocks_as = experts_as_blocks if shard is None else None
+        weights = _load_gguf(model_path, config, expected, dtype, take, blocks_as)
     else:
         rename = _text_name_of(config)
         if pooling:
@@ -125,7 +133,8 @@ def _family_names(config: ModelConfig) -> dict[str, str]:
     return {**_GGUF_LAYER_NAMES, **family_of(config).gguf_layer_names}
 
 
-def _load_gguf(path, config, expected, dtype, take) -> dict[str, torch.Tensor]:
+def _load_gguf(path, config, expected, dtype, take, experts_as_blocks=None
+               ) -> dict[str, torch.Tensor]:
     from engine.models.registry import family_of  # the registry imports the model modules
 
     weights = {}
@@ -140,16 +149,24 @@ def _load_gguf(path, config, expected, dtype, take) -> dict[str, torch.Tensor]:
                 raise ValueError(f"unexpected GGUF tensor for {name!r}")
             weights[name] = take(name, _to_torch(array, dtype))
         return weights
-    for tensor in gguf_reader(path).tensors:
+    tensors = gguf_reader(path).tensors
+    as_blocks = _block_expert_layers(tensors) if experts_as_blocks is not None else set()
+    for tensor in tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
         experts = _expert_names(tensor.name, int(tensor.shape[-1]))  # ggml: experts last
         if experts is not None:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             unexpected = [name for name in experts if name not in expected]
             if unexpected:
                 raise ValueError(f"unexpected GGUF tensor {tensor.name!r} (no "
                                  f"{unexpected[0]} in this model)")
+            if tensor.name.split(".")[1] in as_blocks:
+                # Shape-checked like the rest; the bytes stay the file's blocks.
+                shape = tuple(int(n) for n in reversed(tensor.shape[:-1]))  # ggml: reversed
+                weights.update({name: torch.empty(shape, dtype=experts_as_blocks,
+                                                  device="meta") for name in experts})
+                continue
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             weights.update({name: take(name, _to_torch(array[e], dtype))
                             for e, name in enumerate(experts)})
             continue
@@ -209,6 +226,18 @@ def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, Qu
         rows = _undo_rope_permute(np.asarray(tensor.data), tensor.name, config)
         found[name] = QuantizedWeight(kind, torch.from_numpy(np.ascontiguousarray(rows).copy()))
     return found
+
+
+def _block_expert_layers(tensors) -> set[str]:
+    """The layers (GGUF block numbers, as text) whose stacked expert tensors are all stored
+    in a kind the CPU kernels multiply (BLOCK_KINDS): one expert's gate, up and down then
+    all come from blocks, never half from a dequantized copy."""
+    kinds: dict[str, set[bool]] = {}
+    for tensor in tensors:
+        if _expert_names(tensor.name, 0) is not None:
+            layer = tensor.name.split(".")[1]
+            kinds.setdefault(layer, set()).add(tensor.tensor_type.name in BLOCK_KINDS)
+    return {layer for layer, found in kinds.items() if found == {True}}
 
 
 def _expert_names(gguf_name: str, count: int) -> list[str] | None:

@@ -16,13 +16,14 @@ import tempfile
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.build import build_engine
 from engine.cpu_kernels import kernels
 from engine.models.config import load_model_config
-from engine.models.ops import CpuKernelOps
+from engine.models.ops import BLOCKS_ONLY_MAX_ROWS, CpuKernelOps
 from engine.models.registry import build_model
 from engine.models.weights import BLOCK_KINDS, load_quantized_weights, load_weights
 from shared.config import EngineConfig
@@ -628,10 +629,13 @@ def test_moe_gguf(tmp_path, case, arch, dense_layers):
 
 @pytest.mark.parametrize(("case", "arch"), [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe")])
 def test_moe_gguf_experts_multiply_as_blocks(tmp_path, case, arch):
-    """A GGUF whose stacked experts are Q8_0: on CPU each expert's gate+up and down are
-    held as its slice of the stacked blocks (views of one copy) and small batches are
-    multiplied by them, with the greedy tokens (and logits within float32 summation order)
-    of the same file loaded dequantized on plain torch."""
+    """A GGUF whose stacked experts are Q8_0, loaded as build_engine loads it on CPU: each
+    expert is only its blocks (a meta tensor stands for the weight: no dequantized copy),
+    multiplied by the kernel up to BLOCKS_ONLY_MAX_ROWS rows and past it by F.linear over
+    that expert dequantized for the call (the dense load's very weights, so the same bits).
+    Greedy tokens, and logits within float32 summation order, are the same file's loaded
+    dequantized on plain torch, in chunks of 8 and in one prefill of every prompt (many
+    rows an expert)."""
     import gguf
 
     compiled = kernels()
@@ -645,26 +649,35 @@ def test_moe_gguf_experts_multiply_as_blocks(tmp_path, case, arch):
     config = load_model_config(path)
     quantized = load_quantized_weights(path, config)
     ops = CpuKernelOps(compiled)
-    weights = load_weights(path, config, torch.float32)
+    assert ops.multiplies_blocks(torch.float32)
+    weights = load_weights(path, config, torch.float32, experts_as_blocks=torch.float32)
+    dense = load_weights(path, config, torch.float32)  # the reference: dequantized
     model = build_model(config, weights, 64, torch.float32, CPU, ops=ops, quantized=quantized)
-    moe = next(layer.moe for layer in model.layers if layer.moe is not None)
     layer = next(i for i, layer in enumerate(model.layers) if layer.moe is not None)
-    x = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    moe = model.layers[layer].moe
+    x = torch.randn(BLOCKS_ONLY_MAX_ROWS + 24, config.hidden_size,
+                    generator=torch.Generator().manual_seed(0))
     for e in range(config.moe.num_experts):
-        q = quantized[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"]
+        p = f"model.layers.{layer}.mlp.experts.{e}."
+        q = quantized[p + "down_proj.weight"]
         assert q.kind == BLOCK_KINDS["Q8_0"] and q.blocks.dtype == torch.uint8
-        stacked = quantized[f"model.layers.{layer}.mlp.experts.0.down_proj.weight"].blocks
-        assert q.blocks.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+        want = {id(moe.gate_up.weights[e]): torch.cat([dense[p + "gate_proj.weight"],
+                                                       dense[p + "up_proj.weight"]]),
+                id(moe.down.weights[e]): dense[p + "down_proj.weight"]}
         for weight in (moe.gate_up.weights[e], moe.down.weights[e]):
-            blocks = ops._quantized[id(weight)]  # held as blocks, multiplied by the kernel
-            rows = x[:, : weight.shape[1]].contiguous()
-            assert torch.equal(ops.linear(rows, weight),
-                               compiled.quantized_linear(rows, blocks.blocks, blocks.kind))
-    tokens, logits, _ = _run(path, ref.prompts, "together", compiled, quantized=True)
-    want_tokens, want_logits, _ = _run(path, ref.prompts, "together")
-    assert tokens == want_tokens
-    for got, want in zip(logits, want_logits, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+            assert weight.is_meta  # no bytes: the loader kept no dequantized copy
+            blocks = ops._quantized[id(weight)]
+            few = x[:BLOCKS_ONLY_MAX_ROWS, : weight.shape[1]].contiguous()
+            assert torch.equal(ops.linear(few, weight),
+                               compiled.quantized_linear(few, blocks.blocks, blocks.kind))
+            many = x[:, : weight.shape[1]]
+            assert torch.equal(ops.linear(many, weight), F.linear(many, want[id(weight)]))
+    for mode in ("together", "single-chunk"):
+        tokens, logits, _ = _run(path, ref.prompts, mode, compiled, quantized=True)
+        want_tokens, want_logits, _ = _run(path, ref.prompts, mode)
+        assert tokens == want_tokens, mode
+        for got, want in zip(logits, want_logits, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_llama3_gguf_reads_rope_freqs(tmp_path):

@@ -195,9 +195,12 @@ def _build_core(
     compiled: the CPU kernels module to run with, or None for plain torch ops; quantized:
     hand the model a GGUF's block-quantized weights, as build_engine does."""
     config = load_model_config(path)
-    # Experts left in the memory-mapped checkpoint, as build_engine leaves them.
-    weights = load_weights(path, config, torch.float32, map_experts_as=torch.float32)
     ops = CpuKernelOps(compiled) if compiled is not None else None
+    # Experts left in the memory-mapped checkpoint, as build_engine leaves them; a GGUF's
+    # block experts, where the kernels take them, not dequantized at all.
+    as_blocks = torch.float32 if quantized and ops is not None else None
+    weights = load_weights(path, config, torch.float32, map_experts_as=torch.float32,
+                           experts_as_blocks=as_blocks)
     blocks = load_quantized_weights(path, config) if quantized else None
     model = build_model(config, weights, MAX_MODEL_LEN, torch.float32, CPU, ops=ops,
                         quantized=blocks)
