@@ -56,7 +56,7 @@ def best(step, repeats: int) -> tuple[float, float]:
     return cpu * 1e3, wall * 1e3
 
 
-def measure(path: str, mode: str, isa: str, repeats: int) -> dict:
+def measure(path: str, mode: str, isa: str, repeats: int, dtype: torch.dtype) -> dict:
     """One mode's numbers (run in a process of its own)."""
     import engine.models.ops as ops_module
     from engine.cpu_kernels import kernels_for
@@ -66,10 +66,11 @@ def measure(path: str, mode: str, isa: str, repeats: int) -> dict:
 
     compiled = kernels_for(isa)
     if mode == "kernel":
-        ops_module.BLOCKS_ONLY_MAX_ROWS = 1 << 30
+        ops_module.BLOCKS_ONLY_MAX_ROWS = ops_module.BLOCKS_ONLY_MAX_ROWS_BF16 = 1 << 30
     gc.collect()
     bare = anon_rss()
-    core, _ = engine_core(path, compiled, blocks_only=mode != "dense", max_len=512, budget=256)
+    core, _ = engine_core(path, compiled, dtype, blocks_only=mode != "dense", max_len=512,
+                          budget=256)
     gc.collect()
     loaded = anon_rss() - bare
     held = _held_bytes(core.runner.model)
@@ -93,9 +94,9 @@ def measure(path: str, mode: str, isa: str, repeats: int) -> dict:
                 decode_cpu=decode_cpu / 16, decode_wall=decode_wall / 16)
 
 
-def crossover(isa: str, repeats: int) -> None:
+def crossover(isa: str, repeats: int, dtype: torch.dtype) -> None:
     """One expert's gate+up (Q4_K) and down (Q6_K) at each row count: the block kernel
-    against dequantizing it for the call and F.linear, thread CPU ms."""
+    against dequantizing it for the call (rounded to `dtype`) and F.linear, thread CPU ms."""
     from engine.cpu_kernels import kernels_for
     from engine.models.ops import ANY_KIND_LAYOUT
     from engine.models.weights import BLOCK_KINDS
@@ -108,21 +109,21 @@ def crossover(isa: str, repeats: int) -> None:
     down = k.pack_blocks(torch.from_numpy(random_blocks("Q6_K", hidden, ffn, 2)),
                          BLOCK_KINDS["Q6_K"])
     print(f"\n{isa} build, {torch.get_num_threads()} thread(s): one expert's gate+up "
-          f"[{2 * ffn}, {hidden}] Q4_K then down [{hidden}, {ffn}] Q6_K, float32 rows, "
+          f"[{2 * ffn}, {hidden}] Q4_K then down [{hidden}, {ffn}] Q6_K, {dtype} rows, "
           "thread CPU ms (best of %d)\n" % repeats)
     print("| rows | block kernel | dequantize + F.linear |")
     print("|---:|---:|---:|")
     for rows in (4, 8, 16, 24, 32, 64, 128, 256):
-        x = torch.randn(rows, hidden)
-        h = torch.randn(rows, ffn)
+        x = torch.randn(rows, hidden).to(dtype)
+        h = torch.randn(rows, ffn).to(dtype)
 
         def kernel(x=x, h=h):
             k.quantized_linear(x, gate_up, q4k)
             k.quantized_linear(h, down, ANY_KIND_LAYOUT)
 
         def dense(x=x, h=h):
-            F.linear(x, k.dequantize_blocks(gate_up, q4k))
-            F.linear(h, k.dequantize_blocks(down, ANY_KIND_LAYOUT))
+            F.linear(x, k.dequantize_blocks(gate_up, q4k).to(dtype))
+            F.linear(h, k.dequantize_blocks(down, ANY_KIND_LAYOUT).to(dtype))
 
         print(f"| {rows} | {best(kernel, repeats)[0]:.2f} | {best(dense, repeats)[0]:.2f} |")
 
@@ -134,14 +135,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["dense", "blocks", "kernel"])
     parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's (and --crossover's rows')")
     parser.add_argument("--one", nargs=2, metavar=("PATH", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.one:  # the child: one mode, JSON out
-        print(json.dumps(measure(*args.one, args.isa, args.repeats)))
+        print(json.dumps(measure(*args.one, args.isa, args.repeats, getattr(torch, args.dtype))))
         return
     if args.crossover:
-        crossover(args.isa, args.repeats)
+        crossover(args.isa, args.repeats, getattr(torch, args.dtype))
         return
     from tests.unit.kquant_builders import MoeShape, write_moe_kquant
 
@@ -153,11 +156,12 @@ def main() -> None:
         for mode in args.modes:
             out = subprocess.run(
                 [sys.executable, __file__, "--one", path, mode, "--isa", args.isa,
-                 "--threads", str(args.threads), "--repeats", str(args.repeats)],
+                 "--threads", str(args.threads), "--repeats", str(args.repeats),
+                 "--dtype", args.dtype],
                 check=True, capture_output=True, text=True).stdout
             rows[mode] = json.loads(out.strip().splitlines()[-1])
     mb = 1 << 20
-    print(f"qwen3moe {SHAPE}, file {size / mb:.1f} MiB; {args.isa} build, "
+    print(f"qwen3moe {SHAPE}, file {size / mb:.1f} MiB; {args.dtype}, {args.isa} build, "
           f"{args.threads} thread(s)\n")
     print("| experts | anon RSS above bare (MiB) | tensors held (MiB) | prefill 256 tokens "
           "(ms, CPU / wall) | decode 1 sequence (ms a token, CPU / wall) |")

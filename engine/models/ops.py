@@ -137,7 +137,7 @@ QUANTIZED_MAX_ROWS_FLOAT32 = 16
 # scratch tensor for that call and F.linear runs over it (docs/benchmarks.md, "GGUF MoE
 # experts as blocks"). The batch-invariant mode always takes the kernel.
 BLOCKS_ONLY_MAX_ROWS = 16
-BLOCKS_ONLY_MAX_ROWS_BF16 = 4
+BLOCKS_ONLY_MAX_ROWS_BF16 = 128
 # Rows up to which a widened (bfloat16-held) weight is multiplied by the kernel, which reads
 # the bfloat16 weights; past it (prefill chunks, big batches) F.linear over a float32 copy
 # made per call costs less than the kernel's float32 tiles.

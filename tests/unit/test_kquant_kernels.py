@@ -225,7 +225,9 @@ def _held_bytes(root) -> int:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if not obj.is_meta:
+            if obj.is_mkldnn:  # a oneDNN-prepacked weight (bfloat16): no storage to share
+                storages[("mkldnn", id(obj))] = obj.numel() * obj.element_size()
+            elif not obj.is_meta:
                 storage = obj.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
         elif isinstance(obj, dict):
