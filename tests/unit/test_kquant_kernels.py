@@ -12,8 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.config import load_model_config
-from engine.models.ops import ANY_KIND_LAYOUT, QUANTIZED_MAX_ROWS_FLOAT32, CpuKernelOps
-from engine.models.weights import BLOCK_KINDS, load_quantized_weights
+from engine.models.ops import (
+    ANY_KIND_LAYOUT,
+    BLOCKS_ONLY_MAX_ROWS_BF16,
+    QUANTIZED_MAX_ROWS_FLOAT32,
+    CpuKernelOps,
+)
+from engine.models.weights import BLOCK_KINDS, load_quantized_weights, load_weights
 from tests.unit.engine_builders import drain, request
 from tests.unit.kquant_builders import (
     LlamaShape,
@@ -308,3 +313,22 @@ def test_moe_experts_as_blocks_are_batch_invariant(compiled, moe_file):
     together = moe(x, ops)
     for row in (0, 17, 39):
         assert torch.equal(moe(x[row : row + 1], ops), together[row : row + 1]), row
+
+
+def test_moe_experts_as_blocks_in_bfloat16(compiled, moe_file):
+    """A bfloat16 model (where the kernels have bf16 dot products): an expert's rows go
+    through the block kernel up to BLOCKS_ONLY_MAX_ROWS_BF16, and past it through F.linear
+    over the expert dequantized and rounded to bfloat16 as a dense load rounds it (the
+    same bits as the dense model's matmul)."""
+    if not compiled.bf16_quantized:
+        pytest.skip("no AVX512-BF16 here: a bfloat16 model's experts load dequantized")
+    core, ops = engine_core(moe_file, compiled, torch.bfloat16)
+    weight = core.runner.model.layers[1].moe.down.weights[2]
+    assert weight.is_meta and weight.dtype == torch.bfloat16
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    dense = load_weights(moe_file, load_model_config(moe_file), torch.float32)[name]
+    many = torch.randn(BLOCKS_ONLY_MAX_ROWS_BF16 + 1, MOE.expert_ffn).bfloat16()
+    assert torch.equal(ops.linear(many, weight), F.linear(many, dense.bfloat16()))
+    few, blocks = many[:BLOCKS_ONLY_MAX_ROWS_BF16], ops._quantized[id(weight)]
+    assert torch.equal(ops.linear(few, weight),
+                       compiled.quantized_linear(few, blocks.blocks, blocks.kind))
