@@ -261,16 +261,6 @@ class MoeModel(LlamaModel):
                          shared=shared)
         return dict(gate_up_weight=None, down_weight=None, moe=block)
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        # An expert loaded as blocks only (load_weights' experts_as_blocks) has no other
-        # weights: the ops must hold its blocks, or its first matmul would fail mid-serving.
-        for i, layer in enumerate(self.layers):
-            weights = layer.moe.linear_weights() if layer.moe is not None else []
-            if any(w.is_meta and not self.ops.holds_blocks(w) for w in weights):
-                raise ValueError(f"layer {i}'s experts were loaded as GGUF blocks, but the "
-                                 f"{self.ops.name} ops do not hold their blocks")
-
     def _attach_quantized(self, quantized) -> None:
         """Besides the dense linears', each expert's blocks (a GGUF's ffn_*_exps stored in a
         kind the CPU kernels take): the ops multiply an expert's rows by them (all of them,

@@ -140,17 +140,25 @@ def _load_gguf(path, config, expected, dtype, take, experts_as_blocks=None
     weights = {}
     layer_names = _family_names(config)
     regroup = family_of(config).gguf_tensors
+    tensors = gguf_reader(path).tensors
+    as_blocks = _block_expert_layers(tensors) if experts_as_blocks is not None else set()
     if regroup is not None:  # a family whose file holds its tensors in another grouping
-        arrays = {t.name: gguf.quants.dequantize(t.data, t.tensor_type)
-                  for t in gguf_reader(path).tensors if t.name not in _GGUF_CONFIG_TENSORS}
+        arrays = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in tensors
+                  if t.name not in _GGUF_CONFIG_TENSORS and not _as_blocks(t.name, as_blocks)}
         named = regroup(arrays, lambda name: gguf_hf_name(name, layer_names))
         for name, array in named.items():
             if name not in expected:
                 raise ValueError(f"unexpected GGUF tensor for {name!r}")
             weights[name] = take(name, _to_torch(array, dtype))
+        # The experts left as blocks: their stacked weights, in the checkpoint's grouping,
+        # stand as meta tensors (the model views each expert of them; the ops hold the
+        # blocks, or the model refuses to start).
+        for layer in as_blocks:
+            prefix = f"model.layers.{layer}.mlp.experts."
+            weights.update({name: torch.empty(shape, dtype=experts_as_blocks, device="meta")
+                            for name, shape in expected.items() if name.startswith(prefix)
+                            and name not in weights and not name.endswith("bias")})
         return weights
-    tensors = gguf_reader(path).tensors
-    as_blocks = _block_expert_layers(tensors) if experts_as_blocks is not None else set()
     for tensor in tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
@@ -160,7 +168,7 @@ def _load_gguf(path, config, expected, dtype, take, experts_as_blocks=None
             if unexpected:
                 raise ValueError(f"unexpected GGUF tensor {tensor.name!r} (no "
                                  f"{unexpected[0]} in this model)")
-            if tensor.name.split(".")[1] in as_blocks:
+            if _as_blocks(tensor.name, as_blocks):
                 # Shape-checked like the rest; the bytes stay the file's blocks.
                 shape = tuple(int(n) for n in reversed(tensor.shape[:-1]))  # ggml: reversed
                 weights.update({name: torch.empty(shape, dtype=experts_as_blocks,
@@ -182,8 +190,8 @@ def _load_gguf(path, config, expected, dtype, take, experts_as_blocks=None
 # GGUF block formats the CPU kernels multiply in place (engine/csrc/cpu_kernels.cpp),
 # by the kernel's number for them: Q4_1 and Q8_0 (32-weight blocks), and the k-quants of
 # most GGUF files on the Hub (256-weight blocks: Q4_K_M files hold Q4_K and Q6_K, Q5_K_M
-# files Q5_K and Q6_K).
-BLOCK_KINDS = {"Q4_1": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+# files Q5_K and Q6_K), and MXFP4 (32-weight blocks: gpt-oss files' experts).
+BLOCK_KINDS = {"Q4_1": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
 
 
 class QuantizedWeight(msgspec.Struct, frozen=True):
@@ -201,15 +209,11 @@ def load_quantized_weights(model_path: str, config: ModelConfig) -> dict[str, Qu
     anything else."""
     if not model_path.endswith(".gguf"):
         return {}
-    from engine.models.registry import family_of  # the registry imports the model modules
-
     found = {}
     layer_names = _family_names(config)
-    # A family that regroups its file's tensors (gpt-oss) loads its experts dequantized.
-    per_expert = family_of(config).gguf_tensors is None
     for tensor in gguf_reader(model_path).tensors:
         kind = BLOCK_KINDS.get(tensor.tensor_type.name)
-        if kind is not None and len(tensor.shape) == 3 and per_expert:
+        if kind is not None and len(tensor.shape) == 3:
             experts = _expert_names(tensor.name, tensor.data.shape[0])
             if experts is not None:
                 # [experts, out, row bytes], mapped copy-on-write (never written): the page
@@ -234,10 +238,17 @@ def _block_expert_layers(tensors) -> set[str]:
     all come from blocks, never half from a dequantized copy."""
     kinds: dict[str, set[bool]] = {}
     for tensor in tensors:
-        if _expert_names(tensor.name, 0) is not None:
+        if _expert_names(tensor.name, 0) is not None and tensor.name.endswith(".weight"):
             layer = tensor.name.split(".")[1]
             kinds.setdefault(layer, set()).add(tensor.tensor_type.name in BLOCK_KINDS)
     return {layer for layer, found in kinds.items() if found == {True}}
+
+
+def _as_blocks(gguf_name: str, layers: set[str]) -> bool:
+    """Whether `gguf_name` is a stacked expert weight of one of `layers` (from
+    _block_expert_layers): left as its blocks, not dequantized."""
+    return (gguf_name.endswith(".weight") and _expert_names(gguf_name, 0) is not None
+            and gguf_name.split(".")[1] in layers)
 
 
 def _expert_names(gguf_name: str, count: int) -> list[str] | None:

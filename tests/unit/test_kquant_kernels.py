@@ -105,8 +105,8 @@ def test_the_avx2_linear_sums_as_the_avx512_one(name):
 
 
 def _blocks_of(name: str, rows: int, k: int, seed: int):
-    """(blocks, reference weights) of any kind: k-quants from random bytes, Q4_1 and Q8_0
-    from gguf-py's quantizer."""
+    """(blocks, reference weights) of any kind: k-quants from random bytes, Q4_1, Q8_0 and
+    MXFP4 (gpt-oss's experts) from gguf-py's quantizer."""
     if name in KQUANTS:
         blocks = random_blocks(name, rows, k, seed)
     else:
@@ -115,7 +115,7 @@ def _blocks_of(name: str, rows: int, k: int, seed: int):
     return torch.from_numpy(blocks), reference(blocks, name)
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", *KQUANTS])
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "MXFP4", *KQUANTS])
 def test_every_kind_packs_into_the_layout_of_q6_k(compiled, name):
     """A fused weight whose parts differ in kind (Q4_K_M's q/k/v) is packed part by part
     into Q6_K's layout, which takes every kind's float32 weights exactly."""
@@ -130,7 +130,7 @@ def test_every_kind_packs_into_the_layout_of_q6_k(compiled, name):
 
 def test_the_kernels_refuse_what_they_cannot_take(compiled):
     blocks = torch.from_numpy(random_blocks("Q4_K", 4, 512, seed=1))
-    for kind in (-1, 5):
+    for kind in (-1, 6):
         with pytest.raises(RuntimeError, match="kind must be"):
             compiled.pack_blocks(blocks, kind)
     with pytest.raises(RuntimeError, match="blocks must be"):  # not whole Q6_K blocks
@@ -140,7 +140,7 @@ def test_the_kernels_refuse_what_they_cannot_take(compiled):
             compiled.pack_blocks(_blocks_of(name, 4, 512, 1)[0], BLOCK_KINDS[name],
                                  BLOCK_KINDS[as_name])
     with pytest.raises(RuntimeError, match="kind must be"):
-        compiled.pack_blocks(blocks, BLOCK_KINDS["Q4_K"], 5)
+        compiled.pack_blocks(blocks, BLOCK_KINDS["Q4_K"], 6)
     packed = compiled.pack_blocks(blocks, BLOCK_KINDS["Q4_K"])
     with pytest.raises(RuntimeError, match="pack_blocks"):  # x as wide as half the blocks
         compiled.quantized_linear(torch.randn(2, 256), packed, BLOCK_KINDS["Q4_K"])
@@ -193,7 +193,7 @@ def test_a_q4_k_m_file_decodes_through_the_blocks_as_the_dequantized_model(compi
     assert len({tuple(t) for t in want}) == len(prompts)  # not one degenerate answer
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", *KQUANTS])
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "MXFP4", *KQUANTS])
 def test_dequantized_blocks_are_the_reference_float32(compiled, name):
     """dequantize_blocks (an expert's weights for one big F.linear) gives gguf-py's float32
     weights exactly, from the kind's own layout and from Q6_K's."""
@@ -205,7 +205,7 @@ def test_dequantized_blocks_are_the_reference_float32(compiled, name):
     with pytest.raises(RuntimeError, match="pack_blocks"):  # not whole packed blocks
         compiled.dequantize_blocks(packed[:, :-1].contiguous(), ANY_KIND_LAYOUT)
     with pytest.raises(RuntimeError, match="kind must be"):
-        compiled.dequantize_blocks(packed, 5)
+        compiled.dequantize_blocks(packed, 6)
 
 
 # ------------------------------------------ a tiny Q4_K_M-style MoE: experts as blocks only
@@ -332,3 +332,14 @@ def test_moe_experts_as_blocks_in_bfloat16(compiled, moe_file):
     few, blocks = many[:BLOCKS_ONLY_MAX_ROWS_BF16], ops._quantized[id(weight)]
     assert torch.equal(ops.linear(few, weight),
                        compiled.quantized_linear(few, blocks.blocks, blocks.kind))
+
+
+def test_experts_as_blocks_without_the_ops_to_hold_them_are_refused(moe_file):
+    """Experts loaded as blocks alone under ops that hold no blocks (plain torch) would fail
+    at their first matmul: the model refuses to build, naming the layer."""
+    from engine.models.registry import build_model
+
+    config = load_model_config(moe_file)
+    weights = load_weights(moe_file, config, torch.float32, experts_as_blocks=torch.float32)
+    with pytest.raises(ValueError, match="layer 0's experts were loaded as GGUF blocks"):
+        build_model(config, weights, 64, torch.float32, torch.device("cpu"))

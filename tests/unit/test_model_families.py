@@ -889,6 +889,19 @@ def test_gpt_oss_gguf(tmp_path):
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
         assert tokens[i] == ref.tokens[i]
+    if kernels() is None:
+        return
+    # On CPU with the kernels the MXFP4 experts are held as their blocks alone (meta
+    # weights), multiplied by the kernel or dequantized per call past the row cut: the
+    # same tokens, in chunks of 8 rows and in one prefill of every prompt.
+    weights = load_weights(path, config, torch.float32, experts_as_blocks=torch.float32)
+    assert weights["model.layers.0.mlp.experts.gate_up_proj"].is_meta
+    assert not weights["model.layers.0.mlp.experts.gate_up_proj_bias"].is_meta
+    for mode in ("together", "single-chunk"):
+        tokens, logits, _ = _run(path, ref.prompts, mode, kernels(), quantized=True)
+        for i in range(len(ref.prompts)):
+            torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+            assert tokens[i] == ref.tokens[i], mode
 
 
 @pytest.mark.parametrize(("arch", "layers", "globals_", "scalar"), [
