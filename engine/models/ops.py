@@ -222,7 +222,7 @@ class CpuKernelOps(TorchOps):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         quantized = self._quantized.get(id(weight))
-        if weight.is_meta:  # held as blocks only (MoeModel checked that there are blocks)
+        if weight.is_meta:  # held as blocks only (LlamaModel checked that there are blocks)
             return self._blocks_only_linear(x, quantized, bias)
         if id(weight) in self._widened and quantized is None:
             return self._widened_linear(x, weight, bias)
