@@ -330,15 +330,21 @@ def _load(config: EngineConfig, rdv: Rendezvous | None,
         procs = spawn_ranks(config, rdv)  # they load while this process does
         tp, cmd_group = connect(rdv, device, shard)
     started = time.monotonic()
-    try:  # a missing or misshapen tensor: named
-        weights = load_weights(config.model, model_config, torch.float32,
-                               pooling=pooling is not None, shard=shard, map_experts_as=dtype)
-    except ValueError as exc:
-        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     try:
         ops = make_ops(choice.name, device, config.batch_invariant)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+    # A GGUF MoE's experts stored in blocks the ops multiply at every row count are not
+    # dequantized at all (experts are most of such a model's bytes); a tensor-parallel rank
+    # dequantizes its part of each expert instead.
+    experts_as_blocks = (dtype if device.type == "cpu" and shard is None
+                         and ops.multiplies_blocks(dtype) else None)
+    try:  # a missing or misshapen tensor: named
+        weights = load_weights(config.model, model_config, torch.float32,
+                               pooling=pooling is not None, shard=shard, map_experts_as=dtype,
+                               experts_as_blocks=experts_as_blocks)
+    except ValueError as exc:
+        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     # A GGUF's blocks, as the ops multiply small batches by them (a rank: its part of each).
     quantized = (load_quantized_weights(config.model, model_config, shard)
                  if device.type == "cpu" else {})

@@ -1,6 +1,6 @@
 """The engine's own CPU kernels (engine/csrc/cpu_kernels.cpp): fused RMSNorm, RoPE and
 SiLU-and-mul, a paged decode attention that reads the KV cache in place, and a linear over
-a GGUF checkpoint's own Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks.
+a GGUF checkpoint's own Q4_1/Q8_0, Q4_K/Q5_K/Q6_K and MXFP4 blocks.
 
 They are compiled for the CPU they run on, once (`make install` does it; otherwise the first
 engine that wants them does, under a file lock), with the system C++ compiler and the

@@ -932,6 +932,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 //   Q4_1, 20 bytes / 32 weights: fp16 d, fp16 m, 16 bytes of nibbles; w[j] = d * lo(q[j]) + m
 //                   and w[j + 16] = d * hi(q[j]) + m
 //   Q8_0, 34 bytes / 32 weights: fp16 d, 32 int8;                     w[j] = d * q[j]
+//   MXFP4, 17 bytes / 32 weights: E8M0 e, 16 bytes of e2m1 nibbles; w[j] = 2^(e - 128) *
+//                   doubled e2m1 value (gpt-oss's experts)
 // and the k-quants of most GGUF files (llama.cpp's ggml-quants.c), 256 weights a block in
 // eight sub-blocks of 32:
 //   Q4_K, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) pairs, 128 bytes of
@@ -945,7 +947,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 //                   order: weight j is nibble j / 8 of 16-bit word j % 8, so one broadcast
 //                   and one variable shift put every weight's nibble in the low bits of its
 //                   16-bit lane; w = d * q + m
-//   Bytes (Q8_0), 36 bytes: float32 d, 32 int8; w = d * q
+//   Bytes (Q8_0, MXFP4), 36 bytes: float32 d, 32 int8; w = d * q
 //   ScaledBytes (Q5_K, Q6_K), 44 bytes: float32 d0 (weights 0-15), float32 d1 (16-31),
 //                   float32 m, 32 int8; w = d0|d1 * q + m
 // A k-quant's d is the product of its fp16 super-block scale and its integer sub-block scale
@@ -954,24 +956,28 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // GGUF reference computes. Sums are float32 in a fixed order per output whatever the batch,
 // so a row's result does not depend on its neighbours.
 constexpr int64_t kBlock = 32;
-enum Kind : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4 };
+enum Kind : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5 };
 enum Layout : int64_t { kNibbles = 0, kBytes = 1, kScaledBytes = 2 };
 
 void check_kind(int64_t kind) {
-  TORCH_CHECK(kind >= kQ4_1 && kind <= kQ6_K,
-              "kind must be 0 (Q4_1), 1 (Q8_0), 2 (Q4_K), 3 (Q5_K) or 4 (Q6_K)");
+  TORCH_CHECK(kind >= kQ4_1 && kind <= kMXFP4,
+              "kind must be 0 (Q4_1), 1 (Q8_0), 2 (Q4_K), 3 (Q5_K), 4 (Q6_K) or 5 (MXFP4)");
 }
 
 inline Layout layout_of(int64_t kind) {
-  return kind == kQ4_1 || kind == kQ4_K ? kNibbles : kind == kQ8_0 ? kBytes : kScaledBytes;
+  return kind == kQ4_1 || kind == kQ4_K                ? kNibbles
+         : kind == kQ8_0 || kind == kMXFP4 ? kBytes
+                                           : kScaledBytes;
 }
 
 // A GGUF block of `kind`: its bytes, and the weights it holds.
 inline int64_t gguf_block_bytes(int64_t kind) {
-  constexpr int64_t bytes[] = {20, 34, 144, 176, 210};
+  constexpr int64_t bytes[] = {20, 34, 144, 176, 210, 17};
   return bytes[kind];
 }
-inline int64_t gguf_block_weights(int64_t kind) { return kind <= kQ8_0 ? 32 : 256; }
+inline int64_t gguf_block_weights(int64_t kind) {
+  return kind <= kQ8_0 || kind == kMXFP4 ? 32 : 256;
+}
 
 constexpr int64_t layout_bytes(int64_t layout) {
   return layout == kNibbles ? 24 : layout == kBytes ? 36 : 44;
@@ -1017,6 +1023,20 @@ inline void k_scale_min(const uint8_t* s, int i, int& scale, int& min) {
 
 // One GGUF block of `kind` into its gguf_block_weights / 32 units.
 void decode_block(int64_t kind, const uint8_t* in, Unit* units) {
+  if (kind == kMXFP4) {
+    // E8M0 exponent e, then 16 bytes of e2m1 nibbles (low: weights 0-15, high: 16-31).
+    // ggml keeps the e2m1 values doubled (integers) and halves the scale: 2^(e - 128),
+    // a float32 (a denormal for e < 2) exactly, so d * q is exact.
+    static constexpr int kValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    Unit& u = units[0];
+    u.d[0] = u.d[1] = std::ldexp(1.0f, static_cast<int>(in[0]) - 128);
+    u.m = 0.f;
+    for (int j = 0; j < 16; ++j) {
+      u.q[j] = kValues[in[1 + j] & 0xF];
+      u.q[j + 16] = kValues[in[1 + j] >> 4];
+    }
+    return;
+  }
   if (kind == kQ4_1 || kind == kQ8_0) {
     Unit& u = units[0];
     u.d[0] = u.d[1] = half_at(in);
@@ -1568,6 +1588,43 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
   return out;
 }
 
+// A pack_blocks weight as a dense float32 [out, in]: the very values quantized_linear reads
+// (gguf-py's float32 weights, exactly), for a caller that multiplies many rows by one
+// expert with a dense matmul and holds the dense copy only for that call. The SIMD builds
+// unpack as the linear's column tiles do; the scalar build reads each weight alone.
+template <int64_t LAYOUT>
+void dequantize_rows(const uint8_t* wp, int64_t row_bytes, int64_t rows, int64_t k, float* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__) || defined(SLUICE_AVX2)
+    unpack_cols<Quant<LAYOUT>, float>(wp + begin * row_bytes, row_bytes, end - begin, k,
+                                      out + begin * k);
+#else
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < k / kBlock; ++b)
+        for (int j = 0; j < kBlock; ++j)
+          out[r * k + b * kBlock + j] = Quant<LAYOUT>::weight(
+              wp + r * row_bytes + b * Quant<LAYOUT>::block_bytes, j);
+#endif
+  });
+}
+
+torch::Tensor dequantize_blocks(const torch::Tensor& packed, int64_t kind) {
+  check_kind(kind);
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.dim() == 2 && packed.size(1) % packed_block_bytes(kind) == 0,
+              "weights must be pack_blocks' contiguous uint8 [out, in / 32 * packed bytes]");
+  const int64_t rows = packed.size(0), k = packed.size(1) / packed_block_bytes(kind) * kBlock;
+  auto out = torch::empty({rows, k}, packed.options().dtype(torch::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (layout_of(kind)) {
+    case kNibbles: dequantize_rows<kNibbles>(wp, packed.size(1), rows, k, op); break;
+    case kBytes: dequantize_rows<kBytes>(wp, packed.size(1), rows, k, op); break;
+    case kScaledBytes: dequantize_rows<kScaledBytes>(wp, packed.size(1), rows, k, op); break;
+  }
+  return out;
+}
+
 // The batch-invariant mode's linear over a dense weight of x's dtype: the quantized
 // linear's arithmetic with weights read as they are.
 // A bfloat16 weight under a float32 x is widened block by block in the kernel (exact): the
@@ -1601,11 +1658,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "Half-split rotary embedding of q and k into one [T, H + KVH, D]");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2 * width] tensor");
   m.def("pack_blocks", &pack_blocks,
-        "GGUF Q4_1 (kind 0), Q8_0 (1), Q4_K (2), Q5_K (3) or Q6_K (4) weight rows into "
+        "GGUF Q4_1 (kind 0), Q8_0 (1), Q4_K (2), Q5_K (3), Q6_K (4) or MXFP4 (5) weight rows into "
         "quantized_linear's layout for that kind, or for as_kind (3 or 4 take any kind)",
         py::arg("blocks"), py::arg("kind"), py::arg("as_kind") = -1);
   m.def("quantized_linear", &quantized_linear,
         "x @ W^T with W from pack_blocks (the same kind)");
+  m.def("dequantize_blocks", &dequantize_blocks,
+        "W from pack_blocks (of kind) as a dense float32 [out, in]: the weights "
+        "quantized_linear reads");
   m.attr("bf16_quantized") = kHasBf16Dot;
   // The vector path this build runs (tests check they load the build they mean to).
 #if defined(__AVX512F__)

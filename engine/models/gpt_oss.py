@@ -99,6 +99,19 @@ class GptOssModel(LlamaModel):
                          gate_up, down_linear, activation=activation)
         return dict(gate_up_weight=None, down_weight=None, moe=block)
 
+    def _attach_quantized(self, quantized) -> None:
+        """Besides the dense linears', each expert's blocks (a GGUF's MXFP4 ffn_*_exps:
+        the file splits gate and up, so gate then up rows, the order _mlp_fields puts them
+        in), for the ops to multiply the expert's rows by."""
+        super()._attach_quantized(quantized)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}.mlp.experts."
+            experts = zip(layer.moe.gate_up.weights, layer.moe.down.weights, strict=True)
+            for e, (gate_up, down) in enumerate(experts):
+                self._attach(gate_up, [quantized.get(f"{p}{e}.{n}.weight")
+                                       for n in ("gate_proj", "up_proj")])
+                self._attach(down, [quantized.get(f"{p}{e}.down_proj.weight")])
+
     def _experts(self, w, name: str) -> torch.Tensor:
         if not self.config.family_options.mxfp4:
             return w(name)

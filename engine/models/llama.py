@@ -71,7 +71,10 @@ class LlamaModel:
         self.ops = ops or TorchOps()
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(dtype=dtype, device=device)
+            tensor = weights[name]
+            if tensor.is_meta:  # an expert held only as the checkpoint's blocks: no bytes
+                return tensor
+            return tensor.to(dtype=dtype, device=device)
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
@@ -82,6 +85,13 @@ class LlamaModel:
             self.ops.prepack(weight)
         if quantized:
             self._attach_quantized(quantized)
+        # An expert loaded as blocks only (load_weights' experts_as_blocks) has no other
+        # weights: the ops must hold its blocks, or its first matmul would fail mid-serving.
+        for i, layer in enumerate(self.layers):
+            weights = layer.moe.linear_weights() if layer.moe is not None else []
+            if any(w.is_meta and not self.ops.holds_blocks(w) for w in weights):
+                raise ValueError(f"layer {i}'s experts were loaded as GGUF blocks, but the "
+                                 f"{self.ops.name} ops do not hold their blocks")
         self.rope = RotaryEmbedding(config, max_positions, dtype, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

@@ -120,11 +120,14 @@ class MoeBlock:
             experts.extend(w if isinstance(w, tuple) else (w,))
         return experts + shared
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k], as the checkpoint's
-        transformers router computes them."""
+        transformers router computes them. Through ops.linear where given: in the
+        batch-invariant mode a token's logits, so its experts, must not depend on the batch
+        (F.linear's blocking does: a row routed alone and among 40 got other weights)."""
         c = self.config
-        logits = F.linear(x, self.router, self.router_bias)
+        linear = ops.linear if ops is not None else F.linear
+        logits = linear(x, self.router, self.router_bias)
         if c.routing == "topk_softmax":  # gpt-oss: softmax over the chosen k logits
             top, experts = torch.topk(logits, c.top_k, dim=-1)
             return experts, F.softmax(top, dim=-1, dtype=top.dtype)
@@ -136,7 +139,7 @@ class MoeBlock:
 
     def __call__(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: [T, hidden], normed -> [T, hidden]."""
-        experts, weights = self.route(x)
+        experts, weights = self.route(x, ops)
         if self.per_token:
             run = self.per_token_experts
         elif self.stacks is not None and x.is_cuda and x.dtype == torch.bfloat16:
@@ -257,6 +260,26 @@ class MoeModel(LlamaModel):
         block = MoeBlock(moe, w(f"{p}{names.router}.weight"), None, gate_up, down,
                          shared=shared)
         return dict(gate_up_weight=None, down_weight=None, moe=block)
+
+    def _attach_quantized(self, quantized) -> None:
+        """Besides the dense linears', each expert's blocks (a GGUF's ffn_*_exps stored in a
+        kind the CPU kernels take): the ops multiply an expert's rows by them (all of them,
+        where the expert was loaded as blocks only; else the few of a decode step)."""
+        super()._attach_quantized(quantized)
+        names = self.names
+        for i, layer in enumerate(self.layers):
+            if layer.moe is None:
+                continue
+            p = f"model.layers.{i}.{names.block}experts."
+            experts = zip(layer.moe.gate_up.weights, layer.moe.down.weights, strict=True)
+            for e, (gate_up, down) in enumerate(experts):
+                found = [quantized.get(f"{p}{e}.{n}.weight") for n in (names.gate, names.up)]
+                if isinstance(gate_up, tuple):  # a mapped pair: one weight each
+                    self._attach(gate_up[0], found[:1])
+                    self._attach(gate_up[1], found[1:])
+                else:
+                    self._attach(gate_up, found)
+                self._attach(down, [quantized.get(f"{p}{e}.{names.down}.weight")])
 
 
 class MixtralModel(MoeModel):

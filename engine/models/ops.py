@@ -84,6 +84,15 @@ class TorchOps:
         """Offer the checkpoint's block-quantized rows behind `weight` (a QuantizedWeight
         per fused part, in order); plain torch has no use for them."""
 
+    def multiplies_blocks(self, dtype: torch.dtype) -> bool:
+        """Whether every row count of a `dtype` model's linear can run from the blocks
+        alone (so the loader may skip the dense copy: load_weights' experts_as_blocks)."""
+        return False
+
+    def holds_blocks(self, weight: torch.Tensor) -> bool:
+        """Whether attach_quantized took blocks for `weight`."""
+        return False
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
@@ -123,6 +132,12 @@ QUANTIZED_MAX_ROWS = 4
 # The same for float32 rows, where oneDNN's alternative reads float32 weights: the blocks
 # stay ahead up to 16 rows (AVX2 and AVX-512 builds alike, docs/benchmarks.md).
 QUANTIZED_MAX_ROWS_FLOAT32 = 16
+# Rows of a weight held only as blocks (a GGUF's MoE expert, loaded without a dense copy)
+# up to which the block kernel multiplies them; past it the expert is dequantized into a
+# scratch tensor for that call and F.linear runs over it (docs/benchmarks.md, "GGUF MoE
+# experts as blocks"). The batch-invariant mode always takes the kernel.
+BLOCKS_ONLY_MAX_ROWS = 16
+BLOCKS_ONLY_MAX_ROWS_BF16 = 128
 # Rows up to which a widened (bfloat16-held) weight is multiplied by the kernel, which reads
 # the bfloat16 weights; past it (prefill chunks, big batches) F.linear over a float32 copy
 # made per call costs less than the kernel's float32 tiles.
@@ -185,7 +200,7 @@ class CpuKernelOps(TorchOps):
         kernel rounds each weight to exactly the bfloat16 value `weight` holds, so results
         differ from the dense path only in summation order; float32 weights are exact
         either way."""
-        if weight.device.type != "cpu":
+        if weight.device.type not in ("cpu", "meta"):  # meta: an expert held as blocks only
             return
         widened = id(weight) in self._widened  # a float32 model: the float32 kernel
         if weight.dtype == torch.bfloat16 and not self._k.bf16_quantized and not widened:
@@ -196,10 +211,19 @@ class CpuKernelOps(TorchOps):
             packed = torch.cat([self._k.pack_blocks(q.blocks, q.kind, kind) for q in parts])
             self._quantized[id(weight)] = type(parts[0])(kind, packed)
 
+    def multiplies_blocks(self, dtype: torch.dtype) -> bool:
+        # attach_quantized's condition for a weight that is not widened.
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and self._k.bf16_quantized)
+
+    def holds_blocks(self, weight: torch.Tensor) -> bool:
+        return id(weight) in self._quantized
+
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         quantized = self._quantized.get(id(weight))
+        if weight.is_meta:  # held as blocks only (LlamaModel checked that there are blocks)
+            return self._blocks_only_linear(x, quantized, bias)
         if id(weight) in self._widened and quantized is None:
             return self._widened_linear(x, weight, bias)
         if self.batch_invariant:
@@ -215,6 +239,24 @@ class CpuKernelOps(TorchOps):
     @staticmethod
     def _quantized_max_rows(x: torch.Tensor) -> int:
         return QUANTIZED_MAX_ROWS_FLOAT32 if x.dtype == torch.float32 else QUANTIZED_MAX_ROWS
+
+    def _blocks_only_linear(self, x: torch.Tensor, quantized,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ a weight that exists only as blocks: the kernel up to BLOCKS_ONLY_MAX_ROWS
+        rows (every row count in the batch-invariant mode, as for the dense linears' blocks);
+        past it F.linear over the weights dequantized for this call alone (the very values
+        the kernel reads, rounded to x's dtype as a dense load rounds them), so the engine
+        holds one expert's dense copy at a time, never all of them."""
+        rows = x.reshape(-1, x.shape[-1])
+        limit = (BLOCKS_ONLY_MAX_ROWS if x.dtype == torch.float32
+                 else BLOCKS_ONLY_MAX_ROWS_BF16)
+        if self.batch_invariant or rows.shape[0] <= limit:
+            out = self._k.quantized_linear(rows.contiguous(), quantized.blocks, quantized.kind)
+            out = out if bias is None else out + bias
+        else:
+            dense = self._k.dequantize_blocks(quantized.blocks, quantized.kind)
+            out = F.linear(rows, dense.to(x.dtype), bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _widened_linear(self, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:

@@ -62,6 +62,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def load_weights(
     model_path: str, config: ModelConfig, dtype: torch.dtype, pooling: bool = False,
     shard=None, map_experts_as: torch.dtype | None = None,
+    experts_as_blocks: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load all weights of a `.gguf` file or HF safetensors folder as `dtype` tensors.
 
@@ -73,7 +74,13 @@ def load_weights(
     map_experts_as: the dtype the model computes in. A safetensors checkpoint's MoE expert
     tensors stored in it are left in the file, memory-mapped (see `in_mapped_file`), not
     copied as `dtype`: experts are most of an MoE model's bytes, and the page cache holds
-    them once however many times they are mapped. Not with a shard."""
+    them once however many times they are mapped. Not with a shard.
+    experts_as_blocks: the dtype the model computes in, where its ops multiply a GGUF's
+    block-quantized experts themselves (CpuKernelOps.multiplies_blocks). A layer whose
+    stacked experts (ffn_*_exps) are all stored in a BLOCK_KINDS kind is then not
+    dequantized: each expert's weight is a meta tensor of that dtype and its shape, holding
+    no bytes, which the model hands to the ops with the expert's blocks
+    (load_quantized_weights). Not with a shard."""
     expected = expected_shapes(config)
 
     def take(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -84,7 +91,8 @@ def load_weights(
         return shard.take(name, tensor)
 
     if model_path.endswith(".gguf"):
-        weights = _load_gguf(model_path, config, expected, dtype, take, shard)
+        blocks_as = experts_as_blocks if shard is None else None
+        weights = _load_gguf(model_path, config, expected, dtype, take, shard, blocks_as)
     else:
         rename = _text_name_of(config)
         if pooling:
@@ -128,22 +136,33 @@ def _family_names(config: ModelConfig) -> dict[str, str]:
     return {**_GGUF_LAYER_NAMES, **family_of(config).gguf_layer_names}
 
 
-def _load_gguf(path, config, expected, dtype, take, shard=None) -> dict[str, torch.Tensor]:
+def _load_gguf(path, config, expected, dtype, take, shard=None, experts_as_blocks=None
+               ) -> dict[str, torch.Tensor]:
     from engine.models.registry import family_of  # the registry imports the model modules
 
     weights = {}
     layer_names = _family_names(config)
     regroup = family_of(config).gguf_tensors
+    tensors = gguf_reader(path).tensors
+    as_blocks = _block_expert_layers(tensors) if experts_as_blocks is not None else set()
     if regroup is not None:  # a family whose file holds its tensors in another grouping
-        arrays = {t.name: gguf.quants.dequantize(t.data, t.tensor_type)
-                  for t in gguf_reader(path).tensors if t.name not in _GGUF_CONFIG_TENSORS}
+        arrays = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in tensors
+                  if t.name not in _GGUF_CONFIG_TENSORS and not _as_blocks(t.name, as_blocks)}
         named = regroup(arrays, lambda name: gguf_hf_name(name, layer_names))
         for name, array in named.items():
             if name not in expected:
                 raise ValueError(f"unexpected GGUF tensor for {name!r}")
             weights[name] = take(name, _to_torch(array, dtype))
+        # The experts left as blocks: their stacked weights, in the checkpoint's grouping,
+        # stand as meta tensors (the model views each expert of them; the ops hold the
+        # blocks, or the model refuses to start).
+        for layer in as_blocks:
+            prefix = f"model.layers.{layer}.mlp.experts."
+            weights.update({name: torch.empty(shape, dtype=experts_as_blocks, device="meta")
+                            for name, shape in expected.items() if name.startswith(prefix)
+                            and name not in weights and not name.endswith("bias")})
         return weights
-    for tensor in gguf_reader(path).tensors:
+    for tensor in tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
         experts = _expert_names(tensor.name, int(tensor.shape[-1]))  # ggml: experts last
@@ -157,6 +176,12 @@ def _load_gguf(path, config, expected, dtype, take, shard=None) -> dict[str, tor
                 weights.update({name: _gguf_part(
                     tensor.data[e], tensor.tensor_type, tensor.name, name, stored,
                     expected[name], config, dtype, shard) for e, name in enumerate(experts)})
+                continue
+            if _as_blocks(tensor.name, as_blocks):
+                # Shape-checked like the rest; the bytes stay the file's blocks.
+                shape = tuple(int(n) for n in reversed(tensor.shape[:-1]))  # ggml: reversed
+                weights.update({name: torch.empty(shape, dtype=experts_as_blocks,
+                                                  device="meta") for name in experts})
                 continue
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             weights.update({name: take(name, _to_torch(array[e], dtype))
@@ -207,8 +232,8 @@ def _gguf_part(data: np.ndarray, qtype, gguf_name: str, name: str, stored: tuple
 # GGUF block formats the CPU kernels multiply in place (engine/csrc/cpu_kernels.cpp),
 # by the kernel's number for them: Q4_1 and Q8_0 (32-weight blocks), and the k-quants of
 # most GGUF files on the Hub (256-weight blocks: Q4_K_M files hold Q4_K and Q6_K, Q5_K_M
-# files Q5_K and Q6_K).
-BLOCK_KINDS = {"Q4_1": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+# files Q5_K and Q6_K), and MXFP4 (32-weight blocks: gpt-oss files' experts).
+BLOCK_KINDS = {"Q4_1": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
 
 
 class QuantizedWeight(msgspec.Struct, frozen=True):
@@ -221,17 +246,32 @@ class QuantizedWeight(msgspec.Struct, frozen=True):
 def load_quantized_weights(model_path: str, config: ModelConfig, shard=None
                            ) -> dict[str, QuantizedWeight]:
     """The 2-D tensors of a GGUF file stored in a block format the CPU kernels take, by HF
-    name, rows in HF order (q/k un-permuted as `load_weights` does). Empty for anything else.
+    name, rows in HF order (q/k un-permuted as `load_weights` does), and each expert of a
+    stacked MoE tensor (`ffn_*_exps`) so stored, under the expert's HF name: a view of the
+    stacked blocks in the file (an expert's rows are a contiguous run of them). Empty for
+    anything else.
     shard: a tensor-parallel rank's `engine.parallel.sharding.Shard`: each tensor's blocks
     are cut to the rank's part as they are read (`Shard.take_blocks`), before anything is
     copied; a row-parallel tensor whose cut falls inside a block is left out (the rank
-    multiplies its dense slice)."""
+    multiplies its dense slice), and so are experts (a rank multiplies its dense part of
+    each)."""
     if not model_path.endswith(".gguf"):
         return {}
     found, dense = {}, []
     layer_names = _family_names(config)
     for tensor in gguf_reader(model_path).tensors:
         kind = BLOCK_KINDS.get(tensor.tensor_type.name)
+        if kind is not None and len(tensor.shape) == 3:
+            experts = _expert_names(tensor.name, tensor.data.shape[0])
+            if experts is not None and shard is None:
+                # [experts, out, row bytes], mapped copy-on-write (never written): the page
+                # cache holds the blocks, not the engine's private memory.
+                stacked = np.memmap(model_path, np.uint8, "c", tensor.data_offset,
+                                    tensor.data.shape)
+                blocks = torch.from_numpy(stacked)
+                found.update({n: QuantizedWeight(kind, b)
+                              for n, b in zip(experts, blocks, strict=True)})
+            continue
         name = gguf_hf_name(tensor.name, layer_names)
         if kind is None or name is None or len(tensor.shape) != 2:
             continue
@@ -248,6 +288,25 @@ def load_quantized_weights(model_path: str, config: ModelConfig, shard=None
                  "%d ranks and multiplied by their dense slices (e.g. %s)", len(dense),
                  len(dense) + len(found), shard.size, dense[0])
     return found
+
+
+def _block_expert_layers(tensors) -> set[str]:
+    """The layers (GGUF block numbers, as text) whose stacked expert tensors are all stored
+    in a kind the CPU kernels multiply (BLOCK_KINDS): one expert's gate, up and down then
+    all come from blocks, never half from a dequantized copy."""
+    kinds: dict[str, set[bool]] = {}
+    for tensor in tensors:
+        if _expert_names(tensor.name, 0) is not None and tensor.name.endswith(".weight"):
+            layer = tensor.name.split(".")[1]
+            kinds.setdefault(layer, set()).add(tensor.tensor_type.name in BLOCK_KINDS)
+    return {layer for layer, found in kinds.items() if found == {True}}
+
+
+def _as_blocks(gguf_name: str, layers: set[str]) -> bool:
+    """Whether `gguf_name` is a stacked expert weight of one of `layers` (from
+    _block_expert_layers): left as its blocks, not dequantized."""
+    return (gguf_name.endswith(".weight") and _expert_names(gguf_name, 0) is not None
+            and gguf_name.split(".")[1] in layers)
 
 
 def _expert_names(gguf_name: str, count: int) -> list[str] | None:

@@ -12,14 +12,21 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.config import load_model_config
-from engine.models.ops import ANY_KIND_LAYOUT, QUANTIZED_MAX_ROWS_FLOAT32, CpuKernelOps
-from engine.models.weights import BLOCK_KINDS, load_quantized_weights
+from engine.models.ops import (
+    ANY_KIND_LAYOUT,
+    BLOCKS_ONLY_MAX_ROWS_BF16,
+    QUANTIZED_MAX_ROWS_FLOAT32,
+    CpuKernelOps,
+)
+from engine.models.weights import BLOCK_KINDS, load_quantized_weights, load_weights
 from tests.unit.engine_builders import drain, request
 from tests.unit.kquant_builders import (
     LlamaShape,
+    MoeShape,
     engine_core,
     random_blocks,
     reference,
+    write_moe_kquant,
     write_q4_k_m,
 )
 from tests.unit.test_cpu_kernels import _both_builds
@@ -98,8 +105,8 @@ def test_the_avx2_linear_sums_as_the_avx512_one(name):
 
 
 def _blocks_of(name: str, rows: int, k: int, seed: int):
-    """(blocks, reference weights) of any kind: k-quants from random bytes, Q4_1 and Q8_0
-    from gguf-py's quantizer."""
+    """(blocks, reference weights) of any kind: k-quants from random bytes, Q4_1, Q8_0 and
+    MXFP4 (gpt-oss's experts) from gguf-py's quantizer."""
     if name in KQUANTS:
         blocks = random_blocks(name, rows, k, seed)
     else:
@@ -108,7 +115,7 @@ def _blocks_of(name: str, rows: int, k: int, seed: int):
     return torch.from_numpy(blocks), reference(blocks, name)
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", *KQUANTS])
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "MXFP4", *KQUANTS])
 def test_every_kind_packs_into_the_layout_of_q6_k(compiled, name):
     """A fused weight whose parts differ in kind (Q4_K_M's q/k/v) is packed part by part
     into Q6_K's layout, which takes every kind's float32 weights exactly."""
@@ -123,7 +130,7 @@ def test_every_kind_packs_into_the_layout_of_q6_k(compiled, name):
 
 def test_the_kernels_refuse_what_they_cannot_take(compiled):
     blocks = torch.from_numpy(random_blocks("Q4_K", 4, 512, seed=1))
-    for kind in (-1, 5):
+    for kind in (-1, 6):
         with pytest.raises(RuntimeError, match="kind must be"):
             compiled.pack_blocks(blocks, kind)
     with pytest.raises(RuntimeError, match="blocks must be"):  # not whole Q6_K blocks
@@ -133,7 +140,7 @@ def test_the_kernels_refuse_what_they_cannot_take(compiled):
             compiled.pack_blocks(_blocks_of(name, 4, 512, 1)[0], BLOCK_KINDS[name],
                                  BLOCK_KINDS[as_name])
     with pytest.raises(RuntimeError, match="kind must be"):
-        compiled.pack_blocks(blocks, BLOCK_KINDS["Q4_K"], 5)
+        compiled.pack_blocks(blocks, BLOCK_KINDS["Q4_K"], 6)
     packed = compiled.pack_blocks(blocks, BLOCK_KINDS["Q4_K"])
     with pytest.raises(RuntimeError, match="pack_blocks"):  # x as wide as half the blocks
         compiled.quantized_linear(torch.randn(2, 256), packed, BLOCK_KINDS["Q4_K"])
@@ -184,3 +191,155 @@ def test_a_q4_k_m_file_decodes_through_the_blocks_as_the_dequantized_model(compi
     assert kinds.count(ANY_KIND_LAYOUT) == 4  # the two downs, layer 1's qkv, the head
     assert got == want
     assert len({tuple(t) for t in want}) == len(prompts)  # not one degenerate answer
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "MXFP4", *KQUANTS])
+def test_dequantized_blocks_are_the_reference_float32(compiled, name):
+    """dequantize_blocks (an expert's weights for one big F.linear) gives gguf-py's float32
+    weights exactly, from the kind's own layout and from Q6_K's."""
+    out, k = SHAPES[2]
+    blocks, want = _blocks_of(name, out, k, seed=5)
+    for as_kind in (BLOCK_KINDS[name], ANY_KIND_LAYOUT):
+        packed = compiled.pack_blocks(blocks, BLOCK_KINDS[name], as_kind)
+        assert torch.equal(compiled.dequantize_blocks(packed, as_kind), want)
+    with pytest.raises(RuntimeError, match="pack_blocks"):  # not whole packed blocks
+        compiled.dequantize_blocks(packed[:, :-1].contiguous(), ANY_KIND_LAYOUT)
+    with pytest.raises(RuntimeError, match="kind must be"):
+        compiled.dequantize_blocks(packed, 6)
+
+
+# ------------------------------------------ a tiny Q4_K_M-style MoE: experts as blocks only
+
+MOE = MoeShape()  # 2 layers of 4 experts (top-2), hidden 256
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("kquant-moe") / "tiny-moe-q4_k_m.gguf")
+    write_moe_kquant(path, MOE, experts="Q4_K", down="Q6_K")
+    return path
+
+
+def _held_bytes(root) -> int:
+    """Bytes of every tensor reachable from `root` (a model: its layers, experts and ops),
+    each storage once; meta tensors hold none."""
+    seen, storages, todo = set(), {}, [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.is_mkldnn:  # a oneDNN-prepacked weight (bfloat16): no storage to share
+                storages[("mkldnn", id(obj))] = obj.numel() * obj.element_size()
+            elif not obj.is_meta:
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            todo.extend(obj)
+        elif hasattr(obj, "__struct_fields__"):
+            todo.extend(getattr(obj, f) for f in obj.__struct_fields__)
+        elif type(obj).__module__.startswith("engine."):
+            todo.extend(vars(obj).values())
+    return sum(storages.values())
+
+
+def _experts(model) -> list[torch.Tensor]:
+    return [w for layer in model.layers if layer.moe is not None
+            for w in layer.moe.gate_up.weights + layer.moe.down.weights]
+
+
+def test_moe_experts_load_as_their_blocks_alone(compiled, moe_file):
+    """Loaded as build_engine loads it, no expert is dequantized: each expert's weight is a
+    meta tensor (no bytes) whose blocks the ops hold, and the model holds what the blocks
+    take (6 bits a Q4_K weight, 11 a Q6_K one, once repacked) where the dequantized load
+    held a float32 copy of every expert besides."""
+    core, ops = engine_core(moe_file, compiled)
+    model = core.runner.model
+    experts = _experts(model)
+    assert len(experts) == 2 * MOE.experts * MOE.layers
+    assert all(w.is_meta and ops.holds_blocks(w) for w in experts)
+    weights_each = MOE.hidden * MOE.expert_ffn  # per expert and projection
+    packed = MOE.layers * MOE.experts * weights_each * (2 * 24 + 44) // 32  # gate, up; down
+    assert sum(ops._quantized[id(w)].blocks.nbytes for w in experts) == packed
+    dense_experts = MOE.layers * MOE.experts * 3 * weights_each * 4  # float32
+    before, before_ops = engine_core(moe_file, compiled, blocks_only=False)
+    assert not any(w.is_meta for w in _experts(before.runner.model))
+    assert _held_bytes(before.runner.model) - _held_bytes(model) >= dense_experts
+
+
+class _Counted:
+    """The kernels module, counting dequantize_blocks calls (the many-row path)."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels, self.dequantized = kernels, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernels, name)
+
+    def dequantize_blocks(self, packed, kind):
+        self.dequantized += 1
+        return self.kernels.dequantize_blocks(packed, kind)
+
+
+def test_moe_experts_as_blocks_give_the_dequantized_models_tokens(compiled, moe_file):
+    """Prefill steps of up to 64 tokens (so 32 rows an expert on average: the dequantize-
+    per-call path) and decode steps (the block kernel) over experts held as blocks alone
+    give the greedy tokens of the dequantized model on plain torch."""
+    prompts = [list(range(3, 43)), [9, 8, 7] * 9, list(range(100, 126)), [5] * 30]
+
+    def greedy(kernels):
+        core, _ = engine_core(moe_file, kernels, budget=64)
+        for i, prompt in enumerate(prompts):
+            core.add(request(f"r{i}", prompt, max_tokens=8))
+        results = drain(core)
+        return [results[f"r{i}"].tokens for i in range(len(prompts))]
+
+    counted = _Counted(compiled)
+    got = greedy(counted)
+    assert counted.dequantized > 0  # prefill took the dense path for some experts
+    assert got == greedy(None)
+    assert len({tuple(t) for t in got}) == len(prompts)  # not one degenerate answer
+
+
+def test_moe_experts_as_blocks_are_batch_invariant(compiled, moe_file):
+    """--batch-invariant: the block kernel at every row count, so a token's MoE output has
+    the same bits alone and among 40 rows (where the other mode dequantizes an expert)."""
+    core, ops = engine_core(moe_file, compiled, batch_invariant=True)
+    moe = core.runner.model.layers[0].moe
+    x = torch.randn(40, MOE.hidden, generator=torch.Generator().manual_seed(1))
+    together = moe(x, ops)
+    for row in (0, 17, 39):
+        assert torch.equal(moe(x[row : row + 1], ops), together[row : row + 1]), row
+
+
+def test_moe_experts_as_blocks_in_bfloat16(compiled, moe_file):
+    """A bfloat16 model (where the kernels have bf16 dot products): an expert's rows go
+    through the block kernel up to BLOCKS_ONLY_MAX_ROWS_BF16, and past it through F.linear
+    over the expert dequantized and rounded to bfloat16 as a dense load rounds it (the
+    same bits as the dense model's matmul)."""
+    if not compiled.bf16_quantized:
+        pytest.skip("no AVX512-BF16 here: a bfloat16 model's experts load dequantized")
+    core, ops = engine_core(moe_file, compiled, torch.bfloat16)
+    weight = core.runner.model.layers[1].moe.down.weights[2]
+    assert weight.is_meta and weight.dtype == torch.bfloat16
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    dense = load_weights(moe_file, load_model_config(moe_file), torch.float32)[name]
+    many = torch.randn(BLOCKS_ONLY_MAX_ROWS_BF16 + 1, MOE.expert_ffn).bfloat16()
+    assert torch.equal(ops.linear(many, weight), F.linear(many, dense.bfloat16()))
+    few, blocks = many[:BLOCKS_ONLY_MAX_ROWS_BF16], ops._quantized[id(weight)]
+    assert torch.equal(ops.linear(few, weight),
+                       compiled.quantized_linear(few, blocks.blocks, blocks.kind))
+
+
+def test_experts_as_blocks_without_the_ops_to_hold_them_are_refused(moe_file):
+    """Experts loaded as blocks alone under ops that hold no blocks (plain torch) would fail
+    at their first matmul: the model refuses to build, naming the layer."""
+    from engine.models.registry import build_model
+
+    config = load_model_config(moe_file)
+    weights = load_weights(moe_file, config, torch.float32, experts_as_blocks=torch.float32)
+    with pytest.raises(ValueError, match="layer 0's experts were loaded as GGUF blocks"):
+        build_model(config, weights, 64, torch.float32, torch.device("cpu"))

@@ -16,12 +16,16 @@ import tempfile
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.build import build_engine
 from engine.cpu_kernels import kernels
 from engine.models.config import load_model_config
+from engine.models.ops import BLOCKS_ONLY_MAX_ROWS, CpuKernelOps
+from engine.models.registry import build_model
+from engine.models.weights import BLOCK_KINDS, load_quantized_weights, load_weights
 from shared.config import EngineConfig
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from tests.tiny_vlm import tiny_vlm_tokenizer
@@ -544,10 +548,11 @@ def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _write_gguf(folder: str, path: str, hf, arch: str) -> None:
+def _write_gguf(folder: str, path: str, hf, arch: str, experts_as=None) -> None:
     """What convert_hf_to_gguf.py writes for these checkpoints, in float32: MoE experts
-    stacked into one tensor per projection; a Llama's q/k rows permuted to ggml's rope
-    layout and its llama3 scaling as the rope_freqs divisors."""
+    stacked into one tensor per projection (quantized to experts_as, a GGMLQuantizationType,
+    if given); a Llama's q/k rows permuted to ggml's rope layout and its llama3 scaling as
+    the rope_freqs divisors."""
     import gguf
 
     tensors = load_file(os.path.join(folder, "model.safetensors"))
@@ -587,8 +592,13 @@ def _write_gguf(folder: str, path: str, hf, arch: str) -> None:
             names = [f"{prefix}mlp.experts.{e}.{proj}.weight"
                      for e in range(getattr(hf, "num_experts", 0))]
             if names and names[0] in tensors:
-                experts = torch.stack([tensors.pop(n) for n in names])
-                writer.add_tensor(f"blk.{i}.{stacked}.weight", experts.numpy())
+                experts = torch.stack([tensors.pop(n) for n in names]).numpy()
+                if experts_as is None:
+                    writer.add_tensor(f"blk.{i}.{stacked}.weight", experts)
+                else:
+                    writer.add_tensor(f"blk.{i}.{stacked}.weight",
+                                      gguf.quants.quantize(experts, experts_as),
+                                      raw_dtype=experts_as)
         for hf_name, gguf_name in _LLAMACPP_LAYER.items():
             if prefix + hf_name in tensors:
                 writer.add_tensor(f"blk.{i}.{gguf_name}", tensors.pop(prefix + hf_name).numpy())
@@ -615,6 +625,59 @@ def test_moe_gguf(tmp_path, case, arch, dense_layers):
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
         assert tokens[i] == ref.tokens[i]
+
+
+@pytest.mark.parametrize(("case", "arch"), [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe")])
+def test_moe_gguf_experts_multiply_as_blocks(tmp_path, case, arch):
+    """A GGUF whose stacked experts are Q8_0, loaded as build_engine loads it on CPU: each
+    expert is only its blocks (a meta tensor stands for the weight: no dequantized copy),
+    multiplied by the kernel up to BLOCKS_ONLY_MAX_ROWS rows and past it by F.linear over
+    that expert dequantized for the call (the dense load's very weights, so the same bits).
+    Greedy tokens, and logits within float32 summation order, are the same file's loaded
+    dequantized on plain torch, in chunks of 8 and in one prefill of every prompt (many
+    rows an expert)."""
+    import gguf
+
+    compiled = kernels()
+    if compiled is None:
+        pytest.skip("no C++ compiler: the engine runs plain torch ops")
+    config_cls, model_cls, overrides = CASES[case]
+    kwargs = {**TINY, **overrides}
+    ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8)
+    path = str(tmp_path / f"tiny-{arch}-q8.gguf")
+    _write_gguf(ref.path, path, config_cls(**kwargs), arch, gguf.GGMLQuantizationType.Q8_0)
+    config = load_model_config(path)
+    quantized = load_quantized_weights(path, config)
+    ops = CpuKernelOps(compiled)
+    assert ops.multiplies_blocks(torch.float32)
+    weights = load_weights(path, config, torch.float32, experts_as_blocks=torch.float32)
+    dense = load_weights(path, config, torch.float32)  # the reference: dequantized
+    model = build_model(config, weights, 64, torch.float32, CPU, ops=ops, quantized=quantized)
+    layer = next(i for i, layer in enumerate(model.layers) if layer.moe is not None)
+    moe = model.layers[layer].moe
+    x = torch.randn(BLOCKS_ONLY_MAX_ROWS + 24, config.hidden_size,
+                    generator=torch.Generator().manual_seed(0))
+    for e in range(config.moe.num_experts):
+        p = f"model.layers.{layer}.mlp.experts.{e}."
+        q = quantized[p + "down_proj.weight"]
+        assert q.kind == BLOCK_KINDS["Q8_0"] and q.blocks.dtype == torch.uint8
+        want = {id(moe.gate_up.weights[e]): torch.cat([dense[p + "gate_proj.weight"],
+                                                       dense[p + "up_proj.weight"]]),
+                id(moe.down.weights[e]): dense[p + "down_proj.weight"]}
+        for weight in (moe.gate_up.weights[e], moe.down.weights[e]):
+            assert weight.is_meta  # no bytes: the loader kept no dequantized copy
+            blocks = ops._quantized[id(weight)]
+            few = x[:BLOCKS_ONLY_MAX_ROWS, : weight.shape[1]].contiguous()
+            assert torch.equal(ops.linear(few, weight),
+                               compiled.quantized_linear(few, blocks.blocks, blocks.kind))
+            many = x[:, : weight.shape[1]]
+            assert torch.equal(ops.linear(many, weight), F.linear(many, want[id(weight)]))
+    for mode in ("together", "single-chunk"):
+        tokens, logits, _ = _run(path, ref.prompts, mode, compiled, quantized=True)
+        want_tokens, want_logits, _ = _run(path, ref.prompts, mode)
+        assert tokens == want_tokens, mode
+        for got, want in zip(logits, want_logits, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_llama3_gguf_reads_rope_freqs(tmp_path):
@@ -826,6 +889,19 @@ def test_gpt_oss_gguf(tmp_path):
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
         assert tokens[i] == ref.tokens[i]
+    if kernels() is None:
+        return
+    # On CPU with the kernels the MXFP4 experts are held as their blocks alone (meta
+    # weights), multiplied by the kernel or dequantized per call past the row cut: the
+    # same tokens, in chunks of 8 rows and in one prefill of every prompt.
+    weights = load_weights(path, config, torch.float32, experts_as_blocks=torch.float32)
+    assert weights["model.layers.0.mlp.experts.gate_up_proj"].is_meta
+    assert not weights["model.layers.0.mlp.experts.gate_up_proj_bias"].is_meta
+    for mode in ("together", "single-chunk"):
+        tokens, logits, _ = _run(path, ref.prompts, mode, kernels(), quantized=True)
+        for i in range(len(ref.prompts)):
+            torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+            assert tokens[i] == ref.tokens[i], mode
 
 
 @pytest.mark.parametrize(("arch", "layers", "globals_", "scalar"), [

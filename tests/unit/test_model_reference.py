@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner
 from engine.models.config import load_model_config
 from engine.models.ops import CpuKernelOps
 from engine.models.registry import build_model
-from engine.models.weights import load_weights
+from engine.models.weights import load_quantized_weights, load_weights
 from engine.scheduler import Scheduler
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from tests.unit.engine_builders import hf_config_kwargs
@@ -189,15 +189,21 @@ def test_loaded_config_matches(reference):
 
 
 def _build_core(
-    path: str, budget: int, compiled=None
+    path: str, budget: int, compiled=None, quantized=False
 ) -> tuple[EngineCore, dict[str, list[torch.Tensor]]]:
     """EngineCore around our model loaded from `path`; records every sampled row's logits.
-    compiled: the CPU kernels module to run with, or None for plain torch ops."""
+    compiled: the CPU kernels module to run with, or None for plain torch ops; quantized:
+    hand the model a GGUF's block-quantized weights, as build_engine does."""
     config = load_model_config(path)
-    # Experts left in the memory-mapped checkpoint, as build_engine leaves them.
-    weights = load_weights(path, config, torch.float32, map_experts_as=torch.float32)
     ops = CpuKernelOps(compiled) if compiled is not None else None
-    model = build_model(config, weights, MAX_MODEL_LEN, torch.float32, CPU, ops=ops)
+    # Experts left in the memory-mapped checkpoint, as build_engine leaves them; a GGUF's
+    # block experts, where the kernels take them, not dequantized at all.
+    as_blocks = torch.float32 if quantized and ops is not None else None
+    weights = load_weights(path, config, torch.float32, map_experts_as=torch.float32,
+                           experts_as_blocks=as_blocks)
+    blocks = load_quantized_weights(path, config) if quantized else None
+    model = build_model(config, weights, MAX_MODEL_LEN, torch.float32, CPU, ops=ops,
+                        quantized=blocks)
     backend = TorchAttentionBackend(
         config.num_layers,
         NUM_PAGES,
@@ -267,10 +273,10 @@ def _drain(core: EngineCore, tokens: dict[str, list[int]]) -> None:
         assert steps < 1000
 
 
-def _run(path: str, prompts, mode: str, compiled=None):
+def _run(path: str, prompts, mode: str, compiled=None, quantized=False):
     """Greedy tokens and sampled-row logits per prompt index, run as `mode` says."""
     budget = 256 if mode == "single-chunk" else BUDGET
-    core, recorded = _build_core(path, budget, compiled)
+    core, recorded = _build_core(path, budget, compiled, quantized)
     tokens: dict[str, list[int]] = defaultdict(list)
     ids = [f"r{i}" for i in range(len(prompts))]
     if mode == "alone":
