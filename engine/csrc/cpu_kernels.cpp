@@ -1670,6 +1670,53 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) 
   return out;
 }
 
+// ------------------------------------------------------------- one decoder layer at decode
+
+// One Llama decoder layer of a pure decode step (each row one sequence's next token) whose
+// four linears all run over blocks: the model's Python steps (engine/models/llama.py), in
+// the same order through the same kernels, so the same bits, in one call. At decode a
+// layer's norms, RoPE and attention take microseconds; the ~30 torch calls and the Python
+// between them took more than that (a few milliseconds a step at one row).
+//   x, h: the layer's normed input and the residual stream [T, hidden]
+//   blocks, kinds: pack_blocks' q/k/v (fused), o, gate/up (fused) and down, their kinds
+//   post_norm: the post-attention norm; next_norm: the next layer's input norm, or an
+//   empty tensor for the last layer, which returns h + mlp alone (the model's final add)
+//   cos, sin, positions: rope's; k_cache, v_cache: this layer's [slots, KVH, D], written at
+//   slots; page_table, lengths, page_size, scale: decode_attention's
+// Returns (x, h) for the next layer, or (h + mlp) after the last.
+std::vector<torch::Tensor> decode_layer(
+    const torch::Tensor& x, const torch::Tensor& h, const std::vector<torch::Tensor>& blocks,
+    const std::vector<int64_t>& kinds, const torch::Tensor& post_norm,
+    const torch::Tensor& next_norm, double eps, const torch::Tensor& cos,
+    const torch::Tensor& sin, const torch::Tensor& positions, int64_t heads, int64_t kv_heads,
+    torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
+    const torch::Tensor& page_table, const torch::Tensor& lengths, int64_t page_size,
+    double scale) {
+  TORCH_CHECK(blocks.size() == 4 && kinds.size() == 4,
+              "blocks and kinds: q/k/v, o, gate/up and down");
+  TORCH_CHECK(h.is_contiguous() && h.sizes() == x.sizes(), "h must be contiguous, x's shape");
+  const int64_t tokens = x.size(0), dim = k_cache.size(2);
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+  // Attention: q/k/v, RoPE, the cache write, attention over the pages, o.
+  const auto qkv = quantized_linear(x.contiguous(), blocks[0], kinds[0]);
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "q/k/v rows must be (H + 2 KVH) * D");
+  const auto q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
+  const auto k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
+  const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
+  const auto both = rope(q, k, cos, sin, positions);
+  k_cache.index_copy_(0, slots, both.narrow(1, heads, kv_heads));
+  v_cache.index_copy_(0, slots, v.contiguous());
+  const auto o = decode_attention(both.narrow(1, 0, heads), k_cache, v_cache, page_table,
+                                  lengths, page_size, scale);
+  const auto attn = quantized_linear(o.reshape({tokens, q_size}), blocks[1], kinds[1]);
+  // The MLP between the two fused residual adds and norms.
+  const auto mid = add_rms_norm(h, attn, post_norm, eps);  // (normed, summed)
+  const auto gate_up = quantized_linear(mid[0], blocks[2], kinds[2]);
+  const auto down = quantized_linear(silu_and_mul(gate_up), blocks[3], kinds[3]);
+  if (!next_norm.defined() || next_norm.numel() == 0) return {mid[1] + down};
+  return add_rms_norm(mid[1], down, next_norm, eps);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1697,4 +1744,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "alone in a fixed order");
   m.def("decode_attention", &decode_attention,
         "One-token attention per sequence over its pages of the KV cache, read in place");
+  // Without the GIL: the engine's socket threads run while a layer computes.
+  m.def("decode_layer", &decode_layer,
+        "One decoder layer of a pure decode step over quantized blocks: (x, h) for the next "
+        "layer, or (h + mlp,) after the last",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -129,6 +129,9 @@ QUANTIZED_MAX_ROWS_FLOAT32 = 16
 WIDENED_MAX_ROWS = 16
 
 
+_NO_TENSOR = torch.empty(0)  # decode_layer's "no next norm": the last layer
+
+
 class CpuKernelOps(TorchOps):
     """TorchOps with the engine's compiled CPU kernels (`engine.cpu_kernels`): RMSNorm
     (alone and fused with the residual add), RoPE and SiLU-and-mul in one call each instead
@@ -215,6 +218,36 @@ class CpuKernelOps(TorchOps):
     @staticmethod
     def _quantized_max_rows(x: torch.Tensor) -> int:
         return QUANTIZED_MAX_ROWS_FLOAT32 if x.dtype == torch.float32 else QUANTIZED_MAX_ROWS
+
+    # ------------------------------------------------- a whole decoder layer in one call
+
+    def layer_blocks(self, weights: list[torch.Tensor]) -> tuple[list, list] | None:
+        """The packed blocks and kinds of a layer's q/k/v, o, gate/up and down weights for
+        `decode_layer`, or None where any of them has none (a dense or widened weight)."""
+        found = [self._quantized.get(id(w)) for w in weights]
+        if any(q is None for q in found) or not hasattr(self._k, "decode_layer"):
+            return None
+        return [q.blocks for q in found], [q.kind for q in found]
+
+    def takes_decode_layer(self, x: torch.Tensor) -> bool:
+        """Whether `linear` would send these rows to the blocks (so `decode_layer`, which
+        always does, computes what the per-op path would)."""
+        return self._fits(x) and (self.batch_invariant
+                                  or x.shape[0] <= self._quantized_max_rows(x))
+
+    def decode_layer(self, x: torch.Tensor, h: torch.Tensor, blocks: tuple[list, list],
+                     post_norm: torch.Tensor, next_norm: torch.Tensor | None, eps: float,
+                     rope, positions: torch.Tensor, heads: int, kv_heads: int,
+                     attention: tuple) -> tuple[torch.Tensor, ...]:
+        """One decoder layer of a pure decode step in one kernel call (the same kernels in
+        the same order as the per-op path, so the same bits; cpu_kernels.cpp's
+        decode_layer). attention: the backend's `decode_kernel_inputs` for this layer."""
+        k_cache, v_cache, slots, table, lengths, page_size = attention
+        return self._k.decode_layer(
+            x, h, blocks[0], blocks[1], post_norm,
+            next_norm if next_norm is not None else _NO_TENSOR, eps, rope.cos, rope.sin,
+            positions, heads, kv_heads, k_cache, v_cache, slots, table, lengths, page_size,
+            k_cache.shape[-1] ** -0.5)
 
     def _widened_linear(self, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:
