@@ -928,7 +928,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // ------------------------------------------------------------- GGUF block-quantized linear
 
 // y = x @ W^T with W kept in the GGUF checkpoint's quantized blocks, so a decode step
-// streams 6 to 11 bits per weight from memory instead of 16 or 32. The checkpoint's
+// streams 5 to 11 bits per weight from memory instead of 16 or 32. The checkpoint's
 //   Q4_1, 20 bytes / 32 weights: fp16 d, fp16 m, 16 bytes of nibbles; w[j] = d * lo(q[j]) + m
 //                   and w[j + 16] = d * hi(q[j]) + m
 //   Q8_0, 34 bytes / 32 weights: fp16 d, 32 int8;                     w[j] = d * q[j]

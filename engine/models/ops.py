@@ -181,7 +181,7 @@ class CpuKernelOps(TorchOps):
                 f"weight of shape {tuple(weight.shape)}")
 
     def attach_quantized(self, weight: torch.Tensor, parts: list) -> None:
-        """Multiply small batches by the checkpoint's blocks (6 to 11 bits a weight once
+        """Multiply small batches by the checkpoint's blocks (5 to 11 bits a weight once
         repacked, not 16 or 32): a decode step is bound by reading the weights. Parts of
         different kinds (a Q4_K_M file's Q6_K attn_v beside its Q4_K q and k) are packed
         into the one layout every kind fits, Q6_K's (11 bits a weight). In bfloat16 the
