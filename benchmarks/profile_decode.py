@@ -2,7 +2,7 @@
 of B sequences all decoding, each step split into phases.
 
     .venv/bin/python benchmarks/profile_decode.py [--batch 1 16 64] [--steps 40]
-        [--dtype auto] [--threads N] [--torch-profile] [--device cuda]
+        [--dtype auto] [--threads N] [--torch-profile] [--device cuda] [--per-op]
 
 Phases (perf_counter around the engine's own methods; the CPU runs ops synchronously, so
 wall time is the time spent):
@@ -17,6 +17,9 @@ wall time is the time spent):
                                 the next norm where the ops have it), q/k norms
                   rotary        rope
                   silu*up       silu_and_mul
+                  fused layers  CpuKernelOps.decode_layer: a whole layer in one kernel call
+                                (pure decode steps over GGUF blocks; --per-op splits it
+                                into the parts above)
                   rest          embedding, the last residual add, views, Python between them
   logits        final norm + lm_head on the sampled rows
   sampling      ModelRunner._sample: logits processors, sampling-row tensors, argmax/draw
@@ -92,6 +95,8 @@ def instrument(core, timer: Timer) -> None:
     ops.rope = timer.wrap("rotary", ops.rope)
     ops.silu_and_mul = timer.wrap("silu*up", ops.silu_and_mul)
     ops.linear = timer.wrap("matmuls", ops.linear)
+    if hasattr(ops, "decode_layer"):
+        ops.decode_layer = timer.wrap("fused layers", ops.decode_layer)
 
 
 def add_requests(core, batch: int, max_tokens: int, vocab: int) -> None:
@@ -115,7 +120,7 @@ def settle(core, batch: int) -> None:
         core.step()
 
 
-FORWARD_PARTS = ("matmuls", "attention", "norms", "rotary", "silu*up")
+FORWARD_PARTS = ("fused layers", "matmuls", "attention", "norms", "rotary", "silu*up")
 
 
 def report(batch: int, steps: int, t: dict[str, float]) -> str:
@@ -157,6 +162,7 @@ def run_batch(args, batch: int) -> None:
         max_model_len=PROMPT_LEN + 3 * args.steps + 64,
     )
     core = build_engine(config)
+    core.runner.model.fuse_decode_layers = not args.per_op
     timer = Timer(time.thread_time if args.clock == "thread" else time.perf_counter)
     instrument(core, timer)
     add_requests(core, batch, 3 * args.steps + 32, core.vocab_size)
@@ -190,6 +196,9 @@ def main() -> None:
         help="thread: CPU time of this thread, which with --threads 1 is all the work and "
         "ignores time lost to other processes on a shared machine",
     )
+    parser.add_argument("--per-op", action="store_true",
+                        help="run every op of a layer from Python (no fused decode layers), "
+                        "to see the parts")
     parser.add_argument("--torch-profile", action="store_true", help="also torch.profiler ops")
     parser.add_argument("--top", type=int, default=25, help="ops shown by --torch-profile")
     args = parser.parse_args()

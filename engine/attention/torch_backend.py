@@ -175,6 +175,17 @@ class TorchAttentionBackend:
         meta.decode_pages = torch.from_numpy(table.reshape(-1)).to(self.device)
         meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
 
+    def decode_kernel_inputs(self, layer: int, meta: TorchAttentionMetadata) -> tuple | None:
+        """What the kernels' decode_layer needs to write this layer's new K/V and attend
+        as `attend` would: (k_cache, v_cache, slots, page table, lengths, page size); None
+        where `attend` would not run the decode kernel alone (a prefill in the step, a
+        layer that attends specially, no kernels)."""
+        if (self.kernels is None or meta.prefills or meta.decode_lens is None
+                or (self.special and self.special[layer] is not None)):
+            return None
+        return (self.k_cache[layer], self.v_cache[layer], meta.slot_mapping,
+                meta.decode_pages, meta.decode_lens, self.page_size)
+
     # ---------------------------------------------------------------- compute
 
     def attend(

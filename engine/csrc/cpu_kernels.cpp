@@ -928,7 +928,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // ------------------------------------------------------------- GGUF block-quantized linear
 
 // y = x @ W^T with W kept in the GGUF checkpoint's quantized blocks, so a decode step
-// streams 6 to 11 bits per weight from memory instead of 16 or 32. The checkpoint's
+// streams 5 to 11 bits per weight from memory instead of 16 or 32. The checkpoint's
 //   Q4_1, 20 bytes / 32 weights: fp16 d, fp16 m, 16 bytes of nibbles; w[j] = d * lo(q[j]) + m
 //                   and w[j + 16] = d * hi(q[j]) + m
 //   Q8_0, 34 bytes / 32 weights: fp16 d, 32 int8;                     w[j] = d * q[j]
@@ -941,15 +941,19 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 //   Q5_K, 176 bytes: Q4_K's header, 32 bytes of fifth bits, 128 bytes of nibbles; the same w
 //   Q6_K, 210 bytes: 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (one per
 //                    16 weights), fp16 d;  w = (d * scale) * (q - 32)
-// are repacked once at load (`pack_blocks`) into one of three layouts of 32 weights the
+// are repacked once at load (`pack_blocks`) into one of four layouts of 32 weights the
 // kernel reads fastest (kinds share a layout where their weights fit it):
-//   Nibbles (Q4_1, Q4_K), 24 bytes: float32 d, float32 m, 16 bytes of nibbles in lane
-//                   order: weight j is nibble j / 8 of 16-bit word j % 8, so one broadcast
-//                   and one variable shift put every weight's nibble in the low bits of its
-//                   16-bit lane; w = d * q + m
-//   Bytes (Q8_0, MXFP4), 36 bytes: float32 d, 32 int8; w = d * q
-//   ScaledBytes (Q5_K, Q6_K), 44 bytes: float32 d0 (weights 0-15), float32 d1 (16-31),
+//   HalfNibbles (Q4_1), 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles in lane order:
+//                   weight j is nibble j / 8 of 16-bit word j % 8, so one broadcast and one
+//                   variable shift put every weight's nibble in the low bits of its 16-bit
+//                   lane; w = d * q + m. As many bytes as the GGUF block: a decode step
+//                   streams no more than llama.cpp does.
+//   Nibbles (Q4_K), 24 bytes: HalfNibbles with float32 d and m (a k-quant's d * scale is
+//                   not an fp16)
+//   Bytes (Q8_0), 34 bytes: fp16 d, 32 int8 (the GGUF block itself); w = d * q
+//   ScaledBytes (Q5_K, Q6_K, MXFP4), 44 bytes: float32 d0 (weights 0-15), float32 d1 (16-31),
 //                   float32 m, 32 int8; w = d0|d1 * q + m
+// fp16 scales widen exactly (F16C), so both forms of a scale give the same float32 weights.
 // A k-quant's d is the product of its fp16 super-block scale and its integer sub-block scale
 // (exact in float32), its m minus dmin times the sub-block min (exact): so every weight is
 // d * q (exact: at most 23 significant bits) plus m in one rounding, the very float32 the
@@ -957,7 +961,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // so a row's result does not depend on its neighbours.
 constexpr int64_t kBlock = 32;
 enum Kind : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5 };
-enum Layout : int64_t { kNibbles = 0, kBytes = 1, kScaledBytes = 2 };
+enum Layout : int64_t { kNibbles = 0, kBytes = 1, kScaledBytes = 2, kHalfNibbles = 3 };
 
 void check_kind(int64_t kind) {
   TORCH_CHECK(kind >= kQ4_1 && kind <= kMXFP4,
@@ -965,9 +969,10 @@ void check_kind(int64_t kind) {
 }
 
 inline Layout layout_of(int64_t kind) {
-  return kind == kQ4_1 || kind == kQ4_K                ? kNibbles
-         : kind == kQ8_0 || kind == kMXFP4 ? kBytes
-                                           : kScaledBytes;
+  // MXFP4's scale 2^(e - 128) is no fp16 (nor, for small e, a normal float32): it takes
+  // ScaledBytes' float32 scales, which hold it exactly.
+  return kind == kQ4_1 ? kHalfNibbles : kind == kQ4_K ? kNibbles
+       : kind == kQ8_0 ? kBytes : kScaledBytes;
 }
 
 // A GGUF block of `kind`: its bytes, and the weights it holds.
@@ -980,8 +985,15 @@ inline int64_t gguf_block_weights(int64_t kind) {
 }
 
 constexpr int64_t layout_bytes(int64_t layout) {
-  return layout == kNibbles ? 24 : layout == kBytes ? 36 : 44;
+  return layout == kHalfNibbles ? 20 : layout == kNibbles ? 24 : layout == kBytes ? 34 : 44;
 }
+
+// The layouts with nibbles: where d, m and the nibbles lie, and how wide the scales are.
+template <int64_t LAYOUT> struct NibbleBlock {
+  static constexpr bool half = LAYOUT == kHalfNibbles;
+  static constexpr int64_t nibbles = half ? 4 : 8;  // offset of the 16 bytes of nibbles
+};
+constexpr bool has_nibbles(int64_t layout) { return layout == kNibbles || layout == kHalfNibbles; }
 inline int64_t packed_block_bytes(int64_t kind) { return layout_bytes(layout_of(kind)); }
 
 inline float half_at(const uint8_t* p) {
@@ -995,6 +1007,49 @@ inline float float_at(const uint8_t* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+inline uint16_t half_bits(float f) { return c10::Half(f).x; }  // exact for an fp16's value
+
+// A block's d (and m, where it has one) as float32, from float32 or fp16 scales.
+template <int64_t LAYOUT> inline float scale_d(const uint8_t* blk) {
+  return LAYOUT == kHalfNibbles || LAYOUT == kBytes ? half_at(blk) : float_at(blk);
+}
+template <int64_t LAYOUT> inline float scale_m(const uint8_t* blk) {
+  return LAYOUT == kHalfNibbles ? half_at(blk + 2) : float_at(blk + 4);
+}
+
+#ifdef SLUICE_VEC
+// A block's fp16 d (lane 0) and m (lane 1, HalfNibbles) as float32, F16C's exact widening;
+// for the float32 layouts, its first two floats as they are.
+template <int64_t LAYOUT> inline __m128 scales_dm(const uint8_t* blk) {
+  if constexpr (LAYOUT == kHalfNibbles || LAYOUT == kBytes) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, blk, LAYOUT == kBytes ? 2 : 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+  } else {
+    return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk)));
+  }
+}
+
+// d and m broadcast to every lane of V (__m256 or __m512): the float32 layouts straight
+// from memory, the fp16 ones widened once.
+template <int64_t LAYOUT, typename V> inline void broadcast_dm(const uint8_t* blk, V& d, V& m) {
+  constexpr bool half = LAYOUT == kHalfNibbles || LAYOUT == kBytes;
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<V, __m512>) {
+    const __m128 dm = half ? scales_dm<LAYOUT>(blk) : _mm_setzero_ps();
+    d = half ? _mm512_broadcastss_ps(dm) : _mm512_set1_ps(float_at(blk));
+    m = half ? _mm512_broadcastss_ps(_mm_movehdup_ps(dm)) : _mm512_set1_ps(float_at(blk + 4));
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<V, __m256>) {
+    const __m128 dm = half ? scales_dm<LAYOUT>(blk) : _mm_setzero_ps();
+    d = half ? _mm256_broadcastss_ps(dm) : _mm256_set1_ps(float_at(blk));
+    m = half ? _mm256_broadcastss_ps(_mm_movehdup_ps(dm)) : _mm256_set1_ps(float_at(blk + 4));
+  }
+}
+#endif
 
 // The index (0..15) of weight j of a packed Nibbles block.
 inline int q4_1_index(const uint8_t* nibbles, int j) {
@@ -1082,17 +1137,30 @@ void decode_block(int64_t kind, const uint8_t* in, Unit* units) {
 }
 
 // One unit into its packed layout (see above).
+// (The fp16 layouts hold only Q4_1 and Q8_0 units, whose d and m came from fp16 values.)
 void pack_unit(Layout layout, const Unit& u, uint8_t* out) {
-  if (layout == kNibbles) {
-    std::memcpy(out, &u.d[0], 4);
-    std::memcpy(out + 4, &u.m, 4);
+  if (has_nibbles(layout)) {
+    int64_t at = 8;
+    if (layout == kHalfNibbles) {
+      const uint16_t dm[2] = {half_bits(u.d[0]), half_bits(u.m)};
+      std::memcpy(out, dm, 4);
+      at = 4;
+    } else {
+      std::memcpy(out, &u.d[0], 4);
+      std::memcpy(out + 4, &u.m, 4);
+    }
     uint16_t words[8] = {0};
     for (int j = 0; j < 32; ++j) words[j % 8] |= static_cast<uint16_t>(u.q[j] << (4 * (j / 8)));
-    std::memcpy(out + 8, words, 16);
+    std::memcpy(out + at, words, 16);
     return;
   }
-  std::memcpy(out, &u.d[0], 4);
-  int8_t* q = reinterpret_cast<int8_t*>(out + (layout == kBytes ? 4 : 12));
+  if (layout == kBytes) {
+    const uint16_t d = half_bits(u.d[0]);
+    std::memcpy(out, &d, 2);
+  } else {
+    std::memcpy(out, &u.d[0], 4);
+  }
+  int8_t* q = reinterpret_cast<int8_t*>(out + (layout == kBytes ? 2 : 12));
   if (layout == kScaledBytes) {
     std::memcpy(out + 4, &u.d[1], 4);
     std::memcpy(out + 8, &u.m, 4);
@@ -1137,10 +1205,11 @@ torch::Tensor pack_blocks(const torch::Tensor& gguf, int64_t kind, int64_t as_ki
 template <int64_t LAYOUT> struct Quant {
   static constexpr int64_t block_bytes = layout_bytes(LAYOUT);
   static inline float weight(const uint8_t* blk, int j) {
-    if constexpr (LAYOUT == kNibbles)
-      return float_at(blk) * q4_1_index(blk + 8, j) + float_at(blk + 4);
+    if constexpr (has_nibbles(LAYOUT))
+      return scale_d<LAYOUT>(blk) * q4_1_index(blk + NibbleBlock<LAYOUT>::nibbles, j) +
+             scale_m<LAYOUT>(blk);
     else if constexpr (LAYOUT == kBytes)
-      return float_at(blk) * static_cast<int8_t>(blk[4 + j]);
+      return scale_d<LAYOUT>(blk) * static_cast<int8_t>(blk[2 + j]);
     else
       return float_at(blk + 4 * (j / 16)) * static_cast<int8_t>(blk[12 + j]) + float_at(blk + 8);
   }
@@ -1178,26 +1247,28 @@ inline __m512i q4_1_lane_shifts() {
 }
 
 // The block's 32 nibbles, each in the low 4 bits of its 16-bit lane (higher bits: junk).
+template <int64_t LAYOUT>
 inline __m512i q4_1_nibbles(const uint8_t* blk) {
-  const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8)));
+  const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(blk + NibbleBlock<LAYOUT>::nibbles)));
   return _mm512_srlv_epi16(words, q4_1_lane_shifts());
 }
 
 // A block's 32 weights as float32, low and high 16 (exact: see the layouts above).
 template <int64_t LAYOUT>
 inline void block_f32(const uint8_t* blk, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(float_at(blk));
-  if constexpr (LAYOUT == kNibbles) {
-    const __m512 m = _mm512_set1_ps(float_at(blk + 4));
-    const __m512i q = _mm512_and_si512(q4_1_nibbles(blk), _mm512_set1_epi16(0xF));
+  __m512 d, m;
+  broadcast_dm<LAYOUT>(blk, d, m);  // m: the nibble layouts' only
+  if constexpr (has_nibbles(LAYOUT)) {
+    const __m512i q = _mm512_and_si512(q4_1_nibbles<LAYOUT>(blk), _mm512_set1_epi16(0xF));
     // d * q exact, then one rounding for + m: the reference's d * q + m.
     lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q))), m);
     hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1))), m);
   } else if constexpr (LAYOUT == kBytes) {
     lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)))));
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)))));
     hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 20)))));
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)))));
   } else {
     // d * q exact, then one rounding for + m, as for Q4_1.
     const __m512 m = _mm512_set1_ps(float_at(blk + 8));
@@ -1276,12 +1347,13 @@ inline float sum8x2(__m256 lo, __m256 hi) {
 // A block's 32 weights as float32, eight at a time (w[v] = weights 8v .. 8v + 7), the values
 // block_f32 gives.
 template <typename W> struct BlockF32x8;
-template <> struct BlockF32x8<Quant<kNibbles>> {
+template <int64_t LAYOUT> struct BlockF32x8<Quant<LAYOUT>> {
   static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
-    const __m256 d = _mm256_set1_ps(float_at(blk)), m = _mm256_set1_ps(float_at(blk + 4));
+    __m256 d, m;
+    broadcast_dm<LAYOUT>(blk, d, m);
     // The eight 16-bit words: weight 8v + i is nibble v of word i (the packed lane order).
-    const __m256i words =
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8)));
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(blk + NibbleBlock<LAYOUT>::nibbles)));
     const __m256i low4 = _mm256_set1_epi32(0xF);
     w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(words, low4)), m);
     w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 4), low4)), m);
@@ -1291,10 +1363,11 @@ template <> struct BlockF32x8<Quant<kNibbles>> {
 };
 template <> struct BlockF32x8<Quant<kBytes>> {
   static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
-    const __m256 d = _mm256_set1_ps(float_at(blk));
+    __m256 d, unused;
+    broadcast_dm<kBytes>(blk, d, unused);
     for (int v = 0; v < 4; ++v)
       w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4 + 8 * v)))));
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * v)))));
   }
 };
 template <> struct BlockF32x8<Quant<kScaledBytes>> {
@@ -1369,12 +1442,14 @@ void tile_f32(const float* x, int64_t k, const uint8_t* wrow, int64_t row_bytes,
 // indexes with the nibbles (it reads 5 index bits, so the table is there twice).
 constexpr bool kHasBf16Dot = true;
 
+template <int64_t LAYOUT>
 inline __m512i q4_1_weights_bf16(const uint8_t* blk) {
   const __m512 steps = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 w = _mm512_fmadd_ps(_mm512_set1_ps(float_at(blk)), steps,
-                                   _mm512_set1_ps(float_at(blk + 4)));
+  __m512 d, m;
+  broadcast_dm<LAYOUT>(blk, d, m);
+  const __m512 w = _mm512_fmadd_ps(d, steps, m);
   const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(w, w);
-  return _mm512_permutexvar_epi16(q4_1_nibbles(blk), table);
+  return _mm512_permutexvar_epi16(q4_1_nibbles<LAYOUT>(blk), table);
 }
 
 template <int64_t LAYOUT>
@@ -1387,7 +1462,7 @@ inline __m512i bytes_weights_bf16(const uint8_t* blk) {
 template <typename W> struct BlockBf16;
 template <int64_t LAYOUT> struct BlockBf16<Quant<LAYOUT>> {
   static inline __m512i load(const uint8_t* blk) {
-    if constexpr (LAYOUT == kNibbles) return q4_1_weights_bf16(blk);
+    if constexpr (has_nibbles(LAYOUT)) return q4_1_weights_bf16<LAYOUT>(blk);
     else return bytes_weights_bf16<LAYOUT>(blk);
   }
 };
@@ -1579,6 +1654,8 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     switch (layout_of(kind)) {
+      case kHalfNibbles:
+        return linear_rows<T, Quant<kHalfNibbles>>(x, wp, packed.size(1), packed.size(0), out);
       case kNibbles: return linear_rows<T, Quant<kNibbles>>(x, wp, packed.size(1), packed.size(0), out);
       case kBytes: return linear_rows<T, Quant<kBytes>>(x, wp, packed.size(1), packed.size(0), out);
       case kScaledBytes:
@@ -1618,6 +1695,7 @@ torch::Tensor dequantize_blocks(const torch::Tensor& packed, int64_t kind) {
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   switch (layout_of(kind)) {
+    case kHalfNibbles: dequantize_rows<kHalfNibbles>(wp, packed.size(1), rows, k, op); break;
     case kNibbles: dequantize_rows<kNibbles>(wp, packed.size(1), rows, k, op); break;
     case kBytes: dequantize_rows<kBytes>(wp, packed.size(1), rows, k, op); break;
     case kScaledBytes: dequantize_rows<kScaledBytes>(wp, packed.size(1), rows, k, op); break;
@@ -1650,6 +1728,53 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) 
   return out;
 }
 
+// ------------------------------------------------------------- one decoder layer at decode
+
+// One Llama decoder layer of a pure decode step (each row one sequence's next token) whose
+// four linears all run over blocks: the model's Python steps (engine/models/llama.py), in
+// the same order through the same kernels, so the same bits, in one call. At decode a
+// layer's norms, RoPE and attention take microseconds; the ~30 torch calls and the Python
+// between them took more than that (a few milliseconds a step at one row).
+//   x, h: the layer's normed input and the residual stream [T, hidden]
+//   blocks, kinds: pack_blocks' q/k/v (fused), o, gate/up (fused) and down, their kinds
+//   post_norm: the post-attention norm; next_norm: the next layer's input norm, or an
+//   empty tensor for the last layer, which returns h + mlp alone (the model's final add)
+//   cos, sin, positions: rope's; k_cache, v_cache: this layer's [slots, KVH, D], written at
+//   slots; page_table, lengths, page_size, scale: decode_attention's
+// Returns (x, h) for the next layer, or (h + mlp) after the last.
+std::vector<torch::Tensor> decode_layer(
+    const torch::Tensor& x, const torch::Tensor& h, const std::vector<torch::Tensor>& blocks,
+    const std::vector<int64_t>& kinds, const torch::Tensor& post_norm,
+    const torch::Tensor& next_norm, double eps, const torch::Tensor& cos,
+    const torch::Tensor& sin, const torch::Tensor& positions, int64_t heads, int64_t kv_heads,
+    torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
+    const torch::Tensor& page_table, const torch::Tensor& lengths, int64_t page_size,
+    double scale) {
+  TORCH_CHECK(blocks.size() == 4 && kinds.size() == 4,
+              "blocks and kinds: q/k/v, o, gate/up and down");
+  TORCH_CHECK(h.is_contiguous() && h.sizes() == x.sizes(), "h must be contiguous, x's shape");
+  const int64_t tokens = x.size(0), dim = k_cache.size(2);
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+  // Attention: q/k/v, RoPE, the cache write, attention over the pages, o.
+  const auto qkv = quantized_linear(x.contiguous(), blocks[0], kinds[0]);
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "q/k/v rows must be (H + 2 KVH) * D");
+  const auto q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
+  const auto k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
+  const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
+  const auto both = rope(q, k, cos, sin, positions);
+  k_cache.index_copy_(0, slots, both.narrow(1, heads, kv_heads));
+  v_cache.index_copy_(0, slots, v.contiguous());
+  const auto o = decode_attention(both.narrow(1, 0, heads), k_cache, v_cache, page_table,
+                                  lengths, page_size, scale);
+  const auto attn = quantized_linear(o.reshape({tokens, q_size}), blocks[1], kinds[1]);
+  // The MLP between the two fused residual adds and norms.
+  const auto mid = add_rms_norm(h, attn, post_norm, eps);  // (normed, summed)
+  const auto gate_up = quantized_linear(mid[0], blocks[2], kinds[2]);
+  const auto down = quantized_linear(silu_and_mul(gate_up), blocks[3], kinds[3]);
+  if (!next_norm.defined() || next_norm.numel() == 0) return {mid[1] + down};
+  return add_rms_norm(mid[1], down, next_norm, eps);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1680,4 +1805,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "alone in a fixed order");
   m.def("decode_attention", &decode_attention,
         "One-token attention per sequence over its pages of the KV cache, read in place");
+  // Without the GIL: the engine's socket threads run while a layer computes.
+  m.def("decode_layer", &decode_layer,
+        "One decoder layer of a pure decode step over quantized blocks: (x, h) for the next "
+        "layer, or (h + mlp,) after the last",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -24,7 +24,7 @@ from engine.models.config import (
     require,
     whole_model_window,
 )
-from engine.models.ops import TorchOps
+from engine.models.ops import CpuKernelOps, TorchOps
 from engine.models.rotary import RotaryEmbedding
 from engine.models.weights import QuantizedWeight
 from engine.parallel.group import SINGLE, TPGroup
@@ -46,6 +46,10 @@ class DecoderLayer(msgspec.Struct):
 
 
 class LlamaModel:
+    # Pure decode steps run each layer in one kernel call where they can (`_fused_blocks`);
+    # False runs every op from Python (benchmarks/profile_decode.py --per-op, to see them).
+    fuse_decode_layers = True
+
     def __init__(
         self,
         config: ModelConfig,
@@ -95,6 +99,7 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config, max_positions, dtype, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        self._fused: tuple[int, list | None] | None = None  # (id(ops), _fused_blocks' answer)
 
     def _store_linear_weights(self) -> None:
         """Each linear weight in the form the ops want to hold it (TorchOps.stored_weight:
@@ -185,7 +190,19 @@ class LlamaModel:
         # x: the normed input of the next block; each residual add is fused with the norm
         # after it (one pass over the hidden states instead of two ops).
         x = self.ops.rms_norm(h, self.layers[0].input_norm, eps)
+        fused = self._fused_blocks(x, backend)
         for index, layer in enumerate(self.layers):
+            attention = fused and backend.decode_kernel_inputs(index, meta)
+            if attention:
+                # The whole layer in one kernel call, the bits of the ops below.
+                c, after = self.config, self.layers[index + 1].input_norm if index < last else None
+                out = self.ops.decode_layer(
+                    x, h, fused[index], layer.post_attention_norm, after, eps, self.rope,
+                    positions.contiguous(), c.num_heads, c.num_kv_heads, attention)
+                if index == last:
+                    return out[0]
+                x, h = out
+                continue
             attn = self._attention(index, layer, x, rope_at, backend, meta)
             x, h = self.ops.add_rms_norm(h, attn, layer.post_attention_norm, eps)
             mlp = self._mlp(layer, x)
@@ -193,6 +210,42 @@ class LlamaModel:
                 return h + mlp
             x, h = self.ops.add_rms_norm(h, mlp, self.layers[index + 1].input_norm, eps)
         return h  # no layers
+
+    def _fused_blocks(self, x: torch.Tensor, backend) -> list | None:
+        """Each layer's blocks for CpuKernelOps.decode_layer where this step's rows may run
+        every layer in one call, else None: the CPU kernels' ops (not LoRA's), row counts
+        they multiply by the blocks, a backend with the decode kernel, and layers that are
+        exactly this class's math (no q/k/v or o bias, q/k norm, sinks, experts, tensor
+        parallelism, partial rotary) with every linear over blocks. Whether the step is a
+        pure decode the backend says per layer (`decode_kernel_inputs`)."""
+        ops = self.ops
+        if (not self.fuse_decode_layers or not isinstance(ops, CpuKernelOps)
+                or not ops.takes_decode_layer(x)
+                or getattr(backend, "decode_kernel_inputs", None) is None):
+            return None
+        if self._fused is None or self._fused[0] != id(ops):
+            self._fused = (id(ops), self._layer_blocks(ops))
+        return self._fused[1]
+
+    def _layer_blocks(self, ops: CpuKernelOps) -> list | None:
+        model = type(self)
+        same_math = all(getattr(model, name) is getattr(LlamaModel, name)
+                        for name in ("forward", "_attention", "_mlp", "_activation"))
+        c = self.config
+        if (not same_math or self.tp.parallel or c.qk_norm or c.attention_bias
+                or self.rope.cos.dtype != self.dtype or self.rope.cos.shape[-1] != c.head_dim):
+            return None
+        blocks = []
+        for layer in self.layers:
+            if (layer.moe is not None or layer.qkv_bias is not None or layer.o_bias is not None
+                    or layer.sinks is not None or layer.q_norm is not None):
+                return None
+            found = ops.layer_blocks([layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
+                                      layer.down_weight])
+            if found is None:
+                return None
+            blocks.append(found)
+        return blocks
 
     def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings; vocab-parallel, each rank looks up the ids in its part (zero

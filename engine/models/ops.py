@@ -144,6 +144,9 @@ BLOCKS_ONLY_MAX_ROWS_BF16 = 128
 WIDENED_MAX_ROWS = 16
 
 
+_NO_TENSOR = torch.empty(0)  # decode_layer's "no next norm": the last layer
+
+
 class CpuKernelOps(TorchOps):
     """TorchOps with the engine's compiled CPU kernels (`engine.cpu_kernels`): RMSNorm
     (alone and fused with the residual add), RoPE and SiLU-and-mul in one call each instead
@@ -193,7 +196,7 @@ class CpuKernelOps(TorchOps):
                 f"weight of shape {tuple(weight.shape)}")
 
     def attach_quantized(self, weight: torch.Tensor, parts: list) -> None:
-        """Multiply small batches by the checkpoint's blocks (6 to 11 bits a weight once
+        """Multiply small batches by the checkpoint's blocks (5 to 11 bits a weight once
         repacked, not 16 or 32): a decode step is bound by reading the weights. Parts of
         different kinds (a Q4_K_M file's Q6_K attn_v beside its Q4_K q and k) are packed
         into the one layout every kind fits, Q6_K's (11 bits a weight). In bfloat16 the
@@ -257,6 +260,36 @@ class CpuKernelOps(TorchOps):
             dense = self._k.dequantize_blocks(quantized.blocks, quantized.kind)
             out = F.linear(rows, dense.to(x.dtype), bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    # ------------------------------------------------- a whole decoder layer in one call
+
+    def layer_blocks(self, weights: list[torch.Tensor]) -> tuple[list, list] | None:
+        """The packed blocks and kinds of a layer's q/k/v, o, gate/up and down weights for
+        `decode_layer`, or None where any of them has none (a dense or widened weight)."""
+        found = [self._quantized.get(id(w)) for w in weights]
+        if any(q is None for q in found) or not hasattr(self._k, "decode_layer"):
+            return None
+        return [q.blocks for q in found], [q.kind for q in found]
+
+    def takes_decode_layer(self, x: torch.Tensor) -> bool:
+        """Whether `linear` would send these rows to the blocks (so `decode_layer`, which
+        always does, computes what the per-op path would)."""
+        return self._fits(x) and (self.batch_invariant
+                                  or x.shape[0] <= self._quantized_max_rows(x))
+
+    def decode_layer(self, x: torch.Tensor, h: torch.Tensor, blocks: tuple[list, list],
+                     post_norm: torch.Tensor, next_norm: torch.Tensor | None, eps: float,
+                     rope, positions: torch.Tensor, heads: int, kv_heads: int,
+                     attention: tuple) -> tuple[torch.Tensor, ...]:
+        """One decoder layer of a pure decode step in one kernel call (the same kernels in
+        the same order as the per-op path, so the same bits; cpu_kernels.cpp's
+        decode_layer). attention: the backend's `decode_kernel_inputs` for this layer."""
+        k_cache, v_cache, slots, table, lengths, page_size = attention
+        return self._k.decode_layer(
+            x, h, blocks[0], blocks[1], post_norm,
+            next_norm if next_norm is not None else _NO_TENSOR, eps, rope.cos, rope.sin,
+            positions, heads, kv_heads, k_cache, v_cache, slots, table, lengths, page_size,
+            k_cache.shape[-1] ** -0.5)
 
     def _widened_linear(self, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:

@@ -88,6 +88,37 @@ def test_quantized_linear_bfloat16_uses_the_dense_bfloat16_weights(compiled, nam
     torch.testing.assert_close(got, want, atol=1e-5, rtol=8e-3)  # one bfloat16 step apart
 
 
+def _q4_1_q8_0_blocks(name: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Random Q4_1/Q8_0 blocks whose fp16 scales span the finite range: subnormal, tiny,
+    negative and up to about 2 (never inf or NaN: the exponent's top bit clear)."""
+    qtype = gguf.GGMLQuantizationType[name]
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, k // 32, block_bytes),
+                                                dtype=np.uint8)
+    scale_bytes = (1, 3) if name == "Q4_1" else (1,)  # the high byte of d (and of m)
+    for at in scale_bytes:
+        raw[..., at] &= 0xBF
+    raw[:, 0, scale_bytes[0]] &= 0x83  # some subnormal d
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+def test_q4_1_and_q8_0_pack_into_the_gguf_bytes_with_the_exact_weights(compiled, name):
+    """A decode step streams no more bytes than the GGUF holds (llama.cpp's own read): Q4_1
+    and Q8_0 keep their fp16 scales (20 and 34 bytes a block), and the kernel widens them
+    exactly: every weight is gguf-py's float32, on the register-tile and unpacked paths."""
+    out, k = 37, 320
+    blocks = _q4_1_q8_0_blocks(name, out, k, seed=11)
+    want = reference(blocks, name)
+    assert torch.isfinite(want).all() and (want != 0).any()
+    packed = compiled.pack_blocks(torch.from_numpy(blocks), BLOCK_KINDS[name])
+    assert packed.shape == blocks.shape  # bytes per row: the GGUF's
+    eye = torch.eye(k)
+    for rows in (slice(0, 3), slice(3, 7), slice(0, k)):
+        got = compiled.quantized_linear(eye[rows].contiguous(), packed, BLOCK_KINDS[name])
+        assert torch.equal(got, want.T[rows]), rows
+
+
 @pytest.mark.parametrize("name", KQUANTS)
 def test_the_avx2_linear_sums_as_the_avx512_one(name):
     """The same exact weights and the same summation order: the same float32 bits on an

@@ -1,0 +1,77 @@
+"""A whole decoder layer in one kernel call at decode (CpuKernelOps.decode_layer): pure decode
+steps over GGUF blocks take it, and give the bits of the per-op path (the same kernels in
+the same order), step by step, on both builds; steps it cannot take run op by op."""
+
+import pytest
+import torch
+
+from engine.models.ops import QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS_FLOAT32
+from tests.unit.engine_builders import drain, request
+from tests.unit.kquant_builders import LlamaShape, engine_core, write_q4_k_m
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes: threads only add waiting
+
+SHAPE = LlamaShape(layers=3)
+# Q6_K for one down and one v: that layer's q/k/v fuse mixed kinds (Q6_K's layout).
+Q6_K_TENSORS = {"output.weight", "blk.1.attn_v.weight", "blk.2.ffn_down.weight"}
+PROMPTS = [[1, 5, 9, 200, 3], [7] * 11, list(range(40, 60))]
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fused") / "tiny.gguf")
+    write_q4_k_m(path, SHAPE, Q6_K_TENSORS)
+    return path
+
+
+def _run(path: str, compiled, dtype: torch.dtype, fused: bool):
+    """Every step's hidden rows into the LM head, and how many layers ran fused."""
+    core, ops = engine_core(path, compiled, dtype)
+    model = core.runner.model
+    model.fuse_decode_layers = fused
+    seen, calls = [], [0]
+    logits, decode_layer = model.logits, ops.decode_layer
+
+    def recording_logits(hidden):
+        seen.append(hidden.clone())
+        return logits(hidden)
+
+    def counting_decode_layer(*args):
+        calls[0] += 1
+        return decode_layer(*args)
+
+    model.logits, ops.decode_layer = recording_logits, counting_decode_layer
+    for i, prompt in enumerate(PROMPTS):
+        core.add(request(f"r{i}", prompt, max_tokens=12))
+    results = drain(core)
+    return seen, calls[0], [results[f"r{i}"].tokens for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_layers_give_the_per_op_bits(compiled, gguf_file, dtype):
+    if dtype is torch.bfloat16 and not compiled.bf16_quantized:
+        pytest.skip("no AVX512-BF16 here: bfloat16 linears are dense, nothing to fuse")
+    per_op, none, tokens = _run(gguf_file, compiled, dtype, fused=False)
+    fused, calls, fused_tokens = _run(gguf_file, compiled, dtype, fused=True)
+    assert none == 0
+    # Prefill steps (and any step mixing one in) run op by op; the rest, every layer fused.
+    assert calls > 0 and calls % SHAPE.layers == 0
+    assert len(fused) == len(per_op)
+    for step, (a, b) in enumerate(zip(fused, per_op, strict=True)):
+        assert torch.equal(a, b), step
+    assert fused_tokens == tokens
+
+
+def test_only_rows_the_blocks_take_run_fused(compiled):
+    from engine.models.ops import CpuKernelOps
+
+    ops = CpuKernelOps(compiled)
+    assert ops.takes_decode_layer(torch.empty(QUANTIZED_MAX_ROWS_FLOAT32, 8))
+    assert not ops.takes_decode_layer(torch.empty(QUANTIZED_MAX_ROWS_FLOAT32 + 1, 8))
+    assert ops.takes_decode_layer(torch.empty(QUANTIZED_MAX_ROWS, 8, dtype=torch.bfloat16))
+    assert not ops.takes_decode_layer(torch.empty(QUANTIZED_MAX_ROWS + 1, 8,
+                                                  dtype=torch.bfloat16))
+    assert not ops.takes_decode_layer(torch.empty(1, 8, dtype=torch.float16))
+    # The batch-invariant mode multiplies every row count by the blocks.
+    assert CpuKernelOps(compiled, batch_invariant=True).takes_decode_layer(
+        torch.empty(200, 8))
