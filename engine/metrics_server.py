@@ -18,16 +18,19 @@ log = logging.getLogger("sluice.engine")
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self.stats = stats
 
     def collect(self):
         from shared.metrics_export import engine_families, with_vllm_names
 
-        yield from with_vllm_names(engine_families(self.stats()))
+        stats = self.stats()
+        if stats is not None:  # None: the engine is still loading
+            yield from with_vllm_names(engine_families(stats))
 
 
-def start_metrics_server(host: str, port: int, stats: Callable[[], EngineStats]) -> None:
+def start_metrics_server(host: str, port: int,
+                         stats: Callable[[], EngineStats | None]) -> None:
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry(auto_describe=False)

@@ -283,6 +283,13 @@ def run_engine(config: EngineConfig) -> None:
         sys.exit(run_rank(config, rdv))
     if rdv is not None:  # the port picked now is the one every rank is told
         config = msgspec.structs.replace(config, master_port=rdv.master_port)
+    built: list[EngineServer] = []  # the server, once the model is loaded
+    if config.metrics_port is not None:
+        # Bound before the model loads: tensor-parallel ranks open many ephemeral ports as
+        # they meet, one of which could otherwise take a port picked as free beforehand.
+        # Until the engine is built a scrape finds no series.
+        start_metrics_server(config.metrics_host, config.metrics_port,
+                             lambda: built[0]._stats() if built else None)
     core = build_engine(config)
     # Everything loaded so far (torch, transformers, the tokenizer: ~400k objects) lives as
     # long as the process; frozen, the cyclic GC stops re-walking it in the middle of steps.
@@ -290,8 +297,7 @@ def run_engine(config: EngineConfig) -> None:
     gc.freeze()
     server = EngineServer(core, config.request_address, config.postproc_address,
                           config.frontend_timeout_s)
-    if config.metrics_port is not None:
-        start_metrics_server(config.metrics_host, config.metrics_port, server._stats)
+    built.append(server)
 
     def stop(signum, frame):
         server.stopping.set()

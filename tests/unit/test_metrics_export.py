@@ -92,3 +92,11 @@ def test_frontend_series_get_the_model_name():
     got = samples(with_vllm_names(with_model_name([tokens], "m")))
     assert got[("sluice:generation_tokens_total", (("model_name", "m"),))] == 7
     assert got[("vllm:generation_tokens_total", (("model_name", "m"),))] == 7
+
+
+def test_the_engine_endpoint_answers_empty_while_the_model_loads():
+    """The engine binds its metrics port before loading (engine.server.run_engine), so a
+    scrape can come before there are stats: it gets no series, not an error."""
+    from engine.metrics_server import _EngineCollector
+
+    assert list(_EngineCollector(lambda: None).collect()) == []
