@@ -334,7 +334,11 @@ def test_a_batch_outlives_its_frontend(stack):
     """Last: it SIGKILLs frontend a, whose lease runs out; frontend b's sweep resumes the
     batch and runs the lines that have no result yet."""
     a, b = stack.client(0), stack.client(1)
-    lines = [chat_line(f"r-{i}", f"Count to {i}.", max_tokens=4, ignore_eos=True)
+    # Frontend a writes its counts every LEASE_S / 3 (2 s): each line must outlast a
+    # third of that interval (3 in flight, 4 rounds), or all 12 can end between two
+    # writes and the kill below comes after the last (CI saw that once with 4 tokens).
+    # 96 tokens at the batch's lowest priority take about 2 s here (Zen 4).
+    lines = [chat_line(f"r-{i}", f"Count to {i}.", max_tokens=96, ignore_eos=True)
              for i in range(12)]
     batch = a.batches.create(input_file_id=upload(a, jsonl(lines)).id,
                              endpoint="/v1/chat/completions", completion_window="24h")
