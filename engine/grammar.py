@@ -28,7 +28,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import msgspec
 import torch
 
@@ -131,7 +130,7 @@ class GrammarBackend:
         self._executor = llguidance.LLExecutor(num_threads=mask_threads)
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_lock = threading.Lock()
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, n_vocab)
+        self._bitmask = _new_bitmask(1, n_vocab)
         self._shifts: dict[torch.device, torch.Tensor] = {}
 
     # ---------------------------------------------------------------- compiling
@@ -169,12 +168,13 @@ class GrammarBackend:
         if not rows:
             return None
         if self._bitmask.shape[0] < len(rows):
-            self._bitmask = llguidance.torch.allocate_token_bitmask(
-                len(rows), self.tokenizer.vocab_size
-            )
+            self._bitmask = _new_bitmask(len(rows), self.tokenizer.vocab_size)
         bitmask = self._bitmask[: len(rows)]
         pairs = [(grammars[row].matcher, k) for k, row in enumerate(rows)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        # The bitmask is a contiguous CPU int32 tensor: llguidance's threads write each
+        # row's words in place.
+        words = bitmask.shape[1]
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(rows))
         return GrammarMasks(rows, bitmask, self)
 
     def apply_masks(self, logits: torch.Tensor, masks: GrammarMasks) -> None:
@@ -193,3 +193,16 @@ class GrammarBackend:
             # only way on is EOS): the grammar wins, so the request ends instead of failing.
             masked[dead] = torch.where(allowed[dead], 0.0, float("-inf"))
         logits[rows] = masked
+
+
+def _new_bitmask(rows: int, n_vocab: int) -> torch.Tensor:
+    """`rows` bitmasks of ceil(n_vocab / 32) int32 words, all allowed, pinned when a CUDA
+    device will read them. Our own, not llguidance.torch's: importing that module runs a
+    torch.compile decorator, which loads dynamo and inductor (3 s of every engine start)."""
+    shape = (rows, (n_vocab + 31) // 32)
+    if torch.cuda.is_available():
+        try:
+            return torch.full(shape, -1, dtype=torch.int32, pin_memory=True)
+        except RuntimeError:  # no pinnable memory left: a pageable copy still works
+            pass
+    return torch.full(shape, -1, dtype=torch.int32)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-import mmap
 import os
-import struct
+
+from shared.gguf_file import GGUFFile
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -111,80 +111,8 @@ def served_model_name(model_path: str) -> str:
     return os.path.basename(path.rstrip(os.sep))
 
 
-# GGUF header scanning. gguf.GGUFReader builds Python objects for the 49k-entry token and
-# merge arrays (about 4 s for the default model); we only step over them, so reading the few
-# scalars we need costs tens of milliseconds.
-_MAGIC = b"GGUF"
-# GGUF value type -> struct format for fixed-size scalars.
-_SCALAR_FORMATS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-_STRING = 8
-_ARRAY = 9
-
-
 def read_gguf_scalars(path: str) -> tuple[dict, dict[str, int]]:
-    """Returns (scalar values by key, array lengths by key)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != _MAGIC:
-            raise ValueError(f"{path} is not a GGUF file")
-        version, _tensors, kv_count = struct.unpack_from("<IQQ", buf, 4)
-        if version < 2:
-            raise ValueError(f"{path}: GGUF version {version} is not supported")
-        return _read_kvs(buf, 24, kv_count)
-
-
-def _read_kvs(buf, pos: int, kv_count: int) -> tuple[dict, dict[str, int]]:
-    scalars: dict = {}
-    arrays: dict[str, int] = {}
-    for _ in range(kv_count):
-        key, pos = _read_string(buf, pos)
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        if vtype == _ARRAY:
-            (elem_type, count) = struct.unpack_from("<IQ", buf, pos)
-            arrays[key] = count
-            pos = _skip_array(buf, pos + 12, elem_type, count)
-        else:
-            scalars[key], pos = _read_scalar(buf, pos, vtype)
-    return scalars, arrays
-
-
-def _read_string(buf, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", buf, pos)
-    start = pos + 8
-    return bytes(buf[start : start + n]).decode("utf-8", errors="replace"), start + n
-
-
-def _read_scalar(buf, pos: int, vtype: int):
-    if vtype == _STRING:
-        return _read_string(buf, pos)
-    fmt = _SCALAR_FORMATS.get(vtype)
-    if fmt is None:
-        raise ValueError(f"unknown GGUF value type {vtype}")
-    (value,) = struct.unpack_from(fmt, buf, pos)
-    return value, pos + struct.calcsize(fmt)
-
-
-def _skip_array(buf, pos: int, elem_type: int, count: int) -> int:
-    if elem_type == _STRING:
-        unpack = struct.Struct("<Q").unpack_from
-        for _ in range(count):
-            pos += 8 + unpack(buf, pos)[0]
-        return pos
-    if elem_type == _ARRAY:
-        raise ValueError("nested GGUF arrays are not supported")
-    fmt = _SCALAR_FORMATS.get(elem_type)
-    if fmt is None:
-        raise ValueError(f"unknown GGUF array element type {elem_type}")
-    return pos + count * struct.calcsize(fmt)
+    """Returns (scalar values by key, array lengths by key), decoding no array."""
+    fields = GGUFFile(path).fields.values()
+    scalars = {f.name: f.contents() for f in fields if f.element_type is None}
+    return scalars, {f.name: f.count for f in fields if f.element_type is not None}

@@ -9,9 +9,10 @@ with `config_from_hf` over the keys every decoder shares (`HFConfig`).
 import functools
 import os
 
-import gguf
 import msgspec
 import numpy as np
+
+from shared.gguf_file import GGUFFile
 
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -148,13 +149,9 @@ def load_model_config(model_path: str) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=1)
-def gguf_reader(path: str) -> gguf.GGUFReader:
-    """Open a GGUF file once per process.
-
-    Building the reader parses every metadata field, tokenizer vocabulary included, which takes
-    seconds; config, weights and tokenizer loading all need it, so they share one reader.
-    """
-    return gguf.GGUFReader(path)
+def gguf_reader(path: str) -> GGUFFile:
+    """Open a GGUF file once per process: config and weights loading share one reader."""
+    return GGUFFile(path)
 
 
 # --- Hugging Face folders ---------------------------------------------------------------------
@@ -284,11 +281,11 @@ def layer_windows(hf: HFConfig, max_positions: int) -> list[int | None]:
 # --- GGUF files -------------------------------------------------------------------------------
 
 
-def gguf_architecture(reader: gguf.GGUFReader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     return _gguf_value(reader, "general.architecture")
 
 
-def config_from_gguf(reader: gguf.GGUFReader, **fields) -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, **fields) -> ModelConfig:
     """The ModelConfig of a GGUF file's llama-style metadata; `fields` set what the metadata
     does not say (e.g. attention_bias) or name the family where it differs from the file's
     architecture."""
@@ -341,17 +338,17 @@ def _gguf_rope_scaling(reader, meta, tensor_names: set[str]) -> RopeScaling | No
 _MISSING = object()
 
 
-def gguf_arch_value(reader: gguf.GGUFReader, key: str, default=_MISSING):
+def gguf_arch_value(reader: GGUFFile, key: str, default=_MISSING):
     """The `{architecture}.{key}` metadata of a GGUF file (ValueError naming it if absent
     and no default is given)."""
     return _gguf_arch_value(reader, gguf_architecture(reader), key, default)
 
 
-def _gguf_arch_value(reader: gguf.GGUFReader, arch: str, key: str, default=_MISSING):
+def _gguf_arch_value(reader: GGUFFile, arch: str, key: str, default=_MISSING):
     return _gguf_value(reader, f"{arch}.{key}", default)
 
 
-def _gguf_value(reader: gguf.GGUFReader, key: str, default=_MISSING):
+def _gguf_value(reader: GGUFFile, key: str, default=_MISSING):
     field = reader.get_field(key)
     if field is not None:
         return field.contents()
@@ -360,7 +357,7 @@ def _gguf_value(reader: gguf.GGUFReader, key: str, default=_MISSING):
     return default
 
 
-def gguf_tensor_values(reader: gguf.GGUFReader, name: str) -> tuple[float, ...] | None:
+def gguf_tensor_values(reader: GGUFFile, name: str) -> tuple[float, ...] | None:
     """A small float tensor a GGUF file stores as configuration (rope factors), or None."""
     for tensor in reader.tensors:
         if tensor.name == name:
@@ -368,7 +365,7 @@ def gguf_tensor_values(reader: gguf.GGUFReader, name: str) -> tuple[float, ...] 
     return None
 
 
-def _gguf_embedding_rows(reader: gguf.GGUFReader) -> int:
+def _gguf_embedding_rows(reader: GGUFFile) -> int:
     # ggml lists dimensions innermost first, so the vocabulary is the last one.
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return int(embedding.shape[-1])
