@@ -1,10 +1,11 @@
-"""Gemma 2 and Gemma 3 (text): the Llama layout with Gemma's own arithmetic.
+"""Gemma, Gemma 2 and Gemma 3 (text): the Llama layout with Gemma's own arithmetic.
 
 Differences from engine.models.llama, in transformers' order: the embedding is scaled by
 sqrt(hidden); every RMSNorm multiplies by (1 + w) (folded into the weight at load, exact in
-float32); each block norms its attention and MLP outputs again before the residual add
-(post-attention and post-feedforward norms, besides the usual pre-norms); the MLP is GeGLU
-(tanh-approximated GELU); scores are scaled by query_pre_attn_scalar ** -0.5. Layers
+float32); the MLP is GeGLU (tanh-approximated GELU). That is all of Gemma (1). From Gemma 2
+on, each block norms its attention and MLP outputs again before the residual add
+(post-attention and post-feedforward norms, besides the usual pre-norms: "sandwich" norms)
+and scores are scaled by query_pre_attn_scalar ** -0.5. Layers
 alternate sliding-window and global attention (engine.models.config.LayerAttention), and
 Gemma 3 gives each kind its own rotary base and q/k norms. Gemma 2 soft-caps the attention
 scores and the final logits.
@@ -36,6 +37,8 @@ from engine.parallel.group import SINGLE, TPGroup
 
 
 class GemmaOptions(msgspec.Struct, frozen=True):
+    # Gemma 2 and 3's four norms a block; Gemma (1) has Llama's two.
+    sandwich_norms: bool = True
     final_logit_softcapping: float | None = None
     # llama.cpp's GGUF files store each norm weight as (1 + w) already.
     norms_hold_one: bool = False
@@ -78,6 +81,13 @@ class GemmaModel(LlamaModel):
         def norm(name: str) -> torch.Tensor:
             return w(name) + _norm_offset(self.config)
 
+        if not self.config.family_options.sandwich_norms:  # Llama's two norms, Gemma's math
+            return GemmaLayer(
+                input_norm=norm(p + "input_layernorm.weight"),
+                qkv_weight=self._qkv_weight(w, attn), qkv_bias=None, q_norm=None, k_norm=None,
+                o_weight=w(attn + "o_proj.weight"),
+                post_attention_norm=norm(p + "post_attention_layernorm.weight"),
+                **self._mlp_fields(w, i))
         return GemmaLayer(
             input_norm=norm(p + "input_layernorm.weight"),
             qkv_weight=self._qkv_weight(w, attn),
@@ -91,8 +101,13 @@ class GemmaModel(LlamaModel):
             **self._mlp_fields(w, i),
         )
 
+    def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super()._embed_tokens(input_ids) * self.embed_scale
+
     def forward(self, input_ids, positions, backend, meta, embeds=None) -> torch.Tensor:
-        h = self._embed_tokens(input_ids) * self.embed_scale
+        if not self.config.family_options.sandwich_norms:
+            return super().forward(input_ids, positions, backend, meta, embeds)
+        h = self._embed_tokens(input_ids)
         ropes = {}
         for rope in (self.rope, self.local_rope):
             ropes[id(rope)] = (rope, positions, self.ops.rope_tables(rope, positions))
@@ -129,7 +144,8 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    norms = {f"{n}_feedforward_layernorm.weight": (hidden,) for n in ("pre", "post")}
+    norms = ({f"{n}_feedforward_layernorm.weight": (hidden,) for n in ("pre", "post")}
+             if config.family_options.sandwich_norms else {})
     for i in range(config.num_layers):
         layer = attention_shapes(config) | mlp_shapes(config) | norms
         shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
@@ -137,6 +153,8 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 class _GemmaHF(HFConfig):
+    use_bidirectional_attention: bool | None = None  # EmbeddingGemma's encoder
+    hidden_act: str = "gelu_pytorch_tanh"  # transformers' Gemma default, not Llama's silu
     head_dim: int = 256
     hidden_activation: str | None = None
     query_pre_attn_scalar: float = 256
@@ -165,6 +183,23 @@ def _read(raw: bytes, default_pattern: int) -> tuple[_GemmaHF, int, list]:
 def _layers(hf: _GemmaHF, windows, softcap) -> tuple[LayerAttention, ...]:
     scale = hf.query_pre_attn_scalar**-0.5
     return tuple(LayerAttention(window=w, scale=scale, softcap=softcap) for w in windows)
+
+
+def read_gemma_config(raw: bytes) -> ModelConfig:
+    """Gemma (1): scores scaled by head_dim ** -0.5, no windows, no soft-capping.
+    transformers reads its legacy hidden_act "gelu" as the tanh approximation too."""
+    hf = msgspec.json.decode(raw, type=_GemmaHF)
+    require(hf.hidden_act in ("gelu_pytorch_tanh", "gelu"), "hidden_act",
+            f"{hf.hidden_act!r} is not implemented (only gelu_pytorch_tanh)")
+    require(not hf.attention_bias, "attention_bias", "not implemented for Gemma")
+    require(not hf.use_bidirectional_attention, "use_bidirectional_attention",
+            "a bidirectional (encoder) Gemma is not served")
+    max_positions = hf.max_position_embeddings or 8192
+    scale = hf.head_dim**-0.5
+    layers = tuple(LayerAttention(window=None, scale=scale, softcap=None)
+                   for _ in range(hf.num_hidden_layers))
+    return config_from_hf(hf, "gemma", max_positions, layer_attention=layers,
+                          family_options=GemmaOptions(sandwich_norms=False))
 
 
 def read_gemma2_config(raw: bytes) -> ModelConfig:
@@ -222,6 +257,15 @@ def _gguf_layers(reader, pattern: int, layers_27b: int, softcap) -> tuple[LayerA
     scalar = hidden / heads if layers == layers_27b else meta("attention.key_length")
     return tuple(LayerAttention(window=window if w else None, scale=scalar**-0.5,
                                 softcap=softcap) for w in windowed)
+
+
+def read_gemma_gguf(reader) -> ModelConfig:
+    """Gemma (1) as llama.cpp writes it: norms hold 1 + w, Llama's tensor names."""
+    scale = gguf_arch_value(reader, "attention.key_length")**-0.5
+    layers = tuple(LayerAttention(window=None, scale=scale, softcap=None)
+                   for _ in range(gguf_arch_value(reader, "block_count")))
+    return config_from_gguf(reader, layer_attention=layers, family_options=GemmaOptions(
+        sandwich_norms=False, norms_hold_one=True))
 
 
 def read_gemma2_gguf(reader) -> ModelConfig:

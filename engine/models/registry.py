@@ -56,6 +56,8 @@ FAMILIES = (
            moe.tensor_shapes, moe.MoeModel, ("qwen3moe",), moe.read_qwen3_moe_gguf),
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), moe.read_mixtral_config,
            moe.mixtral_tensor_shapes, moe.MixtralModel),
+    Family("gemma", ("GemmaForCausalLM",), ("gemma",), gemma.read_gemma_config,
+           gemma.tensor_shapes, gemma.GemmaModel, ("gemma",), gemma.read_gemma_gguf),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), gemma.read_gemma2_config,
            gemma.tensor_shapes, gemma.GemmaModel, ("gemma2",), gemma.read_gemma2_gguf,
            gemma.GGUF_LAYER_NAMES),

@@ -48,6 +48,8 @@ CASES = {
     # Top-2 of 4, and a Mistral-style window over every layer.
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    # Gemma (1): Llama's layout with (1 + w) norms, a scaled embedding and GeGLU.
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, dict(head_dim=16)),
     # Alternating sliding / global layers, soft-capped scores and logits, a score scale
     # that is not head_dim ** -0.5.
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
@@ -87,6 +89,7 @@ EXPECTED = {
     "qwen3_moe": ("qwen3_moe", 8, 0),
     "qwen2_moe": ("qwen2_moe", 4, 0),
     "mixtral": ("mixtral", 4, 3),
+    "gemma": ("gemma", 0, 0),
     "gemma2": ("gemma2", 0, 2),
     "gemma3": ("gemma3", 0, 2),
     "phi3": ("phi3", 0, 0),
@@ -377,6 +380,29 @@ def test_misshapen_router_refused(tiny_moe, tmp_path):
 ])
 def test_bad_moe_config_refused(tiny_moe, tmp_path, fields, match):
     folder = str(shutil.copytree(tiny_moe, tmp_path / "m"))
+    _rewrite_config(folder, **fields)
+    _refused(folder, match)
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"hidden_act": "silu"}, "hidden_act: 'silu' is not implemented"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"head_dim": "16"}, "head_dim"),
+])
+def test_bad_gemma_config_refused(tmp_path, fields, match):
+    """Gemma (1): what it does not compute, named; transformers' legacy "gelu" and a
+    missing hidden_act both read as the tanh GELU it uses."""
+    folder = _save_tiny(tmp_path / "g", transformers.GemmaConfig,
+                        transformers.GemmaForCausalLM, head_dim=16, num_hidden_layers=1)
+    _rewrite_config(folder, hidden_act="gelu")
+    assert load_model_config(folder).architecture == "gemma"
+    file = os.path.join(folder, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    with open(file, "w") as f:
+        json.dump({k: v for k, v in config.items() if k != "hidden_act"}, f)
+    assert load_model_config(folder).architecture == "gemma"
     _rewrite_config(folder, **fields)
     _refused(folder, match)
 
@@ -742,6 +768,9 @@ def _gemma_gguf_metadata(case: str, hf):
 
     def metadata(writer) -> None:
         _common_metadata(writer, hf, hf.head_dim)
+        if case == "gemma":  # no windows, one rotary base
+            writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+            return
         writer.add_sliding_window(hf.sliding_window)
         # Which layers are windowed: the real models' every-2nd / every-6th global layer is
         # the reader's default; three layers need the explicit form.
@@ -777,7 +806,7 @@ def _phi3_gguf_metadata(hf):
     return metadata
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "phi3", "phi4_mini"])
+@pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "phi3", "phi4_mini"])
 def test_llama_cpp_gguf_of_the_family(tmp_path, case):
     """The file convert_hf_to_gguf.py writes for the checkpoint (llama.cpp's names, Gemma's
     norms as 1 + w, Phi-3's fused projections and LongRoPE factor tensors, Phi-4-mini's
@@ -793,7 +822,8 @@ def test_llama_cpp_gguf_of_the_family(tmp_path, case):
     hf = config_cls(**kwargs)
     path = str(tmp_path / f"tiny-{case}.gguf")
     if case.startswith("gemma"):
-        arch = gguf.MODEL_ARCH.GEMMA2 if case == "gemma2" else gguf.MODEL_ARCH.GEMMA3
+        arch = {"gemma": gguf.MODEL_ARCH.GEMMA, "gemma2": gguf.MODEL_ARCH.GEMMA2}.get(
+            case, gguf.MODEL_ARCH.GEMMA3)
         _write_mapped_gguf(ref.path, path, arch, hf.num_hidden_layers,
                            _gemma_gguf_metadata(case, hf), shift_norms=True)
     else:
