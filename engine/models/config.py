@@ -110,6 +110,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # Rotary over only the first rotary_dim dims of each head (partial_rotary_factor);
     # None: over the whole head.
     rotary_dim: int | None = None
+    # Layers that apply no rotary embedding to q and k (SmolLM3's NoPE layers).
+    nope_layers: tuple[int, ...] = ()
     # A vision-language model (req T-13): its family ("idefics3") and the token id whose
     # positions take the vision encoder's outputs; None for a text-only model.
     multimodal: str | None = None

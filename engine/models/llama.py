@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend
 from engine.models.config import (
     HFConfig,
+    LayerAttention,
     ModelConfig,
     config_from_gguf,
     config_from_hf,
     gguf_arch_value,
+    layer_windows,
     require,
     whole_model_window,
 )
@@ -216,8 +218,9 @@ class LlamaModel:
         every layer in one call, else None: the CPU kernels' ops (not LoRA's), row counts
         they multiply by the blocks, a backend with the decode kernel, and layers that are
         exactly this class's math (no q/k/v or o bias, q/k norm, sinks, experts, tensor
-        parallelism, partial rotary) with every linear over blocks. Whether the step is a
-        pure decode the backend says per layer (`decode_kernel_inputs`)."""
+        parallelism, partial rotary, layers without rotary) with every linear over blocks.
+        Whether the step is a pure decode the backend says per layer
+        (`decode_kernel_inputs`)."""
         ops = self.ops
         if (not self.fuse_decode_layers or not isinstance(ops, CpuKernelOps)
                 or not ops.takes_decode_layer(x)
@@ -232,7 +235,7 @@ class LlamaModel:
         same_math = all(getattr(model, name) is getattr(LlamaModel, name)
                         for name in ("forward", "_attention", "_mlp", "_activation"))
         c = self.config
-        if (not same_math or self.tp.parallel or c.qk_norm or c.attention_bias
+        if (not same_math or self.tp.parallel or c.qk_norm or c.attention_bias or c.nope_layers
                 or self.rope.cos.dtype != self.dtype or self.rope.cos.shape[-1] != c.head_dim):
             return None
         blocks = []
@@ -270,7 +273,8 @@ class LlamaModel:
             q = self.ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
             k = self.ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
         rope, positions, tables = rope_at
-        q, k = self.ops.rope(rope, q, k, positions, tables)
+        if index not in c.nope_layers:
+            q, k = self.ops.rope(rope, q, k, positions, tables)
         # Only a layer with sinks passes them: backends without sinks take no such argument.
         sinks = {} if layer.sinks is None else {"sinks": layer.sinks}
         o = backend.attend(index, q, k, v.contiguous(), meta, **sinks)
@@ -336,6 +340,39 @@ def read_qwen3_config(raw: bytes) -> ModelConfig:
     require(not hf.attention_bias, "attention_bias", "an o_proj bias is not implemented")
     require(not hf.use_sliding_window, "use_sliding_window", "not implemented for Qwen3")
     return config_from_hf(hf, "qwen3", _DEFAULT_MAX_POSITIONS["qwen3"], qk_norm=True)
+
+
+class _SmolLM3HF(HFConfig):
+    no_rope_layers: list[int] | None = None  # per layer: 1 rotary, 0 none (NoPE)
+    no_rope_layer_interval: int = 4  # without the list: every interval-th layer is NoPE
+
+
+def read_smollm3_config(raw: bytes) -> ModelConfig:
+    """SmolLM3: Llama with no rotary embedding in some layers (every 4th by default), and
+    a sliding window on those NoPE layers where use_sliding_window says so."""
+    hf = msgspec.json.decode(raw, type=_SmolLM3HF)
+    _check_dense_features(hf)
+    require(not hf.attention_bias, "attention_bias", "not implemented for SmolLM3")
+    layers = hf.num_hidden_layers
+    if hf.no_rope_layers is None:
+        require(hf.no_rope_layer_interval >= 1, "no_rope_layer_interval",
+                f"{hf.no_rope_layer_interval} is not a positive interval")
+        hf.no_rope_layers = [int((i + 1) % hf.no_rope_layer_interval != 0)
+                             for i in range(layers)]
+    require(len(hf.no_rope_layers) == layers and set(hf.no_rope_layers) <= {0, 1},
+            "no_rope_layers", f"needs one 0 or 1 per layer ({layers})")
+    nope = tuple(i for i, rotary in enumerate(hf.no_rope_layers) if not rotary)
+    max_positions = hf.max_position_embeddings or 32768
+    attention: tuple[LayerAttention, ...] = ()
+    if hf.use_sliding_window and hf.sliding_window is not None:
+        # transformers' default: the NoPE layers slide; a saved layer_types says which.
+        if hf.layer_types is None:
+            hf.layer_types = ["sliding_attention" if i in nope else "full_attention"
+                              for i in range(layers)]
+        attention = tuple(LayerAttention(window=w)
+                          for w in layer_windows(hf, max_positions))
+    return config_from_hf(hf, "smollm3", max_positions, nope_layers=nope,
+                          layer_attention=attention)
 
 
 def _check_dense_features(hf: HFConfig) -> None:

@@ -46,6 +46,8 @@ FAMILIES = (
            llama.tensor_shapes, llama.LlamaModel, ("qwen2",), llama.read_qwen2_gguf),
     Family("qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), ("qwen3",), llama.read_qwen3_config,
            llama.tensor_shapes, llama.LlamaModel, ("qwen3",), llama.read_qwen3_gguf),
+    Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), llama.read_smollm3_config,
+           llama.tensor_shapes, llama.LlamaModel),
     # A vision encoder before a Llama text model: read as the text model (architecture
     # "llama") marked multimodal; the encoder loads beside it (engine.models.idefics3).
     Family("idefics3", ("Idefics3ForConditionalGeneration",), ("idefics3",),

@@ -48,6 +48,9 @@ CASES = {
     # Top-2 of 4, and a Mistral-style window over every layer.
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
+    # SmolLM3: no rotary embedding in every 2nd layer, and a window on those layers.
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, dict(
+        no_rope_layer_interval=2, use_sliding_window=True, sliding_window=WINDOW)),
     # Gemma (1): Llama's layout with (1 + w) norms, a scaled embedding and GeGLU.
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, dict(head_dim=16)),
     # Alternating sliding / global layers, soft-capped scores and logits, a score scale
@@ -90,6 +93,7 @@ EXPECTED = {
     "qwen2_moe": ("qwen2_moe", 4, 0),
     "mixtral": ("mixtral", 4, 3),
     "gemma": ("gemma", 0, 0),
+    "smollm3": ("smollm3", 0, 1),
     "gemma2": ("gemma2", 0, 2),
     "gemma3": ("gemma3", 0, 2),
     "phi3": ("phi3", 0, 0),
@@ -403,6 +407,23 @@ def test_bad_gemma_config_refused(tmp_path, fields, match):
     with open(file, "w") as f:
         json.dump({k: v for k, v in config.items() if k != "hidden_act"}, f)
     assert load_model_config(folder).architecture == "gemma"
+    _rewrite_config(folder, **fields)
+    _refused(folder, match)
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"no_rope_layers": [1, 0]}, "no_rope_layers: needs one 0 or 1 per layer"),
+    ({"no_rope_layers": [1, 2, 1, 1]}, "no_rope_layers: needs one 0 or 1 per layer"),
+    ({"no_rope_layers": None, "no_rope_layer_interval": 0}, "no_rope_layer_interval: 0"),
+    ({"use_sliding_window": True, "sliding_window": 0, "layer_types": [
+        "full_attention", "full_attention", "full_attention", "sliding_attention"]},
+     "sliding_window: 0 is not a window"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_bad_smollm3_config_refused(tmp_path, fields, match):
+    folder = _save_tiny(tmp_path / "s", transformers.SmolLM3Config,
+                        transformers.SmolLM3ForCausalLM, num_hidden_layers=4)
+    assert load_model_config(folder).nope_layers == (3,)  # the default: every 4th layer
     _rewrite_config(folder, **fields)
     _refused(folder, match)
 
