@@ -295,9 +295,17 @@ class RedisStore(StateStore):
     def __init__(self, url: str, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
         super().__init__(max_value_bytes)
         import redis.asyncio  # only a frontend configured for Redis needs the client
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
 
         self.url = url
-        self._redis = redis.asyncio.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        # A pooled connection that outlived a Redis restart fails the first command sent on
+        # it ("Connection closed by server"); that command is sent again on a new one, so
+        # a restart costs the requests made while Redis is down, not the ones after.
+        self._redis = redis.asyncio.from_url(
+            url, socket_timeout=5, socket_connect_timeout=2,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+            retry_on_error=[redis.exceptions.ConnectionError])
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         OSError)
 
