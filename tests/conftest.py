@@ -1,6 +1,6 @@
 import pytest
 
-from tests.servers import Cluster, Engine, Stack
+from tests.servers import Cluster, Engine, Stack, engine_and_frontend
 
 # One torch thread: on a 2-core machine the step's second thread waits on cores that the
 # frontend, the test client and the session's other servers hold (measured under load there:
@@ -19,20 +19,23 @@ def shared_engine(tmp_path_factory):
     batch differently; in bfloat16 the logits are 1/8 apart near 20, so another batch's
     summation order can swap two near-tied tokens; and the reference test compares with
     transformers' float32 greedy tokens.
+
+    `stack`'s frontend starts with it, its imports overlapping the model's load rather than
+    following it (seconds a session, issue 29); most of the suite uses it.
     """
-    e = Engine(str(tmp_path_factory.mktemp("engine")), *SHARED_ENGINE_ARGS)
+    e, default = engine_and_frontend(str(tmp_path_factory.mktemp("engine")), SHARED_ENGINE_ARGS,
+                                     "frontend", "--export-engine-metrics")
+    e.default_frontend = default
     yield e
+    default.stop()
     e.stop()
 
 
 @pytest.fixture(scope="session")
-def stack(shared_engine, tmp_path_factory):
+def stack(shared_engine):
     """The session's default server: a frontend over the shared engine that exports the
     engine's series on its /metrics, as `sluice serve`'s frontend does."""
-    s = shared_engine.frontend(str(tmp_path_factory.mktemp("stack")), "frontend",
-                               "--export-engine-metrics")
-    yield s
-    s.stop()
+    return shared_engine.default_frontend
 
 
 @pytest.fixture(scope="session")

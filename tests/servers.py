@@ -112,10 +112,16 @@ class Frontend:
     a test whose flags are all the frontend's gets its own server without loading the model
     again. Like `Stack`, it has `proc` and `base_url`."""
 
-    def __init__(self, tmp_dir: str, engine: Engine, name: str, *extra: str) -> None:
+    def __init__(self, tmp_dir: str, engine: Engine, name: str, *extra: str,
+                 wait: bool = True) -> None:
+        self.engine = engine
         self.proc, self.base_url = start_frontend(tmp_dir, engine.address, name, *extra)
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> None:
         try:
-            wait_healthy(self.base_url, [engine.proc, self.proc])
+            wait_healthy(self.base_url, [self.engine.proc, self.proc])
         except Exception:
             self.proc.stop()
             raise
@@ -128,13 +134,18 @@ class Engine:
     """`sluice engine` over tcp, serving its own metrics (`metrics_url`), once it answers a
     ping; `frontend()` puts frontends on it."""
 
-    def __init__(self, tmp_dir: str, *extra: str) -> None:
+    def __init__(self, tmp_dir: str, *extra: str, wait: bool = True) -> None:
         self.address = f"tcp://127.0.0.1:{free_tcp_port()}"
         metrics_port = free_tcp_port()
         self.metrics_url = f"http://127.0.0.1:{metrics_port}"
         self.proc = Proc(["engine", "--engine-address", self.address,
                           "--metrics-port", str(metrics_port), *extra],
                          os.path.join(tmp_dir, "engine.log"))
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Returns once the engine answers a ping; stops it if it never does."""
         try:
             self._wait_ready()
         except Exception:
@@ -159,8 +170,40 @@ class Engine:
         """A frontend with these flags over this engine; whoever asks for it stops it."""
         return Frontend(tmp_dir, self, name, *extra)
 
+    def frontends(self, tmp_dir: str, *specs: tuple[str, tuple[str, ...]]) -> list[Frontend]:
+        """One frontend per (name, flags), all started at once (a start is seconds of
+        imports, which they overlap), healthy when it returns; whoever asks stops them."""
+        started = [Frontend(tmp_dir, self, name, *extra, wait=False) for name, extra in specs]
+        try:
+            for f in started:
+                f.wait_healthy()
+        except Exception:
+            for f in started:
+                f.stop()
+            raise
+        return started
+
     def stop(self) -> None:
         self.proc.stop()
+
+
+def engine_and_frontend(tmp_dir: str, engine_extra: tuple[str, ...], name: str,
+                        *frontend_extra: str) -> tuple[Engine, Frontend]:
+    """An `Engine` and one `Frontend` over it, started at once: the frontend's start (seconds
+    of imports) overlaps the engine's model load instead of following it. Whoever asks
+    stops both."""
+    engine = Engine(tmp_dir, *engine_extra, wait=False)
+    frontend = None
+    try:
+        frontend = Frontend(tmp_dir, engine, name, *frontend_extra, wait=False)
+        frontend.wait_healthy()  # the frontend is healthy once the engine answers it
+        engine.wait_ready()
+    except Exception:
+        if frontend is not None:
+            frontend.stop()
+        engine.stop()
+        raise
+    return engine, frontend
 
 
 class Cluster:

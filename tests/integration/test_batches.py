@@ -55,8 +55,7 @@ def stack(shared_engine, tmp_path_factory):
              "--max-active-batches", str(MAX_ACTIVE))
     frontends = []
     try:
-        for name in ("a", "b"):
-            frontends.append(shared_engine.frontend(tmp, f"batches-{name}", *flags))
+        frontends = shared_engine.frontends(tmp, *((f"batches-{n}", flags) for n in "ab"))
         yield Stack(shared_engine, frontends, redis)
     finally:
         for f in frontends:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from tests.servers import Engine
+from tests.servers import engine_and_frontend
 from tests.tiny_vlm import tiny_vlm_tokenizer
 
 peft = pytest.importorskip("peft")
@@ -56,13 +56,13 @@ def setup(tmp_path_factory):
             r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False, **extra))
         lora.save_pretrained(root / name)
         merged[name] = lora.merge_and_unload().eval()
-    engine = Engine(str(root), "--model", str(root / "base"), "--dtype", "float32",
-                    "--enable-lora", "--max-loras", "2", "--lora-modules",
-                    f"a={root / 'a'}", json.dumps({"name": "b", "path": str(root / "b"),
-                                                   "base_model_name": "tinybase"}))
-    front = engine.frontend(str(root), "front", "--model", str(root / "base"),
-                            "--served-model-name", "tiny", "--allow-runtime-lora-updating",
-                            "--api-key", KEY, "--return-tokens-as-token-ids")
+    engine, front = engine_and_frontend(
+        str(root), ("--model", str(root / "base"), "--dtype", "float32", "--enable-lora",
+                    "--max-loras", "2", "--lora-modules", f"a={root / 'a'}",
+                    json.dumps({"name": "b", "path": str(root / "b"),
+                                "base_model_name": "tinybase"})),
+        "front", "--model", str(root / "base"), "--served-model-name", "tiny",
+        "--allow-runtime-lora-updating", "--api-key", KEY, "--return-tokens-as-token-ids")
     yield root, merged, engine, front
     front.stop()
     engine.stop()

@@ -37,7 +37,9 @@ def start_engine(tmp_dir: str, name: str, address: str, *extra: str) -> Proc:
 class TwoEngines:
     def __init__(self, tmp_dir: str) -> None:
         self.tmp_dir = tmp_dir
-        self.addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2)]
+        # One port on two loopback addresses: the dns+tcp:// test resolves a name to both.
+        port = free_tcp_port()
+        self.addresses = [f"tcp://127.0.0.{i + 1}:{port}" for i in range(2)]
         self.postproc_addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2)]
         # Two sequences at a time, so a burst leaves requests waiting in each engine.
         self.engines = [self.engine(i) for i in range(2)]
@@ -218,17 +220,18 @@ def test_an_engine_started_later_is_used(two, tmp_path):
             engine.stop()
 
 
-def test_dns_form_follows_an_injected_resolver(two, tmp_path):
+def test_dns_form_follows_an_injected_resolver(two):
     """EngineClient in-process with `dns+tcp://engines.test:PORT` and a resolver the test
-    controls: two loopback addresses, one engine on each, then one of them leaves."""
+    controls: two loopback addresses, one engine on each (the module's two, which listen on
+    one port of 127.0.0.1 and 127.0.0.2), then one of them leaves."""
     from frontend.engines.engine_client import EngineClient
     from postproc.processor import OutputProcessor
     from shared.protocol import EngineRequest, OutputParams, SamplingParams, pack_ids
     from shared.tokenizer import load_tokenizer
 
-    port = free_tcp_port()
-    engines = [start_engine(str(tmp_path), f"dns-{i}", f"tcp://127.0.0.{i + 1}:{port}")
-               for i in range(2)]
+    port = int(two.addresses[0].rsplit(":", 1)[1])
+    assert two.addresses == [f"tcp://127.0.0.{i}:{port}" for i in (1, 2)]
+    ids = [s.engine_id for s in two.stats()]
     answers = {"engines.test": ["127.0.0.1", "127.0.0.2"]}
     asked: list[str] = []
 
@@ -269,22 +272,18 @@ def test_dns_form_follows_an_injected_resolver(two, tmp_path):
                 return engine
 
             used = {await one(i) for i in range(2)}
-            assert used == {"dns-0", "dns-1"}
+            assert used == set(ids)
             # The name now resolves to one address: the other engine takes nothing new.
             answers["engines.test"] = ["127.0.0.2"]
             deadline = time.monotonic() + 10
             while len(client.engines) > 1:
                 assert time.monotonic() < deadline, "the departed engine stayed"
                 await asyncio.sleep(0.1)
-            assert {await one(i) for i in range(2, 5)} == {"dns-1"}
+            assert {await one(i) for i in range(2, 5)} == {ids[1]}
         finally:
             await client.stop()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for e in engines:
-            e.stop()
+    asyncio.run(scenario())
     assert asked.count("engines.test") >= 2  # re-resolved while running
 
 

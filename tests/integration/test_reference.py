@@ -11,14 +11,18 @@ import httpx
 import pytest
 import torch
 
-from shared.model_source import DEFAULT_MODEL_FILE, default_model_path
+from shared.model_source import default_model_path
 from shared.protocol import SamplingParams
 from shared.tokenizer import load_tokenizer
 from tests.engine_client import RawEngineClient
+from tests.hf_default_model import hf_default_model
 
 # pytest-timeout counts a test's setup: the first test's is transformers' reference (~200
 # CPU-seconds on an AVX2-only or loaded machine), which with the test itself can pass 600 s.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+# `reference_job` first: transformers' reference runs on a thread while the cluster's engine
+# starts (another process), instead of after it.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200),
+              pytest.mark.usefixtures("reference_job")]
 NEW_TOKENS = 64
 
 STORY = (
@@ -35,7 +39,7 @@ def chat(*turns: str, system: str | None = None) -> list[dict]:
     return messages
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prompts() -> list[list[int]]:
     return reference_prompts()
 
@@ -66,13 +70,23 @@ def reference_prompts(model_path: str | None = None) -> list[list[int]]:
     return built
 
 
-@pytest.fixture(scope="module")
-def reference(prompts) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+@pytest.fixture(scope="session")
+def reference_job(prompts):
+    """transformers' greedy tokens, computed on a thread from the moment this module starts
+    (session scope, so it is set up before the session's `cluster`, whose engine start it
+    overlaps; defined here, so only this module starts it)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        job = pool.submit(transformers_greedy, prompts)
+        yield job
 
-    model = AutoModelForCausalLM.from_pretrained(
-        default_model_path().rsplit("/", 1)[0], gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32
-    )
+
+@pytest.fixture(scope="module")
+def reference(reference_job) -> list[list[int]]:
+    return reference_job.result()
+
+
+def transformers_greedy(prompts: list[list[int]]) -> list[list[int]]:
+    model = hf_default_model()
     outputs = []
     with torch.inference_mode():
         for ids in prompts:

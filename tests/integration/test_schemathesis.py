@@ -46,7 +46,10 @@ from schemathesis.generation.hypothesis.builder import (  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = int(os.environ.get("SLUICE_FUZZ_EXAMPLES", "25"))  # per operation and mode
+# Per operation and mode. 10 reach the same 122 (operation, status) answers 25 did (issue 29,
+# measured: 4,258 requests in 44 s against 5,173 in 78 s); most of a fuzz case's cost is
+# drawing it, not the server. SLUICE_FUZZ_EXAMPLES raises it for a deeper local run.
+EXAMPLES = int(os.environ.get("SLUICE_FUZZ_EXAMPLES", "10"))
 REQUEST_TIMEOUT_S = 120  # past the stack's own --request-timeout
 # The field that bounds the output of each generating route, and the default we give it.
 OUTPUT_LENGTH = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens"),

@@ -93,8 +93,8 @@ def pair(request, shared_engine, tmp_path_factory):
              *(f for key in KEYS for f in ("--api-key", key)))
     frontends = []
     try:
-        for name in ("a", "b"):
-            frontends.append(shared_engine.frontend(tmp, f"{request.param}-{name}", *flags))
+        frontends = shared_engine.frontends(
+            tmp, *((f"{request.param}-{name}", flags) for name in ("a", "b")))
         yield Pair(request.param, url, frontends, redis)
     finally:
         for f in frontends:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ import torch
 import transformers
 
 from tests.conftest import SHARED_ENGINE_ARGS
-from tests.servers import Engine, wait_until
+from tests.servers import engine_and_frontend, wait_until
 from tests.tiny_vlm import tiny_vlm_tokenizer
 
 STREAM = {"prompt": "hello world", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
@@ -67,9 +68,9 @@ def tiny_llama(tmp_path_factory) -> str:
 def tp_engine(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("tp")
     model = tiny_llama
-    engine = Engine(str(tmp), "--model", model, "-tp", "2", "--dtype", "float32",
-                    "--threads", "2")
-    frontend = engine.frontend(str(tmp), "frontend", "--model", model, "--engine-timeout", "2")
+    engine, frontend = engine_and_frontend(
+        str(tmp), ("--model", model, "-tp", "2", "--dtype", "float32", "--threads", "2"),
+        "frontend", "--model", model, "--engine-timeout", "2")
     yield engine, frontend
     frontend.stop()
     engine.stop()
@@ -118,20 +119,28 @@ def test_a_killed_rank_ends_its_engine_and_the_stream(tp_engine):
 
 @pytest.mark.slow
 def test_default_model_at_three_ranks_matches_one(base_url, tmp_path):
-    engine = Engine(str(tmp_path), *SHARED_ENGINE_ARGS, "-tp", "3")
+    engine, frontend = engine_and_frontend(str(tmp_path), (*SHARED_ENGINE_ARGS, "-tp", "3"),
+                                           "frontend")
+    prompts = ("The capital of France is", "def fibonacci(n):",
+               "Once upon a time, in a land far away, there lived")
+
+    def text(url: str, prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
     try:
-        frontend = engine.frontend(str(tmp_path), "frontend")
-        try:
-            for prompt in ("The capital of France is", "def fibonacci(n):",
-                           "Once upon a time, in a land far away, there lived"):
-                body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
-                want = httpx.post(f"{base_url}/v1/completions", json=body, timeout=600)
-                got = httpx.post(f"{frontend.base_url}/v1/completions", json=body, timeout=600)
-                assert got.status_code == want.status_code == 200, got.text
-                assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
-        finally:
-            frontend.stop()
+        # All at once, to both engines: each decodes the three in one batch (float32 greedy
+        # does not change with the batch: test_reference), a third of the steps of one at a
+        # time, and the ranks' all-reduces carry several rows.
+        with concurrent.futures.ThreadPoolExecutor(2 * len(prompts)) as pool:
+            want = [pool.submit(text, base_url, p) for p in prompts]
+            got = [pool.submit(text, frontend.base_url, p) for p in prompts]
+            for prompt, w, g in zip(prompts, want, got, strict=True):
+                assert g.result() == w.result(), prompt
     finally:
+        frontend.stop()
         engine.stop()
 
 
@@ -155,28 +164,25 @@ def test_a_hung_rank_ends_its_engine_naming_it(tiny_llama, tmp_path, monkeypatch
     step's plan) waits at most SLUICE_TP_TIMEOUT_S, then the engine stops naming the rank,
     and the request in flight gets its 503."""
     monkeypatch.setenv("SLUICE_TP_TIMEOUT_S", "5")
-    engine = Engine(str(tmp_path), "--model", tiny_llama, "-tp", "2", "--dtype", "float32",
-                    "--threads", "2")
+    engine, frontend = engine_and_frontend(
+        str(tmp_path), ("--model", tiny_llama, "-tp", "2", "--dtype", "float32", "--threads",
+                        "2"), "frontend", "--model", tiny_llama, "--engine-timeout", "2")
     [rank] = _children(engine.proc.popen.pid)
     try:
-        frontend = engine.frontend(str(tmp_path), "frontend", "--model", tiny_llama,
-                                   "--engine-timeout", "2")
-        try:
-            url = f"{frontend.base_url}/v1/completions"
-            r = httpx.post(url, json={**STREAM, "max_tokens": 4}, timeout=60)
-            assert r.status_code == 200, r.text
-            os.kill(rank, signal.SIGSTOP)
-            wait_until(lambda: _state(rank) == "T", 10, "the rank's stop")
-            stopped = time.monotonic()
-            r = httpx.post(url, json={**STREAM, "max_tokens": 4}, timeout=90)
-            assert r.status_code == 503, r.text
-            assert time.monotonic() - stopped < 60  # the 5 s timeout, then the 503
-            assert engine.proc.popen.wait(timeout=10) != 0
-            assert "tensor-parallel rank 1 is stopped" in engine.proc.log()
-            wait_until(lambda: _gone(rank), 10, "the stopped rank's end")
-        finally:
-            frontend.stop()
+        url = f"{frontend.base_url}/v1/completions"
+        r = httpx.post(url, json={**STREAM, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+        os.kill(rank, signal.SIGSTOP)
+        wait_until(lambda: _state(rank) == "T", 10, "the rank's stop")
+        stopped = time.monotonic()
+        r = httpx.post(url, json={**STREAM, "max_tokens": 4}, timeout=90)
+        assert r.status_code == 503, r.text
+        assert time.monotonic() - stopped < 60  # the 5 s timeout, then the 503
+        assert engine.proc.popen.wait(timeout=10) != 0
+        assert "tensor-parallel rank 1 is stopped" in engine.proc.log()
+        wait_until(lambda: _gone(rank), 10, "the stopped rank's end")
     finally:
+        frontend.stop()
         if not _gone(rank):
             os.kill(rank, signal.SIGKILL)
         engine.stop()

@@ -162,13 +162,15 @@ def test_requests_and_outputs_are_logged(vllm_style):
     assert "finish_reason=\"length\"" in output_line and "output_tokens=4" in output_line
 
 
-def test_a_unix_socket_and_a_root_path(tmp_path):
+def test_a_unix_socket_and_a_root_path(shared_engine, tmp_path):
     """--uds instead of host:port; under --root-path (a proxy in front strips the prefix)
-    routes, the open paths and the API key behave as without it."""
+    routes, the open paths and the API key behave as without it. Every flag here is the
+    frontend's, so a frontend over the session's engine serves it (that `serve` forwards
+    them: test_vllm_command_line)."""
     path = str(tmp_path / "sluice.sock")
-    proc = Proc(["serve", "--uds", path, "--root-path", "/llm", "--api-key", "k",
-                 "--max-num-seqs", "2", "--response-role", "helper"],
-                str(tmp_path / "serve.log"))
+    proc = Proc(["frontend", "--engine-address", shared_engine.address, "--uds", path,
+                 "--root-path", "/llm", "--api-key", "k", "--response-role", "helper"],
+                str(tmp_path / "frontend.log"))
     transport = httpx.HTTPTransport(uds=path)
     try:
         _wait_healthy("http://sluice/health", proc, transport=transport)

@@ -13,6 +13,8 @@ import transformers
 
 from engine.models.config import ModelConfig, RopeScaling, load_model_config
 from engine.models.weights import _undo_rope_permute, expected_shapes, load_weights
+from shared.model_source import DEFAULT_MODEL_FILE
+from tests.hf_default_model import hf_default_model
 from tests.unit.engine_builders import CONFIG, hf_config_kwargs
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,10 +77,10 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="module")
 def hf_gguf_model():
-    # transformers takes ~20 s to dequantize and build this model, hence the slow marks.
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        _default_model_dir(), gguf_file=GGUF_NAME, dtype=torch.float32
-    )
+    # transformers takes ~20 s to dequantize and build this model, hence the slow marks; the
+    # session loads it once for this file and test_reference's greedy tokens.
+    assert GGUF_NAME == DEFAULT_MODEL_FILE
+    return hf_default_model()
 
 
 @pytest.mark.slow
