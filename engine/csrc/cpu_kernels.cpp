@@ -1636,13 +1636,240 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
   }
 }
 
+// --------------------------------------------------- int8 activations (Q4_1 and Q8_0 blocks)
+// llama.cpp's way with its Q4/Q8 blocks: each row of x is rounded to int8 per block of 32
+// (d = max|x| / 127, q = round-to-nearest-even(x * 127 / max|x|), s = d * sum(q)), once per
+// linear, and a weight block times an x block is one integer dot product:
+//   Q4_1 (w = d_w * q_w + m_w): d_w * d * sum(q_w * q) + m_w * s
+//   Q8_0 (w = d_w * q_w):       d_w * d * sum(q_w * q)
+// vpmaddubsw + vpmaddwd (AVX2), or vpdpbusd (AVX512-VNNI) take 32 products in one or two
+// instructions where the float path widens every nibble to a float32 and multiplies it.
+// The integer sums are exact (|sum| < 2^20), so both builds give the same bits. The only
+// loss is x's rounding (at most half a step of max|x| / 127 per value): the result is the
+// exact product of the weights with x rounded so, up to float32 rounding of the per-block
+// terms and their sum (tests/unit/test_int8_linear.py states the bound).
+// Each output sums its blocks eight at a time: eight integer block sums reduced into one
+// vector (lane j: block 8g + j), scaled by the eight d_w * d, plus m_w * s, into one float32
+// accumulator per output whose eight lanes are added in a fixed tree at the end. Every
+// output runs that same sequence whatever the tile or the batch, so a row's result depends
+// on its row of x alone (batch invariance); rows pad to a multiple of eight blocks with
+// zero blocks, which add exactly zero.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHasInt8Dot = true;
+constexpr int64_t kGroup = 8;  // blocks reduced into one vector
+
+// 8 values of x as float32 (bfloat16 widens exactly by a shift).
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// x's rows rounded to int8 per block (see above), each row padded with zero blocks to a
+// multiple of kGroup blocks. q is in the order the layout's weights unpack in (below).
+struct RowsQ8 {
+  int64_t blocks = 0;    // per row, padded
+  std::vector<int8_t> q; // [rows, blocks * 32]
+  std::vector<float> d;  // [rows, blocks]
+  std::vector<float> s;  // [rows, blocks]: d * sum(q)
+};
+
+// One block of 32 values: q (in LAYOUT's unpacked order), d and d * sum(q).
+template <int64_t LAYOUT, typename T>
+inline void quantize_block(const T* x, int8_t* q, float& d, float& s) {
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < 4; ++i) v[i] = widen8(x + 8 * i);
+  const __m256 m8 = _mm256_max_ps(
+      _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  d = amax / 127.f;
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i i[4];
+  // The default rounding mode: to nearest, ties to even (torch.round's).
+  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
+  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
+  s = d * static_cast<float>(_mm_cvtsi128_si32(t4));
+  // packs interleave 128-bit lanes: dword k of p holds values 4 * {0, 2, 4, 6, 1, 3, 5, 7}[k].
+  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if constexpr (LAYOUT == kHalfNibbles) {
+    // HalfNibbles unpacks to (byte b's low nibbles | byte b's high nibbles), b = 0..15, and
+    // byte b holds weights 16 * (b % 2) + b / 2 (low) and 8 more (high): lane 0 takes
+    // values 0-7 and 16-23 interleaved, lane 1 values 8-15 and 24-31.
+    p = _mm256_permute4x64_epi64(p, _MM_SHUFFLE(3, 1, 2, 0));
+    p = _mm256_shuffle_epi8(p, _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14,
+                                                7, 15, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13,
+                                                6, 14, 7, 15));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
+}
+
+template <int64_t LAYOUT, typename T>
+RowsQ8 quantize_rows(const T* x, int64_t rows, int64_t k) {
+  const int64_t nb = k / kBlock;
+  RowsQ8 xq;
+  xq.blocks = (nb + kGroup - 1) / kGroup * kGroup;
+  xq.q.assign(rows * xq.blocks * kBlock, 0);
+  xq.d.assign(rows * xq.blocks, 0.f);
+  xq.s.assign(rows * xq.blocks, 0.f);
+  at::parallel_for(0, rows * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / nb, b = i % nb, at = r * xq.blocks + b;
+      quantize_block<LAYOUT>(x + r * k + b * kBlock, xq.q.data() + at * kBlock, xq.d[at],
+                             xq.s[at]);
+    }
+  });
+  return xq;
+}
+
+// A weight block's 32 integers as bytes, in the order quantize_block puts x in: Q4_1's
+// nibbles unsigned (0..15; lane 0 the low nibbles of the 16 bytes, lane 1 the high ones),
+// Q8_0's bytes signed as they are.
+template <int64_t LAYOUT> inline __m256i weight_bytes(const uint8_t* blk) {
+  if constexpr (LAYOUT == kHalfNibbles) {
+    const __m256i bytes = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+    return _mm256_and_si256(_mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)),
+                            _mm256_set1_epi8(0x0F));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  }
+}
+
+// sum(u * v) of 32 unsigned bytes u and signed bytes v, as 8 int32 partial sums. No 16-bit
+// pair of vpmaddubsw saturates: u <= 128 and |v| <= 127 give at most 32512.
+inline __m256i dot_bytes(__m256i u, __m256i v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+}
+
+// Eight vectors of 8 int32 into one: lane j is the sum of p[j]'s lanes (exact).
+inline __m256i reduce8(const __m256i (&p)[kGroup]) {
+  const __m256i t0 = _mm256_hadd_epi32(p[0], p[1]), t1 = _mm256_hadd_epi32(p[2], p[3]);
+  const __m256i t2 = _mm256_hadd_epi32(p[4], p[5]), t3 = _mm256_hadd_epi32(p[6], p[7]);
+  // u0: (p0..p3 lanes 0-3 | p0..p3 lanes 4-7); u1 the same for p4..p7.
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                          _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// The eight lanes' sum: lanes i + 4, then + 2, + 1.
+inline float sum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// One column tile (cols <= kTileCols weight rows at wrow) against rows [r0, r0 + rows) of
+// xq, into result [rows, kTileCols]. A group's weight blocks are unpacked once into L1
+// scratch and read back for every row.
+template <int64_t LAYOUT>
+void tile_q8(const RowsQ8& xq, int64_t r0, int64_t rows, const uint8_t* wrow, int64_t row_bytes,
+             int64_t cols, int64_t nb, std::vector<__m256>& acc, float* result) {
+  constexpr int64_t bb = layout_bytes(LAYOUT);
+  alignas(32) uint8_t wu[kTileCols][kGroup][32];  // the unsigned operand
+  alignas(32) int8_t ws[kTileCols][kGroup][32];   // Q8_0: the weights' signs
+  alignas(32) float dw[kTileCols][kGroup], mw[kTileCols][kGroup];
+  acc.assign(rows * kTileCols, _mm256_setzero_ps());
+  for (int64_t g = 0; g < xq.blocks; g += kGroup) {
+    for (int64_t c = 0; c < cols; ++c) {
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const int64_t b = g + j;
+        __m256i w = _mm256_setzero_si256();
+        dw[c][j] = mw[c][j] = 0.f;  // a padding block adds 0 * 0
+        if (b < nb) {
+          const uint8_t* blk = wrow + c * row_bytes + b * bb;
+          w = weight_bytes<LAYOUT>(blk);
+          uint16_t h[2];
+          std::memcpy(h, blk, 4);
+          dw[c][j] = _cvtsh_ss(h[0]);
+          if constexpr (LAYOUT == kHalfNibbles) mw[c][j] = _cvtsh_ss(h[1]);
+        }
+        if constexpr (LAYOUT == kBytes) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(ws[c][j]), w);
+          w = _mm256_abs_epi8(w);  // -128 gives 128 as an unsigned byte: still exact
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wu[c][j]), w);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t at = (r0 + r) * xq.blocks + g;
+      const int8_t* xr = xq.q.data() + at * kBlock;
+      const __m256 d = _mm256_loadu_ps(xq.d.data() + at);
+      const __m256 s = _mm256_loadu_ps(xq.s.data() + at);
+      for (int64_t c = 0; c < cols; ++c) {
+        __m256i p[kGroup];
+        for (int64_t j = 0; j < kGroup; ++j) {
+          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + j * kBlock));
+          if constexpr (LAYOUT == kBytes)
+            v = _mm256_sign_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(ws[c][j])));
+          p[j] = dot_bytes(_mm256_load_si256(reinterpret_cast<const __m256i*>(wu[c][j])), v);
+        }
+        const __m256 sums = _mm256_cvtepi32_ps(reduce8(p));
+        __m256& a = acc[r * kTileCols + c];
+        a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(dw[c]), d), sums, a);
+        if constexpr (LAYOUT == kHalfNibbles) a = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), s, a);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) result[r * kTileCols + c] = sum8(acc[r * kTileCols + c]);
+}
+
+// linear_rows with int8 x (LAYOUT: HalfNibbles or Bytes): the same split over column tiles.
+template <typename T, int64_t LAYOUT>
+void linear_rows_q8(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, int64_t n_out,
+                    torch::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  const RowsQ8 xq = quantize_rows<LAYOUT>(ptr<T>(x), rows, k);
+  T* op = ptr<T>(out);
+  const int64_t col_tiles = (n_out + kTileCols - 1) / kTileCols;
+  for (int64_t tile = 0; tile < rows; tile += kRowTile) {
+    const int64_t tile_rows = std::min(kRowTile, rows - tile);
+    at::parallel_for(0, col_tiles, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> result(tile_rows * kTileCols);
+      std::vector<__m256> acc;
+      for (int64_t ct = begin; ct < end; ++ct) {
+        const int64_t n = ct * kTileCols, cols = std::min<int64_t>(kTileCols, n_out - n);
+        const uint8_t* wrow = wp + n * row_bytes;
+        if (ct + 1 < end) {  // the next tile's weights stream in while this one computes
+          const char* ahead = reinterpret_cast<const char*>(wrow + kTileCols * row_bytes);
+          const int64_t next = std::min<int64_t>(kTileCols, n_out - n - kTileCols) * row_bytes;
+          for (int64_t off = 0; off < next; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        }
+        tile_q8<LAYOUT>(xq, tile, tile_rows, wrow, row_bytes, cols, k / kBlock, acc,
+                        result.data());
+        for (int64_t r = 0; r < tile_rows; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            op[(tile + r) * n_out + n + c] = Elem<T>::store(result[r * kTileCols + c]);
+      }
+    });
+  }
+}
+#else
+constexpr bool kHasInt8Dot = false;
+#endif
+
 void check_linear_input(const torch::Tensor& x) {
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] tensor");
   TORCH_CHECK(x.size(1) % kBlock == 0, "in_features must be a multiple of 32");
 }
 
-torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t kind) {
+// int8_x: round x to int8 per block and multiply in integers (the section above) where the
+// kind's layout has that path (Q4_1, Q8_0) and the build has AVX2; elsewhere it is ignored.
+torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t kind,
+                               bool int8_x) {
   check_linear_input(x);
   check_kind(kind);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
@@ -1653,6 +1880,12 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (int8_x && layout_of(kind) == kHalfNibbles)
+      return linear_rows_q8<T, kHalfNibbles>(x, wp, packed.size(1), packed.size(0), out);
+    if (int8_x && layout_of(kind) == kBytes)
+      return linear_rows_q8<T, kBytes>(x, wp, packed.size(1), packed.size(0), out);
+#endif
     switch (layout_of(kind)) {
       case kHalfNibbles:
         return linear_rows<T, Quant<kHalfNibbles>>(x, wp, packed.size(1), packed.size(0), out);
@@ -1741,6 +1974,7 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) 
 //   empty tensor for the last layer, which returns h + mlp alone (the model's final add)
 //   cos, sin, positions: rope's; k_cache, v_cache: this layer's [slots, KVH, D], written at
 //   slots; page_table, lengths, page_size, scale: decode_attention's
+//   int8_x: the four linears take quantized_linear's int8 path (where their kinds have it)
 // Returns (x, h) for the next layer, or (h + mlp) after the last.
 std::vector<torch::Tensor> decode_layer(
     const torch::Tensor& x, const torch::Tensor& h, const std::vector<torch::Tensor>& blocks,
@@ -1749,14 +1983,14 @@ std::vector<torch::Tensor> decode_layer(
     const torch::Tensor& sin, const torch::Tensor& positions, int64_t heads, int64_t kv_heads,
     torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
     const torch::Tensor& page_table, const torch::Tensor& lengths, int64_t page_size,
-    double scale) {
+    double scale, bool int8_x) {
   TORCH_CHECK(blocks.size() == 4 && kinds.size() == 4,
               "blocks and kinds: q/k/v, o, gate/up and down");
   TORCH_CHECK(h.is_contiguous() && h.sizes() == x.sizes(), "h must be contiguous, x's shape");
   const int64_t tokens = x.size(0), dim = k_cache.size(2);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
   // Attention: q/k/v, RoPE, the cache write, attention over the pages, o.
-  const auto qkv = quantized_linear(x.contiguous(), blocks[0], kinds[0]);
+  const auto qkv = quantized_linear(x.contiguous(), blocks[0], kinds[0], int8_x);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "q/k/v rows must be (H + 2 KVH) * D");
   const auto q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
   const auto k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
@@ -1766,11 +2000,11 @@ std::vector<torch::Tensor> decode_layer(
   v_cache.index_copy_(0, slots, v.contiguous());
   const auto o = decode_attention(both.narrow(1, 0, heads), k_cache, v_cache, page_table,
                                   lengths, page_size, scale);
-  const auto attn = quantized_linear(o.reshape({tokens, q_size}), blocks[1], kinds[1]);
+  const auto attn = quantized_linear(o.reshape({tokens, q_size}), blocks[1], kinds[1], int8_x);
   // The MLP between the two fused residual adds and norms.
   const auto mid = add_rms_norm(h, attn, post_norm, eps);  // (normed, summed)
-  const auto gate_up = quantized_linear(mid[0], blocks[2], kinds[2]);
-  const auto down = quantized_linear(silu_and_mul(gate_up), blocks[3], kinds[3]);
+  const auto gate_up = quantized_linear(mid[0], blocks[2], kinds[2], int8_x);
+  const auto down = quantized_linear(silu_and_mul(gate_up), blocks[3], kinds[3], int8_x);
   if (!next_norm.defined() || next_norm.numel() == 0) return {mid[1] + down};
   return add_rms_norm(mid[1], down, next_norm, eps);
 }
@@ -1787,11 +2021,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantized_linear's layout for that kind, or for as_kind (3 or 4 take any kind)",
         py::arg("blocks"), py::arg("kind"), py::arg("as_kind") = -1);
   m.def("quantized_linear", &quantized_linear,
-        "x @ W^T with W from pack_blocks (the same kind)");
+        "x @ W^T with W from pack_blocks (the same kind); int8_x: x rounded to int8 per block "
+        "of 32 and integer dot products, where the kind (Q4_1, Q8_0) and the build have them",
+        py::arg("x"), py::arg("blocks"), py::arg("kind"), py::arg("int8_x") = false);
   m.def("dequantize_blocks", &dequantize_blocks,
         "W from pack_blocks (of kind) as a dense float32 [out, in]: the weights "
         "quantized_linear reads");
   m.attr("bf16_quantized") = kHasBf16Dot;
+  m.attr("int8_dot") = kHasInt8Dot;  // quantized_linear's int8_x has a path
   // The vector path this build runs (tests check they load the build they mean to).
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";
