@@ -1648,15 +1648,15 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
 // loss is x's rounding (at most half a step of max|x| / 127 per value): the result is the
 // exact product of the weights with x rounded so, up to float32 rounding of the per-block
 // terms and their sum (tests/unit/test_int8_linear.py states the bound).
-// Each output sums its blocks eight at a time: eight integer block sums reduced into one
-// vector (lane j: block 8g + j), scaled by the eight d_w * d, plus m_w * s, into one float32
-// accumulator per output whose eight lanes are added in a fixed tree at the end. Every
-// output runs that same sequence whatever the tile or the batch, so a row's result depends
-// on its row of x alone (batch invariance); rows pad to a multiple of eight blocks with
-// zero blocks, which add exactly zero.
+// Each output keeps one eight-lane float32 accumulator: block by block, the eight int32
+// partial sums of the integer dot product, times d_w * d; its lanes are added in a fixed
+// tree at the end, then Q4_1's sum of m_w * s (eight blocks a vector; rows pad to a
+// multiple of eight blocks with zeros, which add exactly zero). Every output runs that same
+// sequence whatever the tile or the batch, so a row's result depends on its row of x alone
+// (batch invariance).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool kHasInt8Dot = true;
-constexpr int64_t kGroup = 8;  // blocks reduced into one vector
+constexpr int64_t kGroup = 8;  // blocks per vector of the m_w * s sums (rows pad to it)
 
 // 8 values of x as float32 (bfloat16 widens exactly by a shift).
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
@@ -1753,16 +1753,6 @@ inline __m256i dot_bytes(__m256i u, __m256i v) {
 #endif
 }
 
-// Eight vectors of 8 int32 into one: lane j is the sum of p[j]'s lanes (exact).
-inline __m256i reduce8(const __m256i (&p)[kGroup]) {
-  const __m256i t0 = _mm256_hadd_epi32(p[0], p[1]), t1 = _mm256_hadd_epi32(p[2], p[3]);
-  const __m256i t2 = _mm256_hadd_epi32(p[4], p[5]), t3 = _mm256_hadd_epi32(p[6], p[7]);
-  // u0: (p0..p3 lanes 0-3 | p0..p3 lanes 4-7); u1 the same for p4..p7.
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                          _mm256_permute2x128_si256(u0, u1, 0x31));
-}
-
 // The eight lanes' sum: lanes i + 4, then + 2, + 1.
 inline float sum8(__m256 v) {
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -1770,67 +1760,67 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-// One column tile (cols <= kTileCols weight rows at wrow) against rows [r0, r0 + rows) of
-// xq, into result [rows, kTileCols]. A group's weight blocks are unpacked once into L1
-// scratch and read back for every row.
-template <int64_t LAYOUT>
-void tile_q8(const RowsQ8& xq, int64_t r0, int64_t rows, const uint8_t* wrow, int64_t row_bytes,
-             int64_t cols, int64_t nb, std::vector<__m256>& acc, float* result) {
+// R rows of xq (from r0) against C weight rows, llama.cpp's scheme: per block, the eight
+// int32 partial sums of each (row, column) pair, as float32, times d_w * d into that pair's
+// eight-lane accumulator; at the end its lanes are added in a fixed tree, then Q4_1's sum
+// over blocks of m_w * s, eight blocks a vector (the tile writes each column's m_w into
+// mw [C, xq.blocks] on the way; the padding stays zero). Each output's float32 steps are
+// the same in every tile shape (batch invariance). (Reducing four blocks' integer sums
+// into one vector first, to scale four at a time, measured slower: vphaddd costs more than
+// the float32 steps it saves.)
+template <int64_t LAYOUT, int R, int C>
+void tile_q8(const RowsQ8& xq, int64_t r0, const uint8_t* wrow, int64_t row_bytes, int64_t nb,
+             float* mw, float* result, int64_t result_stride) {
   constexpr int64_t bb = layout_bytes(LAYOUT);
-  alignas(32) uint8_t wu[kTileCols][kGroup][32];  // the unsigned operand
-  alignas(32) int8_t ws[kTileCols][kGroup][32];   // Q8_0: the weights' signs
-  alignas(32) float dw[kTileCols][kGroup], mw[kTileCols][kGroup];
-  acc.assign(rows * kTileCols, _mm256_setzero_ps());
-  for (int64_t g = 0; g < xq.blocks; g += kGroup) {
-    for (int64_t c = 0; c < cols; ++c) {
-      for (int64_t j = 0; j < kGroup; ++j) {
-        const int64_t b = g + j;
-        __m256i w = _mm256_setzero_si256();
-        dw[c][j] = mw[c][j] = 0.f;  // a padding block adds 0 * 0
-        if (b < nb) {
-          const uint8_t* blk = wrow + c * row_bytes + b * bb;
-          w = weight_bytes<LAYOUT>(blk);
-          uint16_t h[2];
-          std::memcpy(h, blk, 4);
-          dw[c][j] = _cvtsh_ss(h[0]);
-          if constexpr (LAYOUT == kHalfNibbles) mw[c][j] = _cvtsh_ss(h[1]);
-        }
-        if constexpr (LAYOUT == kBytes) {
-          _mm256_store_si256(reinterpret_cast<__m256i*>(ws[c][j]), w);
-          w = _mm256_abs_epi8(w);  // -128 gives 128 as an unsigned byte: still exact
-        }
-        _mm256_store_si256(reinterpret_cast<__m256i*>(wu[c][j]), w);
-      }
+  const int64_t padded = xq.blocks;
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i x[R];
+    __m256 dx[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * padded + b;
+      x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock));
+      dx[r] = _mm256_broadcast_ss(xq.d.data() + at);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t at = (r0 + r) * xq.blocks + g;
-      const int8_t* xr = xq.q.data() + at * kBlock;
-      const __m256 d = _mm256_loadu_ps(xq.d.data() + at);
-      const __m256 s = _mm256_loadu_ps(xq.s.data() + at);
-      for (int64_t c = 0; c < cols; ++c) {
-        __m256i p[kGroup];
-        for (int64_t j = 0; j < kGroup; ++j) {
-          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + j * kBlock));
-          if constexpr (LAYOUT == kBytes)
-            v = _mm256_sign_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(ws[c][j])));
-          p[j] = dot_bytes(_mm256_load_si256(reinterpret_cast<const __m256i*>(wu[c][j])), v);
-        }
-        const __m256 sums = _mm256_cvtepi32_ps(reduce8(p));
-        __m256& a = acc[r * kTileCols + c];
-        a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(dw[c]), d), sums, a);
-        if constexpr (LAYOUT == kHalfNibbles) a = _mm256_fmadd_ps(_mm256_load_ps(mw[c]), s, a);
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* blk = wrow + c * row_bytes + b * bb;
+      __m256i w = weight_bytes<LAYOUT>(blk);
+      const __m256i sign = w;
+      if constexpr (LAYOUT == kBytes) w = _mm256_abs_epi8(w);  // -128: 128 unsigned, exact
+      const __m128 dm = scales_dm<LAYOUT>(blk);  // (d_w, m_w) widened from fp16
+      const __m256 d = _mm256_broadcastss_ps(dm);
+      if constexpr (LAYOUT == kHalfNibbles)
+        _mm_store_ss(mw + c * padded + b, _mm_movehdup_ps(dm));
+      for (int r = 0; r < R; ++r) {
+        const __m256i v = LAYOUT == kBytes ? _mm256_sign_epi8(x[r], sign) : x[r];
+        acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx[r]),
+                                    _mm256_cvtepi32_ps(dot_bytes(w, v)), acc[r][c]);
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) result[r * kTileCols + c] = sum8(acc[r * kTileCols + c]);
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float total = sum8(acc[r][c]);
+      if constexpr (LAYOUT == kHalfNibbles) {
+        const float* s = xq.s.data() + (r0 + r) * padded;
+        __m256 m = _mm256_setzero_ps();
+        for (int64_t b = 0; b < padded; b += 8)
+          m = _mm256_fmadd_ps(_mm256_loadu_ps(mw + c * padded + b), _mm256_loadu_ps(s + b), m);
+        total += sum8(m);
+      }
+      result[r * result_stride + c] = total;
+    }
+  }
 }
 
-// linear_rows with int8 x (LAYOUT: HalfNibbles or Bytes): the same split over column tiles.
+// linear_rows with int8 x (LAYOUT: HalfNibbles or Bytes): the same split over column tiles,
+// register tiles of up to kTileRows rows by 8 / rows columns.
 template <typename T, int64_t LAYOUT>
 void linear_rows_q8(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, int64_t n_out,
                     torch::Tensor& out) {
-  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock;
   const RowsQ8 xq = quantize_rows<LAYOUT>(ptr<T>(x), rows, k);
   T* op = ptr<T>(out);
   const int64_t col_tiles = (n_out + kTileCols - 1) / kTileCols;
@@ -1838,7 +1828,7 @@ void linear_rows_q8(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes
     const int64_t tile_rows = std::min(kRowTile, rows - tile);
     at::parallel_for(0, col_tiles, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> result(tile_rows * kTileCols);
-      std::vector<__m256> acc;
+      std::vector<float> mw(kTileCols * xq.blocks, 0.f);
       for (int64_t ct = begin; ct < end; ++ct) {
         const int64_t n = ct * kTileCols, cols = std::min<int64_t>(kTileCols, n_out - n);
         const uint8_t* wrow = wp + n * row_bytes;
@@ -1847,8 +1837,18 @@ void linear_rows_q8(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes
           const int64_t next = std::min<int64_t>(kTileCols, n_out - n - kTileCols) * row_bytes;
           for (int64_t off = 0; off < next; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
         }
-        tile_q8<LAYOUT>(xq, tile, tile_rows, wrow, row_bytes, cols, k / kBlock, acc,
-                        result.data());
+        for (int64_t r = 0; r < tile_rows; r += kTileRows) {
+          const int64_t rs = std::min<int64_t>(kTileRows, tile_rows - r);
+          // Up to 8 accumulators (R * C): the columns in groups of 8 / R.
+          const int64_t group = std::max<int64_t>(1, 8 / rs);
+          for (int64_t c0 = 0; c0 < cols; c0 += group) {
+            with_tile_shape(rs, std::min(group, cols - c0), [&](auto R, auto C) {
+              tile_q8<LAYOUT, R.value, C.value>(
+                  xq, tile + r, wrow + c0 * row_bytes, row_bytes, nb, mw.data() + c0 * xq.blocks,
+                  result.data() + r * kTileCols + c0, kTileCols);
+            });
+          }
+        }
         for (int64_t r = 0; r < tile_rows; ++r)
           for (int64_t c = 0; c < cols; ++c)
             op[(tile + r) * n_out + n + c] = Elem<T>::store(result[r * kTileCols + c]);
@@ -1974,7 +1974,7 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) 
 //   empty tensor for the last layer, which returns h + mlp alone (the model's final add)
 //   cos, sin, positions: rope's; k_cache, v_cache: this layer's [slots, KVH, D], written at
 //   slots; page_table, lengths, page_size, scale: decode_attention's
-//   int8_x: the four linears take quantized_linear's int8 path (where their kinds have it)
+//   int8_x: per linear, whether it takes quantized_linear's int8 path
 // Returns (x, h) for the next layer, or (h + mlp) after the last.
 std::vector<torch::Tensor> decode_layer(
     const torch::Tensor& x, const torch::Tensor& h, const std::vector<torch::Tensor>& blocks,
@@ -1983,14 +1983,14 @@ std::vector<torch::Tensor> decode_layer(
     const torch::Tensor& sin, const torch::Tensor& positions, int64_t heads, int64_t kv_heads,
     torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
     const torch::Tensor& page_table, const torch::Tensor& lengths, int64_t page_size,
-    double scale, bool int8_x) {
-  TORCH_CHECK(blocks.size() == 4 && kinds.size() == 4,
-              "blocks and kinds: q/k/v, o, gate/up and down");
+    double scale, const std::vector<bool>& int8_x) {
+  TORCH_CHECK(blocks.size() == 4 && kinds.size() == 4 && int8_x.size() == 4,
+              "blocks, kinds and int8_x: q/k/v, o, gate/up and down");
   TORCH_CHECK(h.is_contiguous() && h.sizes() == x.sizes(), "h must be contiguous, x's shape");
   const int64_t tokens = x.size(0), dim = k_cache.size(2);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
   // Attention: q/k/v, RoPE, the cache write, attention over the pages, o.
-  const auto qkv = quantized_linear(x.contiguous(), blocks[0], kinds[0], int8_x);
+  const auto qkv = quantized_linear(x.contiguous(), blocks[0], kinds[0], int8_x[0]);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "q/k/v rows must be (H + 2 KVH) * D");
   const auto q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
   const auto k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
@@ -2000,11 +2000,11 @@ std::vector<torch::Tensor> decode_layer(
   v_cache.index_copy_(0, slots, v.contiguous());
   const auto o = decode_attention(both.narrow(1, 0, heads), k_cache, v_cache, page_table,
                                   lengths, page_size, scale);
-  const auto attn = quantized_linear(o.reshape({tokens, q_size}), blocks[1], kinds[1], int8_x);
+  const auto attn = quantized_linear(o.reshape({tokens, q_size}), blocks[1], kinds[1], int8_x[1]);
   // The MLP between the two fused residual adds and norms.
   const auto mid = add_rms_norm(h, attn, post_norm, eps);  // (normed, summed)
-  const auto gate_up = quantized_linear(mid[0], blocks[2], kinds[2], int8_x);
-  const auto down = quantized_linear(silu_and_mul(gate_up), blocks[3], kinds[3], int8_x);
+  const auto gate_up = quantized_linear(mid[0], blocks[2], kinds[2], int8_x[2]);
+  const auto down = quantized_linear(silu_and_mul(gate_up), blocks[3], kinds[3], int8_x[3]);
   if (!next_norm.defined() || next_norm.numel() == 0) return {mid[1] + down};
   return add_rms_norm(mid[1], down, next_norm, eps);
 }

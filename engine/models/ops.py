@@ -146,6 +146,13 @@ WIDENED_MAX_ROWS = 16
 
 _NO_TENSOR = torch.empty(0)  # decode_layer's "no next norm": the last layer
 
+# Kinds whose linear rounds float32 rows to int8 per block of 32 and multiplies in integers
+# (cpu_kernels.cpp's "int8 activations", llama.cpp's way with these blocks): fewer
+# instructions per weight than widening each to float32 (docs/benchmarks.md), at the cost
+# of rounding x to 8 bits per block, which the 4- and 8-bit weights are already coarser
+# than. bfloat16 rows keep the bf16 dot products (AVX512-BF16 machines).
+INT8_X_KINDS = frozenset({BLOCK_KINDS["Q4_1"], BLOCK_KINDS["Q8_0"]})
+
 
 class CpuKernelOps(TorchOps):
     """TorchOps with the engine's compiled CPU kernels (`engine.cpu_kernels`): RMSNorm
@@ -160,9 +167,12 @@ class CpuKernelOps(TorchOps):
     never depends on what else is in the step. oneDNN, which picks its blocking by the row
     count, is never called. The norms, RoPE and SiLU-and-mul kernels are per row already."""
 
-    def __init__(self, kernels, batch_invariant: bool = False) -> None:
+    def __init__(self, kernels, batch_invariant: bool = False,
+                 int8_x_kinds: frozenset[int] = INT8_X_KINDS) -> None:
         super().__init__()
         self._k = kernels
+        # The kinds multiplied with int8 x (float32 rows), where the build has the path.
+        self.int8_x_kinds = int8_x_kinds if getattr(kernels, "int8_dot", False) else frozenset()
         self._quantized: dict[int, object] = {}  # id(weight) -> QuantizedWeight
         self._widened: set[int] = set()  # ids of bfloat16 weights of a float32 model
         self.batch_invariant = batch_invariant
@@ -232,12 +242,20 @@ class CpuKernelOps(TorchOps):
         if self.batch_invariant:
             x = x.reshape(-1, x.shape[-1]).contiguous()
             out = (self._k.dense_linear(x, weight) if quantized is None else
-                   self._k.quantized_linear(x, quantized.blocks, quantized.kind))
+                   self._blocks_linear(x, quantized))
         elif quantized is None or x.dim() != 2 or x.shape[0] > self._quantized_max_rows(x):
             return super().linear(x, weight, bias)
         else:
-            out = self._k.quantized_linear(x.contiguous(), quantized.blocks, quantized.kind)
+            out = self._blocks_linear(x.contiguous(), quantized)
         return out if bias is None else out + bias
+
+    def int8_x(self, x: torch.Tensor, kind: int) -> bool:
+        """Whether rows like x times blocks of `kind` take the kernel's int8 path."""
+        return x.dtype == torch.float32 and kind in self.int8_x_kinds
+
+    def _blocks_linear(self, x: torch.Tensor, quantized) -> torch.Tensor:
+        return self._k.quantized_linear(x, quantized.blocks, quantized.kind,
+                                        int8_x=self.int8_x(x, quantized.kind))
 
     @staticmethod
     def _quantized_max_rows(x: torch.Tensor) -> int:
@@ -254,7 +272,7 @@ class CpuKernelOps(TorchOps):
         limit = (BLOCKS_ONLY_MAX_ROWS if x.dtype == torch.float32
                  else BLOCKS_ONLY_MAX_ROWS_BF16)
         if self.batch_invariant or rows.shape[0] <= limit:
-            out = self._k.quantized_linear(rows.contiguous(), quantized.blocks, quantized.kind)
+            out = self._blocks_linear(rows.contiguous(), quantized)
             out = out if bias is None else out + bias
         else:
             dense = self._k.dequantize_blocks(quantized.blocks, quantized.kind)
@@ -289,7 +307,7 @@ class CpuKernelOps(TorchOps):
             x, h, blocks[0], blocks[1], post_norm,
             next_norm if next_norm is not None else _NO_TENSOR, eps, rope.cos, rope.sin,
             positions, heads, kv_heads, k_cache, v_cache, slots, table, lengths, page_size,
-            k_cache.shape[-1] ** -0.5)
+            k_cache.shape[-1] ** -0.5, [self.int8_x(x, kind) for kind in blocks[1]])
 
     def _widened_linear(self, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:

@@ -4,10 +4,9 @@ even), then integer dot products with the Q4_1 / Q8_0 weight blocks.
 
 - Exact but for float32 rounding: against the float64 product of the GGUF weights with x
   rounded the same way (computed here, independently of the kernel), within
-  (blocks / 4 + 8) * 2^-24 of the sum of the per-block terms' magnitudes (both terms of a
-  Q4_1 block, d_w * d * sum(q_w * q) and m_w * d * sum(q), counted apart) (each lane of the
-  kernel's accumulator chains two roundings per eight blocks; d_w * d, d * sum(q), the
-  conversions and the final eight-lane add give a few more).
+  (blocks + 8) * 2^-24 of the sum of the terms' magnitudes, d_w * d * sum |q_w * q| and
+  |m_w * d * sum(q)| per block (a float32 rounding per block in each accumulator lane,
+  d_w * d, d * sum(q) and the final lane adds a few more).
 - Close to the float-activation result: x moves by at most half an int8 step (d / 2) per
   value, so the result moves by at most sum over blocks of d / 2 * sum |w| (plus the float
   path's own float32 error).
@@ -84,8 +83,10 @@ def reference(x: torch.Tensor, blocks: np.ndarray, kind: str):
     isum = torch.einsum("rbj,obj->rob", qx, qw)  # [rows, out, blocks], exact integers
     scaled = dw[None] * dx[:, None] * isum  # d_w * d * sum(q_w * q)
     offset = mw[None] * (dx * qx.sum(-1))[:, None]  # m_w * d * sum(q)
-    # The two terms of a Q4_1 block nearly cancel (m < 0): the bound is on their sizes.
-    slack = (k // 32 / 4 + 8) * U * (scaled.abs() + offset.abs()).sum(-1)
+    # The kernel adds parts of a block's integer sum in separate lanes, and the two terms of
+    # a Q4_1 block nearly cancel (m < 0): the bound is on the products' magnitudes.
+    size = dw[None] * dx[:, None] * torch.einsum("rbj,obj->rob", qx.abs(), qw.abs())
+    slack = (k // 32 + 8) * U * (size + offset.abs()).sum(-1)
     return (scaled + offset).sum(-1), slack
 
 
