@@ -1637,17 +1637,22 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
 }
 
 // --------------------------------------------------- int8 activations (Q4_1 and Q8_0 blocks)
-// llama.cpp's way with its Q4/Q8 blocks: each row of x is rounded to int8 per block of 32
-// (d = max|x| / 127, q = round-to-nearest-even(x * 127 / max|x|), s = d * sum(q)), once per
-// linear, and a weight block times an x block is one integer dot product:
-//   Q4_1 (w = d_w * q_w + m_w): d_w * d * sum(q_w * q) + m_w * s
-//   Q8_0 (w = d_w * q_w):       d_w * d * sum(q_w * q)
-// vpmaddubsw + vpmaddwd (AVX2), or vpdpbusd (AVX512-VNNI) take 32 products in one or two
-// instructions where the float path widens every nibble to a float32 and multiplies it.
-// The integer sums are exact (|sum| < 2^20), so both builds give the same bits. The only
-// loss is x's rounding (at most half a step of max|x| / 127 per value): the result is the
-// exact product of the weights with x rounded so, up to float32 rounding of the per-block
-// terms and their sum (tests/unit/test_int8_linear.py states the bound).
+// llama.cpp's way with its Q4/Q8 blocks, with a finer scale: each row of x is rounded to
+// int8 once per linear, per group of 4 values (d = max|x| / 127, q = round-to-nearest-even(
+// x * 127 / max|x|)), and a weight block times an x block is one integer dot product whose
+// eight int32 lanes are the eight groups' sums, each scaled by its own d:
+//   Q4_1 (w = d_w * q_w + m_w): d_w * sum_g d_g * sum_g(q_w * q) + m_w * s
+//   Q8_0 (w = d_w * q_w):       d_w * sum_g d_g * sum_g(q_w * q)
+// with s = sum_g d_g * sum_g(q). vpmaddubsw + vpmaddwd (AVX2), or vpdpbusd (AVX512-VNNI),
+// take 32 products in one or two instructions where the float path widens every nibble to
+// a float32 and multiplies it. llama.cpp's one scale per 32 values cost greedy tokens
+// against transformers on the default model (an outlier makes its 31 neighbours coarse);
+// a scale per vpmaddwd lane costs nothing more per product (the eight scales are one
+// vector, where one scale was a broadcast). The integer sums are exact (|sum| < 2^20), so
+// both builds give the same bits. The only loss is x's rounding (at most half a step of
+// max|x| / 127 of its group per value): the result is the exact product of the weights
+// with x rounded so, up to float32 rounding of the per-block terms and their sum
+// (tests/unit/test_int8_linear.py states the bound).
 // Each output keeps one eight-lane float32 accumulator: block by block, the eight int32
 // partial sums of the integer dot product, times d_w * d; its lanes are added in a fixed
 // tree at the end, then Q4_1's sum of m_w * s (eight blocks a vector; rows pad to a
@@ -1665,37 +1670,66 @@ inline __m256 widen8(const uint16_t* p) {
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
-// x's rows rounded to int8 per block (see above), each row padded with zero blocks to a
-// multiple of kGroup blocks. q is in the order the layout's weights unpack in (below).
+// The eight lanes' sum: lanes i + 4, then + 2, + 1.
+inline float sum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// x's rows rounded to int8 per group of 4 values (see above), each row padded with zero
+// blocks to a multiple of kGroup blocks. q is in the order the layout's weights unpack in
+// (below); d holds a block's 8 group scales in the order of vpmaddwd's 8 lanes, each the
+// sum over one group.
 struct RowsQ8 {
   int64_t blocks = 0;    // per row, padded
   std::vector<int8_t> q; // [rows, blocks * 32]
-  std::vector<float> d;  // [rows, blocks]
-  std::vector<float> s;  // [rows, blocks]: d * sum(q)
+  std::vector<float> d;  // [rows, blocks * 8]
+  std::vector<float> s;  // [rows, blocks]: sum over groups of d * sum(q)
 };
 
-// One block of 32 values: q (in LAYOUT's unpacked order), d and d * sum(q).
+// One block of 32 values: q (in LAYOUT's unpacked order), its 8 group scales d (lane g:
+// group g) and s. A group is the 4 values that land in one int32 lane of the integer dot
+// product: 4 consecutive bytes in the unpacked order. For Bytes (Q8_0) that is values
+// 4g..4g+3; for HalfNibbles (Q4_1), whose bytes interleave values j and j + 16, values
+// {2g, 2g+1, 2g+16, 2g+17}.
 template <int64_t LAYOUT, typename T>
-inline void quantize_block(const T* x, int8_t* q, float& d, float& s) {
-  __m256 v[4];
+inline void quantize_block(const T* x, int8_t* q, float* d, float& s) {
+  __m256 v[4], top[4];  // top: each value's group max |x|
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int i = 0; i < 4; ++i) v[i] = widen8(x + 8 * i);
-  const __m256 m8 = _mm256_max_ps(
-      _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-  d = amax / 127.f;
-  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256 groups;  // the 8 group maxima, lane g: group g
+  if constexpr (LAYOUT == kHalfNibbles) {
+    // v[0], v[2] hold groups 0-3 (lanes 2g, 2g + 1 of both); v[1], v[3] groups 4-7.
+    for (int h = 0; h < 2; ++h) {
+      __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, v[h]), _mm256_andnot_ps(sign, v[h + 2]));
+      m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+      top[h] = top[h + 2] = m;
+    }
+    groups = _mm256_permutevar8x32_ps(
+        _mm256_shuffle_ps(top[0], top[1], _MM_SHUFFLE(2, 0, 2, 0)),
+        _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+  } else {
+    // Groups of 4 consecutive values: the max over each half of each 128-bit lane.
+    for (int i = 0; i < 4; ++i) {
+      __m256 m = _mm256_andnot_ps(sign, v[i]);
+      m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+      top[i] = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+    }
+    const __m256 t01 = _mm256_shuffle_ps(top[0], top[1], 0);
+    const __m256 t23 = _mm256_shuffle_ps(top[2], top[3], 0);
+    groups = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+  const __m256 d8 = _mm256_div_ps(groups, _mm256_set1_ps(127.f));
+  _mm256_storeu_ps(d, d8);
   __m256i i[4];
-  // The default rounding mode: to nearest, ties to even (torch.round's).
-  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
-  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
-  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
-  s = d * static_cast<float>(_mm_cvtsi128_si32(t4));
+  for (int k = 0; k < 4; ++k) {
+    // 127 / max (0 for an all-zero group); the default rounding: to nearest, ties to even.
+    const __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(127.f), top[k]),
+                                     _mm256_cmp_ps(top[k], _mm256_setzero_ps(), _CMP_GT_OQ));
+    i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
+  }
   // packs interleave 128-bit lanes: dword k of p holds values 4 * {0, 2, 4, 6, 1, 3, 5, 7}[k].
   __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
   p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -1709,6 +1743,10 @@ inline void quantize_block(const T* x, int8_t* q, float& d, float& s) {
                                                 6, 14, 7, 15));
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
+  // The groups' sums of q, in the same lanes as d.
+  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p),
+                                         _mm256_set1_epi16(1));
+  s = sum8(_mm256_mul_ps(d8, _mm256_cvtepi32_ps(sums)));
 }
 
 template <int64_t LAYOUT, typename T>
@@ -1717,13 +1755,13 @@ RowsQ8 quantize_rows(const T* x, int64_t rows, int64_t k) {
   RowsQ8 xq;
   xq.blocks = (nb + kGroup - 1) / kGroup * kGroup;
   xq.q.assign(rows * xq.blocks * kBlock, 0);
-  xq.d.assign(rows * xq.blocks, 0.f);
+  xq.d.assign(rows * xq.blocks * 8, 0.f);
   xq.s.assign(rows * xq.blocks, 0.f);
   at::parallel_for(0, rows * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / nb, b = i % nb, at = r * xq.blocks + b;
-      quantize_block<LAYOUT>(x + r * k + b * kBlock, xq.q.data() + at * kBlock, xq.d[at],
-                             xq.s[at]);
+      quantize_block<LAYOUT>(x + r * k + b * kBlock, xq.q.data() + at * kBlock,
+                             xq.d.data() + at * 8, xq.s[at]);
     }
   });
   return xq;
@@ -1753,12 +1791,6 @@ inline __m256i dot_bytes(__m256i u, __m256i v) {
 #endif
 }
 
-// The eight lanes' sum: lanes i + 4, then + 2, + 1.
-inline float sum8(__m256 v) {
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
 
 // R rows of xq (from r0) against C weight rows, llama.cpp's scheme: per block, the eight
 // int32 partial sums of each (row, column) pair, as float32, times d_w * d into that pair's
@@ -1782,7 +1814,7 @@ void tile_q8(const RowsQ8& xq, int64_t r0, const uint8_t* wrow, int64_t row_byte
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * padded + b;
       x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock));
-      dx[r] = _mm256_broadcast_ss(xq.d.data() + at);
+      dx[r] = _mm256_loadu_ps(xq.d.data() + at * 8);
     }
     for (int c = 0; c < C; ++c) {
       const uint8_t* blk = wrow + c * row_bytes + b * bb;

@@ -1,14 +1,14 @@
 """The quantized linear's int8 path (`quantized_linear(..., int8_x=True)`, cpu_kernels.cpp's
-"int8 activations"): x rounded to int8 per block of 32 (d = max|x| / 127, round half to
-even), then integer dot products with the Q4_1 / Q8_0 weight blocks.
+"int8 activations"): x rounded to int8 per group of 4 values (d = max|x| / 127, round half
+to even), then integer dot products with the Q4_1 / Q8_0 weight blocks.
 
 - Exact but for float32 rounding: against the float64 product of the GGUF weights with x
   rounded the same way (computed here, independently of the kernel), within
-  (blocks + 8) * 2^-24 of the sum of the terms' magnitudes, d_w * d * sum |q_w * q| and
-  |m_w * d * sum(q)| per block (a float32 rounding per block in each accumulator lane,
+  (blocks + 8) * 2^-24 of the sum of the terms' magnitudes, d_w * sum |d * q_w * q| and
+  |m_w| * sum |d * q| per block (a float32 rounding per block in each accumulator lane,
   d_w * d, d * sum(q) and the final lane adds a few more).
 - Close to the float-activation result: x moves by at most half an int8 step (d / 2) per
-  value, so the result moves by at most sum over blocks of d / 2 * sum |w| (plus the float
+  value, so the result moves by at most the sum over values of d / 2 * |w| (plus the float
   path's own float32 error).
 - Batch invariant (a row's result is the one it gets alone), and the same bits in the AVX2
   and the AVX-512 (VNNI) builds, whose integer sums are exact either way.
@@ -62,15 +62,24 @@ def weight_parts(blocks: np.ndarray, kind: str, k: int):
     return [torch.from_numpy(a) for a in (d[..., 0], m[..., 0], q.astype(np.float64))]
 
 
-def quantize_rows(x: torch.Tensor):
-    """x [rows, k] float32 rounded as the kernel does: per block of 32, d = max|x| / 127
-    (float32), q = round-half-even(x * (127 / max|x|)) in float32 arithmetic."""
+def group_of(kind: str) -> torch.Tensor:
+    """Each of a block's 32 values' scale group (the kernel's: the 4 values one int32 lane
+    of its integer dot product sums): Q8_0 values 4g..4g+3; Q4_1, whose unpacked nibbles
+    interleave values j and j + 16, values 2g, 2g+1, 2g+16, 2g+17."""
+    j = torch.arange(32)
+    return j // 4 if kind == "Q8_0" else (j % 16) // 2
+
+
+def quantize_rows(x: torch.Tensor, kind: str):
+    """x [rows, k] float32 rounded as the kernel does: per group of 4 values, d = max|x| / 127
+    (float32), q = round-half-even(x * (127 / max|x|)) in float32 arithmetic. Returns d per
+    value's group [rows, blocks, 32] and q [rows, blocks, 32]."""
     blocks = x.reshape(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1)
-    d = amax / 127
+    group = group_of(kind)
+    amax = torch.stack([blocks[..., group == g].abs().amax(-1) for g in range(8)], -1)
+    amax = amax[..., group]  # back to one per value
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv[..., None])
-    return d, q
+    return amax / 127, torch.round(blocks * inv)
 
 
 def reference(x: torch.Tensor, blocks: np.ndarray, kind: str):
@@ -78,15 +87,14 @@ def reference(x: torch.Tensor, blocks: np.ndarray, kind: str):
     kernel's float32 error (module docstring)."""
     k = x.shape[1]
     dw, mw, qw = weight_parts(blocks, kind, k)
-    dx, qx = quantize_rows(x)
-    dx, qx = dx.double(), qx.double()
-    isum = torch.einsum("rbj,obj->rob", qx, qw)  # [rows, out, blocks], exact integers
-    scaled = dw[None] * dx[:, None] * isum  # d_w * d * sum(q_w * q)
-    offset = mw[None] * (dx * qx.sum(-1))[:, None]  # m_w * d * sum(q)
-    # The kernel adds parts of a block's integer sum in separate lanes, and the two terms of
-    # a Q4_1 block nearly cancel (m < 0): the bound is on the products' magnitudes.
-    size = dw[None] * dx[:, None] * torch.einsum("rbj,obj->rob", qx.abs(), qw.abs())
-    slack = (k // 32 + 8) * U * (size + offset.abs()).sum(-1)
+    dx, qx = quantize_rows(x, kind)
+    xs = dx.double() * qx.double()  # x as rounded: exact in float64
+    scaled = dw[None] * torch.einsum("rbj,obj->rob", xs, qw)  # d_w * sum d * q_w * q
+    offset = mw[None] * xs.sum(-1)[:, None]  # m_w * s
+    # The kernel adds parts of a block's sum in separate lanes, and the two terms of a Q4_1
+    # block nearly cancel (m < 0): the bound is on the products' magnitudes.
+    size = dw[None] * torch.einsum("rbj,obj->rob", xs.abs(), qw.abs())
+    slack = (k // 32 + 8) * U * (size + mw.abs()[None] * xs.abs().sum(-1)[:, None]).sum(-1)
     return (scaled + offset).sum(-1), slack
 
 
@@ -110,7 +118,7 @@ def test_int8_path_is_the_rounded_x_product_up_to_float32_sums(compiled, kind, s
     gen = torch.Generator().manual_seed(out)
     x = torch.randn(max(ROWS), k, generator=gen)
     x[0, :32] = 0.0  # an all-zero block: d = 0, no division by zero
-    x[1, 5] = 40.0  # an outlier: its block's other values round coarsely, still exactly so
+    x[1, 5] = 40.0  # an outlier: its group's other values round coarsely, still exactly so
     want, slack = reference(x, blocks, kind)
     for rows in ROWS:
         got = run(compiled, x[:rows].contiguous(), blocks, kind).double()
@@ -129,9 +137,8 @@ def test_int8_path_stays_within_half_a_step_of_the_float_path(compiled, kind):
     floats = run(compiled, x, blocks, kind, int8_x=False).double()
     w = float_weights(blocks, kind, k)
     exact = x.double() @ w.T
-    dx, _ = quantize_rows(x)
-    step = torch.einsum("rb,ob->ro", dx.double() / 2,
-                        w.abs().reshape(out, -1, 32).sum(-1))  # sum_b d_b / 2 * sum |w|
+    dx, _ = quantize_rows(x, kind)
+    step = (dx.double().reshape(5, -1) / 2) @ w.abs().T  # sum over values of d / 2 * |w|
     assert ((got - exact).abs() <= 1.001 * step + 1e-5).all()
     assert (floats - exact).abs().max() < 1e-5
     # Not the float path: the rounding is there (the test would pass a path that ignored
