@@ -13,6 +13,7 @@ answers None wherever the kernel does not apply, and the sampler then uses its o
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -146,15 +147,21 @@ WIDENED_MAX_ROWS = 16
 
 _NO_TENSOR = torch.empty(0)  # decode_layer's "no next norm": the last layer
 
-# Kinds whose linear rounds float32 rows to int8 per block of 32 and multiplies in integers
-# (cpu_kernels.cpp's "int8 activations", llama.cpp's way with these blocks): fewer
-# instructions per weight than widening each to float32 (docs/benchmarks.md), at the cost
-# of rounding x to 8 bits per block. Q4_1 alone, the 4-bit weights that are coarser than
-# that rounding already: with Q8_0 too (the default model's LM head) greedy tokens left
-# transformers' within a few tokens (tests/integration/test_reference.py, the first
-# prompt at its sixth token), so the kernel's Q8_0 path stays opt-in. bfloat16 rows keep
-# the bf16 dot products (AVX512-BF16 machines).
+# Kinds whose linear may round float32 rows to int8 per group of 4 values and multiply in
+# integers (cpu_kernels.cpp's "int8 activations", llama.cpp's lever with these blocks):
+# fewer instructions per weight than widening each to float32 (docs/benchmarks.md). Opt-in
+# (SLUICE_CPU_INT8=1): the rounding, small as it is, moved greedy tokens off transformers'
+# on the default model (tests/integration/test_reference.py: with one scale per 32 values
+# at the sixth token of the first prompt; with one per 4 values, only when all eight
+# prompts ran at once, prompt 2 at its 46th token), so by default every row keeps float32.
+# Q4_1 alone: the LM head's Q8_0 blocks decide the greedy token directly. bfloat16 rows
+# keep the bf16 dot products (AVX512-BF16 machines) either way.
 INT8_X_KINDS = frozenset({BLOCK_KINDS["Q4_1"]})
+
+
+def int8_x_enabled() -> bool:
+    """SLUICE_CPU_INT8=1 turns the int8 path on for INT8_X_KINDS (off by default)."""
+    return os.environ.get("SLUICE_CPU_INT8", "0").lower() in ("1", "on", "true", "yes")
 
 
 class CpuKernelOps(TorchOps):
@@ -171,10 +178,13 @@ class CpuKernelOps(TorchOps):
     count, is never called. The norms, RoPE and SiLU-and-mul kernels are per row already."""
 
     def __init__(self, kernels, batch_invariant: bool = False,
-                 int8_x_kinds: frozenset[int] = INT8_X_KINDS) -> None:
+                 int8_x_kinds: frozenset[int] | None = None) -> None:
         super().__init__()
         self._k = kernels
-        # The kinds multiplied with int8 x (float32 rows), where the build has the path.
+        # The kinds multiplied with int8 x (float32 rows), where the build has the path;
+        # None: INT8_X_KINDS where SLUICE_CPU_INT8 turns it on, else none.
+        if int8_x_kinds is None:
+            int8_x_kinds = INT8_X_KINDS if int8_x_enabled() else frozenset()
         self.int8_x_kinds = int8_x_kinds if getattr(kernels, "int8_dot", False) else frozenset()
         self._quantized: dict[int, object] = {}  # id(weight) -> QuantizedWeight
         self._widened: set[int] = set()  # ids of bfloat16 weights of a float32 model

@@ -188,3 +188,19 @@ def test_the_avx2_int8_path_gives_the_avx512_bits(kind):
     blocks = random_blocks(kind, 25, 1536, seed=6)
     x = torch.randn(17, 1536, generator=torch.Generator().manual_seed(6))
     assert torch.equal(run(native, x, blocks, kind), run(avx2, x, blocks, kind))
+
+
+def test_the_engine_takes_the_int8_path_only_when_asked(compiled, monkeypatch):
+    """Off by default (greedy tokens must stay transformers'); SLUICE_CPU_INT8=1 turns it on
+    for float32 rows over Q4_1 blocks, never for Q8_0 (the LM head) or bfloat16 rows."""
+    from engine.models.ops import CpuKernelOps
+
+    rows = torch.empty(2, 64)
+    q4_1, q8_0 = BLOCK_KINDS["Q4_1"], BLOCK_KINDS["Q8_0"]
+    monkeypatch.delenv("SLUICE_CPU_INT8", raising=False)
+    assert not CpuKernelOps(compiled).int8_x(rows, q4_1)
+    monkeypatch.setenv("SLUICE_CPU_INT8", "1")
+    ops = CpuKernelOps(compiled)
+    assert ops.int8_x(rows, q4_1) == compiled.int8_dot
+    assert not ops.int8_x(rows, q8_0)
+    assert not ops.int8_x(rows.bfloat16(), q4_1)
