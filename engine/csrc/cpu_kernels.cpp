@@ -1654,9 +1654,9 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
 // with x rounded so, up to float32 rounding of the per-block terms and their sum
 // (tests/unit/test_int8_linear.py states the bound).
 // Each output keeps one eight-lane float32 accumulator: block by block, the eight int32
-// partial sums of the integer dot product, times d_w * d; its lanes are added in a fixed
-// tree at the end, then Q4_1's sum of m_w * s (eight blocks a vector; rows pad to a
-// multiple of eight blocks with zeros, which add exactly zero). Every output runs that same
+// group sums of the integer dot product, each times d_w * its group's d; its lanes are
+// added in a fixed tree at the end, then Q4_1's sum of m_w * s (eight blocks a vector; rows
+// pad to a multiple of eight blocks with zeros, which add exactly zero). Every output runs that same
 // sequence whatever the tile or the batch, so a row's result depends on its row of x alone
 // (batch invariance).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -1793,8 +1793,8 @@ inline __m256i dot_bytes(__m256i u, __m256i v) {
 
 
 // R rows of xq (from r0) against C weight rows, llama.cpp's scheme: per block, the eight
-// int32 partial sums of each (row, column) pair, as float32, times d_w * d into that pair's
-// eight-lane accumulator; at the end its lanes are added in a fixed tree, then Q4_1's sum
+// int32 group sums of each (row, column) pair, as float32, times d_w * the eight group
+// scales into that pair's eight-lane accumulator; at the end its lanes are added in a fixed tree, then Q4_1's sum
 // over blocks of m_w * s, eight blocks a vector (the tile writes each column's m_w into
 // mw [C, xq.blocks] on the way; the padding stays zero). Each output's float32 steps are
 // the same in every tile shape (batch invariance). (Reducing four blocks' integer sums
