@@ -27,8 +27,9 @@ KINDS = ["Q4_1", "Q8_0"]
 # in_features: one block (less than a group of eight), 9 blocks (not a multiple of 256),
 # SmolLM2's hidden and MLP widths. Outputs not a multiple of the 6-wide column tile.
 SHAPES = [(7, 32), (13, 288), (25, 576), (19, 1536)]
-# 1 row, odd counts, the register-tile edge, and past one 64-row tile of the driver.
-ROWS = [1, 3, 4, 17, 64, 65]
+# 1 row, odd counts, the register-tile edge, past one 64-row tile of the driver, and a
+# prefill chunk's 256 (the batch-invariant mode takes the kernel at every row count).
+ROWS = [1, 3, 4, 17, 64, 65, 256]
 U = 2.0**-24
 
 
@@ -78,7 +79,10 @@ def quantize_rows(x: torch.Tensor, kind: str):
     group = group_of(kind)
     amax = torch.stack([blocks[..., group == g].abs().amax(-1) for g in range(8)], -1)
     amax = amax[..., group]  # back to one per value
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # A tensor division: `127 / amax` would be torch's reciprocal times 127, not the
+    # correctly rounded quotient the kernel (and IEEE) takes, and a tie like 102.5 can
+    # round the other way by that last bit.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
     return amax / 127, torch.round(blocks * inv)
 
 
@@ -204,3 +208,18 @@ def test_the_engine_takes_the_int8_path_only_when_asked(compiled, monkeypatch):
     assert ops.int8_x(rows, q4_1) == compiled.int8_dot
     assert not ops.int8_x(rows, q8_0)
     assert not ops.int8_x(rows.bfloat16(), q4_1)
+
+
+def test_int8_rounding_takes_ties_to_even(compiled):
+    """One-hot Q8_0 weights (d = 1) pick each rounded value d * q out: with max|x| = 127 in
+    a group the step is 1, so 2.5 -> 2, -3.5 -> -4, 1.5 -> 2, -2.5 -> -2 (torch.round's)."""
+    if not compiled.int8_dot:
+        pytest.skip("this build has no int8 path (no AVX2)")
+    blocks = np.zeros((32, 34), dtype=np.uint8)
+    blocks[:, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    blocks[np.arange(32), 2 + np.arange(32)] = 1
+    x = torch.zeros(1, 32)
+    x[0, :8] = torch.tensor([2.5, 127.0, 0.5, -3.5, 1.5, -127.0, -2.5, 4.5])
+    got = run(compiled, x, blocks, "Q8_0")
+    assert got[0, :8].tolist() == [2.0, 127.0, 0.0, -4.0, 2.0, -127.0, -2.0, 4.0]
+    assert not got[0, 8:].any()
