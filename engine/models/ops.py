@@ -149,19 +149,26 @@ _NO_TENSOR = torch.empty(0)  # decode_layer's "no next norm": the last layer
 
 # Kinds whose linear may round float32 rows to int8 per group of 4 values and multiply in
 # integers (cpu_kernels.cpp's "int8 activations", llama.cpp's lever with these blocks):
-# fewer instructions per weight than widening each to float32 (docs/benchmarks.md). Opt-in
-# (SLUICE_CPU_INT8=1): the rounding, small as it is, moved greedy tokens off transformers'
-# on the default model (tests/integration/test_reference.py: with one scale per 32 values
-# at the sixth token of the first prompt; with one per 4 values, only when all eight
-# prompts ran at once, prompt 2 at its 46th token), so by default every row keeps float32.
-# Q4_1 alone: the LM head's Q8_0 blocks decide the greedy token directly. bfloat16 rows
-# keep the bf16 dot products (AVX512-BF16 machines) either way.
+# fewer instructions per weight than widening each to float32 (docs/benchmarks.md: a
+# one-row decode step in about 0.6x the time). Q4_1 alone: the LM head's Q8_0 blocks
+# decide the greedy token directly. bfloat16 rows keep the bf16 dot products.
 INT8_X_KINDS = frozenset({BLOCK_KINDS["Q4_1"]})
+# Rows up to which they do (SLUICE_CPU_INT8_ROWS; 0 turns the path off). One by default:
+# the rounding, small as it is, moved greedy tokens off transformers' on the default model
+# when every decode step up to 16 rows took it (tests/integration/test_reference.py, all
+# eight prompts at once: prompt 2 at its 46th token), and kept them at one row, the
+# concurrency-1 step where the path saves the most.
+INT8_X_MAX_ROWS = 1
 
 
-def int8_x_enabled() -> bool:
-    """SLUICE_CPU_INT8=1 turns the int8 path on for INT8_X_KINDS (off by default)."""
-    return os.environ.get("SLUICE_CPU_INT8", "0").lower() in ("1", "on", "true", "yes")
+def int8_x_max_rows_env() -> int:
+    """SLUICE_CPU_INT8_ROWS, else INT8_X_MAX_ROWS."""
+    value = os.environ.get("SLUICE_CPU_INT8_ROWS", "").strip()
+    if not value:
+        return INT8_X_MAX_ROWS
+    if not value.isdigit():
+        raise ValueError(f"SLUICE_CPU_INT8_ROWS={value!r}: expected a row count (0: off)")
+    return int(value)
 
 
 class CpuKernelOps(TorchOps):
@@ -178,14 +185,15 @@ class CpuKernelOps(TorchOps):
     count, is never called. The norms, RoPE and SiLU-and-mul kernels are per row already."""
 
     def __init__(self, kernels, batch_invariant: bool = False,
-                 int8_x_kinds: frozenset[int] | None = None) -> None:
+                 int8_x_max_rows: int | None = None) -> None:
         super().__init__()
         self._k = kernels
-        # The kinds multiplied with int8 x (float32 rows), where the build has the path;
-        # None: INT8_X_KINDS where SLUICE_CPU_INT8 turns it on, else none.
-        if int8_x_kinds is None:
-            int8_x_kinds = INT8_X_KINDS if int8_x_enabled() else frozenset()
-        self.int8_x_kinds = int8_x_kinds if getattr(kernels, "int8_dot", False) else frozenset()
+        # Float32 rows over INT8_X_KINDS blocks take the int8 path up to this many rows,
+        # where the build has it; never in the batch-invariant mode, where a row's numbers
+        # may not depend on how many rows came with it.
+        rows = int8_x_max_rows_env() if int8_x_max_rows is None else int8_x_max_rows
+        has = getattr(kernels, "int8_dot", False) and not batch_invariant
+        self.int8_x_max_rows = rows if has else 0
         self._quantized: dict[int, object] = {}  # id(weight) -> QuantizedWeight
         self._widened: set[int] = set()  # ids of bfloat16 weights of a float32 model
         self.batch_invariant = batch_invariant
@@ -264,7 +272,8 @@ class CpuKernelOps(TorchOps):
 
     def int8_x(self, x: torch.Tensor, kind: int) -> bool:
         """Whether rows like x times blocks of `kind` take the kernel's int8 path."""
-        return x.dtype == torch.float32 and kind in self.int8_x_kinds
+        return (x.dtype == torch.float32 and kind in INT8_X_KINDS
+                and x.shape[0] <= self.int8_x_max_rows)
 
     def _blocks_linear(self, x: torch.Tensor, quantized) -> torch.Tensor:
         return self._k.quantized_linear(x, quantized.blocks, quantized.kind,

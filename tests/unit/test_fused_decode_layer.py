@@ -5,7 +5,7 @@ the same order), step by step, on both builds; steps it cannot take run op by op
 import pytest
 import torch
 
-from engine.models.ops import INT8_X_KINDS, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS_FLOAT32
+from engine.models.ops import QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS_FLOAT32
 from tests.unit.engine_builders import drain, request
 from tests.unit.kquant_builders import LlamaShape, engine_core, write_q4_k_m
 
@@ -34,9 +34,9 @@ def q4_1_file(tmp_path_factory):
 
 def _run(path: str, compiled, dtype: torch.dtype, fused: bool, int8: bool = True):
     """Every step's hidden rows into the LM head, and how many layers ran fused. int8: the
-    int8 path on (as SLUICE_CPU_INT8=1 turns it on) for the kinds that take it."""
+    int8 path at every row count the blocks take (SLUICE_CPU_INT8_ROWS=16), else off."""
     core, ops = engine_core(path, compiled, dtype)
-    ops.int8_x_kinds = INT8_X_KINDS if int8 and compiled.int8_dot else frozenset()
+    ops.int8_x_max_rows = QUANTIZED_MAX_ROWS_FLOAT32 if int8 and compiled.int8_dot else 0
     model = core.runner.model
     model.fuse_decode_layers = fused
     seen, calls = [], [0]
@@ -73,7 +73,8 @@ def test_fused_decode_layers_give_the_per_op_bits(compiled, gguf_file, dtype):
 
 
 def test_fused_decode_layers_take_the_int8_path_as_the_per_op_one_does(compiled, q4_1_file):
-    """With the int8 path on, over Q4_1 blocks in float32 the linears round x to int8
+    """With the int8 path on at every row count, over Q4_1 blocks in float32 the linears
+    round x to int8
     (CpuKernelOps.int8_x), fused or op by op alike: the same bits step by step, and not
     the float path's."""
     if not compiled.int8_dot:
