@@ -13,7 +13,7 @@ ops and says so in its log: `kernels()` answers None and callers keep their torc
 SLUICE_CPU_KERNELS=0 turns them off, to measure the difference or to rule them out.
 SLUICE_CPU_INT8_ROWS=N: float32 rows over Q4_1 blocks take the linear's int8 path (x
 rounded to int8 per group of 4 values, integer dot products: faster, not bit-exact) up to
-N rows; 1 by default, 0 turns it off (engine/models/ops.py, docs/benchmarks.md).
+N rows; off (0) by default (engine/models/ops.py, docs/benchmarks.md).
 
 Their hot loops have an AVX-512 path and an AVX2+FMA one (the module's `simd` says which
 it was built with), scalar code elsewhere. SLUICE_CPU_ISA=avx2 makes this machine behave

@@ -194,23 +194,24 @@ def test_the_avx2_int8_path_gives_the_avx512_bits(kind):
     assert torch.equal(run(native, x, blocks, kind), run(avx2, x, blocks, kind))
 
 
-def test_the_engine_takes_the_int8_path_at_one_row_by_default(compiled, monkeypatch):
-    """Float32 rows over Q4_1 blocks, up to INT8_X_MAX_ROWS (1) rows or SLUICE_CPU_INT8_ROWS
-    (0: off); never Q8_0 (the LM head), bfloat16 rows or the batch-invariant mode."""
+def test_the_engine_takes_the_int8_path_only_when_asked(compiled, monkeypatch):
+    """Off by default (INT8_X_MAX_ROWS = 0); SLUICE_CPU_INT8_ROWS=N: float32 rows over Q4_1
+    blocks up to N rows; never Q8_0 (the LM head), bfloat16 rows or the batch-invariant
+    mode."""
     from engine.models.ops import INT8_X_MAX_ROWS, CpuKernelOps
 
     q4_1, q8_0 = BLOCK_KINDS["Q4_1"], BLOCK_KINDS["Q8_0"]
     one, two = torch.empty(1, 64), torch.empty(2, 64)
     monkeypatch.delenv("SLUICE_CPU_INT8_ROWS", raising=False)
+    assert INT8_X_MAX_ROWS == 0
+    assert not CpuKernelOps(compiled).int8_x(one, q4_1)
+    monkeypatch.setenv("SLUICE_CPU_INT8_ROWS", "1")
     ops = CpuKernelOps(compiled)
-    assert INT8_X_MAX_ROWS == 1
     assert ops.int8_x(one, q4_1) == compiled.int8_dot
     assert not ops.int8_x(two, q4_1)
     assert not ops.int8_x(one, q8_0)
     assert not ops.int8_x(one.bfloat16(), q4_1)
     assert not CpuKernelOps(compiled, batch_invariant=True).int8_x(one, q4_1)
-    monkeypatch.setenv("SLUICE_CPU_INT8_ROWS", "0")
-    assert not CpuKernelOps(compiled).int8_x(one, q4_1)
     monkeypatch.setenv("SLUICE_CPU_INT8_ROWS", "16")
     assert CpuKernelOps(compiled).int8_x(torch.empty(16, 64), q4_1) == compiled.int8_dot
     monkeypatch.setenv("SLUICE_CPU_INT8_ROWS", "all")
