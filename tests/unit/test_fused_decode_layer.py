@@ -24,9 +24,19 @@ def gguf_file(tmp_path_factory):
     return path
 
 
-def _run(path: str, compiled, dtype: torch.dtype, fused: bool):
-    """Every step's hidden rows into the LM head, and how many layers ran fused."""
+@pytest.fixture(scope="module")
+def q4_1_file(tmp_path_factory):
+    """Q4_1 blocks throughout (the default model's kind): float32 rows take the int8 path."""
+    path = str(tmp_path_factory.mktemp("fused") / "q4_1.gguf")
+    write_q4_k_m(path, SHAPE, set(), bulk="Q4_1")
+    return path
+
+
+def _run(path: str, compiled, dtype: torch.dtype, fused: bool, int8: bool = True):
+    """Every step's hidden rows into the LM head, and how many layers ran fused. int8: the
+    int8 path at every row count the blocks take (SLUICE_CPU_INT8_ROWS=16), else off."""
     core, ops = engine_core(path, compiled, dtype)
+    ops.int8_x_max_rows = QUANTIZED_MAX_ROWS_FLOAT32 if int8 and compiled.int8_dot else 0
     model = core.runner.model
     model.fuse_decode_layers = fused
     seen, calls = [], [0]
@@ -60,6 +70,25 @@ def test_fused_decode_layers_give_the_per_op_bits(compiled, gguf_file, dtype):
     for step, (a, b) in enumerate(zip(fused, per_op, strict=True)):
         assert torch.equal(a, b), step
     assert fused_tokens == tokens
+
+
+def test_fused_decode_layers_take_the_int8_path_as_the_per_op_one_does(compiled, q4_1_file):
+    """With the int8 path on at every row count, over Q4_1 blocks in float32 the linears
+    round x to int8
+    (CpuKernelOps.int8_x), fused or op by op alike: the same bits step by step, and not
+    the float path's."""
+    if not compiled.int8_dot:
+        pytest.skip("this build has no int8 path")
+    per_op, _, tokens = _run(q4_1_file, compiled, torch.float32, fused=False)
+    fused, calls, fused_tokens = _run(q4_1_file, compiled, torch.float32, fused=True)
+    floats, _, _ = _run(q4_1_file, compiled, torch.float32, fused=True, int8=False)
+    assert calls > 0
+    for step, (a, b) in enumerate(zip(fused, per_op, strict=True)):
+        assert torch.equal(a, b), step
+    assert fused_tokens == tokens
+    # Every step differs from the float path's (prefill and decode, fused or not).
+    assert len(floats) == len(fused)
+    assert all(not torch.equal(a, b) for a, b in zip(fused, floats, strict=True))
 
 
 def test_only_rows_the_blocks_take_run_fused(compiled):
