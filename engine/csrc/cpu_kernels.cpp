@@ -1708,10 +1708,12 @@ inline void quantize_block(const T* x, int16_t* q, float* d, float& s) {
   _mm256_storeu_ps(d, d8);
   __m256i i[4];
   for (int k = 0; k < 4; ++k) {
-    // 32767 / max (0 for an all-zero group); the default rounding: to nearest, ties to even.
+    // 32767 / max, or 0 where max < 2^-110 (an all-zero group, or one so small that d would
+    // be subnormal and 32767 / max could overflow: its values count as zeros). The default
+    // rounding: to nearest, ties to even.
     const __m256 t = top[k % 2];
     const __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(32767.f), t),
-                                     _mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_GT_OQ));
+                                     _mm256_cmp_ps(t, _mm256_set1_ps(0x1p-110f), _CMP_GE_OQ));
     i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
   }
   // packs interleave 128-bit lanes (values 0-3, 8-11, 4-7, 12-15): put them back in order.

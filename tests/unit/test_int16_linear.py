@@ -151,9 +151,11 @@ def test_int16_path_takes_extreme_magnitudes(compiled, kind):
     x[2] *= 1e-30
     x[3].view(-1, 32)[:, 0:16:2] *= 1e4  # value 2g: one outlier in each group g
     x[4, :64] *= 1e-36  # two blocks whose every group is below FLUSH
+    x[5] *= 1e-36  # a whole row below FLUSH: nothing at all (not 32767 / max = inf)
     want, slack = reference(x, blocks, kind)
     got = run(compiled, x, blocks, kind).double()
     assert torch.equal(got[0], torch.zeros(out, dtype=torch.float64))
+    assert torch.equal(got[5], torch.zeros(out, dtype=torch.float64))
     assert torch.isfinite(got).all()
     assert ((got - want).abs() <= slack).all(), ((got - want).abs() / slack).max().item()
     # Flushed groups add nothing: the row is the row with them zeroed, bit for bit.
