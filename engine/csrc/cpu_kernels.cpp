@@ -1824,8 +1824,8 @@ void tile_q16(const RowsQ16& xq, int64_t r0, const uint8_t* wrow, int64_t row_by
 }
 
 // linear_rows with int16 x (LAYOUT: HalfNibbles or Bytes): the same split over column
-// tiles, register tiles of up to kTileRows rows by kInt16Accs / rows columns.
-constexpr int64_t kInt16Accs = 8;
+// tiles, register tiles of up to kInt16Rows rows by kInt16Accs / rows columns.
+constexpr int64_t kInt16Accs = 8, kInt16Rows = 2;
 template <typename T, int64_t LAYOUT>
 void linear_rows_q16(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, int64_t n_out,
                      torch::Tensor& out) {
@@ -1846,8 +1846,8 @@ void linear_rows_q16(const torch::Tensor& x, const uint8_t* wp, int64_t row_byte
           const int64_t next = std::min<int64_t>(kTileCols, n_out - n - kTileCols) * row_bytes;
           for (int64_t off = 0; off < next; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
         }
-        for (int64_t r = 0; r < tile_rows; r += kTileRows) {
-          const int64_t rs = std::min<int64_t>(kTileRows, tile_rows - r);
+        for (int64_t r = 0; r < tile_rows; r += kInt16Rows) {
+          const int64_t rs = std::min<int64_t>(kInt16Rows, tile_rows - r);
           const int64_t group = std::max<int64_t>(1, kInt16Accs / rs);
           for (int64_t c0 = 0; c0 < cols; c0 += group) {
             with_tile_shape(rs, std::min(group, cols - c0), [&](auto R, auto C) {

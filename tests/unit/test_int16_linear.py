@@ -225,20 +225,20 @@ def test_the_avx2_int16_path_gives_the_avx512_bits(kind):
     assert torch.equal(run(native, x, blocks, kind), run(avx2, x, blocks, kind))
 
 
-def test_the_engine_takes_the_int16_path_for_one_row_by_default(compiled, monkeypatch):
-    """On by default for one row (INT16_X_MAX_ROWS); SLUICE_CPU_INT16_ROWS=N: float32 rows
-    over Q4_1 blocks up to N rows (0: off); never Q8_0 (the LM head), bfloat16 rows or the
+def test_the_engine_takes_the_int16_path_up_to_two_rows_by_default(compiled, monkeypatch):
+    """On by default up to 2 rows (INT16_X_MAX_ROWS); SLUICE_CPU_INT16_ROWS=N: float32 rows
+    over Q4_1 or Q8_0 blocks up to N rows (0: off); never other kinds, bfloat16 rows or the
     batch-invariant mode."""
     from engine.models.ops import INT16_X_MAX_ROWS, CpuKernelOps
 
-    q4_1, q8_0 = BLOCK_KINDS["Q4_1"], BLOCK_KINDS["Q8_0"]
+    q4_1, q8_0, q4_k = BLOCK_KINDS["Q4_1"], BLOCK_KINDS["Q8_0"], BLOCK_KINDS["Q4_K"]
     one, two = torch.empty(1, 64), torch.empty(2, 64)
     monkeypatch.delenv("SLUICE_CPU_INT16_ROWS", raising=False)
-    assert INT16_X_MAX_ROWS == 1
+    assert INT16_X_MAX_ROWS == 2
     ops = CpuKernelOps(compiled)
-    assert ops.int16_x(one, q4_1) == compiled.int16_dot
-    assert not ops.int16_x(two, q4_1)
-    assert not ops.int16_x(one, q8_0)
+    assert ops.int16_x(one, q4_1) == ops.int16_x(two, q8_0) == compiled.int16_dot
+    assert not ops.int16_x(torch.empty(3, 64), q4_1)
+    assert not ops.int16_x(one, q4_k)
     assert not ops.int16_x(one.bfloat16(), q4_1)
     assert not CpuKernelOps(compiled, batch_invariant=True).int16_x(one, q4_1)
     monkeypatch.setenv("SLUICE_CPU_INT16_ROWS", "0")
