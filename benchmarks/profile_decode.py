@@ -3,6 +3,7 @@ of B sequences all decoding, each step split into phases.
 
     .venv/bin/python benchmarks/profile_decode.py [--batch 1 16 64] [--steps 40]
         [--dtype auto] [--threads N] [--torch-profile] [--device cuda] [--per-op]
+        [--int16-ab [--rounds 5]]
 
 Phases (perf_counter around the engine's own methods; the CPU runs ops synchronously, so
 wall time is the time spent):
@@ -25,6 +26,10 @@ wall time is the time spent):
   sampling      ModelRunner._sample: logits processors, sampling-row tensors, argmax/draw
   output        EngineCore.step's remainder: per-sequence bookkeeping, stop checks, outputs
 With --torch-profile, torch.profiler's top ops (self CPU time) for the same steps follow.
+With --int16-ab, no phases: the int16 path (CpuKernelOps.int16_x_max_rows) off and at its
+setting in alternating rounds of --steps steps on one engine, each round's ratio of the two
+step times taken seconds apart, so a shared machine's load hits both alike; it prints the
+median ratio.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import statistics
 import time
 from collections import defaultdict
 
@@ -150,6 +156,28 @@ def profile_ops(core, steps: int, top: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
+def int16_ab(core, args, batch: int) -> None:
+    """--int16-ab: ms per step with the int16 path off and on, alternating rounds."""
+    ops = core.runner.model.ops
+    on = getattr(ops, "int16_x_max_rows", 0)
+    if not on:
+        print(f"batch {batch}: the int16 path is off here (build, dtype or setting)")
+        return
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    times: dict[int, list[float]] = {0: [], on: []}
+    for _ in range(args.rounds):
+        for rows in (0, on):
+            ops.int16_x_max_rows = rows
+            start = clock()
+            for _ in range(args.steps):
+                core.step()
+            times[rows].append(1000 * (clock() - start) / args.steps)
+    ratio = statistics.median(a / b for a, b in zip(times[on], times[0], strict=True))
+    print(f"batch {batch}: ms/step int16 off {min(times[0]):.2f}, on (up to {on} rows) "
+          f"{min(times[on]):.2f} (best of {args.rounds}); on/off median {ratio:.3f}",
+          flush=True)
+
+
 def run_batch(args, batch: int) -> None:
     config = EngineConfig(
         model=args.model,
@@ -159,16 +187,18 @@ def run_batch(args, batch: int) -> None:
         device=args.device,
         threads=args.threads,
         max_num_seqs=max(batch, 1),
-        max_model_len=PROMPT_LEN + 3 * args.steps + 64,
+        max_model_len=PROMPT_LEN + (3 + 2 * args.rounds) * args.steps + 64,
     )
     core = build_engine(config)
     core.runner.model.fuse_decode_layers = not args.per_op
     timer = Timer(time.thread_time if args.clock == "thread" else time.perf_counter)
     instrument(core, timer)
-    add_requests(core, batch, 3 * args.steps + 32, core.vocab_size)
+    add_requests(core, batch, (3 + 2 * args.rounds) * args.steps + 32, core.vocab_size)
     settle(core, batch)
     for _ in range(args.warmup):
         core.step()
+    if args.int16_ab:
+        return int16_ab(core, args, batch)
     timer.active = True
     for _ in range(args.steps):
         core.step()
@@ -200,6 +230,9 @@ def main() -> None:
                         help="run every op of a layer from Python (no fused decode layers), "
                         "to see the parts")
     parser.add_argument("--torch-profile", action="store_true", help="also torch.profiler ops")
+    parser.add_argument("--int16-ab", action="store_true",
+                        help="time the int16 path off against on, alternating (no phases)")
+    parser.add_argument("--rounds", type=int, default=5, help="--int16-ab's rounds")
     parser.add_argument("--top", type=int, default=25, help="ops shown by --torch-profile")
     args = parser.parse_args()
     args.model = args.model or default_model_path()

@@ -1636,31 +1636,34 @@ void linear_rows(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, i
   }
 }
 
-// --------------------------------------------------- int8 activations (Q4_1 and Q8_0 blocks)
-// llama.cpp's way with its Q4/Q8 blocks, with a finer scale: each row of x is rounded to
-// int8 once per linear, per group of 4 values (d = max|x| / 127, q = round-to-nearest-even(
-// x * 127 / max|x|)), and a weight block times an x block is one integer dot product whose
-// eight int32 lanes are the eight groups' sums, each scaled by its own d:
+// -------------------------------------------------- int16 activations (Q4_1 and Q8_0 blocks)
+// llama.cpp's lever with these blocks, at 16 bits where it takes 8: each row of x is rounded
+// to int16 once per linear, per group of 4 values (d = max|x| / 32767, q = round-to-nearest-
+// even(x * 32767 / max|x|)), and a weight block times an x block is one integer dot product
+// whose eight int32 lanes are the eight groups' sums, each scaled by its own d:
 //   Q4_1 (w = d_w * q_w + m_w): d_w * sum_g d_g * sum_g(q_w * q) + m_w * s
 //   Q8_0 (w = d_w * q_w):       d_w * sum_g d_g * sum_g(q_w * q)
-// with s = sum_g d_g * sum_g(q). vpmaddubsw + vpmaddwd (AVX2), or vpdpbusd (AVX512-VNNI),
-// take 32 products in one or two instructions where the float path widens every nibble to
-// a float32 and multiplies it. llama.cpp's one scale per 32 values cost greedy tokens
-// against transformers on the default model (an outlier makes its 31 neighbours coarse);
-// a scale per vpmaddwd lane costs nothing more per product (the eight scales are one
-// vector, where one scale was a broadcast). The integer sums are exact (|sum| < 2^20), so
-// both builds give the same bits. The only loss is x's rounding (at most half a step of
-// max|x| / 127 of its group per value): the result is the exact product of the weights
-// with x rounded so, up to float32 rounding of the per-block terms and their sum
-// (tests/unit/test_int8_linear.py states the bound).
+// with s = sum_g d_g * sum_g(q). The weights widen to int16 in the order x is stored (Q4_1:
+// a broadcast, two shifts and two masks per 32; Q8_0: two sign extensions) and vpmaddwd
+// (AVX2) or vpdpwssd (AVX512-VNNI) take 16 products an instruction, where the float path
+// converts every weight to float32 and pays an FMA per product. A group is the 4 values one
+// int32 lane sums: values 2g, 2g+1 (the first vpmaddwd's lane g) and 2g+16, 2g+17 (the
+// second's). The integer sums are exact (|q_w| <= 128, |q| <= 32767: a lane's four products
+// stay under 2^24), so both builds give the same bits. The only loss is x's rounding, at
+// most max|x| / 65534 of its group per value (2^-16 of the group's largest; an int8 rounding
+// moved 258 times more, and speculative decoding's verify logprobs 0.04 off one-row
+// decoding's): the result is the exact product of the weights with x rounded so, up to
+// float32 rounding of the per-block terms and their sum (tests/unit/test_int16_linear.py
+// states both bounds). (Two int8 terms per value, x ~ d (q_hi + q_lo / 256), are as precise;
+// on AVX2 they take the same count of instructions per block, more of them multiplies.)
 // Each output keeps one eight-lane float32 accumulator: block by block, the eight int32
-// group sums of the integer dot product, each times d_w * its group's d; its lanes are
-// added in a fixed tree at the end, then Q4_1's sum of m_w * s (eight blocks a vector; rows
-// pad to a multiple of eight blocks with zeros, which add exactly zero). Every output runs that same
-// sequence whatever the tile or the batch, so a row's result depends on its row of x alone
-// (batch invariance).
+// group sums, each times d_w * its group's d; its lanes are added in a fixed tree at the
+// end, then Q4_1's sum of m_w * s (eight blocks a vector; rows pad to a multiple of eight
+// blocks with zeros, which add exactly zero). Every output runs that same sequence whatever
+// the tile or the batch, so a row's result depends on its row of x alone (batch
+// invariance).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr bool kHasInt8Dot = true;
+constexpr bool kHasInt16Dot = true;
 constexpr int64_t kGroup = 8;  // blocks per vector of the m_w * s sums (rows pad to it)
 
 // 8 values of x as float32 (bfloat16 widens exactly by a shift).
@@ -1677,82 +1680,57 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-// x's rows rounded to int8 per group of 4 values (see above), each row padded with zero
-// blocks to a multiple of kGroup blocks. q is in the order the layout's weights unpack in
-// (below); d holds a block's 8 group scales in the order of vpmaddwd's 8 lanes, each the
-// sum over one group.
-struct RowsQ8 {
-  int64_t blocks = 0;    // per row, padded
-  std::vector<int8_t> q; // [rows, blocks * 32]
-  std::vector<float> d;  // [rows, blocks * 8]
-  std::vector<float> s;  // [rows, blocks]: sum over groups of d * sum(q)
+// x's rows rounded to int16 per group of 4 values (see above), each row padded with zero
+// blocks to a multiple of kGroup blocks; d holds a block's 8 group scales (lane g: group g).
+struct RowsQ16 {
+  int64_t blocks = 0;     // per row, padded
+  std::vector<int16_t> q; // [rows, blocks * 32], in x's order
+  std::vector<float> d;   // [rows, blocks * 8]
+  std::vector<float> s;   // [rows, blocks]: sum over groups of d * sum(q)
 };
 
-// One block of 32 values: q (in LAYOUT's unpacked order), its 8 group scales d (lane g:
-// group g) and s. A group is the 4 values that land in one int32 lane of the integer dot
-// product: 4 consecutive bytes in the unpacked order. For Bytes (Q8_0) that is values
-// 4g..4g+3; for HalfNibbles (Q4_1), whose bytes interleave values j and j + 16, values
-// {2g, 2g+1, 2g+16, 2g+17}.
-template <int64_t LAYOUT, typename T>
-inline void quantize_block(const T* x, int8_t* q, float* d, float& s) {
-  __m256 v[4], top[4];  // top: each value's group max |x|
+// One block of 32 values: q, its 8 group scales d and s.
+template <typename T>
+inline void quantize_block(const T* x, int16_t* q, float* d, float& s) {
+  __m256 v[4], top[2];  // top[h]: the max |x| of group 4h + l / 2 in lane l
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int i = 0; i < 4; ++i) v[i] = widen8(x + 8 * i);
-  __m256 groups;  // the 8 group maxima, lane g: group g
-  if constexpr (LAYOUT == kHalfNibbles) {
-    // v[0], v[2] hold groups 0-3 (lanes 2g, 2g + 1 of both); v[1], v[3] groups 4-7.
-    for (int h = 0; h < 2; ++h) {
-      __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, v[h]), _mm256_andnot_ps(sign, v[h + 2]));
-      m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
-      top[h] = top[h + 2] = m;
-    }
-    groups = _mm256_permutevar8x32_ps(
-        _mm256_shuffle_ps(top[0], top[1], _MM_SHUFFLE(2, 0, 2, 0)),
-        _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-  } else {
-    // Groups of 4 consecutive values: the max over each half of each 128-bit lane.
-    for (int i = 0; i < 4; ++i) {
-      __m256 m = _mm256_andnot_ps(sign, v[i]);
-      m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
-      top[i] = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
-    }
-    const __m256 t01 = _mm256_shuffle_ps(top[0], top[1], 0);
-    const __m256 t23 = _mm256_shuffle_ps(top[2], top[3], 0);
-    groups = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  // v[0] (values 0-7) and v[2] (16-23) hold groups 0-3 in lanes 2g, 2g + 1; v[1], v[3]
+  // groups 4-7.
+  for (int h = 0; h < 2; ++h) {
+    const __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, v[h]), _mm256_andnot_ps(sign, v[h + 2]));
+    top[h] = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
   }
-  const __m256 d8 = _mm256_div_ps(groups, _mm256_set1_ps(127.f));
+  const __m256 groups = _mm256_permutevar8x32_ps(
+      _mm256_shuffle_ps(top[0], top[1], _MM_SHUFFLE(2, 0, 2, 0)),
+      _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+  const __m256 d8 = _mm256_div_ps(groups, _mm256_set1_ps(32767.f));
   _mm256_storeu_ps(d, d8);
   __m256i i[4];
   for (int k = 0; k < 4; ++k) {
-    // 127 / max (0 for an all-zero group); the default rounding: to nearest, ties to even.
-    const __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(127.f), top[k]),
-                                     _mm256_cmp_ps(top[k], _mm256_setzero_ps(), _CMP_GT_OQ));
+    // 32767 / max, or 0 where max < 2^-110 (an all-zero group, or one so small that d would
+    // be subnormal and 32767 / max could overflow: its values count as zeros). The default
+    // rounding: to nearest, ties to even.
+    const __m256 t = top[k % 2];
+    const __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(32767.f), t),
+                                     _mm256_cmp_ps(t, _mm256_set1_ps(0x1p-110f), _CMP_GE_OQ));
     i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
   }
-  // packs interleave 128-bit lanes: dword k of p holds values 4 * {0, 2, 4, 6, 1, 3, 5, 7}[k].
-  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  if constexpr (LAYOUT == kHalfNibbles) {
-    // HalfNibbles unpacks to (byte b's low nibbles | byte b's high nibbles), b = 0..15, and
-    // byte b holds weights 16 * (b % 2) + b / 2 (low) and 8 more (high): lane 0 takes
-    // values 0-7 and 16-23 interleaved, lane 1 values 8-15 and 24-31.
-    p = _mm256_permute4x64_epi64(p, _MM_SHUFFLE(3, 1, 2, 0));
-    p = _mm256_shuffle_epi8(p, _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14,
-                                                7, 15, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13,
-                                                6, 14, 7, 15));
-  }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
+  // packs interleave 128-bit lanes (values 0-3, 8-11, 4-7, 12-15): put them back in order.
+  const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[1]), _MM_SHUFFLE(3, 1, 2, 0));
+  const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2], i[3]), _MM_SHUFFLE(3, 1, 2, 0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), hi);
   // The groups' sums of q, in the same lanes as d.
-  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p),
-                                         _mm256_set1_epi16(1));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
   s = sum8(_mm256_mul_ps(d8, _mm256_cvtepi32_ps(sums)));
 }
 
-template <int64_t LAYOUT, typename T>
-RowsQ8 quantize_rows(const T* x, int64_t rows, int64_t k) {
+template <typename T>
+RowsQ16 quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t nb = k / kBlock;
-  RowsQ8 xq;
+  RowsQ16 xq;
   xq.blocks = (nb + kGroup - 1) / kGroup * kGroup;
   xq.q.assign(rows * xq.blocks * kBlock, 0);
   xq.d.assign(rows * xq.blocks * 8, 0.f);
@@ -1760,76 +1738,74 @@ RowsQ8 quantize_rows(const T* x, int64_t rows, int64_t k) {
   at::parallel_for(0, rows * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / nb, b = i % nb, at = r * xq.blocks + b;
-      quantize_block<LAYOUT>(x + r * k + b * kBlock, xq.q.data() + at * kBlock,
-                             xq.d.data() + at * 8, xq.s[at]);
+      quantize_block(x + r * k + b * kBlock, xq.q.data() + at * kBlock, xq.d.data() + at * 8,
+                     xq.s[at]);
     }
   });
   return xq;
 }
 
-// A weight block's 32 integers as bytes, in the order quantize_block puts x in: Q4_1's
-// nibbles unsigned (0..15; lane 0 the low nibbles of the 16 bytes, lane 1 the high ones),
-// Q8_0's bytes signed as they are.
-template <int64_t LAYOUT> inline __m256i weight_bytes(const uint8_t* blk) {
+// A weight block's 32 integers as int16 in x's order: lo weights 0-15, hi 16-31. Q4_1's
+// nibbles unsigned (0..15: weight 8v + i is nibble v of 16-bit word i, so a 32-bit shift
+// by 4v, one per 128-bit half, and a mask put them in place), Q8_0's bytes sign-extended.
+template <int64_t LAYOUT> inline void weight_words(const uint8_t* blk, __m256i& lo, __m256i& hi) {
   if constexpr (LAYOUT == kHalfNibbles) {
-    const __m256i bytes = _mm256_broadcastsi128_si256(
+    const __m256i words = _mm256_broadcastsi128_si256(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
-    return _mm256_and_si256(_mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)),
-                            _mm256_set1_epi8(0x0F));
+    const __m256i low4 = _mm256_set1_epi16(0x0F);
+    lo = _mm256_and_si256(_mm256_srlv_epi32(words, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), low4);
+    hi = _mm256_and_si256(_mm256_srlv_epi32(words, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)),
+                          low4);
   } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
   }
 }
 
-// sum(u * v) of 32 unsigned bytes u and signed bytes v, as 8 int32 partial sums. No 16-bit
-// pair of vpmaddubsw saturates: u <= 128 and |v| <= 127 give at most 32512.
-inline __m256i dot_bytes(__m256i u, __m256i v) {
+// sum(w * x) of a block's 32 int16 pairs as 8 int32 group sums (exact either way).
+inline __m256i dot_words(__m256i w_lo, __m256i w_hi, const int16_t* x) {
+  const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+  return _mm256_dpwssd_epi32(_mm256_madd_epi16(w_lo, x_lo), w_hi, x_hi);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
 #endif
 }
 
-
-// R rows of xq (from r0) against C weight rows, llama.cpp's scheme: per block, the eight
-// int32 group sums of each (row, column) pair, as float32, times d_w * the eight group
-// scales into that pair's eight-lane accumulator; at the end its lanes are added in a fixed tree, then Q4_1's sum
+// R rows of xq (from r0) against C weight rows: per block, the eight int32 group sums of
+// each (row, column) pair, as float32, times d_w * the eight group scales into that pair's
+// eight-lane accumulator; at the end its lanes are added in a fixed tree, then Q4_1's sum
 // over blocks of m_w * s, eight blocks a vector (the tile writes each column's m_w into
 // mw [C, xq.blocks] on the way; the padding stays zero). Each output's float32 steps are
-// the same in every tile shape (batch invariance). (Reducing four blocks' integer sums
-// into one vector first, to scale four at a time, measured slower: vphaddd costs more than
-// the float32 steps it saves.)
+// the same in every tile shape (batch invariance).
 template <int64_t LAYOUT, int R, int C>
-void tile_q8(const RowsQ8& xq, int64_t r0, const uint8_t* wrow, int64_t row_bytes, int64_t nb,
-             float* mw, float* result, int64_t result_stride) {
+void tile_q16(const RowsQ16& xq, int64_t r0, const uint8_t* wrow, int64_t row_bytes, int64_t nb,
+              float* mw, float* result, int64_t result_stride) {
   constexpr int64_t bb = layout_bytes(LAYOUT);
   const int64_t padded = xq.blocks;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i x[R];
+    const int16_t* x[R];
     __m256 dx[R];
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * padded + b;
-      x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock));
+      x[r] = xq.q.data() + at * kBlock;
       dx[r] = _mm256_loadu_ps(xq.d.data() + at * 8);
     }
     for (int c = 0; c < C; ++c) {
       const uint8_t* blk = wrow + c * row_bytes + b * bb;
-      __m256i w = weight_bytes<LAYOUT>(blk);
-      const __m256i sign = w;
-      if constexpr (LAYOUT == kBytes) w = _mm256_abs_epi8(w);  // -128: 128 unsigned, exact
+      __m256i w_lo, w_hi;
+      weight_words<LAYOUT>(blk, w_lo, w_hi);
       const __m128 dm = scales_dm<LAYOUT>(blk);  // (d_w, m_w) widened from fp16
       const __m256 d = _mm256_broadcastss_ps(dm);
       if constexpr (LAYOUT == kHalfNibbles)
         _mm_store_ss(mw + c * padded + b, _mm_movehdup_ps(dm));
-      for (int r = 0; r < R; ++r) {
-        const __m256i v = LAYOUT == kBytes ? _mm256_sign_epi8(x[r], sign) : x[r];
+      for (int r = 0; r < R; ++r)
         acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx[r]),
-                                    _mm256_cvtepi32_ps(dot_bytes(w, v)), acc[r][c]);
-      }
+                                    _mm256_cvtepi32_ps(dot_words(w_lo, w_hi, x[r])), acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -1847,13 +1823,14 @@ void tile_q8(const RowsQ8& xq, int64_t r0, const uint8_t* wrow, int64_t row_byte
   }
 }
 
-// linear_rows with int8 x (LAYOUT: HalfNibbles or Bytes): the same split over column tiles,
-// register tiles of up to kTileRows rows by 8 / rows columns.
+// linear_rows with int16 x (LAYOUT: HalfNibbles or Bytes): the same split over column
+// tiles, register tiles of up to kInt16Rows rows by kInt16Accs / rows columns.
+constexpr int64_t kInt16Accs = 8, kInt16Rows = 2;
 template <typename T, int64_t LAYOUT>
-void linear_rows_q8(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, int64_t n_out,
-                    torch::Tensor& out) {
+void linear_rows_q16(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes, int64_t n_out,
+                     torch::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock;
-  const RowsQ8 xq = quantize_rows<LAYOUT>(ptr<T>(x), rows, k);
+  const RowsQ16 xq = quantize_rows(ptr<T>(x), rows, k);
   T* op = ptr<T>(out);
   const int64_t col_tiles = (n_out + kTileCols - 1) / kTileCols;
   for (int64_t tile = 0; tile < rows; tile += kRowTile) {
@@ -1869,13 +1846,12 @@ void linear_rows_q8(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes
           const int64_t next = std::min<int64_t>(kTileCols, n_out - n - kTileCols) * row_bytes;
           for (int64_t off = 0; off < next; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
         }
-        for (int64_t r = 0; r < tile_rows; r += kTileRows) {
-          const int64_t rs = std::min<int64_t>(kTileRows, tile_rows - r);
-          // Up to 8 accumulators (R * C): the columns in groups of 8 / R.
-          const int64_t group = std::max<int64_t>(1, 8 / rs);
+        for (int64_t r = 0; r < tile_rows; r += kInt16Rows) {
+          const int64_t rs = std::min<int64_t>(kInt16Rows, tile_rows - r);
+          const int64_t group = std::max<int64_t>(1, kInt16Accs / rs);
           for (int64_t c0 = 0; c0 < cols; c0 += group) {
             with_tile_shape(rs, std::min(group, cols - c0), [&](auto R, auto C) {
-              tile_q8<LAYOUT, R.value, C.value>(
+              tile_q16<LAYOUT, R.value, C.value>(
                   xq, tile + r, wrow + c0 * row_bytes, row_bytes, nb, mw.data() + c0 * xq.blocks,
                   result.data() + r * kTileCols + c0, kTileCols);
             });
@@ -1889,7 +1865,7 @@ void linear_rows_q8(const torch::Tensor& x, const uint8_t* wp, int64_t row_bytes
   }
 }
 #else
-constexpr bool kHasInt8Dot = false;
+constexpr bool kHasInt16Dot = false;
 #endif
 
 void check_linear_input(const torch::Tensor& x) {
@@ -1898,10 +1874,11 @@ void check_linear_input(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) % kBlock == 0, "in_features must be a multiple of 32");
 }
 
-// int8_x: round x to int8 per block and multiply in integers (the section above) where the
-// kind's layout has that path (Q4_1, Q8_0) and the build has AVX2; elsewhere it is ignored.
+// int16_x: round x to int16 per group of 4 values and multiply in integers (the section
+// above) where the kind's layout has that path (Q4_1, Q8_0) and the build has AVX2;
+// elsewhere it is ignored.
 torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t kind,
-                               bool int8_x) {
+                               bool int16_x) {
   check_linear_input(x);
   check_kind(kind);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
@@ -1913,10 +1890,10 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (int8_x && layout_of(kind) == kHalfNibbles)
-      return linear_rows_q8<T, kHalfNibbles>(x, wp, packed.size(1), packed.size(0), out);
-    if (int8_x && layout_of(kind) == kBytes)
-      return linear_rows_q8<T, kBytes>(x, wp, packed.size(1), packed.size(0), out);
+    if (int16_x && layout_of(kind) == kHalfNibbles)
+      return linear_rows_q16<T, kHalfNibbles>(x, wp, packed.size(1), packed.size(0), out);
+    if (int16_x && layout_of(kind) == kBytes)
+      return linear_rows_q16<T, kBytes>(x, wp, packed.size(1), packed.size(0), out);
 #endif
     switch (layout_of(kind)) {
       case kHalfNibbles:
@@ -2006,7 +1983,7 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) 
 //   empty tensor for the last layer, which returns h + mlp alone (the model's final add)
 //   cos, sin, positions: rope's; k_cache, v_cache: this layer's [slots, KVH, D], written at
 //   slots; page_table, lengths, page_size, scale: decode_attention's
-//   int8_x: per linear, whether it takes quantized_linear's int8 path
+//   int16_x: per linear, whether it takes quantized_linear's int16 path
 // Returns (x, h) for the next layer, or (h + mlp) after the last.
 std::vector<torch::Tensor> decode_layer(
     const torch::Tensor& x, const torch::Tensor& h, const std::vector<torch::Tensor>& blocks,
@@ -2015,14 +1992,14 @@ std::vector<torch::Tensor> decode_layer(
     const torch::Tensor& sin, const torch::Tensor& positions, int64_t heads, int64_t kv_heads,
     torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
     const torch::Tensor& page_table, const torch::Tensor& lengths, int64_t page_size,
-    double scale, const std::vector<bool>& int8_x) {
-  TORCH_CHECK(blocks.size() == 4 && kinds.size() == 4 && int8_x.size() == 4,
-              "blocks, kinds and int8_x: q/k/v, o, gate/up and down");
+    double scale, const std::vector<bool>& int16_x) {
+  TORCH_CHECK(blocks.size() == 4 && kinds.size() == 4 && int16_x.size() == 4,
+              "blocks, kinds and int16_x: q/k/v, o, gate/up and down");
   TORCH_CHECK(h.is_contiguous() && h.sizes() == x.sizes(), "h must be contiguous, x's shape");
   const int64_t tokens = x.size(0), dim = k_cache.size(2);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
   // Attention: q/k/v, RoPE, the cache write, attention over the pages, o.
-  const auto qkv = quantized_linear(x.contiguous(), blocks[0], kinds[0], int8_x[0]);
+  const auto qkv = quantized_linear(x.contiguous(), blocks[0], kinds[0], int16_x[0]);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "q/k/v rows must be (H + 2 KVH) * D");
   const auto q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
   const auto k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
@@ -2032,11 +2009,11 @@ std::vector<torch::Tensor> decode_layer(
   v_cache.index_copy_(0, slots, v.contiguous());
   const auto o = decode_attention(both.narrow(1, 0, heads), k_cache, v_cache, page_table,
                                   lengths, page_size, scale);
-  const auto attn = quantized_linear(o.reshape({tokens, q_size}), blocks[1], kinds[1], int8_x[1]);
+  const auto attn = quantized_linear(o.reshape({tokens, q_size}), blocks[1], kinds[1], int16_x[1]);
   // The MLP between the two fused residual adds and norms.
   const auto mid = add_rms_norm(h, attn, post_norm, eps);  // (normed, summed)
-  const auto gate_up = quantized_linear(mid[0], blocks[2], kinds[2], int8_x[2]);
-  const auto down = quantized_linear(silu_and_mul(gate_up), blocks[3], kinds[3], int8_x[3]);
+  const auto gate_up = quantized_linear(mid[0], blocks[2], kinds[2], int16_x[2]);
+  const auto down = quantized_linear(silu_and_mul(gate_up), blocks[3], kinds[3], int16_x[3]);
   if (!next_norm.defined() || next_norm.numel() == 0) return {mid[1] + down};
   return add_rms_norm(mid[1], down, next_norm, eps);
 }
@@ -2053,14 +2030,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantized_linear's layout for that kind, or for as_kind (3 or 4 take any kind)",
         py::arg("blocks"), py::arg("kind"), py::arg("as_kind") = -1);
   m.def("quantized_linear", &quantized_linear,
-        "x @ W^T with W from pack_blocks (the same kind); int8_x: x rounded to int8 per block "
-        "of 32 and integer dot products, where the kind (Q4_1, Q8_0) and the build have them",
-        py::arg("x"), py::arg("blocks"), py::arg("kind"), py::arg("int8_x") = false);
+        "x @ W^T with W from pack_blocks (the same kind); int16_x: x rounded to int16 per group "
+        "of 4 values and integer dot products, where the kind (Q4_1, Q8_0) and the build have them",
+        py::arg("x"), py::arg("blocks"), py::arg("kind"), py::arg("int16_x") = false);
   m.def("dequantize_blocks", &dequantize_blocks,
         "W from pack_blocks (of kind) as a dense float32 [out, in]: the weights "
         "quantized_linear reads");
   m.attr("bf16_quantized") = kHasBf16Dot;
-  m.attr("int8_dot") = kHasInt8Dot;  // quantized_linear's int8_x has a path
+  m.attr("int16_dot") = kHasInt16Dot;  // quantized_linear's int16_x has a path
   // The vector path this build runs (tests check they load the build they mean to).
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";

@@ -147,30 +147,29 @@ WIDENED_MAX_ROWS = 16
 
 _NO_TENSOR = torch.empty(0)  # decode_layer's "no next norm": the last layer
 
-# Kinds whose linear may round float32 rows to int8 per group of 4 values and multiply in
-# integers (cpu_kernels.cpp's "int8 activations", llama.cpp's lever with these blocks):
-# fewer instructions per weight than widening each to float32 (docs/benchmarks.md: a
-# one-row decode step in about 0.6x the time). Q4_1 alone: the LM head's Q8_0 blocks
-# decide the greedy token directly. bfloat16 rows keep the bf16 dot products.
-INT8_X_KINDS = frozenset({BLOCK_KINDS["Q4_1"]})
-# Rows up to which they do (SLUICE_CPU_INT8_ROWS=N; 0, the default, keeps it off). The
-# rounding, small as it is, changes numbers the tests hold to the float path's: up to 16
-# rows it moved greedy tokens off transformers' on the default model
-# (tests/integration/test_reference.py, all eight prompts at once: prompt 2 at its 46th
-# token); at 1 row that file stayed green, but speculative decoding's verify steps (several
-# rows, float) then gave logprobs 0.04 off plain one-row decoding's, past the 1e-3
-# tests/integration/test_spec_decode.py holds them to. So it is an opt-in: 1 is where it
-# pays most (a one-row decode step in about 0.6x the time).
-INT8_X_MAX_ROWS = 0
+# Kinds whose linear rounds float32 rows to int16 per group of 4 values and multiplies in
+# integers (cpu_kernels.cpp's "int16 activations", llama.cpp's lever with these blocks at
+# twice its bits): fewer instructions per weight than widening each to float32
+# (docs/benchmarks.md, "int16 activations"): the Q4_1 linears and the Q8_0 LM head of the
+# default model. bfloat16 rows keep the bf16 dot products.
+INT16_X_KINDS = frozenset({BLOCK_KINDS["Q4_1"], BLOCK_KINDS["Q8_0"]})
+# Rows up to which they do (SLUICE_CPU_INT16_ROWS=N overrides; 0 turns it off): past 2 rows
+# the float path's register tile shares each unpacked weight block between 4 rows and the
+# integer path stops paying (docs/benchmarks.md). Each value moves by at most 2^-16 of its
+# group's largest, where an int8 rounding (the path this one replaced) moved greedy tokens
+# off transformers' (tests/integration/test_reference.py) and speculative decoding's
+# logprobs 0.04 off (tests/integration/test_spec_decode.py holds them to 1e-3); both files
+# stay green with this default.
+INT16_X_MAX_ROWS = 2
 
 
-def int8_x_max_rows_env() -> int:
-    """SLUICE_CPU_INT8_ROWS, else INT8_X_MAX_ROWS."""
-    value = os.environ.get("SLUICE_CPU_INT8_ROWS", "").strip()
+def int16_x_max_rows_env() -> int:
+    """SLUICE_CPU_INT16_ROWS, else INT16_X_MAX_ROWS."""
+    value = os.environ.get("SLUICE_CPU_INT16_ROWS", "").strip()
     if not value:
-        return INT8_X_MAX_ROWS
+        return INT16_X_MAX_ROWS
     if not value.isdigit():
-        raise ValueError(f"SLUICE_CPU_INT8_ROWS={value!r}: expected a row count (0: off)")
+        raise ValueError(f"SLUICE_CPU_INT16_ROWS={value!r}: expected a row count (0: off)")
     return int(value)
 
 
@@ -188,15 +187,15 @@ class CpuKernelOps(TorchOps):
     count, is never called. The norms, RoPE and SiLU-and-mul kernels are per row already."""
 
     def __init__(self, kernels, batch_invariant: bool = False,
-                 int8_x_max_rows: int | None = None) -> None:
+                 int16_x_max_rows: int | None = None) -> None:
         super().__init__()
         self._k = kernels
-        # Float32 rows over INT8_X_KINDS blocks take the int8 path up to this many rows,
+        # Float32 rows over INT16_X_KINDS blocks take the int16 path up to this many rows,
         # where the build has it; never in the batch-invariant mode, where a row's numbers
         # may not depend on how many rows came with it.
-        rows = int8_x_max_rows_env() if int8_x_max_rows is None else int8_x_max_rows
-        has = getattr(kernels, "int8_dot", False) and not batch_invariant
-        self.int8_x_max_rows = rows if has else 0
+        rows = int16_x_max_rows_env() if int16_x_max_rows is None else int16_x_max_rows
+        has = getattr(kernels, "int16_dot", False) and not batch_invariant
+        self.int16_x_max_rows = rows if has else 0
         self._quantized: dict[int, object] = {}  # id(weight) -> QuantizedWeight
         self._widened: set[int] = set()  # ids of bfloat16 weights of a float32 model
         self.batch_invariant = batch_invariant
@@ -273,14 +272,14 @@ class CpuKernelOps(TorchOps):
             out = self._blocks_linear(x.contiguous(), quantized)
         return out if bias is None else out + bias
 
-    def int8_x(self, x: torch.Tensor, kind: int) -> bool:
-        """Whether rows like x times blocks of `kind` take the kernel's int8 path."""
-        return (x.dtype == torch.float32 and kind in INT8_X_KINDS
-                and x.shape[0] <= self.int8_x_max_rows)
+    def int16_x(self, x: torch.Tensor, kind: int) -> bool:
+        """Whether rows like x times blocks of `kind` take the kernel's int16 path."""
+        return (x.dtype == torch.float32 and kind in INT16_X_KINDS
+                and x.shape[0] <= self.int16_x_max_rows)
 
     def _blocks_linear(self, x: torch.Tensor, quantized) -> torch.Tensor:
         return self._k.quantized_linear(x, quantized.blocks, quantized.kind,
-                                        int8_x=self.int8_x(x, quantized.kind))
+                                        int16_x=self.int16_x(x, quantized.kind))
 
     @staticmethod
     def _quantized_max_rows(x: torch.Tensor) -> int:
@@ -297,7 +296,7 @@ class CpuKernelOps(TorchOps):
         limit = (BLOCKS_ONLY_MAX_ROWS if x.dtype == torch.float32
                  else BLOCKS_ONLY_MAX_ROWS_BF16)
         if self.batch_invariant or rows.shape[0] <= limit:
-            # Float x (no int8 path): below the limit and past it alike, an expert's rows
+            # Float x (no int16 path): below the limit and past it alike, an expert's rows
             # are multiplied by the very weights the dense model holds.
             out = self._k.quantized_linear(rows.contiguous(), quantized.blocks, quantized.kind)
             out = out if bias is None else out + bias
@@ -334,7 +333,7 @@ class CpuKernelOps(TorchOps):
             x, h, blocks[0], blocks[1], post_norm,
             next_norm if next_norm is not None else _NO_TENSOR, eps, rope.cos, rope.sin,
             positions, heads, kv_heads, k_cache, v_cache, slots, table, lengths, page_size,
-            k_cache.shape[-1] ** -0.5, [self.int8_x(x, kind) for kind in blocks[1]])
+            k_cache.shape[-1] ** -0.5, [self.int16_x(x, kind) for kind in blocks[1]])
 
     def _widened_linear(self, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:

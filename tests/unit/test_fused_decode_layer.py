@@ -26,17 +26,17 @@ def gguf_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def q4_1_file(tmp_path_factory):
-    """Q4_1 blocks throughout (the default model's kind): float32 rows take the int8 path."""
+    """Q4_1 blocks throughout (the default model's kind): float32 rows take the int16 path."""
     path = str(tmp_path_factory.mktemp("fused") / "q4_1.gguf")
     write_q4_k_m(path, SHAPE, set(), bulk="Q4_1")
     return path
 
 
-def _run(path: str, compiled, dtype: torch.dtype, fused: bool, int8: bool = True):
-    """Every step's hidden rows into the LM head, and how many layers ran fused. int8: the
-    int8 path at every row count the blocks take (SLUICE_CPU_INT8_ROWS=16), else off."""
+def _run(path: str, compiled, dtype: torch.dtype, fused: bool, int16: bool = True):
+    """Every step's hidden rows into the LM head, and how many layers ran fused. int16: the
+    int16 path at every row count the blocks take (SLUICE_CPU_INT16_ROWS=16), else off."""
     core, ops = engine_core(path, compiled, dtype)
-    ops.int8_x_max_rows = QUANTIZED_MAX_ROWS_FLOAT32 if int8 and compiled.int8_dot else 0
+    ops.int16_x_max_rows = QUANTIZED_MAX_ROWS_FLOAT32 if int16 and compiled.int16_dot else 0
     model = core.runner.model
     model.fuse_decode_layers = fused
     seen, calls = [], [0]
@@ -72,16 +72,15 @@ def test_fused_decode_layers_give_the_per_op_bits(compiled, gguf_file, dtype):
     assert fused_tokens == tokens
 
 
-def test_fused_decode_layers_take_the_int8_path_as_the_per_op_one_does(compiled, q4_1_file):
-    """With the int8 path on at every row count, over Q4_1 blocks in float32 the linears
-    round x to int8
-    (CpuKernelOps.int8_x), fused or op by op alike: the same bits step by step, and not
-    the float path's."""
-    if not compiled.int8_dot:
-        pytest.skip("this build has no int8 path")
+def test_fused_decode_layers_take_the_int16_path_as_the_per_op_one_does(compiled, q4_1_file):
+    """With the int16 path on at every row count, over Q4_1 blocks in float32 the linears
+    round x to int16 (CpuKernelOps.int16_x), fused or op by op alike: the same bits step by
+    step, and not the float path's."""
+    if not compiled.int16_dot:
+        pytest.skip("this build has no int16 path")
     per_op, _, tokens = _run(q4_1_file, compiled, torch.float32, fused=False)
     fused, calls, fused_tokens = _run(q4_1_file, compiled, torch.float32, fused=True)
-    floats, _, _ = _run(q4_1_file, compiled, torch.float32, fused=True, int8=False)
+    floats, _, _ = _run(q4_1_file, compiled, torch.float32, fused=True, int16=False)
     assert calls > 0
     for step, (a, b) in enumerate(zip(fused, per_op, strict=True)):
         assert torch.equal(a, b), step

@@ -1,7 +1,7 @@
-"""The quantized linear's int8 path against its float path, one decode step's linears of the
+"""The quantized linear's int16 path against its float path, one decode step's linears of the
 default checkpoint (SmolLM2's 30 layers' q/k/v, o, gate/up, down in Q4_1 blocks, and the LM
 head in Q8_0 blocks, each kind on its own line), at each row count: `quantized_linear` with
-float32 x (the old path), with `int8_x=True` (x rounded to int8 per block, integer dot
+float32 x, with `int16_x=True` (x rounded to int16 per group of 4 values, integer dot
 products), and F.linear over the dense float32 weights (what a float32 model runs past
 QUANTIZED_MAX_ROWS_FLOAT32 rows).
 
@@ -9,8 +9,8 @@ Robust on a loaded machine: the three run interleaved, round after round, in one
 and the table gives the median of the per-round ratios (each round's three timings are
 seconds apart, so a neighbour's load hits them alike) beside each one's best time.
 
-    .venv/bin/python benchmarks/int8_linears.py                      # avx2 build
-    .venv/bin/python benchmarks/int8_linears.py --isa native --rows 1 4 16 64 --threads 1
+    .venv/bin/python benchmarks/int16_linears.py                      # avx2 build
+    .venv/bin/python benchmarks/int16_linears.py --isa native --rows 1 4 16 64 --threads 1
 """
 
 from __future__ import annotations
@@ -55,17 +55,17 @@ def main() -> None:
 
     print(f"build {module.simd}, {args.threads} thread(s), {args.clock} clock, "
           f"{args.rounds} interleaved rounds; ms per step's linears (best), ratios (median)")
-    print("| rows | weights | float x (ms) | int8 x (ms) | F.linear fp32 (ms) "
-          "| int8 speedup over float x | int8 speedup over F.linear |")
+    print("| rows | weights | float x (ms) | int16 x (ms) | F.linear fp32 (ms) "
+          "| int16 speedup over float x | int16 speedup over F.linear |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     kinds = {kind: [name for name, (_, k) in packed.items() if k == kind]
              for kind in sorted({k for _, k in packed.values()})}
     for rows, (kind, names) in itertools.product(args.rows, kinds.items()):
         x = {name: torch.randn(rows, dense[name].shape[1], generator=gen) for name in names}
 
-        def blocks(int8_x: bool, x=x, names=names):
+        def blocks(int16_x: bool, x=x, names=names):
             for name in names:
-                module.quantized_linear(x[name], *packed[name], int8_x=int8_x)
+                module.quantized_linear(x[name], *packed[name], int16_x=int16_x)
 
         def dense_f32(x=x, names=names):
             for name in names:
