@@ -325,7 +325,7 @@ def test_quantized_linear_bfloat16_uses_the_dense_bfloat16_weights(compiled, smo
     of a sum taken in another order. The exact (unrounded) weights would give other bits
     in a third or more of the outputs."""
     if not compiled.bf16_quantized:
-        pytest.skip("no AVX512-BF16 here: bfloat16 models use the dense path")
+        pytest.skip("this build has no AVX512-BF16 path: bfloat16 models use the dense path")
     _, dense, quantized = smollm2
     weight, q = dense[name].to(torch.bfloat16), quantized[name]
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))

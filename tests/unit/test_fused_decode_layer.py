@@ -60,7 +60,8 @@ def _run(path: str, compiled, dtype: torch.dtype, fused: bool, int16: bool = Tru
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_decode_layers_give_the_per_op_bits(compiled, gguf_file, dtype):
     if dtype is torch.bfloat16 and not compiled.bf16_quantized:
-        pytest.skip("no AVX512-BF16 here: bfloat16 linears are dense, nothing to fuse")
+        pytest.skip("this build has no AVX512-BF16 path: bfloat16 linears are dense, "
+                    "nothing to fuse")
     per_op, none, tokens = _run(gguf_file, compiled, dtype, fused=False)
     fused, calls, fused_tokens = _run(gguf_file, compiled, dtype, fused=True)
     assert none == 0

@@ -76,7 +76,7 @@ def test_quantized_linear_bfloat16_uses_the_dense_bfloat16_weights(compiled, nam
     """As for Q4_1/Q8_0 (test_cpu_kernels.py): each weight rounded to the bfloat16 a
     bfloat16 model holds; oneDNN's matmul over those, but for a rare last-bit rounding."""
     if not compiled.bf16_quantized:
-        pytest.skip("no AVX512-BF16 here: bfloat16 models use the dense path")
+        pytest.skip("this build has no AVX512-BF16 path: bfloat16 models use the dense path")
     out, k = SHAPES[2]
     blocks = random_blocks(name, out * 8, k, seed=rows)
     weight = reference(blocks, name).to(torch.bfloat16)
@@ -352,7 +352,8 @@ def test_moe_experts_as_blocks_in_bfloat16(compiled, moe_file):
     over the expert dequantized and rounded to bfloat16 as a dense load rounds it (the
     same bits as the dense model's matmul)."""
     if not compiled.bf16_quantized:
-        pytest.skip("no AVX512-BF16 here: a bfloat16 model's experts load dequantized")
+        pytest.skip("this build has no AVX512-BF16 path: a bfloat16 model's experts load "
+                    "dequantized")
     core, ops = engine_core(moe_file, compiled, torch.bfloat16)
     weight = core.runner.model.layers[1].moe.down.weights[2]
     assert weight.is_meta and weight.dtype == torch.bfloat16
