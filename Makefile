@@ -34,12 +34,18 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(BIN)/sluice serve --host 127.0.0.1 --port 8000
 
+# Two workers: on the 2-core machines CI runs on, one test's servers leave a core idle much
+# of the time (one-thread engines, waits on streams); tests/conftest.py keeps each file, and
+# the files sharing a session server, on one worker. WORKERS=0 runs the suite in-process.
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
+
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=30
+	$(PYTEST) --durations=30
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: install
 	$(BIN)/ruff check .

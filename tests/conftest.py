@@ -1,11 +1,51 @@
+import os
+
 import pytest
 
-from tests.servers import Cluster, Engine, Stack, engine_and_frontend
+# Under pytest-xdist (`make test`: one worker per core) every worker and the servers it starts
+# share the cores with the other worker's: each worker's own torch (the in-process engine
+# tests) takes its share of the cores, and libgomp's threads sleep rather than spin while
+# they wait. Spinning threads on cores another process needs stalled steps for most of a
+# second (docs/operations.md, OMP_WAIT_POLICY). Set before anything imports torch: libgomp
+# reads it when it loads.
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // XDIST_WORKERS))
+
+from tests.servers import Cluster, Engine, Stack, engine_and_frontend  # noqa: E402
 
 # One torch thread: on a 2-core machine the step's second thread waits on cores that the
 # frontend, the test client and the session's other servers hold (measured under load there:
 # a 32-token completion took 8.5 s with two threads, 1.1 s with one); the model is tiny.
 SHARED_ENGINE_ARGS = ("--max-num-batched-tokens", "256", "--dtype", "float32", "--threads", "1")
+
+# `make test` runs the suite on two pytest-xdist workers: a test file runs whole on one worker,
+# so its module-scoped servers start once. Files that share a session server other than the
+# shared engine (or transformers' load of the default model) run on one worker too, so each
+# worker starts only the ones it uses. Every worker has its own shared engine: the files that
+# use it are most of the suite.
+XDIST_GROUPS = {
+    "test_reference.py": "cluster", "test_two_frontends.py": "cluster",
+    "test_vllm_metrics.py": "cluster", "test_weights.py": "cluster",
+    "test_fuzz.py": "fuzz", "test_schemathesis.py": "fuzz",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's file scheduling, with XDIST_GROUPS' files as one unit each. (Its own
+    `--dist loadgroup` marks do nothing under pytest 9: they rename items through an
+    attribute pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return XDIST_GROUPS.get(path.rsplit("/", 1)[-1], path)
+
+    return FileGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -87,3 +127,4 @@ def fuzz_stack(tmp_path_factory):
     s.pids = fuzz_checks.children(s.proc.popen.pid)
     yield s
     s.stop()
+
