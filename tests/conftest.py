@@ -34,6 +34,7 @@ XDIST_GROUPS = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # a plain `pytest -p no:xdist` has no such hook
 def pytest_xdist_make_scheduler(config, log):
     """xdist's file scheduling, with XDIST_GROUPS' files as one unit each. (Its own
     `--dist loadgroup` marks do nothing under pytest 9: they rename items through an
