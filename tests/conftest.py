@@ -1,6 +1,7 @@
 import os
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 # Under pytest-xdist (`make test`: one worker per core) every worker and the servers it starts
 # share the cores with the other worker's: each worker's own torch (the in-process engine
@@ -34,18 +35,19 @@ XDIST_GROUPS = {
 }
 
 
-@pytest.hookimpl(optionalhook=True)  # a plain `pytest -p no:xdist` has no such hook
-def pytest_xdist_make_scheduler(config, log):
+class FileGroupScheduling(LoadScopeScheduling):
     """xdist's file scheduling, with XDIST_GROUPS' files as one unit each. (Its own
     `--dist loadgroup` marks do nothing under pytest 9: they rename items through an
     attribute pytest no longer reads.)"""
-    from xdist.scheduler import LoadScopeScheduling
 
-    class FileGroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return XDIST_GROUPS.get(path.rsplit("/", 1)[-1], path)
+    @staticmethod
+    def _split_scope(nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return XDIST_GROUPS.get(path.rsplit("/", 1)[-1], path)
 
+
+@pytest.hookimpl(optionalhook=True)  # a plain `pytest -p no:xdist` has no such hook
+def pytest_xdist_make_scheduler(config, log):
     return FileGroupScheduling(config, log)
 
 
