@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_kernels import ISA_MARCH, kernels_for
-from engine.models.config import load_model_config
-from engine.models.weights import BLOCK_KINDS, load_quantized_weights, load_weights
+from engine.models.registry import load_model_config, load_quantized_weights, load_weights
+from engine.models.weights import BLOCK_KINDS
 from shared.model_source import default_model_path
 
 KIND_NAMES = {kind: name for name, kind in BLOCK_KINDS.items()}

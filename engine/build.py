@@ -27,10 +27,14 @@ from engine.grammar import GrammarBackend
 from engine.kv_cache import PageAllocator
 from engine.lora import LoraError, LoraManager
 from engine.model_runner import ModelRunner
-from engine.models.config import ModelConfig, load_model_config
+from engine.models.config import ModelConfig
 from engine.models.ops import QUANTIZED_MAX_ROWS, make_ops
-from engine.models.registry import build_model
-from engine.models.weights import load_quantized_weights, load_weights
+from engine.models.registry import (
+    build_model,
+    load_model_config,
+    load_quantized_weights,
+    load_weights,
+)
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.rendezvous import Rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel, local_config

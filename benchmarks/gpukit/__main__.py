@@ -142,8 +142,7 @@ def model_problems(tokenizer: Path, layers: int | None) -> list[str]:
     """Build the model as the device does (fewer layers where asked), and load it as the
     engine does; its shape must be the bundled model's."""
     from benchmarks.gpukit.model import build, extract_tokenizer
-    from engine.models.config import load_model_config
-    from engine.models.weights import load_weights
+    from engine.models.registry import load_model_config, load_weights
     from shared.model_source import default_model_path
 
     with tempfile.TemporaryDirectory() as scratch:

@@ -7,7 +7,6 @@ with `config_from_hf` over the keys every decoder shares (`HFConfig`).
 """
 
 import functools
-import os
 
 import msgspec
 import numpy as np
@@ -134,20 +133,6 @@ class ModelConfig(msgspec.Struct, frozen=True):
         if not windows or None in windows:
             return None
         return max(windows)
-
-
-def load_model_config(model_path: str) -> ModelConfig:
-    """Read the config of a `.gguf` file or of an HF folder holding config.json; the
-    registry picks the family that reads it and refuses an unknown one."""
-    from engine.models import registry  # it imports the families, which import this module
-
-    if model_path.endswith(".gguf"):
-        return registry.config_from_gguf(gguf_reader(model_path))
-    config_file = os.path.join(model_path, "config.json")
-    if not os.path.isfile(config_file):
-        raise ValueError(f"{model_path!r} is neither a .gguf file nor a folder with config.json")
-    with open(config_file, "rb") as f:
-        return registry.config_from_hf(f.read())
 
 
 @functools.lru_cache(maxsize=1)

@@ -32,6 +32,7 @@ from engine.models.config import (
 )
 from engine.models.llama import LlamaModel, attention_shapes
 from engine.models.moe import ExpertLinear, MoeBlock
+from engine.models.weights import MXFP4_BLOCK
 
 
 class GptOssOptions(msgspec.Struct, frozen=True):
@@ -43,7 +44,6 @@ class GptOssOptions(msgspec.Struct, frozen=True):
 # The FP4 (e2m1) values of codes 0..15.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-MXFP4_BLOCK = 32  # values per shared scale: 16 bytes of two codes each
 # The clamped SwiGLU's constants in every released checkpoint (and fixed in llama.cpp).
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 

@@ -5,16 +5,22 @@ class, over the shared blocks: engine.models.rotary, engine.models.moe, the ops 
 attention-backend interface) plus its `Family` entry here. config.json's `architectures`
 (else its `model_type`) or a GGUF file's `general.architecture` picks the entry; a checkpoint
 no entry names is refused at start with the list of what is served.
+
+The entry points that need the family are here too: `load_model_config` (which family reads
+the checkpoint's config), `load_weights`, `load_quantized_weights` and `expected_shapes`
+(engine.models.weights reads the tensors under the names the family gives it as data).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import msgspec
+import torch
 
-from engine.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3
-from engine.models.config import ModelConfig, gguf_architecture
+from engine.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3, weights
+from engine.models.config import ModelConfig, gguf_architecture, gguf_reader
 
 
 class Family(msgspec.Struct, frozen=True):
@@ -33,6 +39,9 @@ class Family(msgspec.Struct, frozen=True):
     # (GGUF name -> dequantized array, GGUF name -> HF name or None) -> HF name -> array: for
     # a family whose GGUF tensors are grouped otherwise than its checkpoint's (gpt-oss).
     gguf_tensors: Callable | None = None
+    # config -> (a safetensors name -> the model's name, or None for one it does not use),
+    # for a family whose checkpoints prefix their names (bert.): None, the names are HF's.
+    checkpoint_names: Callable | None = None
 
 
 # A bare `*Model` architecture is the same network without its LM head: an embedding
@@ -71,10 +80,12 @@ FAMILIES = (
            phi3.GGUF_LAYER_NAMES),
     # Encoders (engine.models.bert): served by the pooling runner only.
     Family("bert", ("BertModel", "BertForSequenceClassification"), ("bert",),
-           bert.read_bert_config, bert.tensor_shapes, bert.BertModel),
+           bert.read_bert_config, bert.tensor_shapes, bert.BertModel,
+           checkpoint_names=bert.checkpoint_names),
     Family("roberta", ("RobertaModel", "XLMRobertaModel", "RobertaForSequenceClassification",
                        "XLMRobertaForSequenceClassification"), ("roberta", "xlm-roberta"),
-           bert.read_bert_config, bert.tensor_shapes, bert.BertModel),
+           bert.read_bert_config, bert.tensor_shapes, bert.BertModel,
+           checkpoint_names=bert.checkpoint_names),
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss.read_gpt_oss_config,
            gpt_oss.tensor_shapes, gpt_oss.GptOssModel, ("gpt-oss",), gpt_oss.read_gpt_oss_gguf,
            gpt_oss.GGUF_LAYER_NAMES, gpt_oss.gguf_tensors),
@@ -133,3 +144,42 @@ def build_model(config: ModelConfig, weights, max_positions: int, dtype, device,
     extra = {"tp": tp} if tp is not None and tp.parallel else {}
     return family_of(config).model_class(config, weights, max_positions, dtype, device,
                                          ops=ops, quantized=quantized, **extra)
+
+
+def load_model_config(model_path: str) -> ModelConfig:
+    """Read the config of a `.gguf` file or of an HF folder holding config.json; the family
+    that reads it is picked here, and an unknown one refused."""
+    if model_path.endswith(".gguf"):
+        return config_from_gguf(gguf_reader(model_path))
+    config_file = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{model_path!r} is neither a .gguf file nor a folder with config.json")
+    with open(config_file, "rb") as f:
+        return config_from_hf(f.read())
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, by HF name, with HF's shape: its family's list."""
+    return family_of(config).tensor_shapes(config)
+
+
+def checkpoint_names(config: ModelConfig) -> weights.CheckpointNames:
+    """What the weight loaders need of the family, as data."""
+    family = family_of(config)
+    return weights.CheckpointNames(
+        expected_shapes(config), {**weights.GGUF_LAYER_NAMES, **family.gguf_layer_names},
+        family.gguf_tensors,
+        family.checkpoint_names(config) if family.checkpoint_names is not None else None)
+
+
+def load_weights(model_path: str, config: ModelConfig, dtype: torch.dtype,
+                 **options) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by HF name (engine.models.weights.read_weights: `options`)."""
+    return weights.read_weights(model_path, config, checkpoint_names(config), dtype, **options)
+
+
+def load_quantized_weights(model_path: str, config: ModelConfig, shard=None
+                           ) -> dict[str, weights.QuantizedWeight]:
+    """The GGUF tensors the CPU kernels multiply as stored
+    (engine.models.weights.read_quantized_weights)."""
+    return weights.read_quantized_weights(model_path, config, checkpoint_names(config), shard)

@@ -1,13 +1,17 @@
 """Weight loading into Hugging Face tensor names, from GGUF files or safetensors folders.
 
 The model code consumes one naming scheme (HF's, Linear weights as [out, in]) whatever the
-checkpoint format; `expected_shapes` is the contract both loaders are checked against.
+checkpoint format; the family's tensor shapes are the contract both loaders are checked
+against. What a loader needs of the family comes in as data (`CheckpointNames`, built by
+engine.models.registry), so this module never looks a family up: the registry imports the
+families, which import this module.
 """
 
 import glob
 import logging
 import os
 import weakref
+from collections.abc import Callable
 
 import gguf
 import msgspec
@@ -20,7 +24,7 @@ from engine.models.config import ModelConfig, gguf_reader
 log = logging.getLogger("sluice.engine")
 
 # llama.cpp per-block tensor names -> HF names under model.layers.{i}.
-_GGUF_LAYER_NAMES = {
+GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -52,15 +56,23 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, by HF name, with HF's shape: its family's list."""
-    from engine.models.registry import family_of  # the registry imports the model modules
+class CheckpointNames(msgspec.Struct, frozen=True):
+    """A family's names for its checkpoint's tensors (engine.models.registry.checkpoint_names)."""
 
-    return family_of(config).tensor_shapes(config)
+    shapes: dict[str, tuple[int, ...]]  # every tensor the model needs, by HF name
+    # llama.cpp block tensor names -> HF names (the family's own over Llama's).
+    gguf_layer_names: dict[str, str] = msgspec.field(default_factory=lambda: dict(GGUF_LAYER_NAMES))
+    # (GGUF name -> dequantized array, GGUF name -> HF name or None) -> HF name -> array: for
+    # a family whose GGUF tensors are grouped otherwise than its checkpoint's (gpt-oss).
+    gguf_tensors: Callable | None = None
+    # A safetensors name -> the name the model uses, or None for one it does not use; None:
+    # the names are the model's own (an encoder's checkpoint prefixes them with bert.).
+    rename: Callable[[str], str | None] | None = None
 
 
-def load_weights(
-    model_path: str, config: ModelConfig, dtype: torch.dtype, pooling: bool = False,
+def read_weights(
+    model_path: str, config: ModelConfig, names: CheckpointNames, dtype: torch.dtype,
+    pooling: bool = False,
     shard=None, map_experts_as: torch.dtype | None = None,
     experts_as_blocks: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -80,8 +92,8 @@ def load_weights(
     stacked experts (ffn_*_exps) are all stored in a BLOCK_KINDS kind is then not
     dequantized: each expert's weight is a meta tensor of that dtype and its shape, holding
     no bytes, which the model hands to the ops with the expert's blocks
-    (load_quantized_weights). Not with a shard."""
-    expected = expected_shapes(config)
+    (read_quantized_weights). Not with a shard."""
+    expected = names.shapes
 
     def take(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if shard is None:
@@ -92,9 +104,9 @@ def load_weights(
 
     if model_path.endswith(".gguf"):
         blocks_as = experts_as_blocks if shard is None else None
-        weights = _load_gguf(model_path, config, expected, dtype, take, shard, blocks_as)
+        weights = _load_gguf(model_path, config, names, dtype, take, shard, blocks_as)
     else:
-        rename = _text_name_of(config)
+        rename = names.rename or _text_name_of(config)
         if pooling:
             rename = _bare_model_names(rename, expected)
         mapped = map_experts_as if shard is None else None
@@ -130,19 +142,10 @@ def _check_complete(weights: dict[str, torch.Tensor], expected: dict[str, tuple[
 # --- GGUF -------------------------------------------------------------------------------------
 
 
-def _family_names(config: ModelConfig) -> dict[str, str]:
-    from engine.models.registry import family_of  # the registry imports the model modules
-
-    return {**_GGUF_LAYER_NAMES, **family_of(config).gguf_layer_names}
-
-
-def _load_gguf(path, config, expected, dtype, take, shard=None, experts_as_blocks=None
-               ) -> dict[str, torch.Tensor]:
-    from engine.models.registry import family_of  # the registry imports the model modules
-
+def _load_gguf(path, config, names: CheckpointNames, dtype, take, shard=None,
+               experts_as_blocks=None) -> dict[str, torch.Tensor]:
     weights = {}
-    layer_names = _family_names(config)
-    regroup = family_of(config).gguf_tensors
+    expected, layer_names, regroup = names.shapes, names.gguf_layer_names, names.gguf_tensors
     tensors = gguf_reader(path).tensors
     as_blocks = _block_expert_layers(tensors) if experts_as_blocks is not None else set()
     if regroup is not None:  # a family whose file holds its tensors in another grouping
@@ -234,6 +237,7 @@ def _gguf_part(data: np.ndarray, qtype, gguf_name: str, name: str, stored: tuple
 # most GGUF files on the Hub (256-weight blocks: Q4_K_M files hold Q4_K and Q6_K, Q5_K_M
 # files Q5_K and Q6_K), and MXFP4 (32-weight blocks: gpt-oss files' experts).
 BLOCK_KINDS = {"Q4_1": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 5}
+MXFP4_BLOCK = 32  # values per shared scale: 16 bytes of two codes each
 
 
 class QuantizedWeight(msgspec.Struct, frozen=True):
@@ -243,10 +247,10 @@ class QuantizedWeight(msgspec.Struct, frozen=True):
     blocks: torch.Tensor  # uint8 [out, in / block weights * block bytes]
 
 
-def load_quantized_weights(model_path: str, config: ModelConfig, shard=None
-                           ) -> dict[str, QuantizedWeight]:
+def read_quantized_weights(model_path: str, config: ModelConfig, names: CheckpointNames,
+                           shard=None) -> dict[str, QuantizedWeight]:
     """The 2-D tensors of a GGUF file stored in a block format the CPU kernels take, by HF
-    name, rows in HF order (q/k un-permuted as `load_weights` does), and each expert of a
+    name, rows in HF order (q/k un-permuted as `read_weights` does), and each expert of a
     stacked MoE tensor (`ffn_*_exps`) so stored, under the expert's HF name: a view of the
     stacked blocks in the file (an expert's rows are a contiguous run of them). Empty for
     anything else.
@@ -258,7 +262,7 @@ def load_quantized_weights(model_path: str, config: ModelConfig, shard=None
     if not model_path.endswith(".gguf"):
         return {}
     found, dense = {}, []
-    layer_names = _family_names(config)
+    layer_names = names.gguf_layer_names
     for tensor in gguf_reader(model_path).tensors:
         kind = BLOCK_KINDS.get(tensor.tensor_type.name)
         if kind is not None and len(tensor.shape) == 3:
@@ -320,9 +324,9 @@ def _expert_names(gguf_name: str, count: int) -> list[str] | None:
             for e in range(count)]
 
 
-def gguf_hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:
+def gguf_hf_name(gguf_name: str, layer_names: dict[str, str] = GGUF_LAYER_NAMES) -> str | None:
     """Map `blk.3.attn_q.weight` to `model.layers.3.self_attn.q_proj.weight`; None if unknown.
-    layer_names: the family's block names (_family_names)."""
+    layer_names: the family's block names (CheckpointNames.gguf_layer_names)."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[stem]}.{suffix}"
@@ -366,10 +370,6 @@ def _text_name_of(config: ModelConfig):
     """Checkpoint name -> the text model's HF name, or None for a tensor it does not use.
     Idefics3 nests the text model under model.text_model; its vision encoder and connector
     load separately (engine.models.idefics3)."""
-    if config.architecture in ("bert", "roberta"):
-        from engine.models.bert import checkpoint_names
-
-        return checkpoint_names(config)
     if config.multimodal != "idefics3":
         return lambda name: name
     vision = ("model.vision_model.", "model.connector.")
@@ -460,7 +460,7 @@ _MAPPED_STORAGES: set[int] = set()
 
 
 def in_mapped_file(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is one of the memory-mapped expert tensors `load_weights` hands out
+    """Whether `tensor` is one of the memory-mapped expert tensors `read_weights` hands out
     (a view of its checkpoint file). Copying it (a concatenation, a reordered layout) would
     take its bytes again, in private memory."""
     return (tensor.device.type == "cpu"

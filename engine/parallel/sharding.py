@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.weights import MXFP4_BLOCK
 from shared.startup_checks import StartupError
 
 # Families whose blocks are sharded (Idefics3's text model is "llama", marked multimodal).
@@ -73,8 +74,6 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
             f"{size} ranks nor does {size} divide by them (needed to replicate them)")
     options = config.family_options
     if getattr(options, "mxfp4", False):
-        from engine.models.gpt_oss import MXFP4_BLOCK
-
         blocks = config.moe.intermediate_size // MXFP4_BLOCK
         if blocks % size:  # a rank's part of down_proj must be whole MXFP4 blocks
             raise StartupError(

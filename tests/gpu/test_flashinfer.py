@@ -258,8 +258,7 @@ class Path:
 
 def test_logits_flashinfer_vs_torch_backend(prompts):
     from engine.batch import ScheduledChunk
-    from engine.models.config import load_model_config
-    from engine.models.weights import load_weights
+    from engine.models.registry import load_model_config, load_weights
     from engine.sequence import Sequence
 
     path = gpu_model_path()

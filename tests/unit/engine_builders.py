@@ -14,7 +14,7 @@ from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaModel
-from engine.models.weights import expected_shapes
+from engine.models.registry import expected_shapes
 from engine.scheduler import Scheduler
 from engine.spec_decode import Drafter
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids

@@ -180,10 +180,13 @@ def engine_core(path: str, compiled, dtype: torch.dtype = torch.float32, blocks:
     from engine.core import EngineCore
     from engine.kv_cache import PageAllocator
     from engine.model_runner import ModelRunner
-    from engine.models.config import load_model_config
     from engine.models.ops import CpuKernelOps
-    from engine.models.registry import build_model
-    from engine.models.weights import load_quantized_weights, load_weights
+    from engine.models.registry import (
+        build_model,
+        load_model_config,
+        load_quantized_weights,
+        load_weights,
+    )
     from engine.scheduler import Scheduler
 
     cpu = torch.device("cpu")

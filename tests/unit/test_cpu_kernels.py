@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.batch import ScheduledChunk
 from engine.cpu_kernels import cpu_flags, cpu_runs, kernels_for
-from engine.models.config import load_model_config
 from engine.models.llama import LlamaModel
 from engine.models.ops import (
     QUANTIZED_MAX_ROWS_FLOAT32,
@@ -28,13 +27,9 @@ from engine.models.ops import (
     make_ops,
     rms_norm,
 )
+from engine.models.registry import load_model_config, load_quantized_weights, load_weights
 from engine.models.rotary import RotaryEmbedding
-from engine.models.weights import (
-    BLOCK_KINDS,
-    QuantizedWeight,
-    load_quantized_weights,
-    load_weights,
-)
+from engine.models.weights import BLOCK_KINDS, QuantizedWeight
 from shared.model_source import default_model_path
 from tests.unit.engine_builders import CONFIG, random_weights
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from engine.attention.flashinfer_backend import FlashInferAttentionBackend, release
-from engine.models.config import load_model_config
+from engine.models.registry import load_model_config
 from shared.model_source import default_model_path
 from tests.unit import flashinfer_standin
 

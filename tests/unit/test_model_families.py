@@ -22,10 +22,14 @@ from safetensors.torch import load_file, save_file
 
 from engine.build import build_engine
 from engine.cpu_kernels import kernels
-from engine.models.config import load_model_config
 from engine.models.ops import BLOCKS_ONLY_MAX_ROWS, CpuKernelOps
-from engine.models.registry import build_model
-from engine.models.weights import BLOCK_KINDS, load_quantized_weights, load_weights
+from engine.models.registry import (
+    build_model,
+    load_model_config,
+    load_quantized_weights,
+    load_weights,
+)
+from engine.models.weights import BLOCK_KINDS
 from shared.config import EngineConfig
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from tests.tiny_vlm import tiny_vlm_tokenizer
@@ -244,8 +248,8 @@ def test_experts_stay_in_the_mapped_checkpoint(tmp_path, case, pairs):
     than their bytes; copied (no mapping), it grows by at least their bytes. Qwen-MoE's
     gate_proj and up_proj lie back to back in the file (one weight viewing both); Mixtral's
     w1 and w3 do not (kept as a pair)."""
-    from engine.models.registry import build_model
-    from engine.models.weights import expected_shapes, in_mapped_file, load_weights
+    from engine.models.registry import build_model, expected_shapes, load_weights
+    from engine.models.weights import in_mapped_file
 
     config_cls, _, overrides = CASES[case]
     experts = {"num_experts": 64} if case == "qwen3_moe" else {"num_local_experts": 64}

@@ -14,10 +14,13 @@ from engine.core import EngineCore
 from engine.cpu_kernels import kernels
 from engine.kv_cache import PageAllocator
 from engine.model_runner import ModelRunner
-from engine.models.config import load_model_config
 from engine.models.ops import CpuKernelOps
-from engine.models.registry import build_model
-from engine.models.weights import load_quantized_weights, load_weights
+from engine.models.registry import (
+    build_model,
+    load_model_config,
+    load_quantized_weights,
+    load_weights,
+)
 from engine.scheduler import Scheduler
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from tests.unit.engine_builders import hf_config_kwargs

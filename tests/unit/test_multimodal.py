@@ -359,7 +359,7 @@ def test_other_apis_translate_image_parts():
 def test_vision_configs_the_engine_cannot_serve_are_refused(tmp_path, config, reason):
     import json
 
-    from engine.models.config import load_model_config
+    from engine.models.registry import load_model_config
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=reason):

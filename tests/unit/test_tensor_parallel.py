@@ -31,9 +31,10 @@ import transformers
 
 import engine.lora as engine_lora
 from engine.build import build_engine
-from engine.models.config import MoeConfig, load_model_config
+from engine.models.config import MoeConfig
 from engine.models.gpt_oss import GptOssOptions, dequantize_mxfp4
-from engine.models.weights import BLOCK_KINDS, load_quantized_weights, load_weights
+from engine.models.registry import load_model_config, load_quantized_weights, load_weights
+from engine.models.weights import BLOCK_KINDS
 from engine.parallel.leader import Watchdog
 from engine.parallel.rendezvous import plan_rendezvous
 from engine.parallel.sharding import Shard, check_tensor_parallel
