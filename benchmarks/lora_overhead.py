@@ -26,11 +26,11 @@ from safetensors.torch import save_file
 
 from engine.build import build_engine
 from engine.models.lora import TARGETS
-from shared.bench import BUILTIN_PROMPTS
 from shared.config import EngineConfig
 from shared.model_source import default_model_path, served_model_name
 from shared.protocol import EngineRequest, LoraAdapterInfo, SamplingParams, pack_ids
 from shared.tokenizer import load_tokenizer
+from sluice.bench.chat import BUILTIN_PROMPTS
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -27,12 +27,12 @@ import time
 
 from engine.build import build_engine
 from shared import histograms as h
-from shared.bench import _PASSAGE, BUILTIN_PROMPTS
 from shared.config import EngineConfig
 from shared.model_source import default_model_path, served_model_name
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from shared.speculative import parse_speculative_config
 from shared.tokenizer import load_tokenizer
+from sluice.bench.chat import _PASSAGE, BUILTIN_PROMPTS
 
 DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
                 '"prompt_lookup_min": 2}')

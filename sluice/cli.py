@@ -89,13 +89,13 @@ def check_serve(args) -> None:
 
 
 def add_bench_command(bench) -> None:
-    from shared.bench import add_bench_arguments
+    from sluice.bench.chat import add_bench_arguments
 
     add_bench_arguments(bench)
 
 
 def run_bench_command(args) -> int:
-    from shared.bench import run_bench
+    from sluice.bench.chat import run_bench
 
     return 0 if run_bench(args).errors == 0 else 1
 

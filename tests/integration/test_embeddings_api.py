@@ -98,8 +98,8 @@ def test_pooling_route_answers_the_same_vectors(server, client):
 def test_bench_embeddings_mode(server):
     import asyncio
 
-    from shared.bench import BenchConfig
-    from shared.bench_embeddings import bench_embeddings
+    from sluice.bench.chat import BenchConfig
+    from sluice.bench.embeddings import bench_embeddings
 
     config = BenchConfig(base_url=f"{server[0].base_url}/v1", model=None, concurrency=2,
                          num_requests=4, max_tokens=1, temperature=0.0, ignore_eos=False,

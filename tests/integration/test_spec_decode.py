@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from shared.bench import _PASSAGE
+from sluice.bench.chat import _PASSAGE
 from tests.conftest import SHARED_ENGINE_ARGS
 from tests.servers import Stack, metrics
 

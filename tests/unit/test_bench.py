@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from shared.bench import (
+from sluice.bench.chat import (
     DONE,
     BenchResult,
     ChatChunk,
@@ -356,7 +356,7 @@ def test_processes_cpu_counts_a_busy_process():
     import subprocess
     import sys
 
-    from shared.bench import processes_cpu_s
+    from sluice.bench.chat import processes_cpu_s
 
     busy = subprocess.Popen([sys.executable, "-c",
                              "import time\nt=time.process_time()\n"

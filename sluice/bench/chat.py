@@ -463,7 +463,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
              "the timed run, reported per output token; repeat to sum several (Linux)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    # Embeddings mode (shared.bench_embeddings).
+    # Embeddings mode (sluice.bench.embeddings).
     parser.add_argument("--embeddings", action="store_true",
                         help="load-test /v1/embeddings instead of chat completions")
     parser.add_argument("--batch-size", type=_positive_int, default=1,
@@ -613,7 +613,7 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
     """Entry point for `sluice bench`: run the load, print the report, return the result."""
     config = config_from_args(args)
     if getattr(args, "embeddings", False):
-        from shared.bench_embeddings import bench_embeddings, format_embed_report
+        from sluice.bench.embeddings import bench_embeddings, format_embed_report
 
         embed = asyncio.run(bench_embeddings(config, args.batch_size))
         print(msgspec.json.format(msgspec.json.encode(embed), indent=2).decode() if args.json

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import httpx
 import msgspec
 
-from shared.bench import BenchConfig, discover_model, make_client, percentile
+from sluice.bench.chat import BenchConfig, discover_model, make_client, percentile
 
 
 class EmbedRequest(msgspec.Struct):
