@@ -95,7 +95,7 @@ def add_bench_command(bench) -> None:
 
 
 def run_bench_command(args) -> int:
-    from sluice.bench.chat import run_bench
+    from sluice.bench.command import run_bench
 
     return 0 if run_bench(args).errors == 0 else 1
 

@@ -607,21 +607,3 @@ def processes_cpu_s(pids: Sequence[int]) -> float:
             raise SystemExit(f"cannot read the CPU time of process {pid}: {exc}") from exc
         total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / ticks
-
-
-def run_bench(args: argparse.Namespace) -> BenchResult:
-    """Entry point for `sluice bench`: run the load, print the report, return the result."""
-    config = config_from_args(args)
-    if getattr(args, "embeddings", False):
-        from sluice.bench.embeddings import bench_embeddings, format_embed_report
-
-        embed = asyncio.run(bench_embeddings(config, args.batch_size))
-        print(msgspec.json.format(msgspec.json.encode(embed), indent=2).decode() if args.json
-              else format_embed_report(embed, config.base_url))
-        return embed
-    result = asyncio.run(bench(config))
-    if args.json:
-        print(msgspec.json.format(msgspec.json.encode(result), indent=2).decode())
-    else:
-        print(format_report(result, config.base_url))
-    return result

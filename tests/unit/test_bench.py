@@ -27,8 +27,8 @@ from sluice.bench.chat import (
     add_bench_arguments,
     parse_sse_line,
     percentile,
-    run_bench,
 )
+from sluice.bench.command import run_bench
 
 # ---- percentiles --------------------------------------------------------------------
 
