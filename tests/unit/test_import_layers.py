@@ -1,11 +1,13 @@
-"""The import graph's shape: the engine's modules import one another without a cycle at module
-level (type-only imports included, since a cycle there still ties the modules' meanings
-together). An import inside a function is a deliberate late binding and not counted: the
-model registry's entry points (engine.models.config, .weights) call into the registry that
-imports the families, which import them.
+"""The import graph's shape, every import counted: at module level, inside a function, under
+`if TYPE_CHECKING:` alike (a late import ties two modules' meanings together just as a top-level
+one does, it only hides the knot from the interpreter).
 
-The frontend's wings (frontend/README.md) import only downward, and `shared/` imports no tier
-(late imports included in both).
+- No package (engine/, frontend/, postproc/, shared/, sluice/) has an import cycle, nor does
+  the repo as a whole.
+- The tiers import only down: shared/ imports no tier; engine/ and postproc/ import shared/
+  only; frontend/ imports shared/ and postproc/ (it runs output processing inline); sluice/
+  (the console script) imports them all.
+- Inside the frontend (frontend/README.md) the wings import only down.
 """
 
 from __future__ import annotations
@@ -13,48 +15,43 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("engine", "frontend", "postproc", "shared", "sluice")
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def imports_of(path: Path, package: str, known: set[str], everywhere: bool = False) -> set[str]:
-    """The modules of `package` that the file at `path` imports, by absolute name: at module
-    level, or `everywhere` (function bodies too)."""
+def imported_names(path: Path, module: str) -> set[str]:
+    """Every dotted name the file imports, wherever the import stands; `from a import b`
+    gives both `a` and `a.b` (b may be a module), relative imports resolved."""
+    is_package = path.name == "__init__.py"
     found: set[str] = set()
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree) if everywhere else module_level(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        found |= {name for name in names if name in known and name.startswith(package)}
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
     return found
 
 
-def module_level(tree: ast.Module):
-    """Every node outside function bodies (a class's body and `if TYPE_CHECKING:` included)."""
-    pending = list(tree.body)
-    while pending:
-        node = pending.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            continue
-        yield node
-        pending.extend(ast.iter_child_nodes(node))
-
-
-def import_graph(package: str, everywhere: bool = False) -> dict[str, set[str]]:
-    files = {module_name(p): p for p in (ROOT / package).rglob("*.py")}
+def import_graph(packages=PACKAGES, root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the repo's modules it imports."""
+    files = {module_name(p, root): p for package in packages
+             for p in (root / package).rglob("*.py")}
     known = set(files)
-    return {name: imports_of(path, package, known, everywhere) - {name}
-            for name, path in files.items()}
+    return {name: (imported_names(path, name) & known) - {name} for name, path in files.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -69,7 +66,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for nxt in graph.get(node, ()):
+        for nxt in sorted(graph.get(node, ())):
             if nxt not in index:
                 visit(nxt)
                 low[node] = min(low[node], low[nxt])
@@ -92,15 +89,77 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+GRAPH = import_graph()
+
+
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_engine_has_no_import_cycle():
-    assert cycles(import_graph("engine")) == []
+def test_every_kind_of_import_is_counted(tmp_path):
+    """A late import, a type-only one and a relative one are edges like a top-level one."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pkg import b\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.c import X\n")
+    (pkg / "c.py").write_text("from . import a\n")
+    graph = import_graph(("pkg",), tmp_path)
+    assert graph["pkg.a"] == {"pkg", "pkg.b"}
+    assert graph["pkg.b"] == {"pkg.c"}
+    assert graph["pkg.c"] == {"pkg", "pkg.a"}
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
 
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycle_in(package):
+    inside = {m: {t for t in targets if t.split(".")[0] == package}
+              for m, targets in GRAPH.items() if m.split(".")[0] == package}
+    assert cycles(inside) == []
+
+
+def test_no_import_cycle_across_the_repo():
+    assert cycles(GRAPH) == []
+
+
+# --- tiers ------------------------------------------------------------------------------------
+
+# What each tier may import besides itself.
+TIER_IMPORTS = {
+    "shared": set(),
+    "engine": {"shared"},
+    "postproc": {"shared"},
+    "frontend": {"shared", "postproc"},
+    "sluice": {"shared", "engine", "postproc", "frontend"},
+}
+
+
+def tier_imports(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for every import of a tier the importing tier may not import."""
+    wrong = []
+    for module, imported in sorted(graph.items()):
+        here = module.split(".")[0]
+        wrong += [f"{module} -> {target}" for target in sorted(imported)
+                  if (there := target.split(".")[0]) != here
+                  and there not in TIER_IMPORTS[here]]
+    return wrong
+
+
+def test_the_tier_check_finds_an_upward_and_a_sideways_import():
+    graph = {"shared.codec": {"engine.core"}, "engine.core": {"postproc.chunks"},
+             "frontend.http.app": {"postproc.chunks", "shared.codec"}}
+    assert tier_imports(graph) == ["engine.core -> postproc.chunks",
+                                   "shared.codec -> engine.core"]
+
+
+def test_the_tiers_import_only_down():
+    assert tier_imports(GRAPH) == []
+
+
+# --- wings inside a tier ----------------------------------------------------------------------
 
 # The frontend's wings from the top down (frontend/README.md); wings of one rank are siblings
 # and import neither each other nor anything above them.
@@ -113,18 +172,19 @@ FRONTEND_WINGS = {
 }
 
 
-def wing_of(module: str) -> str | None:
+def wing_of(module: str, tier: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[0] == "frontend" else None
+    return parts[1] if len(parts) > 2 and parts[0] == tier else None
 
 
-def upward_imports(graph: dict[str, set[str]], ranks: dict[str, int]) -> list[str]:
-    """`a -> b` for every import from a wing into one above it or a sibling beside it."""
+def upward_imports(graph: dict[str, set[str]], tier: str, ranks: dict[str, int]) -> list[str]:
+    """`a -> b` for every import from a wing of `tier` into one above it or a sibling beside
+    it."""
     wrong = []
     for module, imported in sorted(graph.items()):
-        here = wing_of(module)
+        here = wing_of(module, tier)
         for target in sorted(imported):
-            there = wing_of(target)
+            there = wing_of(target, tier)
             if here is None or there is None or here == there:
                 continue
             if ranks[there] >= ranks[here]:
@@ -132,49 +192,24 @@ def upward_imports(graph: dict[str, set[str]], ranks: dict[str, int]) -> list[st
     return wrong
 
 
+def modules_outside_wings(tier: str, ranks: dict[str, int]) -> list[str]:
+    return [m for m in GRAPH if m.split(".")[0] == tier and m != tier
+            and m.split(".")[1] not in ranks]
+
+
 def test_every_frontend_module_sits_in_a_wing():
     """A new flat file in frontend/ has no layer: put it in the wing it belongs to."""
-    outside = [m for m in import_graph("frontend")
-               if m != "frontend" and m.split(".")[1] not in FRONTEND_WINGS]
-    assert outside == []
+    assert modules_outside_wings("frontend", FRONTEND_WINGS) == []
 
 
 def test_the_wing_check_finds_an_upward_and_a_sideways_import():
     graph = {"frontend.base.errors": {"frontend.anthropic.models"},
              "frontend.input.tokenization": {"frontend.engines.tracking"},
              "frontend.http.app": {"frontend.core.pipeline"}}
-    assert upward_imports(graph, FRONTEND_WINGS) == [
+    assert upward_imports(graph, "frontend", FRONTEND_WINGS) == [
         "frontend.base.errors -> frontend.anthropic.models",
         "frontend.input.tokenization -> frontend.engines.tracking"]
 
 
 def test_frontend_imports_run_down_its_wings():
-    # A late import inside a function counts here: it ties the layers together all the same.
-    assert upward_imports(import_graph("frontend", everywhere=True), FRONTEND_WINGS) == []
-
-
-def tier_imports(folder: Path, tiers: tuple[str, ...]) -> list[str]:
-    """`file -> module` for every import of a tier under `folder`, late ones included."""
-    wrong = []
-    for path in sorted(folder.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            else:
-                continue
-            wrong += [f"{path.relative_to(folder.parent)} -> {name}" for name in names
-                      if name.split(".")[0] in tiers]
-    return wrong
-
-
-def test_shared_imports_no_tier():
-    # The tiers give their commands to the console script (sluice/cli.py) instead.
-    assert tier_imports(ROOT / "shared", ("frontend", "engine", "postproc", "sluice")) == []
-
-
-def test_the_tier_check_finds_a_late_import(tmp_path):
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "a.py").write_text("import os\n\n\ndef f():\n    from engine import x\n")
-    assert tier_imports(tmp_path / "pkg", ("engine",)) == ["pkg/a.py -> engine"]
+    assert upward_imports(GRAPH, "frontend", FRONTEND_WINGS) == []
