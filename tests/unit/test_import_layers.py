@@ -1,13 +1,12 @@
-"""The import graph's shape, every import counted: at module level, inside a function, under
-`if TYPE_CHECKING:` alike (a late import ties two modules' meanings together just as a top-level
-one does, it only hides the knot from the interpreter).
+"""The import graph's shape, with every import counted: at module level, inside a function,
+under `if TYPE_CHECKING:`, absolute or relative. A late import ties two modules together all
+the same, so none is a way around these rules.
 
-- No package (engine/, frontend/, postproc/, shared/, sluice/) has an import cycle, nor does
-  the repo as a whole.
-- The tiers import only down: shared/ imports no tier; engine/ and postproc/ import shared/
-  only; frontend/ imports shared/ and postproc/ (it runs output processing inline); sluice/
-  (the console script) imports them all.
-- Inside the frontend (frontend/README.md) the wings import only down.
+- No package (engine/, frontend/, postproc/, shared/, sluice/) has an import cycle.
+- The tiers import only downward (TIER_IMPORTS): `shared/` imports no tier, postproc neither
+  frontend nor engine, the engine no other tier, and only the console script (`sluice/`)
+  imports them all.
+- frontend/'s wings (frontend/README.md) import only downward.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "frontend", "postproc", "shared", "sluice")
 
 
-def module_name(path: Path, root: Path = ROOT) -> str:
+def module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -29,29 +28,29 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def imported_names(path: Path, module: str) -> set[str]:
-    """Every dotted name the file imports, wherever the import stands; `from a import b`
-    gives both `a` and `a.b` (b may be a module), relative imports resolved."""
-    is_package = path.name == "__init__.py"
-    found: set[str] = set()
+    """Every dotted name an import statement anywhere in the file names, relative ones made
+    absolute: `from a.b import c` names `a.b` and `a.b.c` (c may be a module)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            found.add(base)
-            found |= {f"{base}.{alias.name}" for alias in node.names}
-    return found
+            names.add(base)
+            names |= {f"{base}.{alias.name}" for alias in node.names}
+    return names
 
 
-def import_graph(packages=PACKAGES, root: Path = ROOT) -> dict[str, set[str]]:
-    """Module -> the repo's modules it imports."""
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the modules of `packages` it imports."""
     files = {module_name(p, root): p for package in packages
              for p in (root / package).rglob("*.py")}
-    known = set(files)
-    return {name: (imported_names(path, name) & known) - {name} for name, path in files.items()}
+    return {name: (imported_names(path, name) & set(files)) - {name}
+            for name, path in files.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -89,9 +88,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-GRAPH = import_graph()
-
-
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
@@ -99,67 +95,77 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_every_kind_of_import_is_counted(tmp_path):
-    """A late import, a type-only one and a relative one are edges like a top-level one."""
+    """A late import, a type-only one and a relative one each close a cycle here."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("def f():\n    from pkg import b\n")
-    (pkg / "b.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.c import X\n")
-    (pkg / "c.py").write_text("from . import a\n")
-    graph = import_graph(("pkg",), tmp_path)
-    assert graph["pkg.a"] == {"pkg", "pkg.b"}
-    assert graph["pkg.b"] == {"pkg.c"}
-    assert graph["pkg.c"] == {"pkg", "pkg.a"}
-    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
+    (pkg / "a.py").write_text("import pkg.b\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from pkg.d import D\n")
+    (pkg / "d.py").write_text("from .c import x\n")
+    graph = import_graph(tmp_path, ("pkg",))
+    assert cycles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
 
 
 @pytest.mark.parametrize("package", PACKAGES)
-def test_no_import_cycle_in(package):
+def test_no_import_cycle(package):
+    graph = import_graph()
     inside = {m: {t for t in targets if t.split(".")[0] == package}
-              for m, targets in GRAPH.items() if m.split(".")[0] == package}
+              for m, targets in graph.items() if m.split(".")[0] == package}
     assert cycles(inside) == []
 
 
-def test_no_import_cycle_across_the_repo():
-    assert cycles(GRAPH) == []
-
-
-# --- tiers ------------------------------------------------------------------------------------
-
-# What each tier may import besides itself.
+# Which tiers each may import (besides itself). The frontend and the engine meet only in
+# shared/protocol; the frontend runs postproc's parsers when no worker does.
 TIER_IMPORTS = {
-    "shared": set(),
+    "sluice": {"engine", "frontend", "postproc", "shared"},
+    "frontend": {"postproc", "shared"},
     "engine": {"shared"},
     "postproc": {"shared"},
-    "frontend": {"shared", "postproc"},
-    "sluice": {"shared", "engine", "postproc", "frontend"},
+    "shared": set(),
 }
 
 
-def tier_imports(graph: dict[str, set[str]]) -> list[str]:
-    """`a -> b` for every import of a tier the importing tier may not import."""
+def tier_violations(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{module} -> {target}" for module, targets in sorted(graph.items())
+            for target in sorted(targets)
+            if target.split(".")[0] != module.split(".")[0]
+            and target.split(".")[0] not in TIER_IMPORTS[module.split(".")[0]]]
+
+
+def test_the_tier_check_finds_a_late_import(tmp_path):
+    for tier in ("shared", "engine"):
+        (tmp_path / tier).mkdir()
+        (tmp_path / tier / "__init__.py").write_text("")
+    (tmp_path / "shared" / "a.py").write_text("import os\n\n\ndef f():\n    from engine import x\n")
+    graph = import_graph(tmp_path, ("shared", "engine"))
+    assert tier_violations(graph) == ["shared.a -> engine"]
+
+
+def test_tiers_import_only_downward():
+    assert tier_violations(import_graph()) == []
+
+
+def wing_of(module: str, package: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == package else None
+
+
+def upward_imports(graph: dict[str, set[str]], package: str, ranks: dict[str, int]) -> list[str]:
+    """`a -> b` for every import from a wing of `package` into one above it or a sibling
+    beside it."""
     wrong = []
     for module, imported in sorted(graph.items()):
-        here = module.split(".")[0]
-        wrong += [f"{module} -> {target}" for target in sorted(imported)
-                  if (there := target.split(".")[0]) != here
-                  and there not in TIER_IMPORTS[here]]
+        here = wing_of(module, package)
+        for target in sorted(imported):
+            there = wing_of(target, package)
+            if here is None or there is None or here == there:
+                continue
+            if ranks[there] >= ranks[here]:
+                wrong.append(f"{module} -> {target}")
     return wrong
 
-
-def test_the_tier_check_finds_an_upward_and_a_sideways_import():
-    graph = {"shared.codec": {"engine.core"}, "engine.core": {"postproc.chunks"},
-             "frontend.http.app": {"postproc.chunks", "shared.codec"}}
-    assert tier_imports(graph) == ["engine.core -> postproc.chunks",
-                                   "shared.codec -> engine.core"]
-
-
-def test_the_tiers_import_only_down():
-    assert tier_imports(GRAPH) == []
-
-
-# --- wings inside a tier ----------------------------------------------------------------------
 
 # The frontend's wings from the top down (frontend/README.md); wings of one rank are siblings
 # and import neither each other nor anything above them.
@@ -172,34 +178,11 @@ FRONTEND_WINGS = {
 }
 
 
-def wing_of(module: str, tier: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[0] == tier else None
-
-
-def upward_imports(graph: dict[str, set[str]], tier: str, ranks: dict[str, int]) -> list[str]:
-    """`a -> b` for every import from a wing of `tier` into one above it or a sibling beside
-    it."""
-    wrong = []
-    for module, imported in sorted(graph.items()):
-        here = wing_of(module, tier)
-        for target in sorted(imported):
-            there = wing_of(target, tier)
-            if here is None or there is None or here == there:
-                continue
-            if ranks[there] >= ranks[here]:
-                wrong.append(f"{module} -> {target}")
-    return wrong
-
-
-def modules_outside_wings(tier: str, ranks: dict[str, int]) -> list[str]:
-    return [m for m in GRAPH if m.split(".")[0] == tier and m != tier
-            and m.split(".")[1] not in ranks]
-
-
 def test_every_frontend_module_sits_in_a_wing():
     """A new flat file in frontend/ has no layer: put it in the wing it belongs to."""
-    assert modules_outside_wings("frontend", FRONTEND_WINGS) == []
+    outside = [m for m in import_graph(packages=("frontend",))
+               if m != "frontend" and m.split(".")[1] not in FRONTEND_WINGS]
+    assert outside == []
 
 
 def test_the_wing_check_finds_an_upward_and_a_sideways_import():
@@ -212,4 +195,4 @@ def test_the_wing_check_finds_an_upward_and_a_sideways_import():
 
 
 def test_frontend_imports_run_down_its_wings():
-    assert upward_imports(GRAPH, "frontend", FRONTEND_WINGS) == []
+    assert upward_imports(import_graph(), "frontend", FRONTEND_WINGS) == []
