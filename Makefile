@@ -8,10 +8,10 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP) kernels
 
-# The engine's CPU kernels (engine/csrc), compiled for this machine into the venv; a no-op
+# The engine's CPU kernels (engine/kernels/csrc), compiled for this machine into the venv; a no-op
 # when they are up to date. Without a compiler the engine runs plain torch ops instead.
 kernels: $(STAMP)
-	$(BIN)/python -m engine.cpu_kernels || echo "CPU kernels not built: the engine will use plain torch ops"
+	$(BIN)/python -m engine.kernels.cpu_kernels || echo "CPU kernels not built: the engine will use plain torch ops"
 
 # The pinned FlashInfer (pyproject's `cuda` extra) imports on a CPU, where CI binds the
 # engine's calls to its API (tests/unit/test_flashinfer_api.py). --no-deps: its declared

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import ISA_MARCH, cpu_runs, kernels_for
+from engine.kernels.cpu_kernels import ISA_MARCH, cpu_runs, kernels_for
 from engine.models.registry import load_model_config, load_quantized_weights, load_weights
 from shared.model_source import default_model_path
 

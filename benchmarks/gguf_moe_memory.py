@@ -58,8 +58,8 @@ def best(step, repeats: int) -> tuple[float, float]:
 
 def measure(path: str, mode: str, isa: str, repeats: int, dtype: torch.dtype) -> dict:
     """One mode's numbers (run in a process of its own)."""
-    import engine.models.ops as ops_module
-    from engine.cpu_kernels import kernels_for
+    import engine.layers.ops as ops_module
+    from engine.kernels.cpu_kernels import kernels_for
     from tests.unit.engine_builders import drain, request
     from tests.unit.kquant_builders import engine_core
     from tests.unit.test_kquant_kernels import _held_bytes
@@ -97,9 +97,9 @@ def measure(path: str, mode: str, isa: str, repeats: int, dtype: torch.dtype) ->
 def crossover(isa: str, repeats: int, dtype: torch.dtype) -> None:
     """One expert's gate+up (Q4_K) and down (Q6_K) at each row count: the block kernel
     against dequantizing it for the call (rounded to `dtype`) and F.linear, thread CPU ms."""
-    from engine.cpu_kernels import kernels_for
-    from engine.models.ops import ANY_KIND_LAYOUT
-    from engine.models.weights import BLOCK_KINDS
+    from engine.kernels.cpu_kernels import kernels_for
+    from engine.layers.ops import ANY_KIND_LAYOUT
+    from engine.layers.weights import BLOCK_KINDS
     from tests.unit.kquant_builders import random_blocks
 
     k = kernels_for(isa)

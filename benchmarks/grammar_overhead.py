@@ -19,8 +19,8 @@ import time
 
 from llguidance import LLMatcher
 
-from engine.build import build_engine
-from engine.grammar import GrammarBackend
+from engine.process.build import build_engine
+from engine.request.grammar import GrammarBackend
 from shared.config import EngineConfig
 from shared.model_source import default_model_path, served_model_name
 from shared.protocol import Constraint, EngineRequest, SamplingParams, pack_ids

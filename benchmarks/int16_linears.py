@@ -23,9 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import ISA_MARCH, kernels_for
+from engine.kernels.cpu_kernels import ISA_MARCH, kernels_for
+from engine.layers.weights import BLOCK_KINDS
 from engine.models.registry import load_model_config, load_quantized_weights, load_weights
-from engine.models.weights import BLOCK_KINDS
 from shared.model_source import default_model_path
 
 KIND_NAMES = {kind: name for name, kind in BLOCK_KINDS.items()}

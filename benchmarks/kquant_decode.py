@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_kernels import ISA_MARCH, cpu_runs, kernels_for
+from engine.kernels.cpu_kernels import ISA_MARCH, cpu_runs, kernels_for
 from tests.unit.engine_builders import request
 from tests.unit.kquant_builders import LlamaShape, engine_core, write_q4_k_m
 

@@ -24,8 +24,8 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from engine.build import build_engine
-from engine.models.lora import TARGETS
+from engine.layers.lora_ops import TARGETS
+from engine.process.build import build_engine
 from shared.config import EngineConfig
 from shared.model_source import default_model_path, served_model_name
 from shared.protocol import EngineRequest, LoraAdapterInfo, SamplingParams, pack_ids

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from engine.models.config import MoeConfig
+from engine.layers.config import MoeConfig
+from engine.layers.ops import TorchOps
 from engine.models.moe import ExpertLinear, MoeBlock
-from engine.models.ops import TorchOps
 
 
 def per_token_loop(block: MoeBlock, x: torch.Tensor, ops) -> torch.Tensor:

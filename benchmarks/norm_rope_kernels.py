@@ -1,13 +1,13 @@
-"""The CPU kernels' norms and RoPE (engine/csrc/cpu_kernels.cpp), one call at a time, against
-another build of the kernels (an older source's, to measure a change): RMSNorm over
+"""The CPU kernels' norms and RoPE (engine/kernels/csrc/cpu_kernels.cpp), one call at a time,
+against another build of the kernels (an older source's, to measure a change): RMSNorm over
 SmolLM2's hidden rows (576), the per-head q/k norm of a Qwen3-style model (9 heads of 64),
 the residual add fused with RMSNorm, and RoPE over SmolLM2's q and k (9 + 3 heads of 64).
 
     .venv/bin/python benchmarks/norm_rope_kernels.py --isa avx2 \\
         --before /tmp/sluice_cpu_kernels_<cpu>_avx2_<old source>.so
 
-A build of an older source: check it out (or `git show REV:engine/csrc/cpu_kernels.cpp`
-into a checkout) and run `SLUICE_CPU_ISA=avx2 python -m engine.cpu_kernels` there; the
+A build of an older source: check it out (or `git show REV:engine/kernels/csrc/cpu_kernels.cpp`
+into a checkout) and run `SLUICE_CPU_ISA=avx2 python -m engine.kernels.cpu_kernels` there; the
 .so it prints is what --before takes. Prints one markdown table: microseconds per call, best
 of --repeats runs of --calls calls, one thread, this thread's CPU time by default (on a
 shared machine it leaves out the time other tenants hold the core).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_kernels import ISA_MARCH, kernels_for
+from engine.kernels.cpu_kernels import ISA_MARCH, kernels_for
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, POSITIONS = 576, 9, 3, 64, 4096
 

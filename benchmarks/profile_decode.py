@@ -43,7 +43,7 @@ from collections import defaultdict
 
 import torch
 
-from engine.build import build_engine
+from engine.process.build import build_engine
 from shared.config import EngineConfig
 from shared.model_source import default_model_path, served_model_name
 from shared.protocol import EngineRequest, SamplingParams, pack_ids

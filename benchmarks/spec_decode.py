@@ -25,7 +25,7 @@ import json
 import statistics
 import time
 
-from engine.build import build_engine
+from engine.process.build import build_engine
 from shared import histograms as h
 from shared.config import EngineConfig
 from shared.model_source import default_model_path, served_model_name

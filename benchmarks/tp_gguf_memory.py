@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args()
-    from engine.build import build_engine
+    from engine.process.build import build_engine
     from shared.tokenizer import load_tokenizer
 
     with tempfile.TemporaryDirectory() as folder:

@@ -29,9 +29,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 128
     scheduling_policy: str = "fcfs"
     # Per-step cap on a long prefill while others want to run; None: max_num_batched_tokens
-    # // 4, 0: no cap (engine.scheduler).
+    # // 4, 0: no cap (engine.step.scheduler).
     long_prefill_token_threshold: int | None = None
-    # A frontend silent this long has its requests aborted (engine.server).
+    # A frontend silent this long has its requests aborted (engine.process.server).
     frontend_timeout_s: float = 10.0
     # SIGTERM: how long the engine runs what it holds before exiting (frontends move the rest).
     shutdown_timeout_s: float = 30.0
@@ -40,7 +40,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # seed draw from, so a run repeats (vLLM's --seed). None: not seeded.
     seed: int | None = None
     max_logprobs: int = 20  # --max-logprobs; -1: up to the vocabulary
-    # --speculative-config (shared.speculative, engine.spec_decode); None: no drafts.
+    # --speculative-config (shared.speculative, engine.step.spec_decode); None: no drafts.
     speculative: SpeculativeConfig | None = None
     engine_id: str = "engine-0"
     # --metrics-port: the engine's own Prometheus /metrics (its series once per engine, not
@@ -54,8 +54,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     runner: str = "auto"
     pooler_config: str | None = None
     hf_overrides: str | None = None  # --hf-overrides' JSON: a decoder as a yes/no reranker
-    # LoRA (--enable-lora, engine.lora): adapters loaded at start (--lora-modules), distinct
-    # adapters in one step, the largest rank taken, most adapters loaded at once (0: any).
+    # LoRA (--enable-lora, engine.step.lora_adapters): adapters loaded at start (--lora-modules),
+    # distinct adapters in one step, the largest rank taken, most adapters loaded at once (0: any).
     enable_lora: bool = False
     lora_modules: list[LoraAdapterInfo] = []
     max_loras: int = 1

@@ -36,7 +36,7 @@ class Constraint(msgspec.Struct, frozen=True):
 
 class ThinkingBudget(msgspec.Struct, frozen=True):
     """vLLM's thinking_token_budget: after `budget` thinking tokens the engine writes
-    `end_ids` (the reasoning parser's end tag) to close the section (engine.thinking)."""
+    `end_ids` (the reasoning parser's end tag) to close the section (engine.request.thinking)."""
 
     budget: int
     start_ids: list[int]  # the parser's start tag, which opens a section
@@ -214,7 +214,7 @@ class Continuation(msgspec.Struct, frozen=True):
 
 class PoolingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """A pooling request (vLLM's --runner pooling): prefill only, and the pooled hidden state
-    comes back instead of tokens. How the states are pooled is the model's (engine.pooling)."""
+    comes back instead of tokens. How the states are pooled is the model's (engine.step.pooler)."""
 
     # embed: the pooled hidden state; a cross-encoder's classify (softmax over its labels)
     # or score (the sigmoid of its one logit, else classify's probabilities).

@@ -1,7 +1,7 @@
 """`--speculative-config`: vLLM's JSON for speculative decoding, checked at startup.
 
 Only the model-free `ngram` method (prompt lookup) exists here: drafts come from the
-sequence's own prompt and output (`engine.spec_decode`). The keys and their defaults are
+sequence's own prompt and output (`engine.step.spec_decode`). The keys and their defaults are
 vLLM's: without prompt_lookup_min/max both are 5, with one the other takes its value.
 `disable_by_batch_size` is vLLM's key too: with more sequences than this in the engine, no
 step drafts (a compute-bound batch gains nothing from them). Left out, it defaults to a

@@ -1,6 +1,6 @@
 """The `sluice` console script: serve (all on one machine), engine, frontend, postproc, bench.
 
-Each tier gives its subcommand as a `shared.cli.Command` beside its code (`engine/cli.py`,
+Each tier gives its subcommand as a `shared.cli.Command` beside its code (`engine/process/flags.py`,
 `frontend/http/cli.py`, `postproc/cli.py`: flags, start-up checks, run); this module, above
 every tier, lists them, parses, dispatches, and holds `serve`, which starts the others as
 processes (`python -m sluice ...`) and watches them. A tier's code is imported only when
@@ -20,8 +20,8 @@ import time
 
 import msgspec
 
-from engine import cli as engine_cli
-from engine.cli import (
+from engine.process import flags as engine_cli
+from engine.process.flags import (
     add_engine_arguments,
     add_lora_engine_arguments,
     check_lora_flags,

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import torch
 
-from engine.build import build_engine
+from engine.process.build import build_engine
 from shared.config import EngineConfig
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
@@ -95,12 +95,12 @@ def scenario(engine: RecordingEngine) -> dict[str, dict[str, list]]:
         if phase == "batched":
             # Fillers arrive over the probes' whole run, so the probes decode in steps that
             # carry other prompts' prefill chunks.
-            results = run(engine.core, fillers + probe,
+            results = run(engine.step.core, fillers + probe,
                           [3 * i for i in range(len(fillers))] + [1, 2, 2, 3, 1])
         else:
             results = {}
             for r in probe:  # one at a time: alone on an idle engine
-                results.update(run(engine.core, [r]))
+                results.update(run(engine.step.core, [r]))
         phases[phase] = {r.request_id.removeprefix(phase): (
             results[r.request_id].tokens, engine.logits[r.request_id]) for r in probe}
     for r in probe_requests(prompts, "batched"):

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from engine.batch import ScheduledChunk
+from engine.request.batch import ScheduledChunk
 
 
 class AttentionBackend(Protocol):

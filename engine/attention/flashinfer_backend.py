@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from engine.batch import ScheduledChunk
-from engine.models.config import PLAIN_ATTENTION, LayerAttention
+from engine.layers.config import PLAIN_ATTENTION, LayerAttention
+from engine.request.batch import ScheduledChunk
 
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
 # The decode plan's disable_split_kv came in FlashInfer 0.4.0. Asked by version, not by

@@ -12,8 +12,8 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from engine.models.config import ModelConfig
-from engine.models.ops import flashinfer_import_error
+from engine.layers.config import ModelConfig
+from engine.layers.ops import flashinfer_import_error
 
 BACKENDS = ("auto", "torch", "flashinfer")
 
@@ -93,7 +93,7 @@ def create_attention_backend(
             attention=model.attention_of(0),
         )
     from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.cpu_kernels import kernels
+    from engine.kernels.cpu_kernels import kernels
 
     return TorchAttentionBackend(
         model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim, dtype, device,

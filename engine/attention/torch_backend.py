@@ -10,15 +10,15 @@ contiguous copy per page instead of an indexed copy per token, several times fas
 The step's metadata is built with numpy over the batch, once per step, since it is Python
 work every layer waits for.
 
-Given the engine's compiled CPU kernels (`engine.cpu_kernels`), the decode batch skips the
+Given the engine's compiled CPU kernels (`engine.kernels.cpu_kernels`), the decode batch skips the
 gather altogether: `decode_attention` reads each sequence's pages where they lie.
 
-Layers that attend other than plainly (engine.models.config.LayerAttention: a sliding
+Layers that attend other than plainly (engine.layers.config.LayerAttention: a sliding
 window, a score scale, soft-capping, attention sinks) take `_attend_special`: the same
 pages, gathered, under an explicit mask of causality and window, through SDPA or, for
 soft-caps and sinks, through the scores written out as transformers' eager attention
 computes them. Where every layer is windowed, the scheduler releases the pages wholly
-behind the window (engine.scheduler); their ids stay in the page table, and since the mask
+behind the window (engine.step.scheduler); their ids stay in the page table, and since the mask
 hides every key there, whatever those pages hold by then is never seen.
 
 In the batch-invariant mode every token of the step is attended as a decode row of its own
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.batch import ScheduledChunk
-from engine.models.config import PLAIN_ATTENTION, LayerAttention
+from engine.layers.config import PLAIN_ATTENTION, LayerAttention
+from engine.request.batch import ScheduledChunk
 
 
 class PrefillSlice(msgspec.Struct):
@@ -109,7 +109,7 @@ class TorchAttentionBackend:
             pages, start, n = chunk.seq.pages, chunk.start, chunk.num_tokens
             # Each token a decode row: see the module's docstring. A speculative draft's
             # too: a few decode rows cost less than a masked prefill over the whole context,
-            # and get the numbers plain decoding would (engine.spec_decode).
+            # and get the numbers plain decoding would (engine.step.spec_decode).
             if self.batch_invariant or chunk.draft:
                 pos = np.arange(start, start + n)
                 slots[row : row + n] = np.asarray(pages)[pos // size] * size + pos % size

@@ -16,7 +16,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from engine.models.config import ModelConfig, require
+from engine.layers.config import ModelConfig, require
 
 _ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 

@@ -6,7 +6,7 @@ float32); the MLP is GeGLU (tanh-approximated GELU). That is all of Gemma (1). F
 on, each block norms its attention and MLP outputs again before the residual add
 (post-attention and post-feedforward norms, besides the usual pre-norms: "sandwich" norms)
 and scores are scaled by query_pre_attn_scalar ** -0.5. Layers
-alternate sliding-window and global attention (engine.models.config.LayerAttention), and
+alternate sliding-window and global attention (engine.layers.config.LayerAttention), and
 Gemma 3 gives each kind its own rotary base and q/k norms. Gemma 2 soft-caps the attention
 scores and the final logits.
 """
@@ -19,7 +19,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from engine.models.config import (
+from engine.layers.config import (
     HFConfig,
     LayerAttention,
     ModelConfig,
@@ -31,9 +31,9 @@ from engine.models.config import (
     layer_windows,
     require,
 )
+from engine.layers.rotary import RotaryEmbedding
+from engine.layers.tp_group import SINGLE, TPGroup
 from engine.models.llama import DecoderLayer, LlamaModel, attention_shapes, mlp_shapes
-from engine.models.rotary import RotaryEmbedding
-from engine.parallel.group import SINGLE, TPGroup
 
 
 class GemmaOptions(msgspec.Struct, frozen=True):

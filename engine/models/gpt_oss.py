@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import torch
 
-from engine.models.config import (
+from engine.layers.config import (
     HFConfig,
     LayerAttention,
     ModelConfig,
@@ -30,9 +30,9 @@ from engine.models.config import (
     layer_windows,
     require,
 )
+from engine.layers.weights import MXFP4_BLOCK
 from engine.models.llama import LlamaModel, attention_shapes
 from engine.models.moe import ExpertLinear, MoeBlock
-from engine.models.weights import MXFP4_BLOCK
 
 
 class GptOssOptions(msgspec.Struct, frozen=True):

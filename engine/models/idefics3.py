@@ -13,9 +13,9 @@ import msgspec
 import torch
 from safetensors import safe_open
 
-from engine.models.config import ModelConfig
+from engine.layers.config import ModelConfig
+from engine.layers.weights import _safetensors_shards
 from engine.models.llama import read_llama_config
-from engine.models.weights import _safetensors_shards
 
 _PREFIXES = {"model.vision_model.": "vision", "model.connector.": "connector"}
 

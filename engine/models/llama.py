@@ -4,7 +4,7 @@ their config readers, tensor names and the model, which the mixture-of-experts f
 
 Written against the attention-backend interface: the model sees a flattened batch of tokens
 from many sequences (prefill chunks and decodes mixed) and never knows how the KV cache is
-laid out. Weights come in with Hugging Face names (see `engine.models.weights`); the math
+laid out. Weights come in with Hugging Face names (see `engine.layers.weights`); the math
 follows transformers' implementation step for step, since it is our numerical reference.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
-from engine.models.config import (
+from engine.layers.config import (
     HFConfig,
     LayerAttention,
     ModelConfig,
@@ -26,10 +26,10 @@ from engine.models.config import (
     require,
     whole_model_window,
 )
-from engine.models.ops import CpuKernelOps, TorchOps
-from engine.models.rotary import RotaryEmbedding
-from engine.models.weights import QuantizedWeight
-from engine.parallel.group import SINGLE, TPGroup
+from engine.layers.ops import CpuKernelOps, TorchOps
+from engine.layers.rotary import RotaryEmbedding
+from engine.layers.tp_group import SINGLE, TPGroup
+from engine.layers.weights import QuantizedWeight
 
 
 class DecoderLayer(msgspec.Struct):
@@ -66,7 +66,7 @@ class LlamaModel:
         """quantized: the checkpoint's block-quantized linear weights by HF name (see
         `load_quantized_weights`), which the ops may multiply in place of `weights`' copies.
         tp: this rank's tensor-parallel group; `weights` and `config` are then its shard
-        (engine.parallel.sharding: its own heads, its part of the intermediate and of the
+        (engine.layers.sharding: its own heads, its part of the intermediate and of the
         vocabulary) and the blocks sum or gather across ranks where the math needs it."""
         self.config = config
         self.tp = tp

@@ -21,7 +21,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from engine.models.config import (
+from engine.layers.config import (
     HFConfig,
     ModelConfig,
     MoeConfig,
@@ -31,8 +31,8 @@ from engine.models.config import (
     require,
     whole_model_window,
 )
+from engine.layers.weights import in_mapped_file
 from engine.models.llama import LlamaModel, attention_shapes, mlp_shapes
-from engine.models.weights import in_mapped_file
 
 
 class ExpertLinear(msgspec.Struct):
@@ -46,7 +46,7 @@ class ExpertLinear(msgspec.Struct):
 
 def expert_gate_up(gate: torch.Tensor, up: torch.Tensor):
     """One expert's gate and up rows as one [2 * inter, hidden] weight: where both are in
-    the memory-mapped checkpoint (engine.models.weights.in_mapped_file), a view over both
+    the memory-mapped checkpoint (engine.layers.weights.in_mapped_file), a view over both
     when they lie back to back there (save_pretrained writes Qwen-MoE's gate_proj and
     up_proj so), else the pair itself (Mixtral's w1 and w3, with w2 between them); loaded
     tensors are concatenated."""

@@ -1,6 +1,6 @@
 """Phi-3 / Phi-4: the Llama layout with q/k/v and gate/up fused in the checkpoint itself
 (qkv_proj, gate_up_proj: the same row order our Llama model fuses them in), LongRoPE
-("longrope", once "su") short/long rotary factors (engine.models.rotary), and a sliding
+("longrope", once "su") short/long rotary factors (engine.layers.rotary), and a sliding
 window over every layer where the config sets one."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import functools
 import msgspec
 import torch
 
-from engine.models.config import (
+from engine.layers.config import (
     HFConfig,
     LayerAttention,
     ModelConfig,

@@ -1,14 +1,14 @@
 """The model registry: which family serves a checkpoint, and the one place that says so.
 
 A family is one module under engine/models/ (its config reader, tensor names and model
-class, over the shared blocks: engine.models.rotary, engine.models.moe, the ops and the
+class, over the shared blocks: engine.layers.rotary, engine.models.moe, the ops and the
 attention-backend interface) plus its `Family` entry here. config.json's `architectures`
 (else its `model_type`) or a GGUF file's `general.architecture` picks the entry; a checkpoint
 no entry names is refused at start with the list of what is served.
 
 The entry points that need the family are here too: `load_model_config` (which family reads
 the checkpoint's config), `load_weights`, `load_quantized_weights` and `expected_shapes`
-(engine.models.weights reads the tensors under the names the family gives it as data).
+(engine.layers.weights reads the tensors under the names the family gives it as data).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from collections.abc import Callable
 import msgspec
 import torch
 
-from engine.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3, weights
-from engine.models.config import ModelConfig, gguf_architecture, gguf_reader
+from engine.layers import weights
+from engine.layers.config import ModelConfig, gguf_architecture, gguf_reader
+from engine.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3
 
 
 class Family(msgspec.Struct, frozen=True):
@@ -34,7 +35,7 @@ class Family(msgspec.Struct, frozen=True):
     gguf_architectures: tuple[str, ...] = ()
     read_gguf_config: Callable | None = None  # GGUFReader -> ModelConfig
     # llama.cpp block tensor names that mean something else in this family than in Llama's
-    # (engine.models.weights), e.g. Phi-3's fused attn_qkv.
+    # (engine.layers.weights), e.g. Phi-3's fused attn_qkv.
     gguf_layer_names: dict[str, str] = msgspec.field(default_factory=dict)
     # (GGUF name -> dequantized array, GGUF name -> HF name or None) -> HF name -> array: for
     # a family whose GGUF tensors are grouped otherwise than its checkpoint's (gpt-oss).
@@ -140,7 +141,7 @@ def family_of(config: ModelConfig) -> Family:
 def build_model(config: ModelConfig, weights, max_positions: int, dtype, device, ops=None,
                 quantized=None, tp=None):
     """The family's model over loaded weights (see engine.models.llama.LlamaModel); `tp`:
-    a rank's tensor-parallel group, for the families engine.parallel.sharding serves."""
+    a rank's tensor-parallel group, for the families engine.layers.sharding serves."""
     extra = {"tp": tp} if tp is not None and tp.parallel else {}
     return family_of(config).model_class(config, weights, max_positions, dtype, device,
                                          ops=ops, quantized=quantized, **extra)
@@ -174,12 +175,12 @@ def checkpoint_names(config: ModelConfig) -> weights.CheckpointNames:
 
 def load_weights(model_path: str, config: ModelConfig, dtype: torch.dtype,
                  **options) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors by HF name (engine.models.weights.read_weights: `options`)."""
+    """The checkpoint's tensors by HF name (engine.layers.weights.read_weights: `options`)."""
     return weights.read_weights(model_path, config, checkpoint_names(config), dtype, **options)
 
 
 def load_quantized_weights(model_path: str, config: ModelConfig, shard=None
                            ) -> dict[str, weights.QuantizedWeight]:
     """The GGUF tensors the CPU kernels multiply as stored
-    (engine.models.weights.read_quantized_weights)."""
+    (engine.layers.weights.read_quantized_weights)."""
     return weights.read_quantized_weights(model_path, config, checkpoint_names(config), shard)

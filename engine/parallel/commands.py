@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.lora import LoraChange
+from engine.step.lora_adapters import LoraChange
 
 STEP, LOGITS, STOP, LORA = 1, 2, 3, 4
 VERDICT_BYTES = 512  # a rank's answer to a LORA command: its error, cut to this
@@ -41,7 +41,7 @@ class ChunkPlan(msgspec.Struct, array_like=True):
     fed: list[int]  # the known tokens fed (then the draft)
     draft: list[int]
     pages: list[int]
-    lora_id: int = 0  # its LoRA adapter's id (engine.lora); 0: the base model
+    lora_id: int = 0  # its LoRA adapter's id (engine.step.lora_adapters); 0: the base model
 
 
 class StepPlan(msgspec.Struct, array_like=True):

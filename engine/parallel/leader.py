@@ -37,10 +37,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.layers.sharding import Shard
+from engine.layers.tp_group import TPGroup
 from engine.parallel import commands
-from engine.parallel.group import TPGroup
 from engine.parallel.rendezvous import Rendezvous, for_rank
-from engine.parallel.sharding import Shard
 from shared.config import EngineConfig
 
 log = logging.getLogger("sluice.engine")
@@ -76,13 +76,13 @@ class WorkerSpec(msgspec.Struct):
 
 
 def spawn_ranks(config, rdv: Rendezvous) -> list[tuple[int, subprocess.Popen]]:
-    """Start this machine's other ranks (engine.parallel.worker), each dying with us."""
+    """Start this machine's other ranks (engine.process.tp_worker), each dying with us."""
     procs = []
     for rank in rdv.spawn:
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
         spec = WorkerSpec(config, for_rank(rdv, rank), level)
         spec = msgspec.json.encode(spec).decode()
-        proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker", spec],
+        proc = subprocess.Popen([sys.executable, "-m", "engine.process.tp_worker", spec],
                                 preexec_fn=_dies_with_parent)
         procs.append((rank, proc))
     return procs
@@ -246,8 +246,8 @@ class LeaderModel:
         return self.inner.logits(hidden)
 
     def lora_change(self, change) -> list[tuple[int, str]]:
-        """An adapter loaded or removed on rank 0 (engine.lora.LoraChange), applied by every
-        rank: (rank, its error) for each rank that could not."""
+        """An adapter loaded or removed on rank 0 (engine.step.lora_adapters.LoraChange), applied by
+        every rank: (rank, its error) for each rank that could not."""
         return collective(self.procs, self._lora_change, change)
 
     def _lora_change(self, change) -> list[tuple[int, str]]:

@@ -227,9 +227,9 @@ class Path:
     def __init__(self, weights, model_config, backend_name, dtype, num_pages, page_size,
                  graphs=False):
         from engine.attention.selector import create_attention_backend
-        from engine.cuda_graphs import DecodeGraphModel, graph_batch_sizes
+        from engine.layers.ops import make_ops
         from engine.models.llama import LlamaModel
-        from engine.models.ops import make_ops
+        from engine.step.cuda_graphs import DecodeGraphModel, graph_batch_sizes
 
         device = torch.device("cuda")
         self.model = LlamaModel(model_config, weights, 2048, dtype, device,
@@ -257,9 +257,9 @@ class Path:
 
 
 def test_logits_flashinfer_vs_torch_backend(prompts):
-    from engine.batch import ScheduledChunk
     from engine.models.registry import load_model_config, load_weights
-    from engine.sequence import Sequence
+    from engine.request.batch import ScheduledChunk
+    from engine.request.sequence import Sequence
 
     path = gpu_model_path()
     config = load_model_config(path)

@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)",
                 allow_module_level=True)
 
-from engine.models.config import MoeConfig  # noqa: E402
+from engine.layers.config import MoeConfig  # noqa: E402
+from engine.layers.ops import TorchOps  # noqa: E402
 from engine.models.moe import ExpertLinear, MoeBlock  # noqa: E402
-from engine.models.ops import TorchOps  # noqa: E402
 
 
 def test_bfloat16_experts_on_cuda_take_the_grouped_gemm():

@@ -14,7 +14,7 @@ import torch
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA devices for -tp 2 over NCCL", allow_module_level=True)
 
-from engine.build import build_engine  # noqa: E402
+from engine.process.build import build_engine  # noqa: E402
 from tests.unit.test_tensor_parallel import (  # noqa: E402
     PROMPT_LENGTHS,
     TINY,

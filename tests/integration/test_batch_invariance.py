@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.device import cpu_has_fast_bf16
+from engine.process.device import cpu_has_fast_bf16
 from tests.invariance_scenario import RecordingEngine, differing_logits, scenario
 
 pytestmark = pytest.mark.slow

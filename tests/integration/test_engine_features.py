@@ -5,7 +5,7 @@ under test there, so it loads no server of its own)."""
 import httpx
 import pytest
 
-from engine.build import build_engine
+from engine.process.build import build_engine
 from shared.config import EngineConfig
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer

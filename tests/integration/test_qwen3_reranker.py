@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from engine.build import build_engine
+from engine.process.build import build_engine
 from shared.config import EngineConfig
 from shared.pooling_config import parse_hf_overrides, pooling_facts, resolve_runner
 from shared.protocol import EngineRequest, PoolingParams, SamplingParams, pack_ids, unpack_tensor

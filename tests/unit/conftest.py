@@ -3,7 +3,7 @@ import shutil
 import pytest
 import torch
 
-from engine.cpu_kernels import ISA_MARCH, cpu_flags, cpu_runs, kernels_for
+from engine.kernels.cpu_kernels import ISA_MARCH, cpu_flags, cpu_runs, kernels_for
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def one_thread():
 
 @pytest.fixture(scope="module", params=list(ISA_MARCH))
 def compiled(request):
-    """The engine's compiled CPU kernels (engine/csrc), once per build: `native` (the CPU's
+    """The engine's compiled CPU kernels (engine/kernels/csrc), once per build: `native` (the CPU's
     own ISA: AVX-512 paths where it has them) and `avx2` (x86-64-v3, what an AVX2-only CPU
     runs), so every machine tests both paths it can run. Skips an ISA this CPU lacks, `avx2`
     where native is the AVX2 path already, and both where no compiler is."""

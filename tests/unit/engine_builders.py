@@ -9,14 +9,14 @@ import msgspec
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.core import EngineCore
-from engine.kv_cache import PageAllocator
-from engine.model_runner import ModelRunner
-from engine.models.config import ModelConfig
+from engine.layers.config import ModelConfig
 from engine.models.llama import LlamaModel
 from engine.models.registry import expected_shapes
-from engine.scheduler import Scheduler
-from engine.spec_decode import Drafter
+from engine.step.core import EngineCore
+from engine.step.kv_cache import PageAllocator
+from engine.step.model_runner import ModelRunner
+from engine.step.scheduler import Scheduler
+from engine.step.spec_decode import Drafter
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from shared.speculative import SpeculativeConfig
 
@@ -125,7 +125,7 @@ def build_core(
     def logits(hidden):
         out = model_logits(hidden)
         if drafter is not None and out.shape[0] != len(pending_ids):
-            return out  # the draft rows of a verifying step (engine.spec_decode)
+            return out  # the draft rows of a verifying step (engine.step.spec_decode)
         assert out.shape[0] == len(pending_ids)
         for request_id, row in zip(pending_ids, out, strict=True):
             rec.logits[request_id].append(row.clone())

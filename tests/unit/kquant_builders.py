@@ -177,17 +177,17 @@ def engine_core(path: str, compiled, dtype: torch.dtype = torch.float32, blocks:
     the dequantized weights. blocks_only: an MoE's block experts held as blocks alone (as
     build_engine loads them), else dequantized beside their blocks. budget: tokens a step."""
     from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.core import EngineCore
-    from engine.kv_cache import PageAllocator
-    from engine.model_runner import ModelRunner
-    from engine.models.ops import CpuKernelOps
+    from engine.layers.ops import CpuKernelOps
     from engine.models.registry import (
         build_model,
         load_model_config,
         load_quantized_weights,
         load_weights,
     )
-    from engine.scheduler import Scheduler
+    from engine.step.core import EngineCore
+    from engine.step.kv_cache import PageAllocator
+    from engine.step.model_runner import ModelRunner
+    from engine.step.scheduler import Scheduler
 
     cpu = torch.device("cpu")
     config = load_model_config(path)

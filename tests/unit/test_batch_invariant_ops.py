@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.batch import ScheduledChunk
+from engine.layers.ops import CpuKernelOps, make_ops, tiled_linear
 from engine.models.llama import LlamaModel
-from engine.models.ops import CpuKernelOps, make_ops, tiled_linear
 from engine.models.registry import load_model_config, load_quantized_weights
+from engine.request.batch import ScheduledChunk
 from shared.model_source import default_model_path
 from sluice.cli import engine_config, parse_args
 from tests.unit.cli_builders import serve_argvs

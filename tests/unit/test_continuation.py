@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 
-from engine.sampler import position_generator
+from engine.step.sampler import position_generator
 from postproc.processor import OutputProcessor
 from shared.protocol import Continuation, OutputParams, RequestOutput, pack_ids, unpack_ids
 from shared.tokenizer import load_tokenizer

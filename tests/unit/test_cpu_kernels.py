@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (engine/csrc/cpu_kernels.cpp) against the torch code they
+"""The compiled CPU kernels (engine/kernels/csrc/cpu_kernels.cpp) against the torch code they
 replace: RoPE and the residual add give the same bits; RMSNorm (alone and after the add)
 too, but where its float32 sum of squares (taken in another order) moves a normalised
 bfloat16 value across a rounding midpoint; SiLU-and-mul the same
@@ -16,10 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.batch import ScheduledChunk
-from engine.cpu_kernels import cpu_flags, cpu_runs, kernels_for
-from engine.models.llama import LlamaModel
-from engine.models.ops import (
+from engine.kernels.cpu_kernels import cpu_flags, cpu_runs, kernels_for
+from engine.layers.ops import (
     QUANTIZED_MAX_ROWS_FLOAT32,
     WIDENED_MAX_ROWS,
     CpuKernelOps,
@@ -27,9 +25,11 @@ from engine.models.ops import (
     make_ops,
     rms_norm,
 )
+from engine.layers.rotary import RotaryEmbedding
+from engine.layers.weights import BLOCK_KINDS, QuantizedWeight
+from engine.models.llama import LlamaModel
 from engine.models.registry import load_model_config, load_quantized_weights, load_weights
-from engine.models.rotary import RotaryEmbedding
-from engine.models.weights import BLOCK_KINDS, QuantizedWeight
+from engine.request.batch import ScheduledChunk
 from shared.model_source import default_model_path
 from tests.unit.engine_builders import CONFIG, random_weights
 

@@ -27,9 +27,9 @@ from engine.attention.selector import (
     flashinfer_unavailable,
     select_attention_backend,
 )
-from engine.batch import ScheduledChunk
-from engine.cuda_graphs import graph_batch_sizes
-from engine.sequence import Sequence
+from engine.request.batch import ScheduledChunk
+from engine.request.sequence import Sequence
+from engine.step.cuda_graphs import graph_batch_sizes
 from shared.protocol import SamplingParams
 from tests.unit import flashinfer_standin
 
@@ -223,7 +223,7 @@ def test_flashinfer_missing_or_float32_on_cuda(monkeypatch):
 
 
 def test_build_engine_refuses_flashinfer_on_cpu_before_loading_anything():
-    from engine.build import build_engine
+    from engine.process.build import build_engine
     from shared.config import EngineConfig
 
     config = EngineConfig(model="/nonexistent", served_model_name="x", request_address="x",
@@ -233,7 +233,7 @@ def test_build_engine_refuses_flashinfer_on_cpu_before_loading_anything():
 
 
 def test_gpu_cache_gets_what_weights_and_activations_leave(monkeypatch):
-    from engine.build import gpu_activation_reserve, gpu_kv_pages
+    from engine.process.build import gpu_activation_reserve, gpu_kv_pages
     from shared.config import EngineConfig
     from tests.unit.engine_builders import CONFIG
 

@@ -1,4 +1,4 @@
-"""engine.grammar and the engine's use of it: masks, matcher advance, compile off the step
+"""engine.request.grammar and the engine's use of it: masks, matcher advance, compile off the step
 loop, invalid grammars, aborts and preemption, on a tiny random Llama with the real SmolLM2
 tokenizer (llguidance needs real token bytes). No sockets."""
 
@@ -13,12 +13,12 @@ import torch
 from llguidance import grammar_from
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.core import EngineCore
-from engine.grammar import GrammarBackend
-from engine.kv_cache import PageAllocator
-from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
-from engine.scheduler import Scheduler
+from engine.request.grammar import GrammarBackend
+from engine.step.core import EngineCore
+from engine.step.kv_cache import PageAllocator
+from engine.step.model_runner import ModelRunner
+from engine.step.scheduler import Scheduler
 from shared.model_source import default_model_path
 from shared.protocol import Constraint, EngineRequest, SamplingParams, pack_ids, unpack_ids
 from shared.tokenizer import load_tokenizer

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from llguidance import grammar_from
 
-from engine.grammar import GrammarBackend
+from engine.request.grammar import GrammarBackend
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.base.errors import APIError
 from frontend.input.grammar_check import GrammarChecker

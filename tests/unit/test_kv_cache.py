@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.kv_cache import OutOfPages, PageAllocator
+from engine.step.kv_cache import OutOfPages, PageAllocator
 
 
 def test_starts_all_free():

@@ -1,7 +1,8 @@
-"""LoRA in the engine (engine.lora, engine.models.lora): random PEFT adapters built with the
-`peft` library on the tiny Llama give peft's merged model's greedy tokens, batched with the
-base model and with each other; --max-loras keeps other adapters waiting; the prefix cache
-never hands one adapter's pages to another; bad adapters are refused with their problem."""
+"""LoRA in the engine (engine.step.lora_adapters, engine.layers.lora_ops): random PEFT adapters
+built with the `peft` library on the tiny Llama give peft's merged model's greedy tokens,
+batched with the base model and with each other; --max-loras keeps other adapters waiting; the
+prefix cache never hands one adapter's pages to another; bad adapters are refused with their
+problem."""
 
 import copy
 import json
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.lora import LoraError, LoraManager
+from engine.step.lora_adapters import LoraError, LoraManager
 from shared.protocol import LoraAdapterInfo, LoraUpdate, unpack_ids
 from tests.unit.engine_builders import (
     CONFIG,
@@ -280,7 +281,7 @@ def test_bad_flags_stop_at_start(argv, message, capsys):
 
 
 def test_batch_invariant_mode_refuses_lora():
-    from engine.build import _lora_manager
+    from engine.process.build import _lora_manager
     from shared.config import EngineConfig
     from shared.startup_checks import StartupError
 

@@ -95,8 +95,8 @@ def test_frontend_series_get_the_model_name():
 
 
 def test_the_engine_endpoint_answers_empty_while_the_model_loads():
-    """The engine binds its metrics port before loading (engine.server.run_engine), so a
+    """The engine binds its metrics port before loading (engine.process.server.run_engine), so a
     scrape can come before there are stats: it gets no series, not an error."""
-    from engine.metrics_server import _EngineCollector
+    from engine.process.metrics_server import _EngineCollector
 
     assert list(_EngineCollector(lambda: None).collect()) == []

@@ -20,16 +20,16 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine.build import build_engine
-from engine.cpu_kernels import kernels
-from engine.models.ops import BLOCKS_ONLY_MAX_ROWS, CpuKernelOps
+from engine.kernels.cpu_kernels import kernels
+from engine.layers.ops import BLOCKS_ONLY_MAX_ROWS, CpuKernelOps
+from engine.layers.weights import BLOCK_KINDS
 from engine.models.registry import (
     build_model,
     load_model_config,
     load_quantized_weights,
     load_weights,
 )
-from engine.models.weights import BLOCK_KINDS
+from engine.process.build import build_engine
 from shared.config import EngineConfig
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from tests.tiny_vlm import tiny_vlm_tokenizer
@@ -248,8 +248,8 @@ def test_experts_stay_in_the_mapped_checkpoint(tmp_path, case, pairs):
     than their bytes; copied (no mapping), it grows by at least their bytes. Qwen-MoE's
     gate_proj and up_proj lie back to back in the file (one weight viewing both); Mixtral's
     w1 and w3 do not (kept as a pair)."""
+    from engine.layers.weights import in_mapped_file
     from engine.models.registry import build_model, expected_shapes, load_weights
-    from engine.models.weights import in_mapped_file
 
     config_cls, _, overrides = CASES[case]
     experts = {"num_experts": 64} if case == "qwen3_moe" else {"num_local_experts": 64}
@@ -290,9 +290,9 @@ def test_moe_block_paths_agree(monkeypatch):
     over stacked experts (as served on CUDA in bfloat16; F.grouped_mm runs on CPU too), and
     token by token (the reference that SLUICE_MOE_PER_TOKEN=1 switches on for
     benchmarks/moe_serve.py): the same output."""
-    from engine.models.config import MoeConfig
+    from engine.layers.config import MoeConfig
+    from engine.layers.ops import TorchOps
     from engine.models.moe import ExpertLinear, MoeBlock
-    from engine.models.ops import TorchOps
 
     gen = torch.Generator().manual_seed(0)
 
@@ -476,7 +476,7 @@ def test_longrope_uses_long_factors_past_the_original_length():
     the cos/sin transformers computes for a sequence longer than the original length."""
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from engine.models.rotary import RotaryEmbedding
+    from engine.layers.rotary import RotaryEmbedding
 
     original, length = 16, 40
     rope = {"rope_type": "longrope", "rope_theta": 1000.0, "original_max_position_embeddings":

@@ -10,18 +10,18 @@ import torch
 import transformers
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.core import EngineCore
-from engine.cpu_kernels import kernels
-from engine.kv_cache import PageAllocator
-from engine.model_runner import ModelRunner
-from engine.models.ops import CpuKernelOps
+from engine.kernels.cpu_kernels import kernels
+from engine.layers.ops import CpuKernelOps
 from engine.models.registry import (
     build_model,
     load_model_config,
     load_quantized_weights,
     load_weights,
 )
-from engine.scheduler import Scheduler
+from engine.step.core import EngineCore
+from engine.step.kv_cache import PageAllocator
+from engine.step.model_runner import ModelRunner
+from engine.step.scheduler import Scheduler
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from tests.unit.engine_builders import hf_config_kwargs
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from engine.models.idefics3 import ImageSpec
-from engine.multimodal import ImageProblem, cache_key, parse_images
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
+from engine.step.multimodal import ImageProblem, cache_key, parse_images
+from engine.step.scheduler import Scheduler
 from frontend.base.api_models import ChatCompletionRequest, ChatMessage, ContentPart
 from frontend.base.errors import APIError
 from frontend.core.input_stage import chat_input
@@ -265,7 +265,7 @@ def test_a_text_engine_refuses_images():
 
 
 def _page_hashes(pixels: np.ndarray, page_size: int = 2) -> list[bytes]:
-    from engine.kv_cache import PageAllocator
+    from engine.step.kv_cache import PageAllocator
 
     images = parse_images([_input(pixels=pixels)], PROMPT, SPEC)
     seq = Sequence(request_id="r", token_ids=list(PROMPT), num_prompt_tokens=len(PROMPT),

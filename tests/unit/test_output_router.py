@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from engine.output_router import OutputRouter
+from engine.process.output_router import OutputRouter
 from shared.codec import encode, frontend_inbound_decoder, worker_inbound_decoder
 from shared.protocol import (
     EngineRequest,

@@ -1,7 +1,7 @@
-"""The engine's watch on frontend connections (engine.server.PeerWatch), on a fake clock."""
+"""The engine's watch on frontend connections (engine.process.server.PeerWatch), on a fake clock."""
 
-import engine.server as server
-from engine.server import PeerWatch
+import engine.process.server as server
+from engine.process.server import PeerWatch
 
 
 class Clock:

@@ -6,7 +6,7 @@ sentence-transformers' `encode` in float32, single and batched with mixed length
 import numpy as np
 import pytest
 
-from engine.build import build_engine
+from engine.process.build import build_engine
 from shared.config import EngineConfig
 from shared.pooling_config import PoolerConfig, pooling_facts, resolve_runner
 from shared.protocol import EngineRequest, PoolingParams, SamplingParams, pack_ids, unpack_tensor

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.build import build_engine
+from engine.process.build import build_engine
 from shared.config import EngineConfig
 from shared.pooling_config import (
     PoolerConfig,

@@ -4,7 +4,7 @@ tiny random Llama of engine_builders: no sockets, no real checkpoint."""
 import msgspec
 import pytest
 
-from engine.kv_cache import PageAllocator, chain_hash, root_hash
+from engine.step.kv_cache import PageAllocator, chain_hash, root_hash
 from tests.unit.engine_builders import build_core, drain, random_weights, request
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.sampler import SamplingRows, sample
+from engine.step.sampler import SamplingRows, sample
 from shared.protocol import SamplingParams
 
 VOCAB = 32

@@ -6,10 +6,10 @@ from typing import NamedTuple
 
 import pytest
 
-from engine.batch import SchedulerOutput
-from engine.kv_cache import PageAllocator
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.request.batch import SchedulerOutput
+from engine.request.sequence import Sequence, SequenceStatus
+from engine.step.kv_cache import PageAllocator
+from engine.step.scheduler import Scheduler
 from shared.protocol import SamplingParams
 
 _ids = itertools.count()

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine.spec_decode, --speculative-config): the flag's bounds, the
+"""Speculative decoding (engine.step.spec_decode, --speculative-config): the flag's bounds, the
 n-gram proposer, and in the engine that drafting changes nothing but the step count: greedy
 tokens, finishes, logprobs, penalties and grammars as without it, sampled tokens with the
 same distribution, no KV page left behind and no draft page in the prefix cache."""
@@ -13,14 +13,14 @@ import torch
 from llguidance import grammar_from
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.batch import ScheduledChunk
-from engine.core import EngineCore
-from engine.grammar import GrammarBackend
-from engine.kv_cache import PageAllocator
-from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
-from engine.scheduler import Scheduler
-from engine.spec_decode import Drafter, NgramProposer
+from engine.request.batch import ScheduledChunk
+from engine.request.grammar import GrammarBackend
+from engine.step.core import EngineCore
+from engine.step.kv_cache import PageAllocator
+from engine.step.model_runner import ModelRunner
+from engine.step.scheduler import Scheduler
+from engine.step.spec_decode import Drafter, NgramProposer
 from shared import histograms as h
 from shared.metrics_export import engine_families, with_vllm_names
 from shared.model_source import default_model_path
@@ -418,8 +418,8 @@ def test_a_verifying_chunk_is_attended_as_decode_rows(weights):
 
 
 def test_draft_length_follows_the_acceptance_rate_and_the_batch():
-    from engine.records import DraftState
-    from engine.sequence import Sequence
+    from engine.request.records import DraftState
+    from engine.request.sequence import Sequence
     from shared.protocol import SamplingParams
 
     drafter = Drafter(spec(k=6, low=1, high=2))

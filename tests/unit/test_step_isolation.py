@@ -3,9 +3,9 @@ item 4): the fault is injected with a narrow mock, since valid input cannot caus
 
 import pytest
 
-import engine.logits_processors as logits_processors
-import engine.model_runner as model_runner
-import engine.sampler as sampler
+import engine.step.logits_processors as logits_processors
+import engine.step.model_runner as model_runner
+import engine.step.sampler as sampler
 from tests.unit.engine_builders import (
     assert_all_free,
     build_core,

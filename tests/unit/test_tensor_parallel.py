@@ -29,15 +29,15 @@ import pytest
 import torch
 import transformers
 
-import engine.lora as engine_lora
-from engine.build import build_engine
-from engine.models.config import MoeConfig
+import engine.step.lora_adapters as engine_lora
+from engine.layers.config import MoeConfig
+from engine.layers.sharding import Shard, check_tensor_parallel
+from engine.layers.weights import BLOCK_KINDS
 from engine.models.gpt_oss import GptOssOptions, dequantize_mxfp4
 from engine.models.registry import load_model_config, load_quantized_weights, load_weights
-from engine.models.weights import BLOCK_KINDS
 from engine.parallel.leader import Watchdog
 from engine.parallel.rendezvous import plan_rendezvous
-from engine.parallel.sharding import Shard, check_tensor_parallel
+from engine.process.build import build_engine
 from shared.config import EngineConfig
 from shared.protocol import (
     EngineRequest,
@@ -420,7 +420,7 @@ def test_a_gguf_at_two_ranks_decodes_through_its_blocks_as_one_rank(gguf_file):
     """The GGUF served at 2 ranks against 1 (the CPU kernels over the blocks at every step:
     8-row chunks): greedy tokens equal, logprobs within 1e-4; rank 0 multiplies by its
     half of each weight's blocks, every linear but layer 1's o_proj (dense, see above)."""
-    from engine.cpu_kernels import enabled, kernels
+    from engine.kernels.cpu_kernels import enabled, kernels
 
     if kernels() is None:
         assert not enabled() or shutil.which("c++") is None, "the CPU kernels failed to build"
@@ -470,7 +470,7 @@ def _small_config(**fields):
     ("gate_proj", 32, 37), ("up_proj", 32, 37), ("gate_up_proj", 32, 74),
     ("o_proj", 16, 32), ("down_proj", 37, 32)])
 def test_adapter_slices_give_each_rank_its_part_of_the_product(module, width, out):
-    """engine.lora's slices at 2 ranks (4 heads of 4, 1 KV head: replicated; an odd
+    """engine.step.lora_adapters's slices at 2 ranks (4 heads of 4, 1 KV head: replicated; an odd
     intermediate: padded): on a column-parallel module each rank's x A_r^T B_r^T is its
     rows of the whole product, as the base weight's rows are; on a row-parallel one the
     ranks' products over their input columns sum to the whole."""

@@ -90,7 +90,7 @@ def test_a_thinking_budget_writes_the_end_tag_when_spent(weights):
 
 
 def test_the_tracker_follows_sections_and_partial_tags():
-    from engine.thinking import ThinkingTracker
+    from engine.request.thinking import ThinkingTracker
 
     tracker = ThinkingTracker(_budget(2, inside=False, start=(7,), end=(8, 9)))
     prompt = [1, 2]

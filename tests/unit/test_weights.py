@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from engine.models.config import ModelConfig, RopeScaling
+from engine.layers.config import ModelConfig, RopeScaling
+from engine.layers.weights import _undo_rope_permute
 from engine.models.registry import expected_shapes, load_model_config, load_weights
-from engine.models.weights import _undo_rope_permute
 from shared.model_source import DEFAULT_MODEL_FILE
 from tests.hf_default_model import hf_default_model
 from tests.unit.engine_builders import CONFIG, hf_config_kwargs

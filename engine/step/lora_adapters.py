@@ -32,8 +32,8 @@ import msgspec
 import torch
 from safetensors import safe_open
 
-from engine.models.lora import TARGETS, LinearSite, LoraOps, LowRank, fuse, linear_sites
-from engine.parallel.sharding import Shard
+from engine.layers.lora_ops import TARGETS, LinearSite, LoraOps, LowRank, fuse, linear_sites
+from engine.layers.sharding import Shard
 from shared.protocol import LoraAdapterInfo
 
 log = logging.getLogger("sluice.engine")

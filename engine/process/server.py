@@ -3,7 +3,7 @@
 Threads: one receives requests, aborts and pings (and answers pings itself, so heartbeats
 flow even during a long step; a frontend connection that stops sending for
 --frontend-timeout has its requests aborted); one encodes and routes outputs to postproc workers or
-frontends (`engine.output_router`). The main thread only drains
+frontends (`engine.process.output_router`). The main thread only drains
 the inbox, steps the model and hands outputs over, so compute overlaps with (de)serialization.
 
 SIGTERM drains: the engine tells every frontend at once (its stats say `draining`, so they
@@ -25,10 +25,10 @@ import time
 import msgspec
 import zmq
 
-from engine.build import build_engine
-from engine.core import EngineCore
-from engine.metrics_server import start_metrics_server
-from engine.output_router import FleetCounts, OutputRouter
+from engine.process.build import build_engine
+from engine.process.metrics_server import start_metrics_server
+from engine.process.output_router import FleetCounts, OutputRouter
+from engine.step.core import EngineCore
 from shared.codec import encode, engine_inbound_decoder
 from shared.config import EngineConfig
 from shared.protocol import AbortRequest, EngineRequest, EngineStats, LoraUpdate, Ping
@@ -278,7 +278,7 @@ def run_engine(config: EngineConfig) -> None:
     rdv = plan_rendezvous(config.tensor_parallel_size, config.nnodes, config.node_rank,
                           config.master_addr, config.master_port)
     if rdv is not None and rdv.rank != 0:  # a tensor-parallel rank of an engine elsewhere
-        from engine.parallel.worker import run_rank
+        from engine.process.tp_worker import run_rank
 
         sys.exit(run_rank(config, rdv))
     if rdv is not None:  # the port picked now is the one every rank is told

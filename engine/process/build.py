@@ -1,7 +1,7 @@
 """Building an engine from its config: the device and dtype, the attention backend, the
 model and its weights, how many KV pages fit, and the EngineCore that ties them together.
 
-`engine.server.run_engine` calls `build_engine` before it opens any socket; benchmarks and
+`engine.process.server.run_engine` calls `build_engine` before it opens any socket; benchmarks and
 tests call it to get a core without the process around it. What only the loaded model can
 tell (the KV cache holding one sequence, kernels the weights need) stops it the way the
 start-up checks do: one `sluice: ...` line (`shared.startup_checks.StartupError`)."""
@@ -21,26 +21,26 @@ from engine.attention.selector import (
     create_attention_backend,
     select_attention_backend,
 )
-from engine.core import EngineCore
-from engine.device import resolve_dtype
-from engine.grammar import GrammarBackend
-from engine.kv_cache import PageAllocator
-from engine.lora import LoraError, LoraManager
-from engine.model_runner import ModelRunner
-from engine.models.config import ModelConfig
-from engine.models.ops import QUANTIZED_MAX_ROWS, make_ops
+from engine.layers.config import ModelConfig
+from engine.layers.ops import QUANTIZED_MAX_ROWS, make_ops
+from engine.layers.sharding import Shard, check_tensor_parallel, local_config
+from engine.layers.tp_group import SINGLE, TPGroup
 from engine.models.registry import (
     build_model,
     load_model_config,
     load_quantized_weights,
     load_weights,
 )
-from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.rendezvous import Rendezvous
-from engine.parallel.sharding import Shard, check_tensor_parallel, local_config
-from engine.pooling import TokenScoreHead
-from engine.scheduler import Scheduler
-from engine.spec_decode import Drafter
+from engine.process.device import resolve_dtype
+from engine.request.grammar import GrammarBackend
+from engine.step.core import EngineCore
+from engine.step.kv_cache import PageAllocator
+from engine.step.lora_adapters import LoraError, LoraManager
+from engine.step.model_runner import ModelRunner
+from engine.step.pooler import TokenScoreHead
+from engine.step.scheduler import Scheduler
+from engine.step.spec_decode import Drafter
 from shared.config import EngineConfig
 from shared.pooling_config import PoolingFacts, pooling_facts, resolve_runner
 from shared.startup_checks import StartupError
@@ -176,7 +176,7 @@ class RankModel(msgspec.Struct):
     choice: object  # the attention backend's BackendChoice
     cmd_group: object = None  # tensor parallel: the group rank 0's commands come on
     procs: list = []  # tensor parallel: (rank, Popen) of the ranks this process started
-    score_head: object = None  # --hf-overrides' yes/no head (engine.pooling.TokenScoreHead)
+    score_head: object = None  # --hf-overrides' yes/no head (engine.step.pooler.TokenScoreHead)
 
 
 def build_engine(config: EngineConfig) -> EngineCore:
@@ -212,7 +212,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
     eager = (config.enforce_eager or config.batch_invariant or model_config.moe is not None
              or pooling is not None or lora is not None or rdv is not None)
     if loaded.choice.name == "flashinfer" and not eager:
-        from engine.cuda_graphs import DecodeGraphModel, graph_batch_sizes
+        from engine.step.cuda_graphs import DecodeGraphModel, graph_batch_sizes
 
         model = DecodeGraphModel(
             model, backend, graph_batch_sizes(config.max_num_seqs), max_model_len
@@ -228,7 +228,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
         runner.classifier_head = loaded.score_head
     max_batched = config.max_num_batched_tokens
     if pooling is not None:
-        # A pooling request is prefilled whole in one step (engine.scheduler), as vLLM
+        # A pooling request is prefilled whole in one step (engine.step.scheduler), as vLLM
         # turns chunked prefill off for pooling models.
         max_batched = max(max_batched, max_model_len)
     return EngineCore(
@@ -262,7 +262,7 @@ def _rendezvous(config: EngineConfig) -> Rendezvous | None:
 
 
 def load_rank(config: EngineConfig, rdv: Rendezvous):
-    """A tensor-parallel rank other than 0 (engine.parallel.worker): its model shard, its
+    """A tensor-parallel rank other than 0 (engine.process.tp_worker): its model shard, its
     attention backend, and the group rank 0's commands come on."""
     loaded = _load(config, rdv, _pooling(config))  # an embedder's checkpoint: its names
     return loaded.model, loaded.backend, loaded.cmd_group

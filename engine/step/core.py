@@ -1,6 +1,6 @@
 """The engine's state machine without sockets: add, abort, step, stats.
 
-`engine.server` feeds it from the network; tests can drive it directly.
+`engine.process.server` feeds it from the network; tests can drive it directly.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import time
 
 import numpy as np
 
-from engine.grammar import GrammarBackend
-from engine.kv_cache import PageAllocator
-from engine.lora import LoraError, LoraManager
-from engine.model_runner import ModelRunner
-from engine.multimodal import ImageProblem, parse_images
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.request.grammar import GrammarBackend
+from engine.request.sequence import Sequence
+from engine.step.kv_cache import PageAllocator
+from engine.step.lora_adapters import LoraError, LoraManager
+from engine.step.model_runner import ModelRunner
+from engine.step.multimodal import ImageProblem, parse_images
+from engine.step.scheduler import Scheduler
 from shared import histograms as h
 from shared.param_ranges import (
     MAX_LOGPROBS,
@@ -86,7 +86,7 @@ class EngineCore:
         options = getattr(getattr(runner, "model", None), "options", None)
         self.type_vocab_size = getattr(options, "type_vocab_size", 1)  # encoders' segments
         self.lora = lora  # its LoRA adapters (--enable-lora); None: base model only
-        # What a VLM takes as an image (engine.multimodal); None: text only, images refused.
+        # What a VLM takes as an image (engine.step.multimodal); None: text only, images refused.
         vision = getattr(runner, "vision", None)
         self.image_spec = vision.spec if vision is not None else None
         # Structured output (llguidance); None: constrained requests are refused.

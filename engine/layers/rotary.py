@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from engine.models.config import ModelConfig, RopeScaling
+from engine.layers.config import ModelConfig, RopeScaling
 
 
 class RotaryEmbedding:

@@ -1,4 +1,4 @@
-"""The engine's own CPU kernels (engine/csrc/cpu_kernels.cpp): fused RMSNorm, RoPE and
+"""The engine's own CPU kernels (engine/kernels/csrc/cpu_kernels.cpp): fused RMSNorm, RoPE and
 SiLU-and-mul, a paged decode attention that reads the KV cache in place, and a linear over
 a GGUF checkpoint's own Q4_1/Q8_0, Q4_K/Q5_K/Q6_K and MXFP4 blocks.
 
@@ -14,17 +14,17 @@ SLUICE_CPU_KERNELS=0 turns them off, to measure the difference or to rule them o
 Float32 rows over Q4_1/Q8_0 blocks take the linear's int16 path (x rounded to int16 per
 group of 4 values, 2^-16 of the group's largest, then integer dot products: faster, not
 bit-exact) up to 2 rows by default; SLUICE_CPU_INT16_ROWS=N sets the row count, 0 turns it
-off (engine/models/ops.py INT16_X_MAX_ROWS, docs/benchmarks.md).
+off (engine/layers/ops.py INT16_X_MAX_ROWS, docs/benchmarks.md).
 
 Their hot loops have an AVX-512 path and an AVX2+FMA one (the module's `simd` says which
 it was built with), scalar code elsewhere. SLUICE_CPU_ISA=avx2 makes this machine behave
 as an AVX2-only CPU (AMD Zen 3, older Intel): the kernels are built for x86-64-v3 (AVX2,
 FMA, F16C; no AVX-512), and `--dtype auto` picks float32 as it does there
-(engine/device.py). Every machine can so run the path that machine kind runs; `native`
+(engine/process/device.py). Every machine can so run the path that machine kind runs; `native`
 (the default) targets the CPU itself. `kernels_for(isa)` loads either build (the tests
 run both where the CPU can).
 
-    python -m engine.cpu_kernels     # build now (what `make install` runs)
+    python -m engine.kernels.cpu_kernels     # build now (what `make install` runs)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 own heads, rank 0's page count), then follows rank 0's commands until STOP or until rank 0
 is gone (its collectives fail: the rank exits, so nothing outlives its engine).
 
-Run as `python -m engine.parallel.worker SPEC` by rank 0 (or a node's first rank), SPEC
+Run as `python -m engine.process.tp_worker SPEC` by rank 0 (or a node's first rank), SPEC
 being a `WorkerSpec` in JSON; a torchrun-started rank gets here through `sluice engine`.
 """
 
@@ -26,14 +26,14 @@ log = logging.getLogger("sluice.engine")
 
 
 def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
-    from engine.batch import ScheduledChunk
-    from engine.build import load_rank
+    from engine.process.build import load_rank
+    from engine.request.batch import ScheduledChunk
 
     model, backend, cmd_group = load_rank(config, rdv)
     device, dtype = model.device, model.dtype
     lora = None
     if config.enable_lora:  # adapters come as LORA commands, under rank 0's ids
-        from engine.lora import LoraManager
+        from engine.step.lora_adapters import LoraManager
 
         lora = LoraManager(model, config.max_loras, config.max_lora_rank, 0)
     hidden_size = model.config.hidden_size
@@ -76,7 +76,7 @@ def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
 
 def _apply_lora(lora, change) -> str:
     """This rank's slice of an adapter installed (or removed); "" or "STATUS why"."""
-    from engine.lora import LoraError
+    from engine.step.lora_adapters import LoraError
 
     if lora is None:
         return "400 LoRA is not enabled on this rank"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sequence import Sequence
-from engine.thinking import ThinkingTracker
+from engine.request.sequence import Sequence
+from engine.request.thinking import ThinkingTracker
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.batch import ScheduledChunk
+from engine.request.batch import ScheduledChunk
 from shared.pooling_config import PoolerConfig
 from shared.protocol import PoolingParams
 
@@ -43,7 +43,7 @@ class TokenScoreHead:
     """A decoder served as a yes/no reranker (vLLM's `is_original_qwen3_reranker`): its one
     label's logit is logit(true token) - logit(false token) at the pooled (last) row, from
     the LM head's two rows; so the score's sigmoid equals P(true) of a softmax over the two.
-    `difference`: row(true) - row(false) in float32 (engine.build puts it together from the
+    `difference`: row(true) - row(false) in float32 (engine.process.build puts it together from the
     ranks' parts of the LM head under tensor parallelism)."""
 
     def __init__(self, difference: torch.Tensor, device) -> None:

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from engine.records import DraftState
-from engine.thinking import ThinkingTracker
+from engine.request.records import DraftState
+from engine.request.thinking import ThinkingTracker
 from shared.protocol import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.grammar import RequestGrammar
+    from engine.request.grammar import RequestGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -32,8 +32,9 @@ class Sequence(msgspec.Struct, kw_only=True):
     max_output_tokens: int
     cache_salt: str | None = None
     priority: int = 0  # lower runs first under the priority policy
-    lora_id: int = 0  # its LoRA adapter's engine-unique id (engine.lora); 0: the base model
-    images: list = []  # engine.multimodal.SeqImage, in prompt order (req T-13)
+    # its LoRA adapter's engine-unique id (engine.step.lora_adapters); 0: the base model
+    lora_id: int = 0
+    images: list = []  # engine.step.multimodal.SeqImage, in prompt order (req T-13)
     peer: bytes | None = None  # the ROUTER identity of the connection it came on
     order: int = 0  # arrival order in the engine, the FCFS key and the tie-breaker
     status: SequenceStatus = SequenceStatus.WAITING
@@ -75,9 +76,9 @@ class Sequence(msgspec.Struct, kw_only=True):
     # Set with finish_reason "error": what went wrong, and whose fault (HTTP-style status).
     error: str | None = None
     error_status: int = 0
-    # How its speculative drafts fare, once it has drafted (engine.spec_decode).
+    # How its speculative drafts fare, once it has drafted (engine.step.spec_decode).
     draft_state: DraftState | None = None
-    # A pooling request (engine.pooling): prefilled whole in one step, never cached, never
+    # A pooling request (engine.step.pooler): prefilled whole in one step, never cached, never
     # sampled; its result is the pooled vector.
     pooling: PoolingParams | None = None
     pooled: object = None  # numpy float32 vector, once computed

@@ -28,8 +28,8 @@ import msgspec
 import numpy as np
 import torch
 
-from engine.models.config import ModelConfig
-from engine.models.weights import MXFP4_BLOCK
+from engine.layers.config import ModelConfig
+from engine.layers.weights import MXFP4_BLOCK
 from shared.startup_checks import StartupError
 
 # Families whose blocks are sharded (Idefics3's text model is "llama", marked multimodal).
@@ -187,7 +187,7 @@ class Shard(msgspec.Struct, frozen=True):
     def take_from(self, name: str, shape: tuple[int, ...], read) -> torch.Tensor:
         """`take` of a tensor of `shape` that is read piece by piece: read(dim, start, stop)
         gives its [start, stop) along dim (a GGUF's blocks dequantized only where the rank's
-        part lies, engine.models.weights)."""
+        part lies, engine.layers.weights)."""
         split = self._split(name)
         if split is None:
             return read(0, 0, shape[0]).clone()

@@ -68,7 +68,7 @@ def add_engine_command(engine: argparse.ArgumentParser) -> None:
 
 
 def run_engine_command(args) -> int:
-    from engine.server import run_engine
+    from engine.process.server import run_engine
 
     run_engine(engine_config(args, args.engine_address, args.postproc_address))
     return 0
@@ -311,9 +311,9 @@ def check_engine(args) -> None:
 
 
 def check_cpu_isa() -> None:
-    """SLUICE_CPU_ISA names a target the kernels can be built for (engine.cpu_kernels); a
+    """SLUICE_CPU_ISA names a target the kernels can be built for (engine.kernels.cpu_kernels); a
     misspelt one would otherwise end the engine in a ValueError traceback at its load."""
-    from engine.cpu_kernels import target_isa
+    from engine.kernels.cpu_kernels import target_isa
 
     try:
         target_isa()
@@ -354,7 +354,7 @@ def check_batch_invariant(args) -> None:
     switches off (a failed build is only known once the engine tries it, and it says so)."""
     if not args.batch_invariant or args.device.startswith("cuda"):
         return
-    from engine.cpu_kernels import enabled
+    from engine.kernels.cpu_kernels import enabled
 
     if not enabled() and (args.device == "cpu" or not _sees_cuda()):
         raise StartupError("--batch-invariant needs the engine's CPU kernels, which "

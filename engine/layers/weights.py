@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from engine.models.config import ModelConfig, gguf_reader
+from engine.layers.config import ModelConfig, gguf_reader
 
 log = logging.getLogger("sluice.engine")
 
@@ -46,7 +46,7 @@ GGUF_LAYER_NAMES = {
 # llama.cpp's stacked experts [experts, out, in] -> each expert's HF projection.
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                       "ffn_down_exps": "down_proj"}
-# Tensors a GGUF file stores that are configuration, read by engine.models.config.
+# Tensors a GGUF file stores that are configuration, read by engine.layers.config.
 _GGUF_CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight",
                         "rope_factors_short.weight"}
 _GGUF_GLOBAL_NAMES = {
@@ -81,7 +81,7 @@ def read_weights(
     `pooling`: for a pooling runner, which never computes logits: the LM head may be absent
     (it then shares the embedding's storage, unused), and a checkpoint saved from the bare
     model (Qwen3-Embedding: `layers.0...`, no `model.` prefix) loads too.
-    shard: a tensor-parallel rank's `engine.parallel.sharding.Shard`; each tensor is then cut
+    shard: a tensor-parallel rank's `engine.layers.sharding.Shard`; each tensor is then cut
     to that rank's part as it is read, so no process holds the whole model.
     map_experts_as: the dtype the model computes in. A safetensors checkpoint's MoE expert
     tensors stored in it are left in the file, memory-mapped (see `in_mapped_file`), not
@@ -232,7 +232,7 @@ def _gguf_part(data: np.ndarray, qtype, gguf_name: str, name: str, stored: tuple
     return shard.take_from(name, shape, read)
 
 
-# GGUF block formats the CPU kernels multiply in place (engine/csrc/cpu_kernels.cpp),
+# GGUF block formats the CPU kernels multiply in place (engine/kernels/csrc/cpu_kernels.cpp),
 # by the kernel's number for them: Q4_1 and Q8_0 (32-weight blocks), and the k-quants of
 # most GGUF files on the Hub (256-weight blocks: Q4_K_M files hold Q4_K and Q6_K, Q5_K_M
 # files Q5_K and Q6_K), and MXFP4 (32-weight blocks: gpt-oss files' experts).
@@ -254,7 +254,7 @@ def read_quantized_weights(model_path: str, config: ModelConfig, names: Checkpoi
     stacked MoE tensor (`ffn_*_exps`) so stored, under the expert's HF name: a view of the
     stacked blocks in the file (an expert's rows are a contiguous run of them). Empty for
     anything else.
-    shard: a tensor-parallel rank's `engine.parallel.sharding.Shard`: each tensor's blocks
+    shard: a tensor-parallel rank's `engine.layers.sharding.Shard`: each tensor's blocks
     are cut to the rank's part as they are read (`Shard.take_blocks`), before anything is
     copied; a row-parallel tensor whose cut falls inside a block is left out (the rank
     multiplies its dense slice), and so are experts (a rank multiplies its dense part of

@@ -1,4 +1,4 @@
-// CPU kernels for the decode step's small ops, built on first use by engine/cpu_kernels.py.
+// CPU kernels for the decode step's small ops, built on first use by engine/kernels/cpu_kernels.py.
 //
 // On a CPU a decode step spends as much time in the ~30 small torch ops per layer (norms,
 // rotary, SiLU-and-mul, gathering the paged context for attention) as in the matmuls: each

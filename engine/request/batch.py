@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.sequence import Sequence
+from engine.request.sequence import Sequence
 
 
 class ScheduledChunk(msgspec.Struct):
     seq: Sequence
     start: int  # position of the first token fed this step
     num_tokens: int  # including the draft
-    # Speculative tokens fed after the known ones, to be verified (engine.spec_decode).
+    # Speculative tokens fed after the known ones, to be verified (engine.step.spec_decode).
     draft: list[int] = []
 
     @property

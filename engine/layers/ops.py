@@ -18,7 +18,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from engine.models.weights import BLOCK_KINDS, in_mapped_file
+from engine.layers.weights import BLOCK_KINDS, in_mapped_file
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,7 +174,7 @@ def int16_x_max_rows_env() -> int:
 
 
 class CpuKernelOps(TorchOps):
-    """TorchOps with the engine's compiled CPU kernels (`engine.cpu_kernels`): RMSNorm
+    """TorchOps with the engine's compiled CPU kernels (`engine.kernels.cpu_kernels`): RMSNorm
     (alone and fused with the residual add), RoPE and SiLU-and-mul in one call each instead
     of two to eight torch ops, with the same roundings (tests/unit/test_cpu_kernels.py), and
     small-batch linears over the checkpoint's quantized blocks. Falls back to TorchOps for
@@ -483,7 +483,7 @@ def make_ops(name: str, device: torch.device, batch_invariant: bool = False) -> 
     if name == "flashinfer":
         return FlashInferOps(batch_invariant)
     if device.type == "cpu":
-        from engine.cpu_kernels import enabled, kernels
+        from engine.kernels.cpu_kernels import enabled, kernels
 
         compiled = kernels()
         if compiled is not None:
@@ -493,7 +493,7 @@ def make_ops(name: str, device: torch.device, batch_invariant: bool = False) -> 
                              "SLUICE_CPU_KERNELS switches off; unset it")
         if batch_invariant:
             raise ValueError("--batch-invariant needs the engine's CPU kernels, which are not "
-                             "available here (see the log; `python -m engine.cpu_kernels` "
+                             "available here (see the log; `python -m engine.kernels.cpu_kernels` "
                              "builds them)")
     elif batch_invariant:
         raise ValueError(f"--batch-invariant runs on a CPU or with flashinfer, not {device}")

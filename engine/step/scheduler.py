@@ -44,11 +44,11 @@ from __future__ import annotations
 import bisect
 import itertools
 
-from engine.batch import ScheduledChunk, SchedulerOutput
-from engine.kv_cache import OutOfPages, PageAllocator, chain_hash, root_hash
-from engine.multimodal import cache_key
-from engine.sequence import Sequence, SequenceStatus
-from engine.spec_decode import Drafter
+from engine.request.batch import ScheduledChunk, SchedulerOutput
+from engine.request.sequence import Sequence, SequenceStatus
+from engine.step.kv_cache import OutOfPages, PageAllocator, chain_hash, root_hash
+from engine.step.multimodal import cache_key
+from engine.step.spec_decode import Drafter
 
 POLICIES = ("fcfs", "priority")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.parallel.sharding import Shard
+from engine.layers.sharding import Shard
 
 
 class TPGroup:

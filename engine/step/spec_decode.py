@@ -35,13 +35,13 @@ import msgspec
 import numpy as np
 import torch
 
-from engine.grammar import step_masks
-from engine.records import DraftState, SampledToken
+from engine.request.grammar import step_masks
+from engine.request.records import DraftState, SampledToken
 from shared import histograms as h
 from shared.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from engine.request.sequence import Sequence
 
 log = logging.getLogger("sluice.engine")
 

@@ -10,8 +10,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16). Without either,
     oneDNN emulates bf16 and float32 is faster. SLUICE_CPU_ISA=avx2 answers as such a CPU
-    would (engine/cpu_kernels.py), so any machine can run what an AVX2-only one runs."""
-    from engine.cpu_kernels import target_isa
+    would (engine/kernels/cpu_kernels.py), so any machine can run what an AVX2-only one runs."""
+    from engine.kernels.cpu_kernels import target_isa
 
     if target_isa() == "avx2":
         return False

@@ -9,15 +9,15 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.batch import ScheduledChunk
-from engine.grammar import GrammarMasks, step_masks
-from engine.logits_processors import process_logits
 from engine.models.llama import LlamaModel
-from engine.multimodal import step_embeddings
-from engine.pooling import pool_chunks
-from engine.records import SampledToken
-from engine.sampler import SamplingRows, row_generators, sample, token_logprobs, token_ranks
-from engine.spec_decode import DraftCheck, verify
+from engine.request.batch import ScheduledChunk
+from engine.request.grammar import GrammarMasks, step_masks
+from engine.request.records import SampledToken
+from engine.step.logits_processors import process_logits
+from engine.step.multimodal import step_embeddings
+from engine.step.pooler import pool_chunks
+from engine.step.sampler import SamplingRows, row_generators, sample, token_logprobs, token_ranks
+from engine.step.spec_decode import DraftCheck, verify
 from shared.pooling_config import PoolerConfig
 from shared.protocol import TokenLogprobs
 
@@ -44,7 +44,7 @@ class StepResult(msgspec.Struct):
     failed: dict[str, str] = msgspec.field(default_factory=dict)
     # By request id: the tokens verifying its draft gave after its sampled one, in order.
     verified: dict[str, list[SampledToken]] = msgspec.field(default_factory=dict)
-    # By request id: the pooled vector of each pooling request in the step (engine.pooling).
+    # By request id: the pooled vector of each pooling request in the step (engine.step.pooler).
     pooled: dict[str, np.ndarray] = msgspec.field(default_factory=dict)
 
 
@@ -61,14 +61,14 @@ class ModelRunner:
         self.pooler = pooler  # set: a pooling runner (vLLM's --runner pooling)
         # A cross-encoder: its head turns the pooled row into label scores.
         self.classifier = bool(getattr(getattr(model, "options", None), "num_labels", 0))
-        # A decoder served as a yes/no reranker (--hf-overrides): engine.pooling.TokenScoreHead.
+        # A decoder served as a yes/no reranker (--hf-overrides): engine.step.pooler.TokenScoreHead.
         self.classifier_head = None
         self.backend = backend
         self.vocab_size = vocab_size
         self.vision = vision  # a VLM's encoder (engine.models.idefics3); None: text only
         self.device = model.device
         self.stage = ""  # what the sampling phase ran last (see _sample)
-        self.lora_ops = None  # engine.models.lora.LoraOps when LoRA is enabled
+        self.lora_ops = None  # engine.layers.lora_ops.LoraOps when LoRA is enabled
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
@@ -117,7 +117,7 @@ class ModelRunner:
                 draft_logits: torch.Tensor, result: StepResult
                 ) -> dict[str, list[SampledToken]]:
         """Draft positions, scored in the same forward pass, into the tokens they give
-        (engine.spec_decode.verify), for the rows whose first token came out."""
+        (engine.step.spec_decode.verify), for the rows whose first token came out."""
         first = dict(zip((c.seq.request_id for c in sampling), result.sampled, strict=True))
         kept = [c for c in checks if first[c.seq.request_id] is not None
                 and c.seq.request_id not in result.failed]
