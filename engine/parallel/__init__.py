@@ -1,10 +1,12 @@
-"""Tensor parallelism: one model over several ranks (processes), wired with torch.distributed.
+"""Tensor parallelism's control: one model over several ranks (processes), wired with
+torch.distributed.
 
-- `sharding`: which slice of each checkpoint tensor a rank holds (by HF name), and the
-  combinations refused at start.
-- `group`: a rank's collectives (the model's all-reduces, the vocabulary gather).
 - `rendezvous`: who this process is (rank, world, master address) from the flags or the
   torchrun environment.
 - `leader`: rank 0, inside the engine: starts the local ranks, sends each step's plan.
-- `worker`: every other rank: loads its shard and follows rank 0's steps.
+- `commands`: what rank 0 sends the others.
+
+The slice of each tensor a rank holds and its collectives are layers
+(engine.layers.sharding, engine.layers.tp_group); every rank but 0 runs
+engine.process.tp_worker.
 """

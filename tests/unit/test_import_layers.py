@@ -196,3 +196,26 @@ def test_the_wing_check_finds_an_upward_and_a_sideways_import():
 
 def test_frontend_imports_run_down_its_wings():
     assert upward_imports(import_graph(), "frontend", FRONTEND_WINGS) == []
+
+
+# The engine's wings from the top down (engine/README.md), with the same rule.
+ENGINE_WINGS = {
+    "process": 7,
+    "parallel": 6,
+    "step": 5,
+    "models": 4,
+    "attention": 3,
+    "layers": 2,
+    "request": 1, "kernels": 1,
+}
+
+
+def test_every_engine_module_sits_in_a_wing():
+    """A new flat file in engine/ has no layer: put it in the wing it belongs to."""
+    outside = [m for m in import_graph(packages=("engine",))
+               if m != "engine" and m.split(".")[1] not in ENGINE_WINGS]
+    assert outside == []
+
+
+def test_engine_imports_run_down_its_wings():
+    assert upward_imports(import_graph(), "engine", ENGINE_WINGS) == []
