@@ -29,13 +29,14 @@ run both where the CPU can).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -132,9 +133,25 @@ def kernels_for(isa: str) -> ModuleType | None:
         return None
 
 
-# No build takes this long: a lock file this old was left by a build that was killed, and
-# torch's loader would wait for it forever.
-STALE_LOCK_S = 900
+# torch's loader serializes builds with a lock file it creates and deletes; a build that is
+# killed leaves that file behind, and every later build waits on it forever. Builds here first
+# take an flock on a file of our own, which the OS releases when its holder dies however it
+# dies: whoever holds it is the only builder, so a torch lock file found then is abandoned.
+TORCH_LOCK = "lock"
+BUILD_FLOCK = "build.flock"
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Be the only process building into `directory`, and clear a killed build's lock file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / BUILD_FLOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another live process builds
+        try:
+            (directory / TORCH_LOCK).unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _load(isa: str) -> ModuleType:
@@ -161,17 +178,14 @@ def _build(name: str, directory: Path, isa: str) -> ModuleType:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
-    return load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=cflags(isa),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-    )
+    with build_lock(directory):
+        return load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=cflags(isa),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+        )
 
 
 if __name__ == "__main__":
