@@ -14,12 +14,12 @@ import subprocess
 import sys
 import threading
 
-from engine.cpu_kernels import TORCH_LOCK, build_lock
+from engine.kernels.cpu_kernels import TORCH_LOCK, build_lock
 
 HOLDER = """
 import sys, time
 from pathlib import Path
-from engine.cpu_kernels import TORCH_LOCK, build_lock
+from engine.kernels.cpu_kernels import TORCH_LOCK, build_lock
 directory = Path(sys.argv[1])
 with build_lock(directory):
     (directory / TORCH_LOCK).touch()  # what torch's loader creates while it compiles
