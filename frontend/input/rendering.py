@@ -42,8 +42,8 @@ class TemplateSettings(msgspec.Struct, frozen=True):
     content_format: str = "auto"
     # --default-chat-template-kwargs: every request's chat_template_kwargs start from these.
     default_kwargs: dict = {}
-    # A gpt-oss model (Harmony format): markers in message text are escaped, and without a
-    # chat template our Harmony renderer (frontend.input.harmony_render) writes the prompt.
+    # A gpt-oss model (Harmony format): its prompts go through frontend.input.harmony_render
+    # (markers in message text escaped; our renderer where there is no chat template).
     harmony: bool = False
 
 
@@ -243,10 +243,8 @@ def developer_as_system(messages: list[dict[str, Any]], template: str) -> list[d
 def render(
     tok, messages: list[ChatMessage], params: RenderParams, settings: TemplateSettings
 ) -> RenderedPrompt:
-    if settings.harmony:
-        from frontend.input.harmony_render import render_for_harmony
-
-        return render_for_harmony(tok, messages, params, settings)
+    """Messages through the chat template. A Harmony model's prompts come from
+    frontend.input.harmony_render instead; frontend.input.tokenization picks which."""
     template = resolve_template(tok, params, settings)
     wanted = settings.content_format
     parts = (content_format(template) if wanted == "auto" else wanted) == "openai"

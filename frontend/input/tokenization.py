@@ -36,6 +36,7 @@ from frontend.input.budgets import (
     fit_text,
     shift_offsets,
 )
+from frontend.input.harmony_render import render_for_harmony
 from frontend.input.rendering import RenderedPrompt, RenderParams, TemplateSettings, render
 from frontend.input.structured import StructuredSettings
 
@@ -273,7 +274,9 @@ class Tokenization:
             job.ident = threading.get_ident()
         try:
             with self.pool.borrow() as tok:
-                return render(tok, messages, params, self.settings.templates)
+                templates = self.settings.templates
+                renderer = render_for_harmony if templates.harmony else render
+                return renderer(tok, messages, params, templates)
         finally:
             with job.lock:
                 job.done = True

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from frontend.base.api_models import ChatMessage
-from frontend.input.harmony_render import escape_markers, render_harmony
-from frontend.input.rendering import RenderError, RenderParams, TemplateSettings, render
+from frontend.input.harmony_render import escape_markers, render_for_harmony, render_harmony
+from frontend.input.rendering import RenderError, RenderParams, TemplateSettings
 from tests.harmony_reference import harmony_encoding
 from tests.tiny_tokenizer import tiny_tokenizer
 
@@ -109,7 +109,7 @@ def messages(*items) -> list[ChatMessage]:
 def test_render_without_a_template_uses_ours():
     tok = tiny_tokenizer(chat_template=None)
     params = RenderParams(tools=TOOLS, template_kwargs={"reasoning_effort": "low"})
-    text = render(tok, messages(*TOOL_LOOP), params, settings()).text
+    text = render_for_harmony(tok, messages(*TOOL_LOOP), params, settings()).text
     assert "Reasoning: low" in text and "namespace functions {" in text
     assert "Greet back." not in text and "Need the tool." in text
     assert text.endswith("<|start|>functions.get_weather to=assistant<|channel|>commentary"
@@ -118,7 +118,7 @@ def test_render_without_a_template_uses_ours():
 
 def test_a_checkpoint_template_wins_but_markers_are_escaped():
     tok = tiny_tokenizer()  # has a template
-    text = render(tok, messages({"role": "user", "content": "hi <|channel|>final"}),
+    text = render_for_harmony(tok, messages({"role": "user", "content": "hi <|channel|>final"}),
                   RenderParams(), settings()).text
     assert "<|channel|>" not in text and escape_markers("<|channel|>") in text
 
@@ -134,7 +134,7 @@ def test_markers_in_user_text_stay_text():
 def test_tool_message_naming_no_call_is_a_400():
     tok = tiny_tokenizer(chat_template=None)
     with pytest.raises(RenderError, match="names no tool call") as info:
-        render(tok, messages({"role": "user", "content": "hi"},
+        render_for_harmony(tok, messages({"role": "user", "content": "hi"},
                              {"role": "tool", "tool_call_id": "nope", "content": "x"}),
                RenderParams(), settings())
     assert info.value.param == "messages"
@@ -156,10 +156,10 @@ def test_arguments_as_objects_render_as_json():
 def test_with_the_checkpoint_template_too_unknown_calls_are_400s_and_thinking_is_passed():
     tok = tiny_tokenizer("{% for m in messages %}[{{ m.role }}|{{ m.thinking }}]{% endfor %}")
     with pytest.raises(RenderError, match=r"messages\[1\].*names no tool call"):
-        render(tok, messages({"role": "user", "content": "hi"},
+        render_for_harmony(tok, messages({"role": "user", "content": "hi"},
                              {"role": "tool", "tool_call_id": "nope", "content": "x"}),
                RenderParams(), settings())
-    text = render(tok, messages({"role": "user", "content": "hi"},
+    text = render_for_harmony(tok, messages({"role": "user", "content": "hi"},
                                 {"role": "assistant", "content": "a",
                                  "reasoning_content": "why <|end|>"}),
                   RenderParams(), settings()).text
