@@ -137,7 +137,7 @@ def run_policy(tmp: str, policy: str, args, engine_extra: list[str]) -> dict:
 
 
 def routing_overhead() -> dict:
-    from frontend.engines.placement import Candidate, Placement, prefix_key
+    from frontend.engine_client.placement import Candidate, Placement, prefix_key
     from shared.protocol import pack_ids
     from shared.tokenizer import load_tokenizer
 

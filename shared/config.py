@@ -95,7 +95,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     served_model_name: str  # the name responses carry
     engine_address: str
     # Every --engine-address (each a zmq address or dns+tcp://NAME:PORT); empty: just
-    # engine_address. `routing` picks one per request (frontend.engines.placement).
+    # engine_address. `routing` picks one per request (frontend.engine_client.placement).
     engine_addresses: list[str] = []
     routing: str = "prefix"
     tokenizer: str | None = None  # --tokenizer's resolved path; None: the model's
@@ -146,7 +146,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     override_generation_config: str | None = None
     response_role: str = "assistant"  # --response-role
     default_chat_template_kwargs: dict = {}  # under each request's chat_template_kwargs
-    log_requests: bool = False  # --enable-log-requests (frontend.engines.request_log)
+    log_requests: bool = False  # --enable-log-requests (frontend.engine_client.request_log)
     log_outputs: bool = False  # --enable-log-outputs
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details

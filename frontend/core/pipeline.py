@@ -42,9 +42,9 @@ from frontend.core.serving_context import (
     max_model_len,
     structured_settings,
 )
-from frontend.engines import request_metrics
-from frontend.engines.engine_client import EngineUnavailable
-from frontend.engines.lora_client import lora_name_for
+from frontend.engine_client import request_metrics
+from frontend.engine_client.client import EngineUnavailable
+from frontend.engine_client.lora_client import lora_name_for
 from frontend.input.structured import constraint_for, forces_call
 from postproc.chunks import sse_event
 from postproc.openai_shapes import CompletionTokensDetails, PromptTokensDetails, Usage

@@ -13,8 +13,8 @@ import msgspec
 from starlette.responses import StreamingResponse
 
 from frontend.base.errors import APIError
-from frontend.engines import lora_client
-from frontend.engines.engine_client import EngineClient
+from frontend.engine_client import lora_client
+from frontend.engine_client.client import EngineClient
 from frontend.input.input_bounds import RequestLimits
 from frontend.input.media import MediaSettings
 from frontend.input.multimodal import VisionProcessor

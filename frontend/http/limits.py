@@ -1,7 +1,7 @@
 """Admission control as ASGI middleware: request body size, the queue cap, and the drain.
 
 - Bodies above --max-request-body-bytes get a 413 before the app parses anything.
-- A POST holds a `Ticket` (`frontend.engines.admission`) from arrival until its first
+- A POST holds a `Ticket` (`frontend.engine_client.admission`) from arrival until its first
   generated token (or its end): those are this frontend's queued requests. Beyond
   --max-queued-requests new ones get a 503 with Retry-After, so a load balancer or client
   backs off instead of piling work on an engine that cannot start it. The ticket
@@ -17,8 +17,8 @@ import logging
 import time
 
 from frontend.base.errors import APIError, error_response, route_path
-from frontend.engines import request_metrics as m
-from frontend.engines.admission import Admission, Ticket, current_ticket
+from frontend.engine_client import request_metrics as m
+from frontend.engine_client.admission import Admission, Ticket, current_ticket
 from shared import config as shared_config
 
 log = logging.getLogger("sluice.frontend")

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from frontend.base.errors import APIError
-from frontend.engines import lora_client
+from frontend.engine_client import lora_client
 from postproc.openai_shapes import ModelCard
 
 

@@ -16,9 +16,9 @@ import os
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 
-from frontend.engines.engine_client import EngineClient
-from frontend.engines.engine_metrics import connection_families, every_engine_families
-from frontend.engines.request_metrics import register_request_metrics
+from frontend.engine_client.client import EngineClient
+from frontend.engine_client.engine_metrics import connection_families, every_engine_families
+from frontend.engine_client.request_metrics import register_request_metrics
 from frontend.input.input_metrics import register_input_metrics
 from shared.metrics_export import with_model_name, with_vllm_names
 

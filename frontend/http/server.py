@@ -11,8 +11,8 @@ import msgspec
 import uvicorn
 
 from frontend.core.serving_context import OutputSettings, ServingContext
-from frontend.engines.engine_client import EngineClient
-from frontend.engines.request_log import RequestLog, log_requests
+from frontend.engine_client.client import EngineClient
+from frontend.engine_client.request_log import RequestLog, log_requests
 from frontend.http.app import build_app
 from frontend.http.limits import Admission, drain
 from frontend.http.metrics import process_exiting

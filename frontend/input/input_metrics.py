@@ -2,7 +2,7 @@
 
 Truncation cuts what the model sees without failing the request, so it must be counted
 somewhere a person looks; with --enable-log-requests each accepted prompt also gets one INFO
-line on `sluice.requests` (`frontend.engines.request_log.log_requests`).
+line on `sluice.requests` (`frontend.engine_client.request_log.log_requests`).
 The names carry `input_` so they cannot collide with the engine-side request histograms
 (req L-3, e.g. `sluice:request_prompt_tokens`).
 """

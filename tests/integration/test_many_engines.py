@@ -224,7 +224,7 @@ def test_dns_form_follows_an_injected_resolver(two):
     """EngineClient in-process with `dns+tcp://engines.test:PORT` and a resolver the test
     controls: two loopback addresses, one engine on each (the module's two, which listen on
     one port of 127.0.0.1 and 127.0.0.2), then one of them leaves."""
-    from frontend.engines.engine_client import EngineClient
+    from frontend.engine_client.client import EngineClient
     from postproc.processor import OutputProcessor
     from shared.protocol import EngineRequest, OutputParams, SamplingParams, pack_ids
     from shared.tokenizer import load_tokenizer

@@ -173,7 +173,7 @@ FRONTEND_WINGS = {
     "http": 5,
     "openai": 4, "responses": 4, "anthropic": 4, "pooling": 4, "batches": 4,
     "core": 3,
-    "input": 2, "engines": 2, "state": 2,
+    "input": 2, "engine_client": 2, "state": 2,
     "base": 1,
 }
 
@@ -187,11 +187,11 @@ def test_every_frontend_module_sits_in_a_wing():
 
 def test_the_wing_check_finds_an_upward_and_a_sideways_import():
     graph = {"frontend.base.errors": {"frontend.anthropic.models"},
-             "frontend.input.tokenization": {"frontend.engines.tracking"},
+             "frontend.input.tokenization": {"frontend.engine_client.tracking"},
              "frontend.http.app": {"frontend.core.pipeline"}}
     assert upward_imports(graph, "frontend", FRONTEND_WINGS) == [
         "frontend.base.errors -> frontend.anthropic.models",
-        "frontend.input.tokenization -> frontend.engines.tracking"]
+        "frontend.input.tokenization -> frontend.engine_client.tracking"]
 
 
 def test_frontend_imports_run_down_its_wings():

@@ -1,5 +1,5 @@
-"""The placement policy (frontend/engines/placement.py, issue 18 item 3): prefix affinity, the load
-bound, and that only the candidates given (the live engines) are ever chosen."""
+"""The placement policy (frontend/engine_client/placement.py, issue 18 item 3): prefix
+affinity, the load bound, and that only the candidates given (the live engines) are ever chosen."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import collections
 
 import pytest
 
-from frontend.engines.placement import (
+from frontend.engine_client.placement import (
     Candidate,
     Placement,
     load_bound,

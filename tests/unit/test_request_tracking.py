@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from frontend.engines import request_metrics as m
-from frontend.engines.admission import Admission, Ticket, current_ticket
-from frontend.engines.tracking import RequestTracker
+from frontend.engine_client import request_metrics as m
+from frontend.engine_client.admission import Admission, Ticket, current_ticket
+from frontend.engine_client.tracking import RequestTracker
 from shared.protocol import EngineRequest, SamplingParams, TextFrame
 
 

@@ -2,7 +2,7 @@
 
 A POST holds a `Ticket` from arrival until its first generated token (or its end); the
 HTTP middleware (`frontend.http.limits`) issues it and sets it in `current_ticket`, the
-request tracker (`frontend.engines.tracking`) ends its wait when the first token arrives.
+request tracker (`frontend.engine_client.tracking`) ends its wait when the first token arrives.
 It lives here, below both, so the tracker need not import the HTTP layer.
 """
 
@@ -12,7 +12,7 @@ from contextvars import ContextVar
 
 import msgspec
 
-from frontend.engines import request_metrics as m
+from frontend.engine_client import request_metrics as m
 
 
 class Admission:

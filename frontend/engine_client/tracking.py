@@ -13,9 +13,9 @@ import time
 
 import msgspec
 
-from frontend.engines import request_metrics as m
-from frontend.engines.admission import Ticket, current_ticket
-from frontend.engines.request_log import RequestLog
+from frontend.engine_client import request_metrics as m
+from frontend.engine_client.admission import Ticket, current_ticket
+from frontend.engine_client.request_log import RequestLog
 from shared.protocol import EngineRequest, TextFrame
 
 

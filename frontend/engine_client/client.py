@@ -5,7 +5,7 @@ A frontend talks to every engine it is given (`--engine-address`, repeatable; a
 seconds, so engines join and leave without a restart). Each engine gets its own DEALER
 connected to the engine's ROUTER: requests and aborts go out on it, pings ride it and the
 engine's stats come back on it, which doubles as that engine's heartbeat.
-`frontend.engines.placement` picks the engine for each request among the live ones; the
+`frontend.engine_client.placement` picks the engine for each request among the live ones; the
 engine that took a request gets its aborts and stop-string finishes.
 
 Migration: when an engine dies (its connection drops, seen at once by a socket monitor) or
@@ -39,9 +39,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from frontend.engines.lora_client import LoraReplies, engines_with
-from frontend.engines.placement import Candidate, Placement, prefix_key
-from frontend.engines.tracking import RequestTracker
+from frontend.engine_client.lora_client import LoraReplies, engines_with
+from frontend.engine_client.placement import Candidate, Placement, prefix_key
+from frontend.engine_client.tracking import RequestTracker
 from postproc.processor import OutputProcessor
 from shared.codec import encode, frontend_inbound_decoder
 from shared.protocol import (
@@ -194,7 +194,7 @@ class EngineClient:
         self.migrated = dict.fromkeys(MIGRATION_REASONS, 0)  # requests moved, by why
         self.migration_failures = 0  # requests that had to move and could not
         self.last_live = 0.0  # time.monotonic() when an engine was last live
-        self.lora_replies = LoraReplies()  # run-time adapter loads (frontend.engines.lora_client)
+        self.lora_replies = LoraReplies()  # run-time adapter loads (lora_client.py)
 
     # ---------------------------------------------------------------- lifecycle
 
