@@ -5,7 +5,7 @@ blocks -> chat messages with tool calls and tool results, tools and tool_choice,
 the template's thinking switches, stop_sequences -> stop, output_config.format ->
 response_format) and runs through `pipeline.start_job` with stream off: same renderer, engine,
 reasoning and tool-call parsers. The frames become content blocks
-(`frontend.core.protocol_edge.Blocks`): `thinking` (from the reasoning parser), `text` and
+(`frontend.pipeline.protocol_edge.Blocks`): `thinking` (from the reasoning parser), `text` and
 `tool_use` (from the tool-call parser), as one JSON body or as Anthropic's event stream
 (message_start, content_block_start / content_block_delta / content_block_stop per block,
 message_delta, message_stop). Errors use Anthropic's shape (`frontend.base.errors`).
@@ -57,9 +57,10 @@ from frontend.base.api_models import (
     ResponseFormat,
 )
 from frontend.base.errors import APIError, anthropic_error_body, bad_request
-from frontend.core import pipeline
-from frontend.core.input_stage import chat_input
-from frontend.core.protocol_edge import (
+from frontend.input.structured import check_tool_names
+from frontend.pipeline import pipeline
+from frontend.pipeline.input_stage import chat_input
+from frontend.pipeline.protocol_edge import (
     Block,
     BlockEvent,
     Blocks,
@@ -71,14 +72,13 @@ from frontend.core.protocol_edge import (
     renamed,
     sse,
 )
-from frontend.core.sampling import check_request
-from frontend.core.serving_context import (
+from frontend.pipeline.sampling import check_request
+from frontend.pipeline.serving_context import (
     ServingContext,
     check_model,
     sse_response,
     structured_settings,
 )
-from frontend.input.structured import check_tool_names
 from shared.protocol import TextFrame
 from shared.tool_specs import ChatTool
 

@@ -10,7 +10,6 @@ import time
 import msgspec
 import uvicorn
 
-from frontend.core.serving_context import OutputSettings, ServingContext
 from frontend.engine_client.client import EngineClient
 from frontend.engine_client.request_log import RequestLog, log_requests
 from frontend.http.app import build_app
@@ -24,6 +23,7 @@ from frontend.input.multimodal import load_vision_processor
 from frontend.input.rendering import TemplateSettings, load_chat_template
 from frontend.input.structured import StructuredSettings
 from frontend.input.tokenization import InputSettings, Tokenization
+from frontend.pipeline.serving_context import OutputSettings, ServingContext
 from postproc.processor import OutputProcessor
 from postproc.reasoning import get_reasoning_parser
 from shared.config import FrontendConfig

@@ -1,6 +1,6 @@
 """The OpenAI routes: chat completions, completions, /tokenize and /detokenize.
 
-Route handlers stay thin; the shared pipeline (`frontend.core.pipeline`) checks, renders and
+Route handlers stay thin; the shared pipeline (`frontend.pipeline.pipeline`) checks, renders and
 submits a request and yields its frames, and this module shapes them into OpenAI bodies
 or SSE chunks, streaming or not. A request with n > 1 or best_of returns its chosen
 candidates as choices.
@@ -20,8 +20,10 @@ from frontend.base.api_models import (
     TokenizeRequest,
 )
 from frontend.base.errors import bad_request
-from frontend.core.input_stage import _render as render_messages
-from frontend.core.pipeline import (
+from frontend.input.budgets import BudgetError, TokenizeParams
+from frontend.input.input_bounds import check_bounds
+from frontend.pipeline.input_stage import _render as render_messages
+from frontend.pipeline.pipeline import (
     Candidate,
     Job,
     collect_candidates,
@@ -30,14 +32,12 @@ from frontend.core.pipeline import (
     start_job,
     stream_usage,
 )
-from frontend.core.serving_context import (
+from frontend.pipeline.serving_context import (
     ServingContext,
     check_model,
     max_model_len,
     sse_response,
 )
-from frontend.input.budgets import BudgetError, TokenizeParams
-from frontend.input.input_bounds import check_bounds
 from postproc.chunks import sse_event
 from postproc.openai_shapes import (
     AssistantMessage,

@@ -24,9 +24,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from frontend.base.errors import APIError, bad_request
-from frontend.core.serving_context import ServingContext, check_model, frame_error, max_model_len
 from frontend.engine_client.client import EngineUnavailable
 from frontend.input.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
+from frontend.pipeline.serving_context import (
+    ServingContext,
+    check_model,
+    frame_error,
+    max_model_len,
+)
 from frontend.pooling.embeddings_models import (
     Embedding,
     EmbeddingRequest,

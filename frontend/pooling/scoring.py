@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from frontend.base.errors import APIError, bad_request
-from frontend.core.serving_context import ServingContext, check_model, max_model_len
+from frontend.pipeline.serving_context import ServingContext, check_model, max_model_len
 from frontend.pooling.embeddings import run_pooling
 from frontend.pooling.scoring_models import (
     ClassifyData,

@@ -3,7 +3,7 @@
 A create request becomes a `ChatCompletionRequest` (instructions -> system message, input
 items -> chat messages, function tools -> chat tools, `text.format` -> response_format) and
 runs through `pipeline.start_job` with stream off: same renderer, engine, reasoning and
-tool-call parsers. Its frames become output items (`frontend.core.protocol_edge.Blocks`):
+tool-call parsers. Its frames become output items (`frontend.pipeline.protocol_edge.Blocks`):
 `reasoning` (from the reasoning parser), `message` (content) and `function_call` (from the
 tool-call parser), in the order the model wrote them, as one JSON body or as the Responses
 event stream (response.created, response.output_item.added, response.content_part.added,
@@ -36,9 +36,10 @@ from frontend.base.api_models import (
     ResponseFormat,
 )
 from frontend.base.errors import APIError, bad_request
-from frontend.core import pipeline
-from frontend.core.input_stage import chat_input
-from frontend.core.protocol_edge import (
+from frontend.input.structured import check_tool_names
+from frontend.pipeline import pipeline
+from frontend.pipeline.input_stage import chat_input
+from frontend.pipeline.protocol_edge import (
     Block,
     BlockEvent,
     Blocks,
@@ -49,14 +50,13 @@ from frontend.core.protocol_edge import (
     renamed,
     sse,
 )
-from frontend.core.sampling import check_request
-from frontend.core.serving_context import (
+from frontend.pipeline.sampling import check_request
+from frontend.pipeline.serving_context import (
     ServingContext,
     check_model,
     sse_response,
     structured_settings,
 )
-from frontend.input.structured import check_tool_names
 from frontend.responses import events as event_log
 from frontend.responses.background import BackgroundRunner, NoClient
 from frontend.responses.conversations import ConversationRecords

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from frontend.base.errors import APIError
-from frontend.core.protocol_edge import Outcome
+from frontend.pipeline.protocol_edge import Outcome
 from frontend.responses.stored import LEASE_S, ResponseRecords, StoredResponse
 from frontend.state.store import StoreUnavailable
 

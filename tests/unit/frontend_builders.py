@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from frontend.core.serving_context import ServingContext
 from frontend.input.tokenization import InputSettings, Tokenization
+from frontend.pipeline.serving_context import ServingContext
 from shared.protocol import EngineStats
 
 

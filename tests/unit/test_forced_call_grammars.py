@@ -21,8 +21,8 @@ from llguidance import LLMatcher, grammar_from
 
 from frontend.base.api_models import ChatCompletionRequest
 from frontend.base.errors import APIError
-from frontend.core.sampling import check_request, plan_request
 from frontend.input.structured import StructuredSettings, build_constraint, forced_call_prefix
+from frontend.pipeline.sampling import check_request, plan_request
 from postproc.reasoning import REASONING_PARSERS, get_reasoning_parser
 from postproc.tool_parsers import get_tool_parser
 from postproc.tool_parsers.base import collect

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
-from frontend.core.sampling import plan_request
+from frontend.pipeline.sampling import plan_request
 from shared.generation_config import GenerationDefaults, load_generation_defaults
 
 

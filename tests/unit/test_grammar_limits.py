@@ -184,9 +184,9 @@ class CountingChecker:
 
 
 def test_a_batched_completion_is_checked_once_and_its_prompts_share_the_constraint(smol):
-    from frontend.core.input_stage import PromptInput
-    from frontend.core.pipeline import build_job
     from frontend.input.budgets import PromptTokens
+    from frontend.pipeline.input_stage import PromptInput
+    from frontend.pipeline.pipeline import build_job
     from tests.unit.frontend_builders import serving_context
 
     checker = CountingChecker()

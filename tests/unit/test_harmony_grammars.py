@@ -16,8 +16,8 @@ import pytest
 from llguidance import LLMatcher
 
 from frontend.base.api_models import ChatCompletionRequest
-from frontend.core.sampling import check_request
 from frontend.input.structured import StructuredSettings, build_constraint, forced_call_prefix
+from frontend.pipeline.sampling import check_request
 from postproc.reasoning import get_reasoning_parser
 from postproc.tool_parsers import get_tool_parser
 from tests.harmony_model import harmony_tokenizer

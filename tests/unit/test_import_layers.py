@@ -172,7 +172,7 @@ def upward_imports(graph: dict[str, set[str]], package: str, ranks: dict[str, in
 FRONTEND_WINGS = {
     "http": 5,
     "openai": 4, "responses": 4, "anthropic": 4, "pooling": 4, "batches": 4,
-    "core": 3,
+    "pipeline": 3,
     "input": 2, "engine_client": 2, "state": 2,
     "base": 1,
 }
@@ -188,7 +188,7 @@ def test_every_frontend_module_sits_in_a_wing():
 def test_the_wing_check_finds_an_upward_and_a_sideways_import():
     graph = {"frontend.base.errors": {"frontend.anthropic.models"},
              "frontend.input.tokenization": {"frontend.engine_client.tracking"},
-             "frontend.http.app": {"frontend.core.pipeline"}}
+             "frontend.http.app": {"frontend.pipeline.pipeline"}}
     assert upward_imports(graph, "frontend", FRONTEND_WINGS) == [
         "frontend.base.errors -> frontend.anthropic.models",
         "frontend.input.tokenization -> frontend.engine_client.tracking"]

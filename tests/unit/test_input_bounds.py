@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.base.errors import APIError
-from frontend.core.protocol_edge import renamed
-from frontend.core.sampling import check_request, plan_request
 from frontend.http.app import _decode
 from frontend.input.input_bounds import RequestLimits
 from frontend.input.json_depth import TooDeep, check_depth, max_depth
+from frontend.pipeline.protocol_edge import renamed
+from frontend.pipeline.sampling import check_request, plan_request
 from shared.param_ranges import INT32_MAX, INT64_MAX, INT64_MIN
 
 VOCAB = 1000

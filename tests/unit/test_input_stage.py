@@ -12,9 +12,9 @@ import pytest
 
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.base.errors import APIError
-from frontend.core.input_stage import chat_input, completion_input
 from frontend.input.rendering import TemplateSettings
 from frontend.input.tokenization import InputSettings, Tokenization
+from frontend.pipeline.input_stage import chat_input, completion_input
 from shared.tokenizer import load_tokenizer, tokenizer_facts
 from tests.tiny_tokenizer import BOS_ID, MAX_CHARS_PER_TOKEN, tiny_tokenizer
 

@@ -18,7 +18,6 @@ from engine.step.multimodal import ImageProblem, cache_key, parse_images
 from engine.step.scheduler import Scheduler
 from frontend.base.api_models import ChatCompletionRequest, ChatMessage, ContentPart
 from frontend.base.errors import APIError
-from frontend.core.input_stage import chat_input
 from frontend.input.budgets import PromptTokens
 from frontend.input.media import MediaError, MediaSettings, decode_image, image_bytes
 from frontend.input.multimodal import (
@@ -29,6 +28,7 @@ from frontend.input.multimodal import (
     image_parts,
 )
 from frontend.input.rendering import template_messages
+from frontend.pipeline.input_stage import chat_input
 from shared.protocol import ImageInput, RawTensor, SamplingParams, pack_tensor
 from tests.tiny_vlm import data_url, png_bytes
 from tests.unit.frontend_builders import serving_context

@@ -6,15 +6,15 @@ import pytest
 
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest, StreamOptions
 from frontend.base.errors import APIError
-from frontend.core.input_stage import PromptInput
-from frontend.core.pipeline import build_job
-from frontend.core.sampling import (
+from frontend.input.budgets import PromptTokens
+from frontend.pipeline.input_stage import PromptInput
+from frontend.pipeline.pipeline import build_job
+from frontend.pipeline.sampling import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     check_request,
     logit_bias_pairs,
     plan_request,
 )
-from frontend.input.budgets import PromptTokens
 from shared.generation_config import GenerationDefaults
 from tests.tiny_tokenizer import MAX_CHARS_PER_TOKEN, tiny_tokenizer
 from tests.unit.frontend_builders import serving_context
@@ -244,7 +244,7 @@ def test_a_batched_completion_is_planned_once_and_sized_per_prompt(ctx, monkeypa
     """The plan (sampling params, logit_bias, constraint) does not depend on the prompt, so
     it is built and checked once; only max_tokens follows each prompt's room (here the
     model's default of 30 new tokens, within the room left)."""
-    import frontend.core.pipeline as pipeline
+    import frontend.pipeline.pipeline as pipeline
 
     built = []
     real = pipeline.request_plan

@@ -14,8 +14,8 @@ from starlette.testclient import TestClient
 from frontend.anthropic import api as anthropic_api
 from frontend.anthropic.models import MessagesRequest
 from frontend.base.errors import APIError
-from frontend.core.protocol_edge import Blocks
 from frontend.http.auth import AuthMiddleware
+from frontend.pipeline.protocol_edge import Blocks
 from frontend.responses import api as responses_api
 from frontend.responses.models import ResponsesRequest
 from shared.protocol import FunctionCallDelta, TextFrame, ToolCallDelta

@@ -10,8 +10,8 @@ from llguidance import LLMatcher
 
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.base.errors import APIError
-from frontend.core.sampling import check_request, plan_request
 from frontend.input.structured import StructuredSettings, build_constraint, forced_call_prefix
+from frontend.pipeline.sampling import check_request, plan_request
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
 

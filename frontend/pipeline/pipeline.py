@@ -27,25 +27,25 @@ from starlette.requests import Request
 
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.base.errors import APIError, error_body
-from frontend.core.input_stage import PromptInput, chat_input, completion_inputs
-from frontend.core.sampling import (
+from frontend.engine_client import request_metrics
+from frontend.engine_client.client import EngineUnavailable
+from frontend.engine_client.lora_client import lora_name_for
+from frontend.input.structured import constraint_for, forces_call
+from frontend.pipeline.input_stage import PromptInput, chat_input, completion_inputs
+from frontend.pipeline.sampling import (
     Plan,
     check_request,
     prompt_max_tokens,
     prompt_params,
     request_plan,
 )
-from frontend.core.serving_context import (
+from frontend.pipeline.serving_context import (
     ServingContext,
     check_model,
     frame_error,
     max_model_len,
     structured_settings,
 )
-from frontend.engine_client import request_metrics
-from frontend.engine_client.client import EngineUnavailable
-from frontend.engine_client.lora_client import lora_name_for
-from frontend.input.structured import constraint_for, forces_call
 from postproc.chunks import sse_event
 from postproc.openai_shapes import CompletionTokensDetails, PromptTokensDetails, Usage
 from postproc.reasoning import get_reasoning_parser

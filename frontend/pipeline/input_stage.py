@@ -18,7 +18,6 @@ import numpy as np
 
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.base.errors import APIError, bad_request
-from frontend.core.serving_context import ServingContext, max_model_len
 from frontend.input import input_metrics
 from frontend.input.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
 from frontend.input.media import MediaError
@@ -32,6 +31,7 @@ from frontend.input.multimodal import (
 from frontend.input.rendering import RenderedPrompt, RenderError, RenderParams, check_render_params
 from frontend.input.structured import forced_call_prefix
 from frontend.input.tokenization import RenderQueueTimeout, RenderTimeout
+from frontend.pipeline.serving_context import ServingContext, max_model_len
 from shared.protocol import ImageInput
 from shared.tool_specs import template_tools
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import msgspec
 
 from frontend.base.errors import APIError
-from frontend.core.pipeline import Frames, frame_loop, run_frames
+from frontend.pipeline.pipeline import Frames, frame_loop, run_frames
 from shared.protocol import TextFrame
 from shared.tool_specs import ChatTool, FunctionDefinition
 
