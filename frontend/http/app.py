@@ -30,6 +30,8 @@ from frontend.batches import api as batches_api
 from frontend.batches.models import AnthropicBatchCreate, BatchCreate
 from frontend.batches.records import BatchRecords, FileRecords
 from frontend.batches.runner import BatchRunner
+from frontend.embeddings import embeddings as embeddings_api
+from frontend.embeddings import scoring as scoring_api
 from frontend.http import lora as lora_routes
 from frontend.http import openapi
 from frontend.http.auth import AuthMiddleware
@@ -41,8 +43,6 @@ from frontend.input.input_bounds import RequestLimits, json_depth_error
 from frontend.input.json_depth import TooDeep, check_depth
 from frontend.openai import serving
 from frontend.pipeline.serving_context import ServingContext, check_model
-from frontend.pooling import embeddings as embeddings_api
-from frontend.pooling import scoring as scoring_api
 from frontend.responses import api as responses_api
 from frontend.responses import conversation_api
 from frontend.responses.background import BackgroundRunner

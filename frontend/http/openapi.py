@@ -42,12 +42,12 @@ from frontend.batches.models import (
     MessageBatch,
     MessageBatchList,
 )
-from frontend.pooling.embeddings_models import (
+from frontend.embeddings.embeddings_models import (
     EmbeddingRequest,
     EmbeddingResponse,
     PoolingResponse,
 )
-from frontend.pooling.scoring_models import (
+from frontend.embeddings.scoring_models import (
     ClassifyRequest,
     ClassifyResponse,
     RerankRequest,

@@ -24,15 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from frontend.base.errors import APIError, bad_request
-from frontend.engine_client.client import EngineUnavailable
-from frontend.input.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
-from frontend.pipeline.serving_context import (
-    ServingContext,
-    check_model,
-    frame_error,
-    max_model_len,
-)
-from frontend.pooling.embeddings_models import (
+from frontend.embeddings.embeddings_models import (
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -40,6 +32,14 @@ from frontend.pooling.embeddings_models import (
     PoolingData,
     PoolingResponse,
     PoolingUsage,
+)
+from frontend.engine_client.client import EngineUnavailable
+from frontend.input.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
+from frontend.pipeline.serving_context import (
+    ServingContext,
+    check_model,
+    frame_error,
+    max_model_len,
 )
 from shared.config import FrontendConfig
 from shared.param_ranges import RangeProblem, check_priority

@@ -10,7 +10,7 @@ import msgspec
 
 class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A string, a list of strings, a list of token ids or a list of such lists; msgspec
-    # takes one array type per union, so frontend.pooling.embeddings checks the elements.
+    # takes one array type per union, so frontend.embeddings.embeddings checks the elements.
     input: str | list[Any]
     model: str | None = None
     encoding_format: Literal["float", "base64"] | None = "float"

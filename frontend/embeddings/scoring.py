@@ -22,9 +22,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from frontend.base.errors import APIError, bad_request
-from frontend.pipeline.serving_context import ServingContext, check_model, max_model_len
-from frontend.pooling.embeddings import run_pooling
-from frontend.pooling.scoring_models import (
+from frontend.embeddings.embeddings import run_pooling
+from frontend.embeddings.scoring_models import (
     ClassifyData,
     ClassifyRequest,
     ClassifyResponse,
@@ -38,6 +37,7 @@ from frontend.pooling.scoring_models import (
     ScoreRequest,
     ScoreResponse,
 )
+from frontend.pipeline.serving_context import ServingContext, check_model, max_model_len
 from shared.config import FrontendConfig
 from shared.param_ranges import RangeProblem, check_priority
 from shared.pooling_config import PoolingFacts, pooling_facts, resolve_runner
