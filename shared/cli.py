@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from shared.param_ranges import MAX_LOGPROBS, UNBOUNDED_LOGPROBS
-from shared.pooling_config import (
+from shared.runner_config import (
     GENERATE_TASKS,
     POOLING_TASKS,
     RUNNERS,
@@ -126,7 +126,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_pooling_arguments(p: argparse.ArgumentParser) -> None:
-    """vLLM's runner choice and pooler settings (shared.pooling_config), for the engine and
+    """vLLM's runner choice and pooler settings (shared.runner_config), for the engine and
     the frontend alike: both read them from the same checkpoint."""
     g = p.add_argument_group("pooling models (embeddings)")
     g.add_argument("--runner", default="auto", choices=list(RUNNERS),

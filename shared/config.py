@@ -49,7 +49,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     metrics_host: str = "127.0.0.1"
     # Where postproc workers connect (the engine binds a ROUTER); None = no fleet.
     postproc_address: str | None = None
-    # vLLM's --runner (shared.pooling_config): auto | generate | pooling; and --pooler-config's
+    # vLLM's --runner (shared.runner_config): auto | generate | pooling; and --pooler-config's
     # JSON (None: the checkpoint's sentence-transformers files, else last-token + normalize).
     runner: str = "auto"
     pooler_config: str | None = None
@@ -167,7 +167,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may still run
     # Bounds per request (frontend.input.input_bounds, docs/operations.md): JSON nesting, fan-out.
     max_json_depth: int = 64
-    # Pooling models (shared.pooling_config): --runner, --pooler-config, and the most inputs
+    # Pooling models (shared.runner_config): --runner, --pooler-config, and the most inputs
     # one /v1/embeddings request may carry.
     runner: str = "auto"
     pooler_config: str | None = None

@@ -46,7 +46,7 @@ class Family(msgspec.Struct, frozen=True):
 
 
 # A bare `*Model` architecture is the same network without its LM head: an embedding
-# checkpoint, served by the pooling runner (shared.pooling_config).
+# checkpoint, served by the pooling runner (shared.runner_config).
 FAMILIES = (
     Family("llama", ("LlamaForCausalLM", "MistralForCausalLM", "LlamaModel", "MistralModel"),
            ("llama", "mistral"),

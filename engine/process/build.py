@@ -42,7 +42,7 @@ from engine.step.pooler import TokenScoreHead
 from engine.step.scheduler import Scheduler
 from engine.step.spec_decode import Drafter
 from shared.config import EngineConfig
-from shared.pooling_config import PoolingFacts, pooling_facts, resolve_runner
+from shared.runner_config import PoolingFacts, pooling_facts, resolve_runner
 from shared.startup_checks import StartupError
 from shared.tokenizer import load_tokenizer, tokenizer_facts
 

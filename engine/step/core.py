@@ -25,7 +25,6 @@ from shared.param_ranges import (
     check_priority,
     check_sampling_params,
 )
-from shared.pooling_config import PoolingFacts
 from shared.protocol import (
     EngineRequest,
     EngineStats,
@@ -38,6 +37,7 @@ from shared.protocol import (
     pack_tensor,
     unpack_ids,
 )
+from shared.runner_config import PoolingFacts
 
 log = logging.getLogger("sluice.engine")
 

@@ -18,8 +18,8 @@ from engine.step.multimodal import step_embeddings
 from engine.step.pooler import pool_chunks
 from engine.step.sampler import SamplingRows, row_generators, sample, token_logprobs, token_ranks
 from engine.step.spec_decode import DraftCheck, verify
-from shared.pooling_config import PoolerConfig
 from shared.protocol import TokenLogprobs
+from shared.runner_config import PoolerConfig
 
 log = logging.getLogger("sluice.engine")
 

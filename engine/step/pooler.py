@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from engine.request.batch import ScheduledChunk
-from shared.pooling_config import PoolerConfig
 from shared.protocol import PoolingParams
+from shared.runner_config import PoolerConfig
 
 
 def pool_chunks(hidden: torch.Tensor, chunks: list[ScheduledChunk], pooler: PoolerConfig,

@@ -7,7 +7,7 @@ strings, or token ids, or lists of token ids), nothing empty, at most
 --max-embedding-inputs of them, ids inside the vocabulary, and each prompt within the
 model's context unless `truncate_prompt_tokens` asks for a cut (pooling keeps a document's
 opening: frontend.input.budgets). `dimensions` (Matryoshka) is taken only where the checkpoint
-says it was trained for it (shared.pooling_config), as vLLM does.
+says it was trained for it (shared.runner_config), as vLLM does.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from frontend.pipeline.serving_context import (
 )
 from shared.config import FrontendConfig
 from shared.param_ranges import RangeProblem, check_priority
-from shared.pooling_config import PoolingFacts, pooling_facts, resolve_runner
 from shared.protocol import (
     EngineRequest,
     PoolingParams,
@@ -52,6 +51,7 @@ from shared.protocol import (
     pack_ids,
     unpack_tensor,
 )
+from shared.runner_config import PoolingFacts, pooling_facts, resolve_runner
 
 _UNUSED_SAMPLING = SamplingParams(max_tokens=1)  # a pooling request samples nothing
 _ENCODER = msgspec.json.Encoder()

@@ -40,7 +40,6 @@ from frontend.embeddings.scoring_models import (
 from frontend.pipeline.serving_context import ServingContext, check_model, max_model_len
 from shared.config import FrontendConfig
 from shared.param_ranges import RangeProblem, check_priority
-from shared.pooling_config import PoolingFacts, pooling_facts, resolve_runner
 from shared.protocol import (
     EngineRequest,
     PoolingParams,
@@ -48,6 +47,7 @@ from shared.protocol import (
     pack_ids,
     unpack_tensor,
 )
+from shared.runner_config import PoolingFacts, pooling_facts, resolve_runner
 
 _UNUSED_SAMPLING = SamplingParams(max_tokens=1)
 _ENCODER = msgspec.json.Encoder()

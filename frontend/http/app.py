@@ -57,7 +57,7 @@ from frontend.responses.stored import ResponseRecords, owner_of
 from frontend.state.store import open_store
 from postproc.openai_shapes import ModelCard, ModelList
 from shared.config import FrontendConfig
-from shared.pooling_config import resolve_runner
+from shared.runner_config import resolve_runner
 
 log = logging.getLogger("sluice.frontend")
 _json = msgspec.json.Encoder()

@@ -14,8 +14,8 @@ import transformers
 
 from engine.process.build import build_engine
 from shared.config import EngineConfig
-from shared.pooling_config import parse_hf_overrides, pooling_facts, resolve_runner
 from shared.protocol import EngineRequest, PoolingParams, SamplingParams, pack_ids, unpack_tensor
+from shared.runner_config import parse_hf_overrides, pooling_facts, resolve_runner
 from shared.startup_checks import StartupError
 from tests.servers import Stack
 from tests.tiny_embedder import randomize_decoder

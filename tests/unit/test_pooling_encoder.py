@@ -8,8 +8,8 @@ import pytest
 
 from engine.process.build import build_engine
 from shared.config import EngineConfig
-from shared.pooling_config import PoolerConfig, pooling_facts, resolve_runner
 from shared.protocol import EngineRequest, PoolingParams, SamplingParams, pack_ids, unpack_tensor
+from shared.runner_config import PoolerConfig, pooling_facts, resolve_runner
 from shared.startup_checks import StartupError
 from tests.tiny_bert import build_bert, build_cross_encoder, reference_logits
 from tests.tiny_embedder import cosine

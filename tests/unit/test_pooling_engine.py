@@ -9,18 +9,18 @@ import torch
 
 from engine.process.build import build_engine
 from shared.config import EngineConfig
-from shared.pooling_config import (
-    PoolerConfig,
-    parse_pooler_config,
-    pooling_facts,
-    resolve_runner,
-)
 from shared.protocol import (
     EngineRequest,
     PoolingParams,
     SamplingParams,
     pack_ids,
     unpack_tensor,
+)
+from shared.runner_config import (
+    PoolerConfig,
+    parse_pooler_config,
+    pooling_facts,
+    resolve_runner,
 )
 from tests.tiny_embedder import MATRYOSHKA, build_embedder, cosine, reference_vector
 from tests.unit.engine_builders import build_core, random_weights
