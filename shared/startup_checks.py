@@ -4,7 +4,7 @@ anything loads, with one line naming the flag and what to do instead (never a tr
 `sluice serve` runs the pass for every process it will start, before it starts any, so a
 mistake costs a second rather than a model load; `engine`, `frontend` and `postproc` run
 the part that is theirs. Here: the error and the checks of more than one tier (or none);
-the engine's own are in `engine/process/flags.py`, the frontend's flags in `frontend/http/cli.py`,
+the engine's own are in `engine/process/flags.py`, the frontend's flags in `frontend/http/flags.py`,
 and each command's pass is its `Command.check` (`sluice.cli.check_startup`). Checks that
 need the model loaded (the KV cache fitting one sequence, say) stay in the engine and fail
 there the same way, as a `StartupError`.

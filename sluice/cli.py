@@ -1,7 +1,7 @@
 """The `sluice` console script: serve (all on one machine), engine, frontend, postproc, bench.
 
 Each tier gives its subcommand as a `shared.cli.Command` beside its code (`engine/process/flags.py`,
-`frontend/http/cli.py`, `postproc/cli.py`: flags, start-up checks, run); this module, above
+`frontend/http/flags.py`, `postproc/cli.py`: flags, start-up checks, run); this module, above
 every tier, lists them, parses, dispatches, and holds `serve`, which starts the others as
 processes (`python -m sluice ...`) and watches them. A tier's code is imported only when
 its subcommand runs, so `sluice --help` loads no model code.
@@ -30,8 +30,8 @@ from engine.process.flags import (
     lora_engine_argv,
     resolve_device,
 )
-from frontend.http import cli as frontend_cli
-from frontend.http.cli import (
+from frontend.http import flags as frontend_cli
+from frontend.http.flags import (
     add_frontend_arguments,
     add_routing_arguments,
     api_keys,

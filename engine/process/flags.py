@@ -231,7 +231,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
 
 
 # --- LoRA adapters (issue 36): vLLM's flags. The engine's flags load and bound adapters;
-# --allow-runtime-lora-updating (frontend.http.cli) opens the frontend's load/unload routes.
+# --allow-runtime-lora-updating (frontend.http.flags) opens the frontend's load/unload routes.
 
 
 def _lora_module(text: str) -> LoraAdapterInfo:

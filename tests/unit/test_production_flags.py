@@ -85,7 +85,7 @@ def test_bounds_and_scheduling_flags_refuse_values_that_make_no_sense(capsys):
 def test_batch_flags_reach_the_config_and_serve_forwards_them(monkeypatch, capsys):
     import pytest
 
-    from frontend.http.cli import batch_argv, batch_config
+    from frontend.http.flags import batch_argv, batch_config
 
     monkeypatch.delenv("SLUICE_API_KEY", raising=False)
     argv = ["--max-batch-file-bytes", "1000", "--max-batch-lines", "5",
