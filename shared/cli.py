@@ -3,7 +3,7 @@ vLLM no-op and unsupported flags), the flag types, the `--config` YAML reader an
 spellings, and `Command`, the one shape a tier gives its subcommand in.
 
 Each tier's own flags live beside its code (`engine/process/flags.py`, `frontend/http/flags.py`,
-`postproc/cli.py`); the `sluice` console script (`sluice/cli.py`, outside every tier) lists
+`postproc/flags.py`); the `sluice` console script (`sluice/cli.py`, outside every tier) lists
 the commands, parses and dispatches. Nothing here imports a tier, so `shared` stays the
 bottom of the dependency graph (tests/unit/test_import_layers.py).
 """

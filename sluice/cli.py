@@ -1,7 +1,7 @@
 """The `sluice` console script: serve (all on one machine), engine, frontend, postproc, bench.
 
 Each tier gives its subcommand as a `shared.cli.Command` beside its code (`engine/process/flags.py`,
-`frontend/http/flags.py`, `postproc/cli.py`: flags, start-up checks, run); this module, above
+`frontend/http/flags.py`, `postproc/flags.py`: flags, start-up checks, run); this module, above
 every tier, lists them, parses, dispatches, and holds `serve`, which starts the others as
 processes (`python -m sluice ...`) and watches them. A tier's code is imported only when
 its subcommand runs, so `sluice --help` loads no model code.
@@ -40,7 +40,7 @@ from frontend.http.flags import (
     limit_argv,
     limit_config,
 )
-from postproc import cli as postproc_cli
+from postproc import flags as postproc_cli
 from shared.cli import (
     DEFAULT_ENGINE_ADDRESS,
     VLLM_NOOP_FLAGS,
