@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.cli import (
+from shared.command_line import (
     DEFAULT_POSTPROC_ADDRESS,
     Command,
     add_model_arguments,

@@ -1,4 +1,4 @@
-"""Settings of each process, as Structs the CLI fills in (see each tier's `cli.py`)."""
+"""Settings of each process, as Structs the CLI fills in (see each tier's `flags.py`)."""
 
 from __future__ import annotations
 

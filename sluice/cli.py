@@ -1,7 +1,8 @@
 """The `sluice` console script: serve (all on one machine), engine, frontend, postproc, bench.
 
-Each tier gives its subcommand as a `shared.cli.Command` beside its code (`engine/process/flags.py`,
-`frontend/http/flags.py`, `postproc/flags.py`: flags, start-up checks, run); this module, above
+Each tier gives its subcommand as a `shared.command_line.Command` beside its code
+(`engine/process/flags.py`, `frontend/http/flags.py`, `postproc/flags.py`: flags, start-up
+checks, run); this module, above
 every tier, lists them, parses, dispatches, and holds `serve`, which starts the others as
 processes (`python -m sluice ...`) and watches them. A tier's code is imported only when
 its subcommand runs, so `sluice --help` loads no model code.
@@ -41,7 +42,7 @@ from frontend.http.flags import (
     limit_config,
 )
 from postproc import flags as postproc_cli
-from shared.cli import (
+from shared.command_line import (
     DEFAULT_ENGINE_ADDRESS,
     VLLM_NOOP_FLAGS,
     VLLM_UNSUPPORTED_FLAGS,
@@ -54,7 +55,7 @@ from shared.cli import (
     parse_command_line,
     runner_of,
 )
-from shared.cli import setup_logging as _setup_logging
+from shared.command_line import setup_logging as _setup_logging
 from shared.prometheus_dir import prepare_prometheus_dir
 from shared.startup_checks import check_model
 from shared.transport import new_ipc_address, remove_ipc_file

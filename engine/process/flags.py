@@ -11,7 +11,7 @@ import socket
 
 import msgspec
 
-from shared.cli import (
+from shared.command_line import (
     DEFAULT_ENGINE_ADDRESS,
     DEFAULT_POSTPROC_ADDRESS,
     Command,

@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 
-from shared.cli import (
+from shared.command_line import (
     DEFAULT_ENGINE_ADDRESS,
     Command,
     add_model_arguments,
