@@ -53,3 +53,11 @@ def repeated_name(names: list[str]) -> int | None:
 def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
     """The tools as chat templates take them: plain dicts, without the fields left out."""
     return None if tools is None else msgspec.to_builtins(tools)
+
+
+def tools_by_name(tools: list[Any] | None) -> dict[str, FunctionDefinition]:
+    """A request's tools (`ChatTool`s, or their JSON as dicts) by function name. The frontend
+    has checked them (shapes, unique names): one that does not read as a tool here is a
+    ValueError, never left out."""
+    typed = msgspec.convert(list(tools or ()), list[ChatTool])
+    return {tool.function.name: tool.function for tool in typed}

@@ -13,8 +13,8 @@ import msgspec
 from llguidance import grammar_from
 
 from postproc.reasoning.gpt_oss import GptOssReasoningParser
-from postproc.tool_parsers.base import json_layout
 from shared.grammar_limits import parsed_schema
+from shared.grammar_parts import json_layout
 
 
 class AnswerSource(msgspec.Struct):

@@ -32,7 +32,6 @@ from frontend.base.errors import APIError, bad_request
 from frontend.input.harmony_grammar import harmony_answer_source
 from postproc.reasoning import get_reasoning_parser
 from postproc.tool_parsers import ToolParser, get_tool_parser
-from postproc.tool_parsers.base import bounded_schema, regex_literal, tools_by_name
 from shared.grammar_limits import (
     MAX_GRAMMAR_CHARS,
     MAX_REGEX_CHARS,
@@ -42,8 +41,9 @@ from shared.grammar_limits import (
     schema_problem,
     validation_problem,
 )
+from shared.grammar_parts import bounded_schema, regex_literal
 from shared.protocol import Constraint
-from shared.tool_specs import FunctionDefinition, repeated_name
+from shared.tool_specs import FunctionDefinition, repeated_name, tools_by_name
 
 Request = ChatCompletionRequest | CompletionRequest
 

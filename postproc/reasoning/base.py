@@ -18,7 +18,8 @@ from typing import ClassVar
 
 import msgspec
 
-from postproc.tool_parsers.base import find_first, partial_suffix_len, regex_literal
+from postproc.tool_parsers.base import find_first, partial_suffix_len
+from shared.grammar_parts import regex_literal
 
 # Text after the prompt's last think tag that contains a turn marker means the tag belongs to
 # an earlier turn (or a user message), not to the generation being started.

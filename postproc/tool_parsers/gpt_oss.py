@@ -25,7 +25,8 @@ from postproc.harmony import (
     HarmonyReader,
 )
 from postproc.harmony import HarmonySink as _Sink
-from postproc.tool_parsers.base import ToolParser, json_layout
+from postproc.tool_parsers.base import ToolParser
+from shared.grammar_parts import json_layout
 
 
 class _Calls(_Sink):

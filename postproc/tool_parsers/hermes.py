@@ -12,13 +12,13 @@ import json
 from postproc.tool_parsers.base import (
     call_from_object,
     call_head,
-    call_json_schema,
     find_first,
     parse_json,
     partial_suffix_len,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
 from postproc.tool_parsers.tagged import TaggedBlockParser
+from shared.grammar_parts import call_json_schema
 
 
 class HermesToolParser(TaggedBlockParser):

@@ -18,10 +18,10 @@ from postproc.tool_parsers.base import (
     ToolParser,
     call_from_object,
     call_head,
-    call_json_schema,
     parse_json,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
+from shared.grammar_parts import call_json_schema
 
 _TAG = "<|python_tag|>"
 

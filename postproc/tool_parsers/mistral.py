@@ -29,13 +29,11 @@ from typing import Any, ClassVar
 from postproc.tool_parsers.base import (
     ToolParser,
     call_from_object,
-    call_json_schema,
-    json_layout,
     parse_json,
     partial_suffix_len,
-    special_token_lark,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
+from shared.grammar_parts import call_json_schema, json_layout, special_token_lark
 
 _BOT = "[TOOL_CALLS]"
 _ARGS = "[ARGS]"

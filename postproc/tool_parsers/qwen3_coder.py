@@ -24,8 +24,9 @@ import ast
 import json
 from typing import Any
 
-from postproc.tool_parsers.base import json_layout, parse_json
+from postproc.tool_parsers.base import parse_json
 from postproc.tool_parsers.tagged import TaggedBlockParser
+from shared.grammar_parts import json_layout
 
 _FUNCTION = "<function="
 _FUNCTION_END = "</function>"

@@ -13,7 +13,7 @@ from llguidance import LLMatcher
 from frontend.base.api_models import ChatCompletionRequest
 from frontend.input.structured import StructuredSettings, build_constraint, forced_call_prefix
 from postproc.tool_parsers import get_tool_parser
-from postproc.tool_parsers.base import rebase_refs
+from shared.grammar_parts import rebase_refs
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
 
