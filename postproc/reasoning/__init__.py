@@ -10,24 +10,19 @@ See docs/parsers.md.
 
 from __future__ import annotations
 
+from postproc.parser_registry import lookup, registry
 from postproc.reasoning.base import ReasoningDelta, ReasoningParser, prompt_think_state
 from postproc.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 from postproc.reasoning.gpt_oss import GptOssReasoningParser
 from postproc.reasoning.qwen3 import Qwen3ReasoningParser
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls
-    for cls in (DeepSeekR1ReasoningParser, GptOssReasoningParser, Qwen3ReasoningParser)
-}
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = registry(
+    DeepSeekR1ReasoningParser, GptOssReasoningParser, Qwen3ReasoningParser)
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     """The parser class registered as `name`; ValueError naming the known ones if none."""
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(REASONING_PARSERS))
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {known}") from None
+    return lookup(REASONING_PARSERS, name, "reasoning parser")
 
 
 __all__ = [

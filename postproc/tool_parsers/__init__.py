@@ -10,6 +10,7 @@ See docs/parsers.md.
 
 from __future__ import annotations
 
+from postproc.parser_registry import lookup, registry
 from postproc.tool_parsers.base import (
     FunctionCall,
     FunctionCallDelta,
@@ -27,26 +28,19 @@ from postproc.tool_parsers.mistral import MistralToolParser
 from postproc.tool_parsers.pythonic import PythonicToolParser
 from postproc.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls
-    for cls in (
-        HermesToolParser,
-        Llama3JsonToolParser,
-        MistralToolParser,
-        OpenAIToolParser,
-        PythonicToolParser,
-        Qwen3CoderToolParser,
-    )
-}
+TOOL_PARSERS: dict[str, type[ToolParser]] = registry(
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    OpenAIToolParser,
+    PythonicToolParser,
+    Qwen3CoderToolParser,
+)
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered as `name`; ValueError naming the known ones if none."""
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool-call parser {name!r}; known: {known}") from None
+    return lookup(TOOL_PARSERS, name, "tool-call parser")
 
 
 __all__ = [

@@ -181,7 +181,8 @@ def test_prompt_think_state(prompt, state):
 
 def test_registry():
     assert set(REASONING_PARSERS) == {"deepseek_r1", "openai_gptoss", "qwen3"}
-    with pytest.raises(ValueError, match="known: deepseek_r1, openai_gptoss, qwen3"):
+    with pytest.raises(ValueError, match="^unknown reasoning parser 'nope'; known: deepseek_r1, "
+                                         "openai_gptoss, qwen3$"):
         get_reasoning_parser("nope")
 
 

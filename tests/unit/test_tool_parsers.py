@@ -436,7 +436,8 @@ def test_collect_matches_one_shot():
 def test_registry():
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "openai", "pythonic",
                                  "qwen3_coder"}
-    with pytest.raises(ValueError, match="known: hermes"):
+    with pytest.raises(ValueError, match="^unknown tool-call parser 'nope'; known: hermes, "
+                                         "llama3_json, mistral, openai, pythonic, qwen3_coder$"):
         get_tool_parser("nope")
 
 
