@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from shared import json_flags
 from shared.param_ranges import MAX_LOGPROBS, UNBOUNDED_LOGPROBS
 from shared.runner_config import (
     GENERATE_TASKS,
@@ -317,12 +318,9 @@ def seconds(text: str) -> float:
 
 def json_object(text: str) -> dict:
     try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
+        return json_flags.json_object(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def normalize_argv(argv: list[str]) -> list[str]:

@@ -13,6 +13,8 @@ import os
 
 import msgspec
 
+from shared.json_flags import json_object
+
 # generation_config.json field -> the request field it is the default for.
 FIELDS = {
     "temperature": "temperature",
@@ -87,12 +89,7 @@ def load_generation_defaults(model_path: str, source: str = "auto",
         elif source != "auto":
             raise ValueError(f"{where}: {path} does not exist")
     if override:
-        try:
-            data = json.loads(override)
-        except ValueError as e:
-            raise ValueError(f"--override-generation-config: not JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError("--override-generation-config: must be a JSON object")
+        data = json_object(override, "--override-generation-config")
         unknown = sorted(set(data) - set(FIELDS))
         if unknown:
             raise ValueError(f"--override-generation-config: unknown fields {unknown}; "

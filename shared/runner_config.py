@@ -23,6 +23,8 @@ import os
 
 import msgspec
 
+from shared.json_flags import json_object
+
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # vLLM's --task values that mean a pooling runner (the rest mean generation).
@@ -80,12 +82,7 @@ def parse_hf_overrides(text: str) -> HfOverrides:
     """--hf-overrides' JSON; ValueError saying what is wrong. Only vLLM's yes/no reranker
     recipe is taken: {"architectures": ["Qwen3ForSequenceClassification"],
     "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}."""
-    try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--hf-overrides is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("--hf-overrides must be a JSON object")
+    raw = json_object(text, "--hf-overrides")
     unknown = sorted(set(raw) - set(_OVERRIDE_KEYS))
     if unknown:
         raise ValueError(f"--hf-overrides keys {unknown} are not supported; sluice takes only "
@@ -128,12 +125,7 @@ def resolve_runner(model_path: str, runner: str = "auto", hf_overrides: str | No
 def parse_pooler_config(text: str) -> PoolerConfig:
     """--pooler-config's JSON ({"pooling_type": "MEAN", "normalize": false}); ValueError with
     what is wrong."""
-    try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--pooler-config is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("--pooler-config must be a JSON object")
+    raw = json_object(text, "--pooler-config")
     kind = raw.get("pooling_type", raw.get("seq_pooling_type", "LAST"))
     if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
         raise ValueError(f"--pooler-config pooling_type must be one of {list(POOLING_TYPES)}")
