@@ -17,6 +17,7 @@ import msgspec
 
 from frontend.base.errors import APIError
 from frontend.batches.models import FileObject, LineResult, StoredBatch, StoredFile
+from frontend.state.owned_records import OwnedRecords
 from frontend.state.store import StateStore
 
 LEASE_S = 6.0  # a runner renews its batch's lease every LEASE_S / 3
@@ -36,7 +37,11 @@ def batch_not_found(batch_id: str) -> APIError:
     return APIError(404, f"No batch found with id '{batch_id}'.")
 
 
-class FileRecords:
+class FileRecords(OwnedRecords[StoredFile]):
+    prefix = "file"
+    decoder = _file
+    not_found = staticmethod(file_not_found)
+
     def __init__(self, store: StateStore, ttl_s: float | None = DEFAULT_TTL_S) -> None:
         self.store = store
         self.ttl_s = ttl_s or None
@@ -59,16 +64,6 @@ class FileRecords:
         await self.store.put(f"file:{file_id}", _encode(StoredFile(meta, owner, len(parts))),
                              self.ttl_s)
         return meta
-
-    async def get(self, file_id: str, owner: str | None) -> StoredFile | None:
-        """The file, if `owner` owns it (None: whoever does; the runner reads any)."""
-        return await self.store.get_owned(f"file:{file_id}", _file, owner)
-
-    async def find(self, file_id: str, owner: str, param: str | None = None) -> StoredFile:
-        stored = await self.get(file_id, owner)
-        if stored is None:
-            raise file_not_found(file_id, param)
-        return stored
 
     async def content(self, stored: StoredFile) -> bytes | None:
         """The file's bytes; None when a part is gone (expired, deleted meanwhile)."""

@@ -30,6 +30,7 @@ import msgspec
 
 from frontend.base.errors import APIError, bad_request
 from frontend.responses.conversation_models import Conversation, ConversationRecord
+from frontend.state.owned_records import OwnedRecords
 from frontend.state.store import StateStore, StoreUnavailable, ValueTooLarge
 
 MAX_ITEMS_PER_CALL = 20
@@ -63,22 +64,16 @@ def check_metadata(metadata: dict[str, str] | None, param: str = "metadata") -> 
     return metadata
 
 
-class ConversationRecords:
+class ConversationRecords(OwnedRecords[ConversationRecord]):
     """Conversations in a `StateStore`."""
+
+    prefix = "conversation"
+    decoder = _decoder
+    not_found = staticmethod(not_found)
 
     def __init__(self, store: StateStore, max_items: int = DEFAULT_MAX_ITEMS) -> None:
         self.store = store
         self.max_items = max_items
-
-    async def get(self, conversation_id: str, owner: str) -> ConversationRecord | None:
-        return await self.store.get_owned(f"conversation:{conversation_id}", _decoder, owner)
-
-    async def find(self, conversation_id: str, owner: str, param: str | None = None
-                   ) -> ConversationRecord:
-        record = await self.get(conversation_id, owner)
-        if record is None:
-            raise not_found(conversation_id, param)
-        return record
 
     async def _put(self, record: ConversationRecord) -> None:
         try:

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from frontend.base.api_models import ChatCompletionRequest, ChatMessage
 from frontend.base.errors import APIError, bad_request
 from frontend.responses.models import InputItem, ResponseObject
+from frontend.state.owned_records import OwnedRecords
 from frontend.state.store import StateStore, ValueTooLarge
 
 DEFAULT_TTL_S = 30 * 24 * 3600  # OpenAI keeps stored responses 30 days
@@ -95,22 +96,16 @@ _decoder = msgspec.json.Decoder(StoredResponse)
 _encoder = msgspec.json.Encoder()
 
 
-class ResponseRecords:
+class ResponseRecords(OwnedRecords[StoredResponse]):
     """Stored responses in a `StateStore`, read and written as `StoredResponse`."""
+
+    prefix = "response"
+    decoder = _decoder
+    not_found = staticmethod(not_found)
 
     def __init__(self, store: StateStore, ttl_s: float | None = DEFAULT_TTL_S) -> None:
         self.store = store
         self.ttl_s = ttl_s
-
-    async def get(self, response_id: str, owner: str) -> StoredResponse | None:
-        return await self.store.get_owned(f"response:{response_id}", _decoder, owner)
-
-    async def find(self, response_id: str, owner: str, param: str | None = None
-                   ) -> StoredResponse:
-        stored = await self.get(response_id, owner)
-        if stored is None:
-            raise not_found(response_id, param)
-        return stored
 
     async def put(self, stored: StoredResponse) -> bool:
         """Stores it; False when it is larger than the store takes (then nothing is kept)."""
@@ -122,8 +117,7 @@ class ResponseRecords:
         return True
 
     async def delete(self, response_id: str, owner: str) -> None:
-        if await self.get(response_id, owner) is None:
-            raise not_found(response_id)
+        await self.find(response_id, owner)
         await self.store.delete(f"response:{response_id}")
 
     async def mark_unfinished(self, stored: StoredResponse) -> None:
