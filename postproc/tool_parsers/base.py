@@ -370,6 +370,21 @@ class ToolParser:
         self._dropped = self._dropped or cut > 0
         return cut
 
+    def _opening(self, tag: str, opener: str, final: bool) -> str | None:
+        """How the output begins, after whitespace, for a format whose calls come first:
+        "tag" when with `tag` (then taken off the buffer, with the whitespace), "calls" when
+        with `opener` (the calls' first character), "content" otherwise or when the output
+        is empty; None while that is undecided (nothing yet, or what may become `tag`)."""
+        rest = self._buf.lstrip()
+        if not rest:
+            return "content" if final else None
+        if rest.startswith(tag):
+            self._buf = rest[len(tag):]
+            return "tag"
+        if tag.startswith(rest) and not final:
+            return None
+        return "calls" if rest[0] == opener else "content"
+
     def _drop_unfinished(self, final: bool) -> bool:
         """At a truncated finish, inside a call that was still being written: drop its
         text (call markup is never content). True when it did."""

@@ -51,19 +51,10 @@ class Llama3JsonToolParser(ToolParser):
         buf = self._buf
         mode = self._mode
         if mode == _START:
-            rest = buf.lstrip()
-            if not rest:
-                if final:
-                    self._mode = _CONTENT
-                    return True
+            opening = self._opening(_TAG, "{", final)
+            if opening is None:
                 return False
-            if rest.startswith(_TAG):
-                self._buf = rest[len(_TAG):]
-                self._mode = _CALLS
-            elif _TAG.startswith(rest) and not final:
-                return False
-            else:
-                self._mode = _CALLS if rest[0] == "{" else _CONTENT
+            self._mode = _CONTENT if opening == "content" else _CALLS
             return True
         if mode == _CONTENT:
             if self._content_until((_TAG,), final) is None:

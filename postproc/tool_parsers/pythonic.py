@@ -53,20 +53,11 @@ class PythonicToolParser(ToolParser):
         buf = self._buf
         mode = self._mode
         if mode == _START:
-            rest = buf.lstrip()
-            if not rest:
-                if final:
-                    self._mode = _CONTENT
-                    return True
+            opening = self._opening(_PY_START, "[", final)
+            if opening is None:
                 return False
-            if rest.startswith(_PY_START):
-                self._buf = rest[len(_PY_START):]
-                self._wrapped = True
-                self._mode = _LIST
-            elif _PY_START.startswith(rest) and not final:
-                return False
-            else:
-                self._mode = _LIST if rest[0] == "[" else _CONTENT
+            self._wrapped = opening == "tag"
+            self._mode = _CONTENT if opening == "content" else _LIST
             return True
         if mode == _CONTENT:
             tag = self._content_until(self.delimiters, final)
