@@ -23,12 +23,6 @@ from shared.grammar_parts import call_json_schema
 
 class HermesToolParser(TaggedBlockParser):
     name = "hermes"
-    open_tag = "<tool_call>"
-    close_tag = "</tool_call>"
-    delimiters = (open_tag, close_tag)
-    begin_marker = open_tag
-    begin_lark = '"<tool_call>"'
-    next_call_lark = '"\\n<tool_call>"'
 
     @classmethod
     def call_grammar(cls, functions: dict, *, strict: bool) -> str | None:

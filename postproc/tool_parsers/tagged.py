@@ -1,4 +1,6 @@
-"""Formats where each call sits between an open and a close tag (hermes, qwen3_coder)."""
+"""Formats where each call sits in a `<tool_call>` ... `</tool_call>` block (hermes,
+qwen3_coder): the block's tags, how a forced call opens and follows another, and the loop
+that finds the blocks; each format reads its own block bodies (`_block_calls`)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,12 @@ from postproc.tool_parsers.base import ToolParser, find_first
 
 
 class TaggedBlockParser(ToolParser):
-    open_tag: ClassVar[str]
-    close_tag: ClassVar[str]
+    open_tag: ClassVar[str] = "<tool_call>"
+    close_tag: ClassVar[str] = "</tool_call>"
+    delimiters = (open_tag, close_tag)
+    begin_marker = open_tag
+    begin_lark = '"<tool_call>"'
+    next_call_lark = '"\\n<tool_call>"'
 
     def _reset(self) -> None:
         self._in_block = False
