@@ -307,11 +307,8 @@ def share(text: str) -> float:
 
 def seconds(text: str) -> float:
     """An argparse type: a finite, non-negative number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value < float("inf"):
+    value = number(text)
+    if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is not a finite number of seconds >= 0")
     return value
 
