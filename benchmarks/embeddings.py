@@ -31,6 +31,8 @@ import transformers
 
 from shared.transport import free_tcp_port
 from tests.servers import Proc, wait_healthy
+from tests.tiny_bert import wordpiece_tokenizer
+from tests.tiny_embedder import write_sentence_transformers_files
 
 VOCAB = 30522
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -51,38 +53,14 @@ def vocabulary() -> list[str]:
 
 def build_model(path: str) -> list[str]:
     """Writes the BERT-base sentence-transformers folder; returns its whole words."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-
-    vocab = {w: i for i, w in enumerate(vocabulary())}
-    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
-    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
-    backend.decoder = decoders.WordPiece()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-        sep_token="[SEP]", mask_token="[MASK]", model_max_length=512)
+    vocab = vocabulary()
+    tokenizer = wordpiece_tokenizer(vocab, model_max_length=512)
     torch.manual_seed(0)
     model = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB),
                                    add_pooling_layer=False)
     model.eval().save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"},
-    ]
-    with open(os.path.join(path, "modules.json"), "w") as f:
-        json.dump(modules, f)
-    for folder in ("1_Pooling", "2_Normalize"):
-        os.makedirs(os.path.join(path, folder), exist_ok=True)
-    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-        json.dump({"word_embedding_dimension": 768, "pooling_mode_mean_tokens": True,
-                   "pooling_mode_cls_token": False, "pooling_mode_lasttoken": False}, f)
+    write_sentence_transformers_files(path, 768, "pooling_mode_mean_tokens")
     with open(os.path.join(path, "sentence_bert_config.json"), "w") as f:
         json.dump({"max_seq_length": 512, "do_lower_case": False}, f)
     return [w for w in vocab if w not in SPECIALS and not w.startswith("##")]

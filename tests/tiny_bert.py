@@ -21,10 +21,13 @@ POOLING_MODES = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_to
                  "lasttoken": "pooling_mode_lasttoken"}
 
 
-def wordpiece_tokenizer():
+def wordpiece_tokenizer(words: list[str] | None = None, **options):
+    """BERT's WordPiece tokenizer over `words` (default: SPECIALS + WORDS, which must start
+    with SPECIALS); `options` go to PreTrainedTokenizerFast (benchmarks/embeddings.py sets
+    model_max_length)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    vocab = {w: i for i, w in enumerate(words or SPECIALS + WORDS)}
     backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     backend.normalizer = normalizers.BertNormalizer(lowercase=True)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -34,7 +37,7 @@ def wordpiece_tokenizer():
     backend.decoder = decoders.WordPiece()
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-        sep_token="[SEP]", mask_token="[MASK]")
+        sep_token="[SEP]", mask_token="[MASK]", **options)
 
 
 def build_bert(path: str, kind: str = "bert", pooling: str = "mean", seed: int = 5):
