@@ -26,7 +26,7 @@ import re
 
 import msgspec
 
-from postproc.tool_parsers.base import find_first, partial_suffix_len
+from postproc.markers import find_first, partial_suffix_len
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"

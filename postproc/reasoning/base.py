@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import msgspec
 
-from postproc.tool_parsers.base import find_first, partial_suffix_len
+from postproc.markers import find_first, partial_suffix_len
 from shared.grammar_parts import regex_literal
 
 # Text after the prompt's last think tag that contains a turn marker means the tag belongs to

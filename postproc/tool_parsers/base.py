@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import msgspec
 
 # The deltas travel from postproc workers to frontends, so the wire protocol defines them.
+from postproc.markers import find_first, partial_suffix_len
 from shared.protocol import FunctionCallDelta, ToolCallDelta
 from shared.tool_specs import tools_by_name
 
@@ -64,27 +65,6 @@ class ToolDelta(msgspec.Struct):
 class ParsedTools(msgspec.Struct):
     content: str | None  # None when there is none (OpenAI's shape for a tool-call message)
     calls: list[ToolCall]
-
-
-def partial_suffix_len(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is a proper prefix of one of `markers`."""
-    best = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:k]):
-                best = k
-                break
-    return best
-
-
-def find_first(text: str, markers: tuple[str, ...], start: int = 0) -> tuple[int, str | None]:
-    """The earliest occurrence of any marker at or after `start`: (index, marker) or (-1, None)."""
-    best, which = -1, None
-    for marker in markers:
-        i = text.find(marker, start)
-        if i >= 0 and (best < 0 or i < best):
-            best, which = i, marker
-    return best, which
 
 
 def parse_json(text: str) -> Any:

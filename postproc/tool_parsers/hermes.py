@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 
+from postproc.markers import find_first, partial_suffix_len
 from postproc.tool_parsers.base import (
     call_from_object,
     call_head,
-    find_first,
     parse_json,
-    partial_suffix_len,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
 from postproc.tool_parsers.tagged import TaggedBlockParser

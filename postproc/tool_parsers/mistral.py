@@ -26,11 +26,11 @@ import re
 from functools import lru_cache
 from typing import Any, ClassVar
 
+from postproc.markers import partial_suffix_len
 from postproc.tool_parsers.base import (
     ToolParser,
     call_from_object,
     parse_json,
-    partial_suffix_len,
 )
 from postproc.tool_parsers.scanners import JsonValueEnd
 from shared.grammar_parts import call_json_schema, json_layout, special_token_lark

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from postproc.tool_parsers.base import ToolParser, find_first
+from postproc.markers import find_first
+from postproc.tool_parsers.base import ToolParser
 
 
 class TaggedBlockParser(ToolParser):
