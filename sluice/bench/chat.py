@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import msgspec
 
+from shared.command_line import int_at_least
+
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 # Long generations on a loaded server can stall for minutes between bytes; only a truly
 # hung server should trip the read timeout.
@@ -415,18 +417,8 @@ class BenchConfig(msgspec.Struct):
     cpu_pids: list[int] = []
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive_int = int_at_least(1)
+_non_negative_int = int_at_least(0)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
