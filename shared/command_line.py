@@ -151,20 +151,20 @@ def _add_pooling_arguments(p: argparse.ArgumentParser) -> None:
                         "%(default)s, as OpenAI)")
 
 
-def _pooler_config(text: str) -> str:
-    try:
-        parse_pooler_config(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+def _checked_by(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type: the text itself, once `parse` takes it (its ValueError is the
+    flag's error). The processes parse it again from their config."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return check
 
 
-def _hf_overrides(text: str) -> str:
-    try:
-        parse_hf_overrides(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+_pooler_config = _checked_by(parse_pooler_config)
+_hf_overrides = _checked_by(parse_hf_overrides)
 
 
 def runner_of(args) -> str:

@@ -12,6 +12,7 @@ import pytest
 from shared.command_line import json_object
 from shared.generation_config import load_generation_defaults
 from shared.runner_config import parse_hf_overrides, parse_pooler_config
+from sluice import cli
 
 
 @pytest.mark.parametrize("text, says", [("{", "not JSON: "), ("[1]", "must be a JSON object$")])
@@ -31,3 +32,12 @@ def test_every_json_object_flag_refuses_in_the_same_words(tmp_path, text, says):
 
 def test_a_json_object_flag_gives_the_object():
     assert json_object('{"enable_thinking": false}') == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("command", ["engine", "frontend", "serve"])
+@pytest.mark.parametrize("flag", ["--pooler-config", "--hf-overrides"])
+def test_the_command_line_refuses_a_bad_pooling_flag(command, flag, capsys):
+    """Checked as the flags are parsed (shared.command_line), before any process starts."""
+    with pytest.raises(SystemExit):
+        cli.parse_args([command, flag, "[1]"])
+    assert f"argument {flag}: {flag}: must be a JSON object" in capsys.readouterr().err
