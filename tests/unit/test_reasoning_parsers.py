@@ -9,7 +9,6 @@ import random
 
 import pytest
 
-from postproc.detokenizer import IncrementalDetokenizer
 from postproc.reasoning import (
     REASONING_PARSERS,
     ReasoningDelta,
@@ -18,6 +17,7 @@ from postproc.reasoning import (
 )
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
+from tests.unit.parser_builders import token_pieces
 
 # Rendered prompts, as the templates write them.
 R1_OPEN = "<｜begin▁of▁sentence｜><｜User｜>What is 2+2?<｜Assistant｜><think>\n"
@@ -67,14 +67,6 @@ TAGS = ("<think>", "</think>")
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(default_model_path())
-
-
-def token_pieces(tokenizer, text: str) -> list[str]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
-    pieces = [detok.push([i]) for i in ids] + [detok.flush()]
-    assert "".join(pieces) == text
-    return pieces
 
 
 def stream(name: str, prompt: str, pieces: list[str]) -> list[ReasoningDelta]:

@@ -11,7 +11,6 @@ import re
 import msgspec
 import pytest
 
-from postproc.detokenizer import IncrementalDetokenizer
 from postproc.reasoning import get_reasoning_parser
 from postproc.tool_parsers import (
     TOOL_PARSERS,
@@ -23,6 +22,7 @@ from postproc.tool_parsers.qwen3_coder import convert_value
 from shared.model_source import default_model_path
 from shared.tokenizer import load_tokenizer
 from shared.tool_specs import ChatTool, FunctionDefinition
+from tests.unit.parser_builders import token_pieces
 
 WEATHER = {
     "type": "function",
@@ -296,15 +296,6 @@ DEFAULT_CALL_ID = re.compile(r"call_[A-Za-z0-9]{24}")
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(default_model_path())
-
-
-def token_pieces(tokenizer, text: str) -> list[str]:
-    """`text` as a model streams it: one token's text at a time (O-2-safe detokenizer)."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
-    pieces = [detok.push([i]) for i in ids] + [detok.flush()]
-    assert "".join(pieces) == text
-    return pieces
 
 
 def stream(parser_name: str, pieces: list[str], tools=TOOLS) -> list[ToolDelta]:
