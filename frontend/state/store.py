@@ -292,22 +292,28 @@ class RedisStore(StateStore):
 
     PREFIX = "sluice:"
 
-    def __init__(self, url: str, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
+    def __init__(self, url: str, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+                 socket_timeout: float = 5.0) -> None:
         super().__init__(max_value_bytes)
         import redis.asyncio  # only a frontend configured for Redis needs the client
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff
 
         self.url = url
-        # A pooled connection that outlived a Redis restart fails the first command sent on
-        # it ("Connection closed by server"); that command is sent again on a new one, so
-        # a restart costs the requests made while Redis is down, not the ones after.
+        # The transient errors, each sent again (on a new connection) a few times before
+        # it is a 503: a pooled connection that outlived a Redis restart ("Connection
+        # closed by server"), a server still loading its data (LOADING, a ConnectionError
+        # subclass), a reply that did not come within `socket_timeout`, and TRYAGAIN (a
+        # cluster moving a slot). So a restart costs the requests made while Redis is
+        # down, not the ones after. Every command the store sends has the same effect when
+        # sent twice.
+        transient = [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                     redis.exceptions.TryAgainError]
         self._redis = redis.asyncio.from_url(
-            url, socket_timeout=5, socket_connect_timeout=2,
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
-            retry_on_error=[redis.exceptions.ConnectionError])
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                        OSError)
+            url, socket_timeout=socket_timeout, socket_connect_timeout=2,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3, tuple(transient)),
+            retry_on_error=transient)
+        self._errors = (*transient, OSError)
 
     async def _call(self, coro):
         try:

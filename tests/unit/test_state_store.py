@@ -197,3 +197,111 @@ def test_the_owner_is_the_key_the_auth_accepted():
     assert owner(keys, authorization="Bearer a") == owner(keys, x_api_key="a")
     assert owner(keys, authorization="Bearer a") != owner(keys, authorization="Bearer b")
     assert owner(frozenset(), authorization="Bearer a") == ""  # no keys: nobody owns
+
+
+class FaultyProxy:
+    """A TCP proxy in front of a redis-server that spoils the next GETs on purpose: the
+    faults a real Redis shows now and then (a reply that never comes, a server still loading
+    its data, a cluster slot moving), which a healthy local server cannot be made to give.
+    Each queued fault takes one GET; the rest of the traffic passes through untouched."""
+
+    REPLIES = {"loading": b"-LOADING Redis is loading the dataset in memory\r\n",
+               "tryagain": b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n"}
+
+    def __init__(self, upstream_port: int) -> None:
+        import socket
+        import threading
+
+        self.upstream_port = upstream_port
+        self.faults: list[str] = []
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._threads = threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._threads.Thread(target=self._relay, args=(upstream, client),
+                                 daemon=True).start()
+            self._threads.Thread(target=self._commands, args=(client, upstream),
+                                 daemon=True).start()
+
+    @staticmethod
+    def _relay(source, sink) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            sink.close()
+
+    def _commands(self, client, upstream) -> None:
+        """Reads whole RESP commands (`*N` then N `$len` strings), so a fault takes one."""
+        reader = client.makefile("rb")
+        try:
+            while head := reader.readline():
+                args = []
+                for _ in range(int(head[1:])):
+                    length = reader.readline()
+                    args.append(length + reader.read(int(length[1:]) + 2))  # + CRLF
+                name = args[0].split(b"\r\n")[1].upper()
+                if name == b"GET" and self.faults:
+                    fault = self.faults.pop(0)
+                    if fault != "silent":  # silent: the command is dropped, no reply
+                        client.sendall(self.REPLIES[fault])
+                    continue
+                upstream.sendall(head + b"".join(args))
+        except OSError:
+            pass
+        finally:
+            upstream.close()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@pytest.mark.parametrize("faults", [["silent"], ["loading"], ["tryagain"],
+                                    ["tryagain", "loading", "silent"]])
+def test_redis_transient_errors_are_retried(redis_url, faults):
+    proxy = FaultyProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+
+    async def check():
+        store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.5)
+        try:
+            await store.put("transient", b"kept")
+            proxy.faults.extend(faults)
+            assert await store.get("transient") == b"kept"
+            assert proxy.faults == []  # every fault was met, and survived
+        finally:
+            await store.close()
+    try:
+        run(check())
+    finally:
+        proxy.close()
+
+
+def test_redis_errors_that_outlast_the_retries_are_503s(redis_url):
+    proxy = FaultyProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+
+    async def check():
+        store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.5)
+        try:
+            for fault in ("tryagain", "silent"):
+                proxy.faults[:] = [fault] * 10
+                with pytest.raises(StoreUnavailable) as err:
+                    await store.get("transient")
+                assert err.value.status == 503
+        finally:
+            await store.close()
+    try:
+        run(check())
+    finally:
+        proxy.close()
