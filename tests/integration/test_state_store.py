@@ -304,6 +304,28 @@ def test_a_conversation_made_on_one_frontend_continues_on_the_other(pair):
             client.conversations.retrieve(conv.id)
 
 
+def test_conversations_expire_with_a_conversation_ttl(shared_engine, tmp_path):
+    """--conversation-ttl: gone (a 404) that long after the last change; the pair's
+    frontends, without the flag, keep theirs (the tests above)."""
+    front = shared_engine.frontend(str(tmp_path), "ttl", "--state-store",
+                                   f"sqlite:///{tmp_path}/state.db", "--conversation-ttl", "2")
+    try:
+        client = openai.OpenAI(base_url=f"{front.base_url}/v1", api_key="x", max_retries=0)
+        conv = client.conversations.create()
+        assert client.conversations.retrieve(conv.id).id == conv.id
+        wait_until(lambda: _gone(client, conv.id), 10, "the conversation's expiry")
+    finally:
+        front.stop()
+
+
+def _gone(client: openai.OpenAI, conversation_id: str) -> bool:
+    try:
+        client.conversations.retrieve(conversation_id)
+        return False
+    except openai.NotFoundError:
+        return True
+
+
 def test_conversation_fields_have_clear_bounds(pair):
     a = pair.client(0)
     conv = a.conversations.create()
