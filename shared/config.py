@@ -140,6 +140,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     max_batch_lines_in_flight: int = 4
     batch_ttl_s: float = 30 * 24 * 3600.0
     max_conversation_items: int = 10_000  # items one /v1/conversations conversation holds
+    conversation_ttl_s: float = 0.0  # kept this long after its last change; 0: no expiry
     # --generation-config auto|vllm|FOLDER and --override-generation-config JSON
     # (shared.generation_config): sampling defaults for fields a request leaves out.
     generation_config: str = "auto"

@@ -235,6 +235,7 @@ def _serve(args) -> int:
                       "--responses-ttl", str(args.responses_ttl),
                       "--max-stored-bytes", str(args.max_stored_bytes),
                       "--max-conversation-items", str(args.max_conversation_items),
+                      "--conversation-ttl", str(args.conversation_ttl),
                       "--generation-config", args.generation_config,
                       *batch_argv(args), *limit_argv(args)]
     if args.override_generation_config is not None:

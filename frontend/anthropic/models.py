@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from frontend.base.api_models import NullMeansDefault
 from frontend.base.errors import ErrorBody, ErrorDetail  # noqa: F401 (its face's error shape)
 from shared.param_ranges import INT32_MAX
 from shared.tool_specs import ToolName
@@ -79,8 +80,9 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     effort: str | None = None  # a thinking-effort hint: nothing to tune here
 
 
-class _MessageFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """What `/v1/messages` and `/v1/messages/count_tokens` share."""
+class _MessageFields(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
+    """What `/v1/messages` and `/v1/messages/count_tokens` share. A null means the field's
+    default, as in the OpenAI bodies."""
 
     model: str
     messages: list[Message]

@@ -78,7 +78,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     function_call: Any = None
 
 
-class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class StructuredOutputs(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
 
     json: Any = None  # a JSON schema, as an object or as its JSON text
@@ -87,9 +87,9 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
     json_object: bool | None = None
     structural_tag: str | None = None  # not supported: a 400 when set
-    disable_fallback: bool = False  # one backend here: nothing to fall back from
-    disable_any_whitespace: bool = False  # our JSON has no free whitespace anyway
-    disable_additional_properties: bool = False
+    disable_fallback: bool | None = False  # one backend here: nothing to fall back from
+    disable_any_whitespace: bool | None = False  # our JSON has no free whitespace anyway
+    disable_additional_properties: bool | None = False
     whitespace_pattern: str | None = None  # a regex for the whitespace JSON may use
 
 

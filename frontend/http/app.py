@@ -272,7 +272,8 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     records = ResponseRecords(state, config.responses_ttl_s or None)
     responses = responses_api.Responses(
         records, BackgroundRunner(records),
-        ConversationRecords(state, config.max_conversation_items),
+        ConversationRecords(state, config.max_conversation_items,
+                            config.conversation_ttl_s or None),
         keys=frozenset(config.api_keys))
 
     # Files and batches (frontend.batches): each line goes to the route an interactive

@@ -170,6 +170,10 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-conversation-items", type=int_at_least(1), default=10_000,
                    help="items one /v1/conversations conversation may hold; adding more is "
                         "a 400 (default: %(default)s)")
+    g.add_argument("--conversation-ttl", type=seconds, default=0.0, metavar="SECONDS",
+                   help="how long a /v1/conversations conversation is kept after its last "
+                        "change; 0: until evicted or deleted (default: 0, as OpenAI's, which "
+                        "do not expire)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for fields a request leaves out: auto, the model's "
                         "generation_config.json (beside a .gguf file too); vllm, none (the "
@@ -360,6 +364,7 @@ def frontend_config(args, engine_address: str | list[str] | None,
         state_store=args.state_store, responses_ttl_s=args.responses_ttl,
         max_stored_bytes=args.max_stored_bytes, **batch_config(args),
         max_conversation_items=args.max_conversation_items,
+        conversation_ttl_s=args.conversation_ttl,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
         response_role=args.response_role,

@@ -9,8 +9,10 @@ input and output items are appended (frontend.responses.api).
 
 Every change reads, changes and writes the record while holding a short lock in the store
 (`conversation-lock:{id}`, a lease), so two frontends appending to one conversation at once
-lose nothing. Records do not expire (OpenAI's conversations have no 30-day limit); they
-count against the embedded stores' `--max-stored-responses` like stored responses.
+lose nothing. Records do not expire unless `--conversation-ttl` says they do (OpenAI's
+conversations have no 30-day limit): then a conversation lives that long after its last
+change, each change starting the clock again. They count against the embedded stores'
+`--max-stored-responses` like stored responses.
 
 Bounds, as OpenAI's: at most 20 items per create call; metadata at most 16 keys, keys at
 most 64 characters, values strings of at most 512; and ours: `--max-conversation-items`
@@ -71,14 +73,16 @@ class ConversationRecords(OwnedRecords[ConversationRecord]):
     decoder = _decoder
     not_found = staticmethod(not_found)
 
-    def __init__(self, store: StateStore, max_items: int = DEFAULT_MAX_ITEMS) -> None:
+    def __init__(self, store: StateStore, max_items: int = DEFAULT_MAX_ITEMS,
+                 ttl_s: float | None = None) -> None:
         self.store = store
         self.max_items = max_items
+        self.ttl_s = ttl_s  # None: kept until evicted or deleted
 
     async def _put(self, record: ConversationRecord) -> None:
         try:
             await self.store.put(f"conversation:{record.conversation.id}",
-                                 _encoder.encode(record), counted=True)
+                                 _encoder.encode(record), self.ttl_s, counted=True)
         except ValueTooLarge:
             raise APIError(413, "the conversation would be larger than the state store "
                                 "keeps (--max-stored-bytes)") from None

@@ -36,11 +36,11 @@ class InputPart(msgspec.Struct, kw_only=True):
     file_id: str | None = None  # input_image by uploaded file: refused (no file store)
 
 
-class InputItem(msgspec.Struct, kw_only=True):
+class InputItem(NullMeansDefault, kw_only=True):
     """One input item: a message (`type` may be left out), a function_call, a
     function_call_output or a reasoning item."""
 
-    type: str = "message"
+    type: str | None = "message"
     role: str | None = None
     content: str | list[InputPart] | None = None
     call_id: str | None = None  # function_call, function_call_output

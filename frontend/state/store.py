@@ -12,7 +12,11 @@ One small key-value interface (`StateStore`), chosen by URL (`--state-store`):
   per key with an expiry (TTL) and leases (SET NX PX), which Redis does natively, with no
   schema to migrate.
 
-Values are bytes (the callers encode msgspec Structs). Every entry may carry a TTL.
+Values are bytes (the callers encode msgspec Structs). Every entry may carry a TTL. Keys are
+grouped by their text up to the last `:` (`batch-result:b1:000000007` is in the group
+`batch-result:b1:`, not in `batch-result:`), and `scan` lists one group's live keys through
+an index, never the whole store: SQLite's primary key as a range, a sorted set per group in
+Redis.
 `max_value_bytes` bounds one value (`ValueTooLarge`); `capacity` bounds how many "counted"
 entries the embedded stores keep (least recently used dropped first; Redis bounds memory
 with its own `maxmemory` policy instead). A store that cannot be reached raises
@@ -83,7 +87,8 @@ class StateStore:
         raise NotImplementedError
 
     async def scan(self, prefix: str) -> list[str]:
-        """The live keys that start with `prefix` (for the few marker entries, not bulk)."""
+        """The live keys of the group `prefix` (which ends with `:`), written by `put`:
+        the keys whose text up to their last `:` is `prefix`."""
         raise NotImplementedError
 
     async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
@@ -97,6 +102,16 @@ class StateStore:
 
 def _expiry(ttl_s: float | None) -> float | None:
     return time.time() + ttl_s if ttl_s else None
+
+
+def _check_group(prefix: str) -> None:
+    """A scan lists one group, so that each store can keep an index per group."""
+    if not prefix.endswith(":"):
+        raise ValueError(f"scan({prefix!r}): a prefix is a key group, ending with ':'")
+
+
+def _in_group(key: str, group: str) -> bool:
+    return key.startswith(group) and ":" not in key[len(group):]
 
 
 class MemoryStore(StateStore):
@@ -142,7 +157,8 @@ class MemoryStore(StateStore):
         return self._items.pop(key, None) is not None
 
     async def scan(self, prefix: str) -> list[str]:
-        return [k for k in list(self._items) if k.startswith(prefix) and self._live(k)]
+        _check_group(prefix)
+        return [k for k in list(self._items) if _in_group(k, prefix) and self._live(k)]
 
     async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
         current = self._live(key)
@@ -152,15 +168,26 @@ class MemoryStore(StateStore):
         return True
 
 
-_SCHEMA = """
+# Every statement a write or a scan runs finds its rows through an index (the primary key,
+# or one of the two below), never by reading the whole table; a unit test asks SQLite's
+# EXPLAIN QUERY PLAN.
+_SCHEMA = ("""
 CREATE TABLE IF NOT EXISTS entries (
     key TEXT PRIMARY KEY,
     value BLOB NOT NULL,
     expires REAL,          -- unix time; NULL: never
     used REAL NOT NULL,    -- last read or write, for the LRU bound
     counted INTEGER NOT NULL
-)
-"""
+)""",
+           "CREATE INDEX IF NOT EXISTS entries_expires ON entries (expires)",
+           "CREATE INDEX IF NOT EXISTS entries_lru ON entries (counted, used)")
+_SQL_DROP_EXPIRED = "DELETE FROM entries WHERE expires IS NOT NULL AND expires <= ?"
+# The keys of a group `G:` are the ones from `G:` up to, not including, `G;` (';' follows
+# ':'), a range of the primary key.
+_SQL_SCAN = ("SELECT key FROM entries WHERE key >= ? AND key < ? AND (expires IS NULL OR "
+         "expires > ?)")
+_SQL_DROP_LEAST_USED = ("DELETE FROM entries WHERE counted = 1 AND key NOT IN (SELECT key FROM "
+                    "entries WHERE counted = 1 ORDER BY used DESC LIMIT ?)")
 
 
 class SqliteStore(StateStore):
@@ -181,7 +208,8 @@ class SqliteStore(StateStore):
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
                              timeout=5.0)
         db.execute("PRAGMA journal_mode=WAL")
-        db.execute(_SCHEMA)
+        for statement in _SCHEMA:
+            db.execute(statement)
         return db
 
     async def _run(self, fn, *args):
@@ -208,14 +236,11 @@ class SqliteStore(StateStore):
         now = time.time()
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            self._db.execute("DELETE FROM entries WHERE expires IS NOT NULL AND expires <= ?",
-                             (now,))
+            self._db.execute(_SQL_DROP_EXPIRED, (now,))
             self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)",
                              (key, value, expires, now, int(counted)))
             if counted:
-                self._db.execute(
-                    "DELETE FROM entries WHERE counted = 1 AND key NOT IN (SELECT key FROM "
-                    "entries WHERE counted = 1 ORDER BY used DESC LIMIT ?)", (self.capacity,))
+                self._db.execute(_SQL_DROP_LEAST_USED, (self.capacity,))
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
@@ -245,15 +270,14 @@ class SqliteStore(StateStore):
             raise
 
     def _scan(self, prefix: str) -> list[str]:
-        rows = self._db.execute(
-            "SELECT key FROM entries WHERE substr(key, 1, ?) = ? AND (expires IS NULL OR "
-            "expires > ?)", (len(prefix), prefix, time.time())).fetchall()
-        return [row[0] for row in rows]
+        rows = self._db.execute(_SQL_SCAN, (prefix, prefix[:-1] + ";", time.time())).fetchall()
+        return [row[0] for row in rows if _in_group(row[0], prefix)]
 
     async def get(self, key: str) -> bytes | None:
         return await self._run(self._get, key)
 
     async def scan(self, prefix: str) -> list[str]:
+        _check_group(prefix)
         return await self._run(self._scan, prefix)
 
     async def put(self, key: str, value: bytes, ttl_s: float | None = None,
@@ -276,6 +300,43 @@ class SqliteStore(StateStore):
                 self._db = None
 
 
+# A key's group has an index, a sorted set of its keys scored by their expiry (ms, server
+# time; +inf: never), so a scan reads one group rather than the keyspace. Each write drops
+# the index's expired members and lets the index expire with its last key, so a group
+# nobody scans again (a finished batch's results) leaves nothing behind.
+_PUT = """
+local now = redis.call('TIME')
+local ms = now[1] * 1000 + math.floor(now[2] / 1000)
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+  redis.call('ZADD', KEYS[2], ms + ttl, KEYS[1])
+else
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('ZADD', KEYS[2], '+inf', KEYS[1])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ms)
+local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')[2]
+if last == 'inf' then redis.call('PERSIST', KEYS[2])
+else redis.call('PEXPIREAT', KEYS[2], last) end
+"""
+_DELETE = """
+redis.call('ZREM', KEYS[2], KEYS[1])
+return redis.call('DEL', KEYS[1])
+"""
+# The group's live keys; members whose key is gone (expired, or evicted by maxmemory) are
+# dropped from the index on the way.
+_SCAN = """
+local now = redis.call('TIME')
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now[1] * 1000 + math.floor(now[2] / 1000)))
+local live = {}
+for _, key in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if redis.call('EXISTS', key) == 1 then table.insert(live, key)
+  else redis.call('ZREM', KEYS[1], key) end
+end
+return live
+"""
+
 # Take the lease when free, renew it when ours: one atomic step on the server.
 _CLAIM = """
 local held = redis.call('GET', KEYS[1])
@@ -288,26 +349,34 @@ return 0
 
 
 class RedisStore(StateStore):
-    """A Redis server (redis-py's asyncio client); keys are prefixed `sluice:`."""
+    """A Redis server (redis-py's asyncio client); keys are prefixed `sluice:`, a group's
+    index is `sluice-index:GROUP` (one server, not a cluster: a write touches both)."""
 
     PREFIX = "sluice:"
+    INDEX = "sluice-index:"
 
-    def __init__(self, url: str, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
+    def __init__(self, url: str, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+                 socket_timeout: float = 5.0) -> None:
         super().__init__(max_value_bytes)
         import redis.asyncio  # only a frontend configured for Redis needs the client
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff
 
         self.url = url
-        # A pooled connection that outlived a Redis restart fails the first command sent on
-        # it ("Connection closed by server"); that command is sent again on a new one, so
-        # a restart costs the requests made while Redis is down, not the ones after.
+        # The transient errors, each sent again (on a new connection) a few times before
+        # it is a 503: a pooled connection that outlived a Redis restart ("Connection
+        # closed by server"), a server still loading its data (LOADING, a ConnectionError
+        # subclass), a reply that did not come within `socket_timeout`, and TRYAGAIN (a
+        # cluster moving a slot). So a restart costs the requests made while Redis is
+        # down, not the ones after. Every command the store sends has the same effect when
+        # sent twice.
+        transient = [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                     redis.exceptions.TryAgainError]
         self._redis = redis.asyncio.from_url(
-            url, socket_timeout=5, socket_connect_timeout=2,
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
-            retry_on_error=[redis.exceptions.ConnectionError])
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                        OSError)
+            url, socket_timeout=socket_timeout, socket_connect_timeout=2,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3, tuple(transient)),
+            retry_on_error=transient)
+        self._errors = (*transient, OSError)
 
     async def _call(self, coro):
         try:
@@ -318,20 +387,31 @@ class RedisStore(StateStore):
     async def get(self, key: str) -> bytes | None:
         return await self._call(self._redis.get(self.PREFIX + key))
 
+    def _keys(self, key: str) -> list[str]:
+        """The key and its group's index (none for a key outside any group)."""
+        group = key[:key.rfind(":") + 1]
+        return [self.PREFIX + key] + ([self.INDEX + group] if group else [])
+
     async def put(self, key: str, value: bytes, ttl_s: float | None = None,
                   counted: bool = False) -> None:
         self._check_size(value)
-        px = int(ttl_s * 1000) if ttl_s else None
-        await self._call(self._redis.set(self.PREFIX + key, value, px=px))
+        px = max(1, int(ttl_s * 1000)) if ttl_s else 0
+        keys = self._keys(key)
+        if len(keys) == 1:
+            await self._call(self._redis.set(keys[0], value, px=px or None))
+            return
+        await self._call(self._redis.eval(_PUT, 2, *keys, value, px))
 
     async def delete(self, key: str) -> bool:
-        return bool(await self._call(self._redis.delete(self.PREFIX + key)))
+        keys = self._keys(key)
+        if len(keys) == 1:
+            return bool(await self._call(self._redis.delete(keys[0])))
+        return bool(await self._call(self._redis.eval(_DELETE, 2, *keys)))
 
     async def scan(self, prefix: str) -> list[str]:
-        async def keys() -> list[str]:
-            return [key.decode()[len(self.PREFIX):] async for key in
-                    self._redis.scan_iter(match=f"{self.PREFIX}{prefix}*", count=500)]
-        return await self._call(keys())
+        _check_group(prefix)
+        keys = await self._call(self._redis.eval(_SCAN, 1, self.INDEX + prefix))
+        return [key.decode()[len(self.PREFIX):] for key in keys]
 
     async def claim(self, key: str, holder: str, ttl_s: float) -> bool:
         return bool(await self._call(self._redis.eval(

@@ -248,3 +248,23 @@ def test_anthropic_messages_tool_use_and_text(url):
         final = s.get_final_message()
     assert [b.type for b in final.content] == ["tool_use"]
     assert final.content[0].input in ({"unit": "c"}, {"unit": "f"})
+
+
+def test_anthropic_messages_with_thinking_stream_what_they_answer_whole(url):
+    """Thinking on (Anthropic's `thinking`, which reaches the renderer as its switches): the
+    streamed text_deltas are the whole answer's text, block for block (issue 49 saw an
+    empty streamed text here; it did not reproduce on this checkpoint)."""
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    request = dict(model=MODEL, max_tokens=60, extra_body={"temperature": 0},
+                   thinking={"type": "enabled", "budget_tokens": 1024},
+                   output_config={"format": {"type": "json_schema", "schema": N_SCHEMA}},
+                   messages=[{"role": "user", "content": "Capital of France?"}])
+    whole = client.messages.create(**request)
+    with client.messages.stream(**request) as s:
+        streamed_text = "".join(s.text_stream)
+        again = s.get_final_message()
+    texts = [b.text for b in whole.content if b.type == "text"]
+    assert texts and json.loads(texts[-1])["n"] in (1, 2)  # the final channel, as text
+    assert streamed_text == "".join(texts)
+    assert [b.model_dump(exclude={"signature"}) for b in again.content] == [
+        b.model_dump(exclude={"signature"}) for b in whole.content]

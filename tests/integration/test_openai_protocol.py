@@ -275,6 +275,19 @@ def test_null_means_default(http):
     assert len(body["choices"]) == 1
     body = complete(http, prompt="a", echo=None, best_of=None, suffix=None, **nulls)
     assert len(body["choices"]) == 1
+    # The vLLM extensions too, on the faces that translate into a chat request.
+    extensions = {f: None for f in ("ignore_eos", "min_tokens", "priority", "seed", "top_k",
+                                    "min_p", "repetition_penalty", "continue_final_message",
+                                    "presence_penalty", "frequency_penalty", "stop",
+                                    "stream", "store", "temperature", "top_p")}
+    body = ok(http.post("/v1/responses", json={"model": MODEL, "input": "hi",
+                                               "max_output_tokens": 1, **extensions}))
+    assert body["object"] == "response" and body["store"] is True  # null store: stored
+    body = ok(http.post("/v1/messages", json={
+        "model": MODEL, "max_tokens": 1, "messages": PARIS, "stream": None, "top_k": None,
+        "temperature": None, "top_p": None, "stop_sequences": None, "system": None,
+        "thinking": None, "tools": None, "tool_choice": None, "metadata": None}))
+    assert body["type"] == "message"  # a null stream is a whole answer, not events
 
 
 @pytest.mark.parametrize("path, extra, param", [

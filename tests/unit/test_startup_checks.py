@@ -132,6 +132,7 @@ def test_a_refused_vllm_flag_prints_the_subcommands_usage():
     ("--responses-ttl", ["-1", "inf", "x"], ["0", "60"]),
     ("--max-stored-bytes", ["1023"], ["1024"]),
     ("--max-conversation-items", ["0"], ["1"]),
+    ("--conversation-ttl", ["-1", "inf", "x"], ["0", "60"]),
     ("--max-request-body-bytes", ["0"], ["1"]),
     ("--max-queued-requests", ["0"], ["1"]),
     ("--kv-cache-memory-gb", ["0", "-1", "nan", "inf"], ["0.001"]),

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from frontend.responses.conversations import ConversationRecords
 from frontend.responses.models import ResponseObject, TextOut
 from frontend.responses.stored import ResponseRecords, StoredResponse, list_input_items
 from frontend.state.store import (
@@ -118,6 +119,94 @@ def test_scan_finds_live_keys_by_prefix(make):
     run(check())
 
 
+def test_a_scan_lists_one_group(make):
+    async def check():
+        store = make()
+        await store.put("g:1", b"a")
+        await store.put("g;1", b"b")  # ';' follows ':': just past the group's key range
+        await store.put("g:sub:1", b"c")
+        assert await store.scan("g:") == ["g:1"]  # a group: up to the key's last ':'
+        assert await store.scan("g:sub:") == ["g:sub:1"]
+        with pytest.raises(ValueError, match="ending with ':'"):
+            await store.scan("g")
+    run(check())
+
+
+def test_conversations_expire_after_their_last_change(make):
+    async def check():
+        store = make(capacity=10)
+        records = ConversationRecords(store, ttl_s=0.3)
+        kept = await records.create("me", [], {})
+        conversation_id = kept.conversation.id
+        await asyncio.sleep(0.2)
+        async with records.changing(conversation_id, "me") as record:
+            record.items.append({"id": "msg_1"})  # a change starts the clock again
+        await asyncio.sleep(0.2)
+        assert (await records.find(conversation_id, "me")).items == [{"id": "msg_1"}]
+        await asyncio.sleep(0.2)
+        assert await records.get(conversation_id, "me") is None
+        forever = await ConversationRecords(store).create("me", [], {})
+        await asyncio.sleep(0.1)
+        assert await records.get(forever.conversation.id, "me") is not None
+    run(check())
+
+
+def test_sqlite_reads_rows_through_indexes_not_the_whole_table(tmp_path):
+    """Every statement a put, get, scan, claim or delete runs, asked of EXPLAIN QUERY PLAN:
+    each finds its rows by an index (the key, expiry or LRU one), none reads the table."""
+    async def check():
+        store = SqliteStore(str(tmp_path / "plans.db"))
+        await store.put("warm:0", b"x")  # opens the file
+        statements: list[str] = []
+        store._db.set_trace_callback(statements.append)
+        await store.put("g:1", b"a", ttl_s=60, counted=True)
+        await store.get("g:1")
+        assert await store.scan("g:") == ["g:1"]
+        await store.claim("lease:1", "me", 5)
+        await store.delete("g:1")
+        store._db.set_trace_callback(None)
+        plans = {sql: [row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql)]
+                 for sql in statements if sql.split()[0] in ("SELECT", "DELETE", "UPDATE")}
+        assert len(plans) >= 6
+        for sql, steps in plans.items():
+            assert steps and all(step.startswith("SEARCH entries USING INDEX")
+                                 or step == "LIST SUBQUERY 1" for step in steps), (sql, steps)
+        [scan] = [steps for sql, steps in plans.items() if sql.startswith("SELECT key FROM")]
+        assert scan == ["SEARCH entries USING INDEX sqlite_autoindex_entries_1 (key>? AND "
+                        "key<?)"]
+        await store.close()
+    run(check())
+
+
+def test_a_redis_scan_reads_its_group_not_the_keyspace(redis_url):
+    import redis
+
+    server = redis.Redis.from_url(redis_url)
+
+    async def check():
+        store = RedisStore(redis_url)
+        try:
+            await store.put("grp:1", b"a")
+            await store.put("grp:2", b"b", ttl_s=0.05)
+            await store.put("grp:3", b"c")
+            server.delete("sluice:grp:3")  # evicted (maxmemory) behind the store's back
+            await asyncio.sleep(0.1)
+            server.config_resetstat()
+            assert await store.scan("grp:") == ["grp:1"]
+            assert not {"cmdstat_scan", "cmdstat_keys"} & set(server.info("commandstats"))
+            # The index goes with the group's last key: a group nobody scans again (a
+            # finished batch's results) leaves nothing behind.
+            await store.put("gone:1", b"x", ttl_s=0.05)
+            assert server.exists("sluice-index:gone:")
+            await asyncio.sleep(0.1)
+            assert not server.exists("sluice-index:gone:")
+            assert await store.delete("grp:1") and await store.scan("grp:") == []
+        finally:
+            await store.close()
+            server.close()
+    run(check())
+
+
 def test_a_value_over_the_bound_is_refused_and_not_stored(make):
     async def check():
         store = make(max_value_bytes=1024)
@@ -170,6 +259,18 @@ def test_urls(tmp_path, monkeypatch):
         parser.parse_args(["frontend", "--responses-ttl", "-1"])
 
 
+def test_the_conversation_ttl_reaches_the_frontend_and_serve_forwards_it(monkeypatch):
+    from tests.unit.cli_builders import serve_argvs
+
+    def config(argv: list[str]):
+        return cli.frontend_config(cli.parse_args(argv), "ipc:///tmp/x", None)
+
+    assert config(["frontend"]).conversation_ttl_s == 0  # never, as OpenAI's
+    assert config(["frontend", "--conversation-ttl", "60"]).conversation_ttl_s == 60
+    _, frontend = serve_argvs(monkeypatch, ["--conversation-ttl", "60"])
+    assert config(frontend).conversation_ttl_s == 60
+
+
 def test_input_items_pages():
     response = ResponseObject("resp_1", 0, "m", "completed", [], True, "auto", [],
                               TextOut(format={"type": "text"}), True)
@@ -197,3 +298,111 @@ def test_the_owner_is_the_key_the_auth_accepted():
     assert owner(keys, authorization="Bearer a") == owner(keys, x_api_key="a")
     assert owner(keys, authorization="Bearer a") != owner(keys, authorization="Bearer b")
     assert owner(frozenset(), authorization="Bearer a") == ""  # no keys: nobody owns
+
+
+class FaultyProxy:
+    """A TCP proxy in front of a redis-server that spoils the next GETs on purpose: the
+    faults a real Redis shows now and then (a reply that never comes, a server still loading
+    its data, a cluster slot moving), which a healthy local server cannot be made to give.
+    Each queued fault takes one GET; the rest of the traffic passes through untouched."""
+
+    REPLIES = {"loading": b"-LOADING Redis is loading the dataset in memory\r\n",
+               "tryagain": b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n"}
+
+    def __init__(self, upstream_port: int) -> None:
+        import socket
+        import threading
+
+        self.upstream_port = upstream_port
+        self.faults: list[str] = []
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._threads = threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._threads.Thread(target=self._relay, args=(upstream, client),
+                                 daemon=True).start()
+            self._threads.Thread(target=self._commands, args=(client, upstream),
+                                 daemon=True).start()
+
+    @staticmethod
+    def _relay(source, sink) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            sink.close()
+
+    def _commands(self, client, upstream) -> None:
+        """Reads whole RESP commands (`*N` then N `$len` strings), so a fault takes one."""
+        reader = client.makefile("rb")
+        try:
+            while head := reader.readline():
+                args = []
+                for _ in range(int(head[1:])):
+                    length = reader.readline()
+                    args.append(length + reader.read(int(length[1:]) + 2))  # + CRLF
+                name = args[0].split(b"\r\n")[1].upper()
+                if name == b"GET" and self.faults:
+                    fault = self.faults.pop(0)
+                    if fault != "silent":  # silent: the command is dropped, no reply
+                        client.sendall(self.REPLIES[fault])
+                    continue
+                upstream.sendall(head + b"".join(args))
+        except OSError:
+            pass
+        finally:
+            upstream.close()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@pytest.mark.parametrize("faults", [["silent"], ["loading"], ["tryagain"],
+                                    ["tryagain", "loading", "silent"]])
+def test_redis_transient_errors_are_retried(redis_url, faults):
+    proxy = FaultyProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+
+    async def check():
+        store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.5)
+        try:
+            await store.put("transient", b"kept")
+            proxy.faults.extend(faults)
+            assert await store.get("transient") == b"kept"
+            assert proxy.faults == []  # every fault was met, and survived
+        finally:
+            await store.close()
+    try:
+        run(check())
+    finally:
+        proxy.close()
+
+
+def test_redis_errors_that_outlast_the_retries_are_503s(redis_url):
+    proxy = FaultyProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+
+    async def check():
+        store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.5)
+        try:
+            for fault in ("tryagain", "silent"):
+                proxy.faults[:] = [fault] * 10
+                with pytest.raises(StoreUnavailable) as err:
+                    await store.get("transient")
+                assert err.value.status == 503
+        finally:
+            await store.close()
+    try:
+        run(check())
+    finally:
+        proxy.close()
