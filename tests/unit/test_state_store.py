@@ -135,15 +135,16 @@ def test_a_scan_lists_one_group(make):
 def test_conversations_expire_after_their_last_change(make):
     async def check():
         store = make(capacity=10)
-        records = ConversationRecords(store, ttl_s=0.3)
+        # A 1 s life, checked 0.55 s and 1.5 s after a change: room for a loaded CI either way.
+        records = ConversationRecords(store, ttl_s=1.0)
         kept = await records.create("me", [], {})
         conversation_id = kept.conversation.id
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.55)
         async with records.changing(conversation_id, "me") as record:
             record.items.append({"id": "msg_1"})  # a change starts the clock again
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.55)
         assert (await records.find(conversation_id, "me")).items == [{"id": "msg_1"}]
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.95)
         assert await records.get(conversation_id, "me") is None
         forever = await ConversationRecords(store).create("me", [], {})
         await asyncio.sleep(0.1)
