@@ -29,9 +29,10 @@ from frontend.http.routes.context import AppContext, guarded
 from frontend.input.input_bounds import RequestLimits
 from frontend.pooling import embeddings as embeddings_api
 from frontend.pooling import scoring as scoring_api
-from frontend.responses import api as responses_api
+from frontend.responses import background_runs
 from frontend.responses.background import BackgroundRunner
 from frontend.responses.conversations import ConversationRecords
+from frontend.responses.shared import Responses
 from frontend.responses.stored import ResponseRecords
 from frontend.state.store import StateStore, open_store
 from shared.config import FrontendConfig
@@ -81,9 +82,9 @@ def _routes(app: AppContext) -> list[Route]:
     ]
 
 
-def _responses(state: StateStore, config: FrontendConfig) -> responses_api.Responses:
+def _responses(state: StateStore, config: FrontendConfig) -> Responses:
     records = ResponseRecords(state, config.responses_ttl_s or None)
-    return responses_api.Responses(
+    return Responses(
         records, BackgroundRunner(records),
         ConversationRecords(state, config.max_conversation_items),
         keys=frozenset(config.api_keys))
@@ -112,7 +113,7 @@ def _lifespan(app: AppContext, state: StateStore):
     @contextlib.asynccontextmanager
     async def lifespan(_starlette):
         await app.ctx.client.start()
-        sweep = asyncio.create_task(responses_api.sweep(app.ctx, app.responses))
+        sweep = asyncio.create_task(background_runs.sweep(app.ctx, app.responses))
         batch_sweep = asyncio.create_task(app.batches.runner.sweep())
         try:
             yield

@@ -17,7 +17,7 @@ from frontend.http.decoding import decode_body
 from frontend.http.limits import Admission
 from frontend.http.readiness import Readiness
 from frontend.input.input_bounds import RequestLimits
-from frontend.responses.api import Responses
+from frontend.responses.shared import Responses
 from shared.config import FrontendConfig
 
 log = logging.getLogger("sluice.frontend")
