@@ -22,7 +22,8 @@ from engine.attention.selector import (
     select_attention_backend,
 )
 from engine.layers.config import ModelConfig
-from engine.layers.ops import QUANTIZED_MAX_ROWS, make_ops
+from engine.layers.cpu_ops import QUANTIZED_MAX_ROWS
+from engine.layers.ops import make_ops
 from engine.layers.sharding import Shard, check_tensor_parallel, local_config
 from engine.layers.tp_group import SINGLE, TPGroup
 from engine.models.registry import (
