@@ -118,6 +118,26 @@ class EngineCore:
         except ImageProblem as exc:
             self._reject(request, len(prompt), str(exc))
             return
+        seq = self._new_sequence(request, prompt, resumed, images, peer)
+        if request.lora_name is not None:
+            try:
+                seq.lora_id = self._acquire_lora(request.lora_name)
+            except LoraError as exc:
+                self._reject(request, len(prompt), str(exc), exc.status)
+                return
+        if request.params.constraint is not None:
+            try:
+                seq.grammar = self.grammar.compile(request.params.constraint)
+            except Exception:
+                self._release_lora(seq)
+                raise
+            self._compiling[seq.request_id] = seq
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request: EngineRequest, prompt: list[int],
+                      resumed: list[int] | None, images, peer: bytes | None) -> Sequence:
+        """The engine's state for an admitted request."""
         params = request.params
         seq = Sequence(
             request_id=request.request_id,
@@ -139,21 +159,7 @@ class EngineCore:
             # A continuation: its earlier tokens were reported by the engine that drew them.
             seq.num_reported = len(resumed)
             seq.cumulative_logprob = request.continuation.cumulative_logprob
-        if request.lora_name is not None:
-            try:
-                seq.lora_id = self._acquire_lora(request.lora_name)
-            except LoraError as exc:
-                self._reject(request, len(prompt), str(exc), exc.status)
-                return
-        if params.constraint is not None:
-            try:
-                seq.grammar = self.grammar.compile(params.constraint)
-            except Exception:
-                self._release_lora(seq)
-                raise
-            self._compiling[seq.request_id] = seq
-        self.sequences[seq.request_id] = seq
-        self.scheduler.add(seq)
+        return seq
 
     def _acquire_lora(self, name: str) -> int:
         if self.lora is None:
