@@ -35,22 +35,7 @@ def load_gguf(path, config, names: CheckpointNames, dtype, take, shard=None,
     tensors = gguf_reader(path).tensors
     as_blocks = _block_expert_layers(tensors) if experts_as_blocks is not None else set()
     if regroup is not None:  # a family whose file holds its tensors in another grouping
-        arrays = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in tensors
-                  if t.name not in _GGUF_CONFIG_TENSORS and not _as_blocks(t.name, as_blocks)}
-        named = regroup(arrays, lambda name: gguf_hf_name(name, layer_names))
-        for name, array in named.items():
-            if name not in expected:
-                raise ValueError(f"unexpected GGUF tensor for {name!r}")
-            weights[name] = take(name, _to_torch(array, dtype))
-        # The experts left as blocks: their stacked weights, in the checkpoint's grouping,
-        # stand as meta tensors (the model views each expert of them; the ops hold the
-        # blocks, or the model refuses to start).
-        for layer in as_blocks:
-            prefix = f"model.layers.{layer}.mlp.experts."
-            weights.update({name: torch.empty(shape, dtype=experts_as_blocks, device="meta")
-                            for name, shape in expected.items() if name.startswith(prefix)
-                            and name not in weights and not name.endswith("bias")})
-        return weights
+        return _load_regrouped(tensors, names, dtype, take, as_blocks, experts_as_blocks)
     for tensor in tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
@@ -87,6 +72,29 @@ def load_gguf(path, config, names: CheckpointNames, dtype, take, shard=None,
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         array = _undo_rope_permute(array, tensor.name, config)
         weights[name] = take(name, _to_torch(array, dtype))
+    return weights
+
+
+def _load_regrouped(tensors, names: CheckpointNames, dtype, take, as_blocks: set[str],
+                    experts_as_blocks) -> dict[str, torch.Tensor]:
+    """A family's tensors that its `gguf_tensors` regroups from the file's (gpt-oss)."""
+    weights = {}
+    expected, layer_names = names.shapes, names.gguf_layer_names
+    arrays = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in tensors
+              if t.name not in _GGUF_CONFIG_TENSORS and not _as_blocks(t.name, as_blocks)}
+    named = names.gguf_tensors(arrays, lambda name: gguf_hf_name(name, layer_names))
+    for name, array in named.items():
+        if name not in expected:
+            raise ValueError(f"unexpected GGUF tensor for {name!r}")
+        weights[name] = take(name, _to_torch(array, dtype))
+    # The experts left as blocks: their stacked weights, in the checkpoint's grouping,
+    # stand as meta tensors (the model views each expert of them; the ops hold the
+    # blocks, or the model refuses to start).
+    for layer in as_blocks:
+        prefix = f"model.layers.{layer}.mlp.experts."
+        weights.update({name: torch.empty(shape, dtype=experts_as_blocks, device="meta")
+                        for name, shape in expected.items() if name.startswith(prefix)
+                        and name not in weights and not name.endswith("bias")})
     return weights
 
 
