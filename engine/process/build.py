@@ -76,11 +76,10 @@ def build_engine(config: EngineConfig) -> EngineCore:
     loaded = load_rank_model(config, rdv, pooling)
     model, backend, model_config = loaded.model, loaded.backend, loaded.model_config
     max_model_len, num_pages = loaded.max_model_len, loaded.num_pages
-    shard_model = model
     if rdv is not None:  # rank 0 stands in for every rank (engine.parallel.leader)
         model, backend = _leader(loaded)
     try:  # the adapters' loads and removals reach every rank (LeaderModel.lora_change)
-        lora = _lora_manager(config, shard_model,
+        lora = _lora_manager(config, loaded.model,  # the shard, not rank 0's stand-in
                              model.lora_change if rdv is not None else None)
     except StartupError:
         if rdv is not None:
