@@ -58,7 +58,7 @@ def best(step, repeats: int) -> tuple[float, float]:
 
 def measure(path: str, mode: str, isa: str, repeats: int, dtype: torch.dtype) -> dict:
     """One mode's numbers (run in a process of its own)."""
-    import engine.layers.ops as ops_module
+    import engine.layers.cpu_ops as ops_module
     from engine.kernels.cpu_kernels import kernels_for
     from tests.unit.engine_builders import drain, request
     from tests.unit.kquant_builders import engine_core
@@ -98,8 +98,8 @@ def crossover(isa: str, repeats: int, dtype: torch.dtype) -> None:
     """One expert's gate+up (Q4_K) and down (Q6_K) at each row count: the block kernel
     against dequantizing it for the call (rounded to `dtype`) and F.linear, thread CPU ms."""
     from engine.kernels.cpu_kernels import kernels_for
-    from engine.layers.ops import ANY_KIND_LAYOUT
-    from engine.layers.weights import BLOCK_KINDS
+    from engine.layers.cpu_ops import ANY_KIND_LAYOUT
+    from engine.layers.gguf_weights import BLOCK_KINDS
     from tests.unit.kquant_builders import random_blocks
 
     k = kernels_for(isa)

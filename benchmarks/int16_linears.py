@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu_kernels import ISA_MARCH, kernels_for
-from engine.layers.weights import BLOCK_KINDS
+from engine.layers.gguf_weights import BLOCK_KINDS
 from engine.models.registry import load_model_config, load_quantized_weights, load_weights
 from shared.model_source import default_model_path
 

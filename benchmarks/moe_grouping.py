@@ -17,7 +17,7 @@ import time
 import torch
 
 from engine.layers.config import MoeConfig
-from engine.layers.ops import TorchOps
+from engine.layers.torch_ops import TorchOps
 from engine.models.moe import ExpertLinear, MoeBlock
 
 

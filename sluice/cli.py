@@ -2,10 +2,9 @@
 
 Each tier gives its subcommand as a `shared.command_line.Command` beside its code
 (`engine/process/flags.py`, `frontend/http/flags.py`, `postproc/flags.py`: flags, start-up
-checks, run); this module, above
-every tier, lists them, parses, dispatches, and holds `serve`, which starts the others as
-processes (`python -m sluice ...`) and watches them. A tier's code is imported only when
-its subcommand runs, so `sluice --help` loads no model code.
+checks, run); this module, above every tier, lists them, parses, dispatches, and holds
+`serve`, which starts the others as processes (`python -m sluice ...`) and watches them. A
+tier's code is imported only when its subcommand runs, so `sluice --help` loads no model code.
 """
 
 from __future__ import annotations
@@ -143,21 +142,69 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args) -> int:
     """Start engine and frontend as two processes over ipc and watch them."""
     address = new_ipc_address("engine")
+    common = _common_argv(args)
+    engine_argv = _engine_argv(args, common, address)
+    # serve names every ipc socket its processes bind, so it can remove their files at exit
+    # (a process that is killed leaves its socket file behind).
+    result_address = new_ipc_address("frontend")
+    frontend_argv = _frontend_argv(args, common, address, result_address)
+    keys = api_keys(args)
+    if keys:
+        os.environ["SLUICE_API_KEY"] = ",".join(keys)
+    # Every frontend `serve` starts shares one metrics directory (req L-3).
+    prepare_prometheus_dir()
+    # --data-parallel-size N: N engines, each on its own address, and the frontend on all.
+    n = args.data_parallel_size
+    _check_data_parallel(args, n)
+    addresses = [address, *(new_ipc_address("engine") for _ in range(n - 1))]
+    frontend_argv += _frontend_routing_argv(args, addresses[1:])
+    engine_argvs = _engine_argvs(engine_argv, addresses)
+    postproc_addresses, worker_argvs = _postproc_workers(args, common, engine_argvs)
+    shares = _engine_shares(args, n)
+    for argv, (_, cpus) in zip(engine_argvs, shares, strict=True):
+        if cpus and args.threads is None:
+            argv += ["--threads", str(len(cpus))]
+    ipc_files = [*addresses, result_address, *postproc_addresses]
+    try:
+        children = [_start(engine_argvs[0], shares[0]), _start(frontend_argv),
+                    *(_start(argv, share) for argv, share in zip(engine_argvs[1:], shares[1:],
+                                                                 strict=True)),
+                    *(_start(argv) for argv in worker_argvs)]
+        # The frontend (children[1]) drains first, while the engines still run its requests.
+        return _supervise(children, drain_first=children[1:2],
+                          grace_s=args.shutdown_timeout + FRONTEND_EXIT_S)
+    finally:
+        for ipc in ipc_files:
+            remove_ipc_file(ipc)
+
+
+def _given(pairs) -> list[str]:
+    """`[flag, value, ...]` for each (flag, value) whose value was given (is not None)."""
+    return [x for flag, value in pairs if value is not None for x in (flag, str(value))]
+
+
+def _switches(pairs) -> list[str]:
+    """The flags of the (flag, on) pairs that are on."""
+    return [flag for flag, on in pairs if on]
+
+
+def _common_argv(args) -> list[str]:
+    """The flags every process `serve` starts reads alike: the model and how to load it."""
     common = ["--log-level", args.log_level]
     if args.model:
         common += ["--model", args.model]
     if args.served_model_name:
         common += ["--served-model-name", *args.served_model_name]
-    for flag, value in (("--revision", args.revision), ("--download-dir", args.download_dir),
-                        ("--tokenizer", args.tokenizer)):
-        if value is not None:
-            common += [flag, value]
+    common += _given((("--revision", args.revision), ("--download-dir", args.download_dir),
+                      ("--tokenizer", args.tokenizer)))
     common += ["--runner", runner_of(args),  # pooling: every process reads it alike
                "--max-embedding-inputs", str(args.max_embedding_inputs)]
-    if args.pooler_config is not None:
-        common += ["--pooler-config", args.pooler_config]
-    if args.hf_overrides is not None:
-        common += ["--hf-overrides", args.hf_overrides]
+    return common + _given((("--pooler-config", args.pooler_config),
+                            ("--hf-overrides", args.hf_overrides)))
+
+
+def _engine_argv(args, common: list[str], address: str) -> list[str]:
+    """`sluice engine`'s command line for the engine on `address`."""
     engine_argv = [
         "engine", *common, "--engine-address", address, "--dtype", args.dtype,
         "--device", args.device, "--page-size", str(args.page_size),
@@ -172,26 +219,32 @@ def _serve(args) -> int:
         "--tensor-parallel-size", str(args.tensor_parallel_size), "--nnodes", str(args.nnodes),
         "--node-rank", str(args.node_rank),
     ]
-    for flag, value in (("--num-kv-pages", args.num_kv_pages),
-                        ("--master-addr", args.master_addr), ("--master-port", args.master_port),
-                        ("--max-model-len", args.max_model_len), ("--threads", args.threads),
-                        ("--long-prefill-token-threshold", args.long_prefill_token_threshold),
-                        ("--seed", args.seed)):
-        if value is not None:
-            engine_argv += [flag, str(value)]
-    if args.enforce_eager:
-        engine_argv.append("--enforce-eager")
-    if args.batch_invariant:
-        engine_argv.append("--batch-invariant")
+    engine_argv += _given((("--num-kv-pages", args.num_kv_pages),
+                           ("--master-addr", args.master_addr),
+                           ("--master-port", args.master_port),
+                           ("--max-model-len", args.max_model_len), ("--threads", args.threads),
+                           ("--long-prefill-token-threshold",
+                            args.long_prefill_token_threshold),
+                           ("--seed", args.seed)))
+    engine_argv += _switches((("--enforce-eager", args.enforce_eager),
+                              ("--batch-invariant", args.batch_invariant)))
     if args.speculative_config is not None:
         engine_argv += ["--speculative-config",
                         msgspec.json.encode(args.speculative_config).decode()]
-    engine_argv += lora_engine_argv(args)
-    # serve names every ipc socket its processes bind, so it can remove their files at exit
-    # (a process that is killed leaves its socket file behind).
-    result_address = new_ipc_address("frontend")
-    frontend_argv = [
-        "frontend", *common, "--engine-address", address, "--result-address", result_address,
+    return engine_argv + lora_engine_argv(args)
+
+
+def _frontend_argv(args, common: list[str], address: str, result_address: str) -> list[str]:
+    """`sluice frontend`'s command line, on the first engine's `address` (the others are
+    added with the routing flags)."""
+    return ["frontend", *common, "--engine-address", address,
+            "--result-address", result_address, *_frontend_http_argv(args),
+            *_frontend_chat_argv(args), *_frontend_records_argv(args)]
+
+
+def _frontend_http_argv(args) -> list[str]:
+    """Where and how the frontend listens."""
+    return [
         "--host", args.host,
         "--port", str(args.port), "--tokenizer-threads", str(args.tokenizer_threads),
         "--render-timeout", str(args.render_timeout),
@@ -199,102 +252,89 @@ def _serve(args) -> int:
         "--root-path", args.root_path, "--ssl-cert-reqs", str(args.ssl_cert_reqs),
         # One frontend on one port: its /metrics is the engine's too, as `vllm serve`'s.
         "--export-engine-metrics",
+        *_given((("--uds", args.uds), ("--ssl-keyfile", args.ssl_keyfile),
+                 ("--ssl-certfile", args.ssl_certfile), ("--ssl-ca-certs", args.ssl_ca_certs),
+                 ("--uvicorn-log-level", args.uvicorn_log_level))),
     ]
-    for flag, value in (("--uds", args.uds), ("--ssl-keyfile", args.ssl_keyfile),
-                        ("--ssl-certfile", args.ssl_certfile),
-                        ("--ssl-ca-certs", args.ssl_ca_certs),
-                        ("--uvicorn-log-level", args.uvicorn_log_level)):
-        if value is not None:
-            frontend_argv += [flag, value]
+
+
+def _frontend_chat_argv(args) -> list[str]:
+    """How the frontend renders requests, logs them and parses answers."""
+    argv = []
     if args.default_chat_template_kwargs:
-        frontend_argv += ["--default-chat-template-kwargs",
-                          json.dumps(args.default_chat_template_kwargs)]
-    for flag, on in (("--enable-log-requests", args.enable_log_requests),
-                     ("--enable-log-outputs", args.enable_log_outputs),
-                     ("--return-tokens-as-token-ids", args.return_tokens_as_token_ids),
-                     ("--enable-prompt-tokens-details", args.enable_prompt_tokens_details),
-                     ("--enable-force-include-usage", args.enable_force_include_usage)):
-        if on:
-            frontend_argv.append(flag)
-    if args.chat_template is not None:
-        frontend_argv += ["--chat-template", args.chat_template]
-    if args.trust_request_chat_template:
-        frontend_argv.append("--trust-request-chat-template")
-    if args.allow_runtime_lora_updating:
-        frontend_argv.append("--allow-runtime-lora-updating")
-    frontend_argv += ["--chat-template-content-format", args.chat_template_content_format,
-                      "--limit-mm-per-prompt", json.dumps({"image": args.limit_mm_per_prompt})]
-    if args.allowed_local_media_path is not None:
-        frontend_argv += ["--allowed-local-media-path", args.allowed_local_media_path]
-    for flag, value in (("--reasoning-parser", args.reasoning_parser),
-                        ("--tool-call-parser", args.tool_call_parser)):
-        if value is not None:
-            frontend_argv += [flag, value]
-    frontend_argv += ["--reasoning-field", args.reasoning_field,
-                      "--max-stored-responses", str(args.max_stored_responses),
-                      "--responses-ttl", str(args.responses_ttl),
-                      "--max-stored-bytes", str(args.max_stored_bytes),
-                      "--max-conversation-items", str(args.max_conversation_items),
-                      "--conversation-ttl", str(args.conversation_ttl),
-                      "--generation-config", args.generation_config,
-                      *batch_argv(args), *limit_argv(args)]
-    if args.override_generation_config is not None:
-        frontend_argv += ["--override-generation-config", args.override_generation_config]
-    if args.state_store is not None:
-        frontend_argv += ["--state-store", args.state_store]
-    keys = api_keys(args)
-    if keys:
-        os.environ["SLUICE_API_KEY"] = ",".join(keys)
-    # Every frontend `serve` starts shares one metrics directory (req L-3).
-    prepare_prometheus_dir()
-    # --data-parallel-size N: N engines, each on its own address, and the frontend on all.
-    n = args.data_parallel_size
+        argv += ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]
+    argv += _switches((("--enable-log-requests", args.enable_log_requests),
+                       ("--enable-log-outputs", args.enable_log_outputs),
+                       ("--return-tokens-as-token-ids", args.return_tokens_as_token_ids),
+                       ("--enable-prompt-tokens-details", args.enable_prompt_tokens_details),
+                       ("--enable-force-include-usage", args.enable_force_include_usage)))
+    argv += _given((("--chat-template", args.chat_template),))
+    argv += _switches((("--trust-request-chat-template", args.trust_request_chat_template),
+                       ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating)))
+    argv += ["--chat-template-content-format", args.chat_template_content_format,
+             "--limit-mm-per-prompt", json.dumps({"image": args.limit_mm_per_prompt})]
+    return argv + _given((("--allowed-local-media-path", args.allowed_local_media_path),
+                          ("--reasoning-parser", args.reasoning_parser),
+                          ("--tool-call-parser", args.tool_call_parser)))
+
+
+def _frontend_records_argv(args) -> list[str]:
+    """What the frontend keeps (stored responses, conversations, batches), its generation
+    defaults and its per-request limits."""
+    return ["--reasoning-field", args.reasoning_field,
+            "--max-stored-responses", str(args.max_stored_responses),
+            "--responses-ttl", str(args.responses_ttl),
+            "--max-stored-bytes", str(args.max_stored_bytes),
+            "--max-conversation-items", str(args.max_conversation_items),
+            "--conversation-ttl", str(args.conversation_ttl),
+            "--generation-config", args.generation_config,
+            *batch_argv(args), *limit_argv(args),
+            *_given((("--override-generation-config", args.override_generation_config),
+                     ("--state-store", args.state_store)))]
+
+
+def _check_data_parallel(args, n: int) -> None:
     if n > 1 and (args.nnodes > 1 or args.master_port is not None):
         # Each engine's ranks meet on a port of their own, on this machine.
         raise SystemExit("sluice: --data-parallel-size with --nnodes or --master-port: "
                          "start each engine with `sluice engine` instead")
-    addresses = [address, *(new_ipc_address("engine") for _ in range(n - 1))]
-    for extra in addresses[1:]:
-        frontend_argv += ["--engine-address", extra]
-    frontend_argv += ["--routing", args.routing, "--migration-limit", str(args.migration_limit),
-                      "--engine-timeout", str(args.engine_timeout)]
+
+
+def _frontend_routing_argv(args, more_engines: list[str]) -> list[str]:
+    """The frontend's further engines and how it places requests on them."""
+    return [*(x for a in more_engines for x in ("--engine-address", a)),
+            "--routing", args.routing, "--migration-limit", str(args.migration_limit),
+            "--engine-timeout", str(args.engine_timeout)]
+
+
+def _engine_argvs(engine_argv: list[str], addresses: list[str]) -> list[list[str]]:
+    """One engine's command line per address, each named as vLLM's data-parallel ranks
+    are: engine-0, engine-1..."""
     at = engine_argv.index("--engine-address") + 1
-    engine_argvs = [[*engine_argv[:at], a, *engine_argv[at + 1:]] for a in addresses]
-    for i, argv in enumerate(engine_argvs):  # vLLM's data-parallel ranks: engine-0, -1...
-        argv += ["--engine-id", f"engine-{i}"]
-    worker_argvs = []
-    postproc_addresses: list[str] = []
-    if args.postproc_workers > 0:
-        postproc_addresses = [new_ipc_address("postproc") for _ in addresses]
-        for argv, postproc_address in zip(engine_argvs, postproc_addresses, strict=True):
-            argv += ["--postproc-address", postproc_address]
-        # Every worker registers with every engine.
-        worker_argvs = [["postproc", *common,
-                         *(x for a in postproc_addresses for x in ("--engine-postproc-address", a))]
-                        ] * args.postproc_workers
-    shares = _engine_shares(args, n)
-    for argv, (_, cpus) in zip(engine_argvs, shares, strict=True):
-        if cpus and args.threads is None:
-            argv += ["--threads", str(len(cpus))]
+    return [[*engine_argv[:at], a, *engine_argv[at + 1:], "--engine-id", f"engine-{i}"]
+            for i, a in enumerate(addresses)]
 
-    def start(argv: list[str], share=(None, None)) -> subprocess.Popen:
-        env, cpus = share
-        return subprocess.Popen([sys.executable, "-m", "sluice", *argv],
-                                env=None if env is None else {**os.environ, **env},
-                                **_child_of_serve(cpus))
 
-    ipc_files = [*addresses, result_address, *postproc_addresses]
-    try:
-        children = [start(engine_argvs[0], shares[0]), start(frontend_argv),
-                    *(start(argv, share) for argv, share in zip(engine_argvs[1:], shares[1:],
-                                                                strict=True)),
-                    *(start(argv) for argv in worker_argvs)]
-        # The frontend (children[1]) drains first, while the engines still run its requests.
-        return _supervise(children, drain_first=children[1:2],
-                          grace_s=args.shutdown_timeout + FRONTEND_EXIT_S)
-    finally:
-        for ipc in ipc_files:
-            remove_ipc_file(ipc)
+def _postproc_workers(args, common: list[str], engine_argvs: list[list[str]]
+                      ) -> tuple[list[str], list[list[str]]]:
+    """With --postproc-workers: each engine's postproc address (added to its command line)
+    and the workers' command lines; every worker registers with every engine."""
+    if args.postproc_workers <= 0:
+        return [], []
+    postproc_addresses = [new_ipc_address("postproc") for _ in engine_argvs]
+    for argv, postproc_address in zip(engine_argvs, postproc_addresses, strict=True):
+        argv += ["--postproc-address", postproc_address]
+    worker_argv = ["postproc", *common,
+                   *(x for a in postproc_addresses for x in ("--engine-postproc-address", a))]
+    return postproc_addresses, [worker_argv] * args.postproc_workers
+
+
+def _start(argv: list[str], share=(None, None)) -> subprocess.Popen:
+    """`python -m sluice <argv>`, with the share's environment and CPUs (`_engine_shares`)."""
+    env, cpus = share
+    return subprocess.Popen([sys.executable, "-m", "sluice", *argv],
+                            env=None if env is None else {**os.environ, **env},
+                            **_child_of_serve(cpus))
 
 
 def _child_of_serve(cpus: list[int] | None) -> dict:

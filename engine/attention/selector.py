@@ -13,7 +13,7 @@ import msgspec
 import torch
 
 from engine.layers.config import ModelConfig
-from engine.layers.ops import flashinfer_import_error
+from engine.layers.flashinfer_ops import flashinfer_import_error
 
 BACKENDS = ("auto", "torch", "flashinfer")
 

@@ -14,7 +14,7 @@ SLUICE_CPU_KERNELS=0 turns them off, to measure the difference or to rule them o
 Float32 rows over Q4_1/Q8_0 blocks take the linear's int16 path (x rounded to int16 per
 group of 4 values, 2^-16 of the group's largest, then integer dot products: faster, not
 bit-exact) up to 2 rows by default; SLUICE_CPU_INT16_ROWS=N sets the row count, 0 turns it
-off (engine/layers/ops.py INT16_X_MAX_ROWS, docs/benchmarks.md).
+off (engine/layers/cpu_ops.py INT16_X_MAX_ROWS, docs/benchmarks.md).
 
 Their hot loops have an AVX-512 path and an AVX2+FMA one (the module's `simd` says which
 it was built with), scalar code elsewhere. SLUICE_CPU_ISA=avx2 makes this machine behave

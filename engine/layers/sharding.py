@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.layers.config import ModelConfig
-from engine.layers.weights import MXFP4_BLOCK
+from engine.layers.gguf_weights import MXFP4_BLOCK
 from shared.startup_checks import StartupError
 
 # Families whose blocks are sharded (Idefics3's text model is "llama", marked multimodal).

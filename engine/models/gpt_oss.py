@@ -30,7 +30,7 @@ from engine.layers.config import (
     layer_windows,
     require,
 )
-from engine.layers.weights import MXFP4_BLOCK
+from engine.layers.gguf_weights import MXFP4_BLOCK
 from engine.models.llama import LlamaModel, attention_shapes
 from engine.models.moe import ExpertLinear, MoeBlock
 

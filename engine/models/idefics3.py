@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from engine.layers.config import ModelConfig
-from engine.layers.weights import _safetensors_shards
+from engine.layers.safetensors_weights import safetensors_shards
 from engine.models.llama import read_llama_config
 
 _PREFIXES = {"model.vision_model.": "vision", "model.connector.": "connector"}
@@ -83,7 +83,7 @@ class Idefics3Vision:
     def _load(self, folder: str) -> None:
         """The checkpoint's encoder and connector tensors, every one of them (strict)."""
         found: dict[str, dict[str, torch.Tensor]] = {"vision": {}, "connector": {}}
-        for shard in _safetensors_shards(folder):
+        for shard in safetensors_shards(folder):
             with safe_open(shard, framework="pt") as f:
                 for name in f.keys():
                     for prefix, part in _PREFIXES.items():

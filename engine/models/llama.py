@@ -26,10 +26,11 @@ from engine.layers.config import (
     require,
     whole_model_window,
 )
-from engine.layers.ops import CpuKernelOps, TorchOps
+from engine.layers.cpu_ops import CpuKernelOps
+from engine.layers.gguf_weights import QuantizedWeight
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.torch_ops import TorchOps
 from engine.layers.tp_group import SINGLE, TPGroup
-from engine.layers.weights import QuantizedWeight
 
 
 class DecoderLayer(msgspec.Struct):

@@ -31,7 +31,7 @@ from engine.layers.config import (
     require,
     whole_model_window,
 )
-from engine.layers.weights import in_mapped_file
+from engine.layers.safetensors_weights import in_mapped_file
 from engine.models.llama import LlamaModel, attention_shapes, mlp_shapes
 
 
@@ -46,8 +46,8 @@ class ExpertLinear(msgspec.Struct):
 
 def expert_gate_up(gate: torch.Tensor, up: torch.Tensor):
     """One expert's gate and up rows as one [2 * inter, hidden] weight: where both are in
-    the memory-mapped checkpoint (engine.layers.weights.in_mapped_file), a view over both
-    when they lie back to back there (save_pretrained writes Qwen-MoE's gate_proj and
+    the memory-mapped checkpoint (engine.layers.safetensors_weights.in_mapped_file), a view
+    over both when they lie back to back there (save_pretrained writes Qwen-MoE's gate_proj and
     up_proj so), else the pair itself (Mixtral's w1 and w3, with w2 between them); loaded
     tensors are concatenated."""
     if not (in_mapped_file(gate) and in_mapped_file(up)):

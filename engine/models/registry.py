@@ -20,7 +20,9 @@ import msgspec
 import torch
 
 from engine.layers import weights
+from engine.layers.checkpoint_names import GGUF_LAYER_NAMES, CheckpointNames
 from engine.layers.config import ModelConfig, gguf_architecture, gguf_reader
+from engine.layers.gguf_weights import QuantizedWeight, read_quantized_weights
 from engine.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3
 
 
@@ -164,11 +166,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return family_of(config).tensor_shapes(config)
 
 
-def checkpoint_names(config: ModelConfig) -> weights.CheckpointNames:
+def checkpoint_names(config: ModelConfig) -> CheckpointNames:
     """What the weight loaders need of the family, as data."""
     family = family_of(config)
-    return weights.CheckpointNames(
-        expected_shapes(config), {**weights.GGUF_LAYER_NAMES, **family.gguf_layer_names},
+    return CheckpointNames(
+        expected_shapes(config), {**GGUF_LAYER_NAMES, **family.gguf_layer_names},
         family.gguf_tensors,
         family.checkpoint_names(config) if family.checkpoint_names is not None else None)
 
@@ -180,7 +182,7 @@ def load_weights(model_path: str, config: ModelConfig, dtype: torch.dtype,
 
 
 def load_quantized_weights(model_path: str, config: ModelConfig, shard=None
-                           ) -> dict[str, weights.QuantizedWeight]:
+                           ) -> dict[str, QuantizedWeight]:
     """The GGUF tensors the CPU kernels multiply as stored
-    (engine.layers.weights.read_quantized_weights)."""
-    return weights.read_quantized_weights(model_path, config, checkpoint_names(config), shard)
+    (engine.layers.gguf_weights.read_quantized_weights)."""
+    return read_quantized_weights(model_path, config, checkpoint_names(config), shard)

@@ -76,6 +76,13 @@ def run_engine_command(args) -> int:
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
+    _add_device_arguments(g)
+    _add_step_arguments(g)
+    _add_tensor_parallel_arguments(g)
+
+
+def _add_device_arguments(g) -> None:
+    """Where the engine runs, in what dtype and attention backend, and its KV cache's size."""
     g.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights, activations and KV cache; auto = bfloat16 on CUDA and on CPUs "
@@ -109,6 +116,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    default=None,
                    help="exact number of KV pages (overrides --kv-cache-memory-gb; "
                         "--num-gpu-blocks-override: vLLM's name)")
+
+
+def _add_step_arguments(g) -> None:
+    """What one step holds and in which order requests run; threads, seed, drafts."""
     g.add_argument("--max-model-len", type=int_at_least(1), default=None,
                    help="longest prompt + answer in tokens (default: the model's context)")
     g.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512,
@@ -141,7 +152,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f'"disable_by_batch_size", default {DEFAULT_DISABLE_BY_BATCH_SIZE}: '
                         "no drafts with more sequences than that in the engine). "
                         "Default: off")
-    _add_tensor_parallel_arguments(g)
 
 
 def _add_tensor_parallel_arguments(g) -> None:

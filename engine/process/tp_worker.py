@@ -26,7 +26,7 @@ log = logging.getLogger("sluice.engine")
 
 
 def run_worker(config: EngineConfig, rdv: Rendezvous) -> None:
-    from engine.process.build import load_rank
+    from engine.process.load import load_rank
     from engine.request.batch import ScheduledChunk
 
     model, backend, cmd_group = load_rank(config, rdv)

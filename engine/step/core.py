@@ -6,25 +6,20 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
-
-import numpy as np
 
 from engine.request.grammar import GrammarBackend
 from engine.request.sequence import Sequence
+from engine.step.engine_stats import engine_stats, observe_times
 from engine.step.kv_cache import PageAllocator
 from engine.step.lora_adapters import LoraError, LoraManager
 from engine.step.model_runner import ModelRunner
 from engine.step.multimodal import ImageProblem, parse_images
+from engine.step.request_checks import continuation_problem, request_problem, resumed_ids
+from engine.step.request_output import output_for
 from engine.step.scheduler import Scheduler
 from shared import histograms as h
-from shared.param_ranges import (
-    MAX_LOGPROBS,
-    RangeProblem,
-    check_priority,
-    check_sampling_params,
-)
+from shared.param_ranges import MAX_LOGPROBS
 from shared.protocol import (
     EngineRequest,
     EngineStats,
@@ -32,24 +27,11 @@ from shared.protocol import (
     LoraUpdate,
     LoraUpdateResult,
     RequestOutput,
-    TokenLogprobs,
-    pack_ids,
-    pack_tensor,
     unpack_ids,
 )
 from shared.runner_config import PoolingFacts
 
 log = logging.getLogger("sluice.engine")
-
-# Bounds on strings the engine keeps per request (hashing and logging cost, nothing more).
-MAX_REQUEST_ID_CHARS = 1024
-MAX_CACHE_SALT_CHARS = 4096
-MAX_ADDRESS_CHARS = 1024
-
-
-def _is_result_address(address: str) -> bool:
-    return (len(address) <= MAX_ADDRESS_CHARS
-            and address.startswith(("tcp://", "ipc://", "inproc://")))
 
 
 class EngineCore:
@@ -125,9 +107,9 @@ class EngineCore:
             self._reject(request, 0, "prompt_token_ids must be a buffer of int32 values")
             return
         prompt = unpack_ids(request.prompt_token_ids).tolist()
-        resumed = self._resumed_ids(request)
-        problem = self._validate(request, prompt) or self._validate_continuation(
-            request, prompt, resumed)
+        resumed = resumed_ids(request)
+        problem = request_problem(self, request, prompt) or continuation_problem(
+            self, request, prompt, resumed)
         if problem is not None:
             self._reject(request, len(prompt), problem)
             return
@@ -136,6 +118,26 @@ class EngineCore:
         except ImageProblem as exc:
             self._reject(request, len(prompt), str(exc))
             return
+        seq = self._new_sequence(request, prompt, resumed, images, peer)
+        if request.lora_name is not None:
+            try:
+                seq.lora_id = self._acquire_lora(request.lora_name)
+            except LoraError as exc:
+                self._reject(request, len(prompt), str(exc), exc.status)
+                return
+        if request.params.constraint is not None:
+            try:
+                seq.grammar = self.grammar.compile(request.params.constraint)
+            except Exception:
+                self._release_lora(seq)
+                raise
+            self._compiling[seq.request_id] = seq
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request: EngineRequest, prompt: list[int],
+                      resumed: list[int] | None, images, peer: bytes | None) -> Sequence:
+        """The engine's state for an admitted request."""
         params = request.params
         seq = Sequence(
             request_id=request.request_id,
@@ -157,21 +159,7 @@ class EngineCore:
             # A continuation: its earlier tokens were reported by the engine that drew them.
             seq.num_reported = len(resumed)
             seq.cumulative_logprob = request.continuation.cumulative_logprob
-        if request.lora_name is not None:
-            try:
-                seq.lora_id = self._acquire_lora(request.lora_name)
-            except LoraError as exc:
-                self._reject(request, len(prompt), str(exc), exc.status)
-                return
-        if params.constraint is not None:
-            try:
-                seq.grammar = self.grammar.compile(params.constraint)
-            except Exception:
-                self._release_lora(seq)
-                raise
-            self._compiling[seq.request_id] = seq
-        self.sequences[seq.request_id] = seq
-        self.scheduler.add(seq)
+        return seq
 
     def _acquire_lora(self, name: str) -> int:
         if self.lora is None:
@@ -210,107 +198,6 @@ class EngineCore:
             banned |= self.eos_token_ids
         return sorted(banned)
 
-    def _validate(self, request: EngineRequest, prompt: list[int]) -> str | None:
-        """Why this request cannot run, or None. The engine trusts no frontend (a custom
-        client can speak the wire protocol): whatever could break a step is refused here,
-        per request, before it reaches a tensor."""
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            return f"request ids may have at most {MAX_REQUEST_ID_CHARS} characters"
-        if request.request_id in self.sequences:
-            return f"request id {request.request_id!r} is already running"
-        if not _is_result_address(request.reply_to):
-            return "reply_to must be a tcp://, ipc:// or inproc:// address"
-        if not prompt:
-            return "the prompt is empty"
-        pooling_problem = self._validate_pooling(request, prompt)
-        if pooling_problem is not None:
-            return pooling_problem
-        if request.pooling is None and len(prompt) >= self.max_model_len:
-            return (
-                f"the prompt has {len(prompt)} tokens, which leaves no room to generate "
-                f"within max_model_len={self.max_model_len}"
-            )
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            return f"prompt token ids must lie in [0, {self.vocab_size})"
-        if request.lora_name is not None and len(request.lora_name) > MAX_REQUEST_ID_CHARS:
-            return f"lora_name may have at most {MAX_REQUEST_ID_CHARS} characters"
-        if request.cache_salt is not None and len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
-            return f"cache_salt may have at most {MAX_CACHE_SALT_CHARS} characters"
-        params = request.params
-        if params.constraint is not None and self.grammar is None:
-            return "structured output is not available: this engine has no grammar backend"
-        try:
-            # Integers off msgpack may be anything up to 2**64-1 and floats inf or NaN.
-            check_sampling_params(params, self.vocab_size, self.max_logprobs)
-            check_priority(request.priority)
-        except RangeProblem as problem:
-            return problem.message
-        return None
-
-    def _validate_pooling(self, request: EngineRequest, prompt: list[int]) -> str | None:
-        """A pooling engine takes pooling requests only, and a generating one none (vLLM
-        serves one runner per engine)."""
-        params = request.pooling
-        if self.pooling is None:
-            if params is not None:
-                return "this engine generates text; pooling needs an engine with --runner pooling"
-            return None
-        if params is None:
-            return "this engine runs a pooling model (--runner pooling): it does not generate"
-        if params.task not in self.pooling.tasks:
-            return (f"pooling task {params.task!r} is not served by this model (it serves "
-                    f"{', '.join(self.pooling.tasks)})")
-        types = params.token_type_ids
-        if types:
-            values = unpack_ids(types) if len(types) % 4 == 0 else None
-            if values is None or len(values) != len(prompt):
-                return "token_type_ids must be one int32 per prompt token"
-            if values.min() < 0 or values.max() >= self.type_vocab_size:
-                return f"token_type_ids must lie in [0, {self.type_vocab_size})"
-        if len(prompt) > self.max_model_len:
-            return (f"the prompt has {len(prompt)} tokens, more than "
-                    f"max_model_len={self.max_model_len}")
-        if request.images or request.continuation is not None:
-            return "a pooling request takes neither images nor a continuation"
-        dims = params.dimensions
-        if dims is not None:
-            if not self.pooling.is_matryoshka:
-                return "this model does not support matryoshka representation (dimensions)"
-            allowed = self.pooling.matryoshka_dimensions
-            if not 1 <= dims <= self.hidden_size or (allowed and dims not in allowed):
-                return (f"dimensions must be one of {allowed}" if allowed else
-                        f"dimensions must lie in [1, {self.hidden_size}]")
-        return None
-
-    @staticmethod
-    def _resumed_ids(request: EngineRequest) -> list[int] | None:
-        if request.continuation is None:
-            return None
-        ids = request.continuation.output_token_ids
-        return unpack_ids(ids).tolist() if len(ids) % 4 == 0 else None
-
-    def _validate_continuation(self, request: EngineRequest, prompt: list[int],
-                               resumed: list[int] | None) -> str | None:
-        """Why a continuation cannot run here, or None (none to check: None)."""
-        continuation = request.continuation
-        if continuation is None:
-            return None
-        if resumed is None:
-            return "continuation output_token_ids must be a buffer of int32 values"
-        if resumed and (min(resumed) < 0 or max(resumed) >= self.vocab_size):
-            return f"continuation token ids must lie in [0, {self.vocab_size})"
-        if len(resumed) >= request.params.max_tokens:
-            return "a continuation must leave max_tokens room for at least one token"
-        if len(prompt) + len(resumed) >= self.max_model_len:
-            return f"prompt + continuation leave no room within max_model_len={self.max_model_len}"
-        sizes = continuation.frame_sizes
-        if (len(sizes) > len(resumed) + 1 or any(n < 0 for n in sizes)
-                or sum(sizes) != len(resumed)):
-            return "continuation frame_sizes must be counts that sum to its tokens"
-        if not math.isfinite(continuation.cumulative_logprob):
-            return "continuation cumulative_logprob must be finite"
-        return None
-
     def _reject(self, request: EngineRequest, num_prompt: int, message: str,
                 status: int = 400) -> None:
         output = RequestOutput(
@@ -334,8 +221,8 @@ class EngineCore:
             self._release_lora(seq)
             seq.finish_reason = "abort"
             self.num_aborted += 1
-            self._observe_times(seq)
-            self._pending.append((seq.reply_to, self._output_for(seq)))
+            observe_times(self.histograms, seq)
+            self._pending.append((seq.reply_to, output_for(seq)))
 
     def abort_peer(self, peer: bytes) -> list[str]:
         """Aborts every request that came on a connection gone silent (its frontend died or
@@ -409,7 +296,7 @@ class EngineCore:
         seq.pooled = result.pooled[seq.request_id]
         seq.first_token_time = seq.last_token_time = now
         seq.finish_reason = "stop"
-        outputs.append((seq.reply_to, self._output_for(seq)))
+        outputs.append((seq.reply_to, output_for(seq)))
         self._retire(seq)
 
     def _take_verified(self, chunk, tokens: list, now: float, outputs) -> None:
@@ -438,7 +325,7 @@ class EngineCore:
             self._advance_grammar(seq, token.token)
         if seq.finish_reason is None:
             self._check_stop(seq, token.token)
-        outputs.append((seq.reply_to, self._output_for(seq, token.logprobs)))
+        outputs.append((seq.reply_to, output_for(seq, token.logprobs)))
         if seq.finish_reason is not None:
             self._retire(seq)
 
@@ -448,7 +335,7 @@ class EngineCore:
         self.num_failed += 1
         seq.finish_reason, seq.error_status = "error", 500
         seq.error = f"the engine could not process this request: {problem}"
-        outputs.append((seq.reply_to, self._output_for(seq)))
+        outputs.append((seq.reply_to, output_for(seq)))
         if seq.request_id in self.sequences:
             self._retire(seq)
 
@@ -485,7 +372,7 @@ class EngineCore:
 
     def _fail(self, seq: Sequence, message: str, status: int) -> None:
         seq.finish_reason, seq.error, seq.error_status = "error", message, status
-        self._pending.append((seq.reply_to, self._output_for(seq)))
+        self._pending.append((seq.reply_to, output_for(seq)))
         self._retire(seq)
 
     def _drop_grammar(self, seq: Sequence) -> None:
@@ -507,90 +394,13 @@ class EngineCore:
         if seq.num_output_tokens >= seq.max_output_tokens:
             seq.finish_reason = "length"
 
-    def _output_for(self, seq: Sequence, logprobs: TokenLogprobs | None = None) -> RequestOutput:
-        start = seq.num_prompt_tokens + seq.num_reported
-        new = seq.token_ids[start:]
-        is_first = seq.num_reported == 0 and bool(new)
-        seq.num_reported += len(new)
-        wants = seq.params.logprobs is not None
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=pack_ids(new),
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            error=seq.error,
-            error_status=seq.error_status,
-            first_token_time=seq.first_token_time if is_first else None,
-            num_cached_tokens=seq.num_cached_tokens if is_first else None,
-            logprobs=logprobs if new else None,
-            prompt_logprobs=prompt_logprobs(seq) if is_first else None,
-            cumulative_logprob=seq.cumulative_logprob if wants else None,
-            pooled=pack_tensor(seq.pooled) if seq.pooled is not None else None,
-        )
-
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self._drop_grammar(seq)
         self._release_lora(seq)
         del self.sequences[seq.request_id]
         self.num_finished += 1
-        self._observe_times(seq)
-
-    def _observe_times(self, seq: Sequence) -> None:
-        """vLLM's phases of a request that ended: waiting (queued until first scheduled),
-        prefill (to the first token), decode (first to last token), inference (running)."""
-        if seq.scheduled_time is None:
-            return  # never ran: refused, or aborted while waiting
-        hist = self.histograms
-        hist[h.QUEUE_TIME].observe(max(0.0, seq.scheduled_time - seq.queued_time))
-        if seq.first_token_time is None:
-            return
-        hist[h.PREFILL_TIME].observe(max(0.0, seq.first_token_time - seq.scheduled_time))
-        hist[h.DECODE_TIME].observe(max(0.0, seq.last_token_time - seq.first_token_time))
-        hist[h.INFERENCE_TIME].observe(max(0.0, seq.last_token_time - seq.scheduled_time))
-
-    # ---------------------------------------------------------------- stats
-
-    def _histograms(self) -> dict[str, h.Buckets]:
-        drafter = self.scheduler.drafter
-        return self.histograms if drafter is None else self.histograms | drafter.histograms
+        observe_times(self.histograms, seq)
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            engine_id=self.engine_id,
-            model_name=self.model_name,
-            max_model_len=self.max_model_len,
-            num_total_pages=self.allocator.num_pages,
-            num_free_pages=self.allocator.num_free,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_steps=self.num_steps,
-            max_seqs_in_step=self.max_seqs_in_step,
-            num_finished=self.num_finished,
-            num_aborted=self.num_aborted,
-            sent_at=time.time(),
-            num_preemptions=self.num_preemptions,
-            num_computed_tokens=self.num_computed_tokens,
-            prefix_cache_queries=self.allocator.prefix_queries,
-            prefix_cache_hits=self.allocator.prefix_hits,
-            step_time_total_s=self.step_time_total_s,
-            page_size=self.allocator.page_size,
-            histograms={name: b.snapshot() for name, b in self._histograms().items()},
-            lora_adapters=self.lora.infos() if self.lora is not None else [],
-        )
-
-
-def prompt_logprobs(seq: Sequence) -> TokenLogprobs | None:
-    """All prompt positions' logprobs; the first token has none (NaN, no alternatives)."""
-    n = seq.params.prompt_logprobs
-    if n is None:
-        return None
-    parts = [seq.prompt_logprob_parts[k] for k in sorted(seq.prompt_logprob_parts)]
-    chosen = np.concatenate([[np.nan], *(p.chosen for p in parts)]).astype("<f4")
-    top_ids = np.concatenate([np.zeros((1, n)), *(p.top_ids for p in parts)]).astype("<i4")
-    top_lps = np.concatenate([np.full((1, n), np.nan), *(p.top_logprobs for p in parts)])
-    ranks = np.concatenate([[0], *(p.ranks for p in parts)]).astype("<i4")
-    return TokenLogprobs(chosen.tobytes(), top_ids.tobytes(), top_lps.astype("<f4").tobytes(),
-                         ranks.tobytes())
+        return engine_stats(self)

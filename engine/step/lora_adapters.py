@@ -114,22 +114,7 @@ def read_adapter(path: str, sites: dict[tuple[int, str], LinearSite], max_rank: 
     weights_path = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
         raise LoraError(f"the adapter folder {path!r} has no {WEIGHTS_FILE}")
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    try:
-        with safe_open(weights_path, framework="pt") as f:
-            for key in f.keys():
-                found = _KEY.search(key)
-                if found is None:
-                    raise LoraError(f"adapter {path!r}: tensor {key!r} is not a LoRA A/B "
-                                    f"weight of a decoder layer's linear")
-                layer, module, which = int(found[1]), found[2], found[3]
-                pairs.setdefault((layer, module), {})[which] = f.get_tensor(key)
-    except LoraError:
-        raise
-    except Exception as exc:  # a truncated or foreign file
-        raise LoraError(f"adapter {path!r}: cannot read {WEIGHTS_FILE}: {exc}") from None
-    if not pairs:
-        raise LoraError(f"adapter {path!r} holds no LoRA weights")
+    pairs = _read_pairs(path, weights_path)
     by_site: dict[tuple[int, str], dict] = {}
     for (layer, module), ab in sorted(pairs.items()):
         site_key, part, site = _site_of(path, layer, module, sites)
@@ -154,6 +139,27 @@ def read_adapter(path: str, sites: dict[tuple[int, str], LinearSite], max_rank: 
     local = sites if rank_sites is None else rank_sites
     return {local[key].weight_id: fuse(local[key], parts, dtype, device)
             for key, parts in by_site.items()}
+
+
+def _read_pairs(path: str, weights_path: str) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """The adapter file's tensors as (layer, module) -> {"A": ..., "B": ...}."""
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            for key in f.keys():
+                found = _KEY.search(key)
+                if found is None:
+                    raise LoraError(f"adapter {path!r}: tensor {key!r} is not a LoRA A/B "
+                                    f"weight of a decoder layer's linear")
+                layer, module, which = int(found[1]), found[2], found[3]
+                pairs.setdefault((layer, module), {})[which] = f.get_tensor(key)
+    except LoraError:
+        raise
+    except Exception as exc:  # a truncated or foreign file
+        raise LoraError(f"adapter {path!r}: cannot read {WEIGHTS_FILE}: {exc}") from None
+    if not pairs:
+        raise LoraError(f"adapter {path!r} holds no LoRA weights")
+    return pairs
 
 
 _ROW_PARALLEL = ("o_weight", "down_weight")

@@ -16,7 +16,7 @@ import hashlib
 import msgspec
 import torch
 
-from engine.layers.ops import top_k_top_p_sample
+from engine.layers.flashinfer_ops import top_k_top_p_sample
 from shared.protocol import GREEDY_TEMPERATURE, SamplingParams
 
 

@@ -154,6 +154,13 @@ class Scheduler:
             budget -= n + len(draft)
             i += 1
 
+        self._admit_waiting(chunks, preempted, longs, budget)
+        return SchedulerOutput(chunks, preempted)
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk], preempted: list[Sequence],
+                       longs: _LongPrefills, budget: int) -> None:
+        """Moves waiting sequences, in queue order, into the running batch while the step's
+        token `budget`, the sequence cap and the KV pages allow; each starts with a chunk."""
         j = 0  # the first waiting sequence not passed over
         adapters = {s.lora_id for s in self.running if s.lora_id}
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -199,8 +206,6 @@ class Scheduler:
             self._register_pages(seq, seq.num_computed + n)
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
-
-        return SchedulerOutput(chunks, preempted)
 
     def _long_cap(self) -> int | None:
         """The most tokens a long prefill may take this step: the threshold while anything

@@ -191,6 +191,30 @@ class BatchRunner:
         stop = asyncio.Event()
         if ending:
             stop.set()
+        await self._run_lines(batch_id, stored, planned, results, stop, ending)
+        if ending and ending[0] == "lost":
+            return  # another frontend holds it now
+        status = ending[0] if ending else "completed"
+        if status == "completed" and (at := await self.batches.cancel_asked(batch_id)):
+            # A cancel that came after the keeper's last look: the record says cancelling,
+            # and the client was told so; it ends cancelled, with every line it finished.
+            status, batch.cancelling_at = "cancelled", batch.cancelling_at or at
+        if status == "completed" and len(results) < len(planned):
+            # A line whose result the store did not take: keep the batch unfinished; the
+            # lease lapses and a sweep runs the missing lines again.
+            log.warning("batch %s: %d lines have no stored result yet", batch_id,
+                        len(planned) - len(results))
+            return
+        if status == "expired":
+            _expire_the_rest(planned, results)
+        await self.finalize(stored, status, results)
+
+    async def _run_lines(self, batch_id: str, stored: StoredBatch, planned: list,
+                         results: dict[int, LineResult], stop: asyncio.Event,
+                         ending: list[str]) -> None:
+        """Runs the lines that have no result yet (as many at once as `self.lines` lets this
+        frontend's batches run) while the keeper holds the lease; returns when they are done
+        or `stop` is set (`ending` then says why)."""
         keeper = asyncio.create_task(self._keep(stored, results, stop, ending))
         running: set[asyncio.Task] = set()
         try:
@@ -215,26 +239,6 @@ class BatchRunner:
             for task in running:
                 task.cancel()
             await asyncio.gather(keeper, *running, return_exceptions=True)
-        if ending and ending[0] == "lost":
-            return  # another frontend holds it now
-        status = ending[0] if ending else "completed"
-        if status == "completed" and (at := await self.batches.cancel_asked(batch_id)):
-            # A cancel that came after the keeper's last look: the record says cancelling,
-            # and the client was told so; it ends cancelled, with every line it finished.
-            status, batch.cancelling_at = "cancelled", batch.cancelling_at or at
-        if status == "completed" and len(results) < len(planned):
-            # A line whose result the store did not take: keep the batch unfinished; the
-            # lease lapses and a sweep runs the missing lines again.
-            log.warning("batch %s: %d lines have no stored result yet", batch_id,
-                        len(planned) - len(results))
-            return
-        if status == "expired":
-            for index, item in enumerate(planned):
-                if index not in results:
-                    custom_id = item.custom_id if isinstance(item, InputLine) else None
-                    results[index] = _error_line(custom_id, "batch_expired",
-                                                 "the batch expired before this request ran")
-        await self.finalize(stored, status, results)
 
     async def finalize(self, stored: StoredBatch, status: str, results: dict[int, LineResult]
                        ) -> None:
@@ -335,3 +339,11 @@ async def _acquire_or_stop(semaphore: asyncio.Semaphore, stop: asyncio.Event) ->
         else:
             acquiring.cancel()
 
+
+def _expire_the_rest(planned: list, results: dict[int, LineResult]) -> None:
+    """Every line of an expired batch that never ran gets its batch_expired error."""
+    for index, item in enumerate(planned):
+        if index not in results:
+            custom_id = item.custom_id if isinstance(item, InputLine) else None
+            results[index] = _error_line(custom_id, "batch_expired",
+                                         "the batch expired before this request ran")

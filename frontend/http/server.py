@@ -87,9 +87,18 @@ def run_frontend(config: FrontendConfig) -> None:
     config = with_model_parsers(config)  # gpt-oss: the Harmony parsers unless named
     tokenizer_path = config.tokenizer or config.model
     tokenizer = load_tokenizer(tokenizer_path)
-    facts = tokenizer_facts(tokenizer, config.model)
     # The receiver thread detokenizes with its own copy; tokenizers are not shared across threads.
-    processor = OutputProcessor(load_tokenizer(tokenizer_path))
+    client = _engine_client(config, OutputProcessor(load_tokenizer(tokenizer_path)))
+    app = build_app(_serving_context(config, tokenizer, client), config)
+    server = _server(config, app, client)
+    try:
+        server.run()
+    finally:
+        process_exiting()
+
+
+def _engine_client(config: FrontendConfig, processor: OutputProcessor) -> EngineClient:
+    """The client of every engine the flags name, with its request timeout and log."""
     client = EngineClient(
         config.engine_addresses or config.engine_address,
         processor,
@@ -104,13 +113,20 @@ def run_frontend(config: FrontendConfig) -> None:
     log_requests(config.log_requests)
     if config.log_requests:
         client.tracker.request_log = RequestLog(outputs=config.log_outputs)
+    return client
+
+
+def _serving_context(config: FrontendConfig, tokenizer, client: EngineClient) -> ServingContext:
+    """What every route reads: the model's names, its tokenization, generation defaults,
+    image processor and output settings."""
+    facts = tokenizer_facts(tokenizer, config.model)
     defaults = load_generation_defaults(config.model, config.generation_config,
                                         config.override_generation_config)
     log.info("generation defaults in force (--generation-config %s): %s",
              config.generation_config, defaults.in_force() or "none (the OpenAI defaults)")
     media = MediaSettings(allowed_local_media_path=config.allowed_local_media_path,
                           max_images_per_prompt=config.limit_mm_per_prompt)
-    ctx = ServingContext(
+    return ServingContext(
         client=client,
         tokenization=Tokenization(tokenizer, _input_settings(config, tokenizer, facts)),
         model_name=config.served_model_name,
@@ -132,11 +148,14 @@ def run_frontend(config: FrontendConfig) -> None:
             force_include_usage=config.force_include_usage,
         ),
     )
-    app = build_app(ctx, config)
+
+
+def _server(config: FrontendConfig, app, client: EngineClient) -> DrainingServer:
+    """uvicorn over the app, with the drain on SIGTERM and the ready announcement."""
     http = config.http
     where = (f"unix:{http.uds}" if http.uds else
              f"{'https' if http.ssl_certfile else 'http'}://{config.host}:{config.port}")
-    server = DrainingServer(
+    return DrainingServer(
         uvicorn.Config(
             app,
             host=config.host,
@@ -160,10 +179,6 @@ def run_frontend(config: FrontendConfig) -> None:
                      f"engines {', '.join(config.engine_addresses or [config.engine_address])}, "
                      f"routing {config.routing}"),
     )
-    try:
-        server.run()
-    finally:
-        process_exiting()
 
 
 class Announcement(msgspec.Struct):

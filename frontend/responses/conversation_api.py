@@ -11,7 +11,7 @@ from typing import Any
 from starlette.requests import Request
 
 from frontend.base.errors import APIError, bad_request
-from frontend.responses.api import Responses, input_messages
+from frontend.responses.chat_request import input_messages
 from frontend.responses.conversation_models import (
     Conversation,
     ConversationCreate,
@@ -22,6 +22,7 @@ from frontend.responses.conversation_models import (
 )
 from frontend.responses.conversations import MAX_ITEMS_PER_CALL, check_metadata
 from frontend.responses.models import InputItem
+from frontend.responses.shared import Responses
 from frontend.responses.stored import input_item_dicts, list_query, owner_of, page_of
 
 

@@ -5,7 +5,7 @@ conversation object (id, created_at, metadata), its owner (as stored responses: 
 key gets a 404) and its items, each with an id, in the shape the Responses API lists them
 (messages, function calls and their outputs, reasoning). A response created with
 `conversation` reads the items as the turns before its input, and when it finishes its
-input and output items are appended (frontend.responses.api).
+input and output items are appended (frontend.responses.shared.add_to_conversation).
 
 Every change reads, changes and writes the record while holding a short lock in the store
 (`conversation-lock:{id}`, a lease), so two frontends appending to one conversation at once

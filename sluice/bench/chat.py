@@ -14,18 +14,26 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 import msgspec
 
 from shared.command_line import int_at_least
+from sluice.bench.stats import BenchResult, RequestStats, error_samples, summarize
+from sluice.bench.wire import (
+    ChatChunk,
+    ChatRequest,
+    Done,
+    Message,
+    ModelList,
+    StreamError,
+    parse_sse_line,
+)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 # Long generations on a loaded server can stall for minutes between bytes; only a truly
 # hung server should trip the read timeout.
 READ_TIMEOUT_S = 600.0
-ERROR_SAMPLES = 3  # distinct error messages kept for the report
 ERROR_DETAIL_CHARS = 200
 
 _PASSAGE = (
@@ -72,102 +80,6 @@ BUILTIN_PROMPTS: dict[str, tuple[str, ...]] = {
 }
 
 
-# ---- wire formats -------------------------------------------------------------------
-
-
-class Message(msgspec.Struct):
-    role: str
-    content: str
-
-
-class StreamOptions(msgspec.Struct):
-    include_usage: bool = True
-
-
-class ChatRequest(msgspec.Struct):
-    model: str
-    messages: list[Message]
-    max_tokens: int
-    temperature: float
-    stream: bool = True
-    stream_options: StreamOptions = msgspec.field(default_factory=StreamOptions)
-    # UNSET fields are left out of the JSON: servers other than ours and vLLM may reject
-    # an unknown ignore_eos, so it is sent only when asked for.
-    ignore_eos: bool | msgspec.UnsetType = msgspec.UNSET
-
-
-class Delta(msgspec.Struct):
-    content: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None  # newer vLLM names the reasoning field this way
-
-    def text(self) -> str:
-        return (self.content or "") + (self.reasoning_content or "") + (self.reasoning or "")
-
-
-class ChunkChoice(msgspec.Struct):
-    delta: Delta = msgspec.field(default_factory=Delta)
-
-
-class Usage(msgspec.Struct):
-    completion_tokens: int = 0
-
-
-class ChatChunk(msgspec.Struct):
-    choices: list[ChunkChoice] = []
-    usage: Usage | None = None
-    error: Any = None  # vLLM reports mid-stream failures as a data chunk with "error"
-
-    def text(self) -> str:
-        return "".join(choice.delta.text() for choice in self.choices)
-
-
-class Done(msgspec.Struct):
-    """The `data: [DONE]` terminator."""
-
-
-class StreamError(msgspec.Struct):
-    """An error reported inside an otherwise-200 stream."""
-
-    message: str
-
-
-DONE = Done()
-SseEvent = ChatChunk | Done | StreamError
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-
-
-_CHUNK_DECODER = msgspec.json.Decoder(ChatChunk)
-
-
-def parse_sse_line(line: str) -> SseEvent | None:
-    """Decode one SSE line; None for blank separators, `:` keep-alive comments, other fields.
-
-    OpenAI-style servers put each JSON chunk on a single `data:` line, so multi-line data
-    events are not reassembled. Malformed JSON raises msgspec.DecodeError.
-    """
-    if line.startswith("error:"):  # llama-server's mid-stream error field
-        return StreamError(line[len("error:") :].strip())
-    if not line.startswith("data:"):
-        return None
-    payload = line[len("data:") :].strip()
-    if not payload:
-        return None
-    if payload == "[DONE]":
-        return DONE
-    chunk = _CHUNK_DECODER.decode(payload)
-    if chunk.error is not None:
-        return StreamError(str(chunk.error))
-    return chunk
-
-
 # ---- per-request measurement --------------------------------------------------------
 
 
@@ -204,15 +116,6 @@ class StreamTally(msgspec.Struct):
 
     def output_tokens(self) -> int:
         return self.usage_tokens if self.usage_tokens is not None else self.content_chunks
-
-
-class RequestStats(msgspec.Struct):
-    ok: bool
-    latency_s: float
-    error: str | None = None
-    ttft_s: float | None = None
-    itl_s: list[float] = []
-    output_tokens: int = 0
 
 
 class RequestFailed(Exception):
@@ -275,128 +178,6 @@ async def run_requests(
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(bodies)))))
     return [r for r in results if r is not None]
-
-
-# ---- aggregation --------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], pct: float) -> float | None:
-    """The pct-th percentile by linear interpolation between closest ranks.
-
-    This is numpy's default ("linear") method: the rank is pct/100 * (n - 1) over the
-    sorted values, interpolated between its neighbours. None for an empty sample, so an
-    absent metric is never reported as 0.
-    """
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = pct / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-class BenchResult(msgspec.Struct):
-    model: str
-    concurrency: int
-    num_requests: int
-    completed: int
-    errors: int
-    duration_s: float
-    output_tokens: int
-    output_tokens_per_s: float
-    requests_per_s: float
-    mean_output_tokens: float
-    ttft_p50_ms: float | None
-    ttft_p99_ms: float | None
-    itl_p50_ms: float | None
-    itl_p99_ms: float | None
-    error_samples: list[str] = []
-    # With --cpu-pid: CPU time those processes spent during the timed run, per output token.
-    process_cpu_s: float | None = None
-    cpu_ms_per_token: float | None = None
-    # From the server's /metrics around the timed run, where it has vLLM's spec_decode
-    # series (sluice with --speculative-config, vLLM with a speculative config).
-    spec_drafts: int | None = None
-    spec_draft_tokens: int | None = None
-    spec_accepted_tokens: int | None = None
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000
-
-
-def _per_second(count: int, duration_s: float) -> float:
-    return count / duration_s if duration_s > 0 else 0.0
-
-
-def _error_samples(stats: Sequence[RequestStats]) -> list[str]:
-    samples: list[str] = []
-    for s in stats:
-        if s.error is not None and s.error not in samples:
-            samples.append(s.error)
-        if len(samples) == ERROR_SAMPLES:
-            break
-    return samples
-
-
-def summarize(
-    stats: Sequence[RequestStats], model: str, concurrency: int, duration_s: float
-) -> BenchResult:
-    """Aggregate per-request stats; tokens and latencies come from completed requests only."""
-    done = [s for s in stats if s.ok]
-    tokens = sum(s.output_tokens for s in done)
-    ttfts = [s.ttft_s for s in done if s.ttft_s is not None]
-    itls = [gap for s in done for gap in s.itl_s]  # pooled: every gap weighs the same
-    return BenchResult(
-        model=model,
-        concurrency=concurrency,
-        num_requests=len(stats),
-        completed=len(done),
-        errors=len(stats) - len(done),
-        duration_s=duration_s,
-        output_tokens=tokens,
-        output_tokens_per_s=_per_second(tokens, duration_s),
-        requests_per_s=_per_second(len(done), duration_s),
-        mean_output_tokens=tokens / len(done) if done else 0.0,
-        ttft_p50_ms=_ms(percentile(ttfts, 50)),
-        ttft_p99_ms=_ms(percentile(ttfts, 99)),
-        itl_p50_ms=_ms(percentile(itls, 50)),
-        itl_p99_ms=_ms(percentile(itls, 99)),
-        error_samples=_error_samples(stats),
-    )
-
-
-def _fmt(value: float | None, unit: str) -> str:
-    return "-" if value is None else f"{value:.1f} {unit}"
-
-
-def format_report(result: BenchResult, base_url: str) -> str:
-    """A short aligned table for humans; --json gives the machine-readable form."""
-    rows = [
-        ("target", f"{base_url}  model={result.model}"),
-        ("concurrency", str(result.concurrency)),
-        ("requests", f"{result.completed} ok, {result.errors} errors"),
-        ("duration", f"{result.duration_s:.2f} s"),
-        ("output tokens", f"{result.output_tokens} ({result.mean_output_tokens:.1f}/request)"),
-        ("throughput", f"{result.output_tokens_per_s:.1f} tok/s"),
-        ("request rate", f"{result.requests_per_s:.2f} req/s"),
-        ("TTFT p50 / p99", f"{_fmt(result.ttft_p50_ms, 'ms')} / {_fmt(result.ttft_p99_ms, 'ms')}"),
-        ("ITL p50 / p99", f"{_fmt(result.itl_p50_ms, 'ms')} / {_fmt(result.itl_p99_ms, 'ms')}"),
-    ]
-    if result.process_cpu_s is not None:
-        per_token = ("-" if result.cpu_ms_per_token is None
-                     else f"{result.cpu_ms_per_token:.3f} ms")
-        rows.append(("server CPU", f"{result.process_cpu_s:.2f} s, {per_token} per output token"))
-    if result.spec_draft_tokens is not None:
-        drafted, accepted = result.spec_draft_tokens, result.spec_accepted_tokens
-        share = f"{accepted / drafted:.1%}" if drafted else "-"
-        per_draft = f"{accepted / result.spec_drafts:.2f}" if result.spec_drafts else "-"
-        rows.append(("speculative", f"{result.spec_drafts} drafts, {accepted}/{drafted} draft "
-                                    f"tokens accepted ({share}), {per_draft} per draft"))
-    rows += [("error", sample) for sample in result.error_samples]
-    width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
 # ---- configuration and driver -------------------------------------------------------
@@ -539,7 +320,7 @@ async def bench(config: BenchConfig) -> BenchResult:
             warm = await run_requests(
                 client, url, build_bodies(config, model, config.warmup), config.concurrency
             )
-            for failure in _error_samples(warm):
+            for failure in error_samples(warm):
                 print(f"warmup request failed: {failure}", file=sys.stderr)
         bodies = build_bodies(config, model, config.num_requests)
         cpu_before = processes_cpu_s(config.cpu_pids)

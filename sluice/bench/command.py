@@ -6,8 +6,9 @@ import asyncio
 
 import msgspec
 
-from sluice.bench.chat import BenchResult, bench, config_from_args, format_report
+from sluice.bench.chat import bench, config_from_args
 from sluice.bench.embeddings import EmbedResult, bench_embeddings, format_embed_report
+from sluice.bench.stats import BenchResult, format_report
 
 
 def run_bench(args: argparse.Namespace) -> BenchResult | EmbedResult:

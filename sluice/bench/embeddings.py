@@ -12,7 +12,8 @@ from collections.abc import Iterator, Sequence
 import httpx
 import msgspec
 
-from sluice.bench.chat import BenchConfig, discover_model, make_client, percentile
+from sluice.bench.chat import BenchConfig, discover_model, make_client
+from sluice.bench.stats import percentile
 
 
 class EmbedRequest(msgspec.Struct):

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 from engine.layers.config import MoeConfig  # noqa: E402
-from engine.layers.ops import TorchOps  # noqa: E402
+from engine.layers.torch_ops import TorchOps  # noqa: E402
 from engine.models.moe import ExpertLinear, MoeBlock  # noqa: E402
 
 

@@ -177,7 +177,7 @@ def engine_core(path: str, compiled, dtype: torch.dtype = torch.float32, blocks:
     the dequantized weights. blocks_only: an MoE's block experts held as blocks alone (as
     build_engine loads them), else dequantized beside their blocks. budget: tokens a step."""
     from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.layers.ops import CpuKernelOps
+    from engine.layers.cpu_ops import CpuKernelOps
     from engine.models.registry import (
         build_model,
         load_model_config,

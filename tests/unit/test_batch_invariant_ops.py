@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.layers.ops import CpuKernelOps, make_ops, tiled_linear
+from engine.layers.cpu_ops import CpuKernelOps
+from engine.layers.flashinfer_ops import tiled_linear
+from engine.layers.ops import make_ops
 from engine.models.llama import LlamaModel
 from engine.models.registry import load_model_config, load_quantized_weights
 from engine.request.batch import ScheduledChunk

@@ -19,16 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from sluice.bench.chat import (
-    DONE,
-    BenchResult,
-    ChatChunk,
-    StreamError,
-    add_bench_arguments,
-    parse_sse_line,
-    percentile,
-)
+from sluice.bench.chat import add_bench_arguments
 from sluice.bench.command import run_bench
+from sluice.bench.stats import BenchResult, percentile
+from sluice.bench.wire import DONE, ChatChunk, StreamError, parse_sse_line
 
 # ---- percentiles --------------------------------------------------------------------
 

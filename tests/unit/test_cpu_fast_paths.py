@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.ops import PACKED_MAX_ROWS, TorchOps, can_prepack, rms_norm
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.torch_ops import PACKED_MAX_ROWS, TorchOps, can_prepack, rms_norm
 from tests.unit.engine_builders import CONFIG
 
 

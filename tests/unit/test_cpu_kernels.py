@@ -17,16 +17,11 @@ import torch.nn.functional as F
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu_kernels import cpu_flags, cpu_runs, kernels_for
-from engine.layers.ops import (
-    QUANTIZED_MAX_ROWS_FLOAT32,
-    WIDENED_MAX_ROWS,
-    CpuKernelOps,
-    TorchOps,
-    make_ops,
-    rms_norm,
-)
+from engine.layers.cpu_ops import QUANTIZED_MAX_ROWS_FLOAT32, WIDENED_MAX_ROWS, CpuKernelOps
+from engine.layers.gguf_weights import BLOCK_KINDS, QuantizedWeight
+from engine.layers.ops import make_ops
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.weights import BLOCK_KINDS, QuantizedWeight
+from engine.layers.torch_ops import TorchOps, rms_norm
 from engine.models.llama import LlamaModel
 from engine.models.registry import load_model_config, load_quantized_weights, load_weights
 from engine.request.batch import ScheduledChunk

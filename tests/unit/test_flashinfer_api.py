@@ -126,11 +126,11 @@ def test_ops_calls_bind_to_the_pinned_flashinfer(monkeypatch, real_flashinfer, d
     """RMSNorm (rows and per-head), RoPE, SiLU-and-mul and both samplers, called the way the
     ops build the calls for the default model's shapes, on tensors that pass the ops' CUDA
     check (there is no GPU here; the stand-in computes on the CPU)."""
-    from engine.layers.ops import FlashInferOps, top_k_top_p_sample
+    from engine.layers.flashinfer_ops import FlashInferOps, top_k_top_p_sample
     from engine.models.llama import RotaryEmbedding
 
     standin = flashinfer_standin.install(monkeypatch)
-    monkeypatch.setattr("engine.layers.ops.flashinfer_import_error", lambda: None)
+    monkeypatch.setattr("engine.layers.flashinfer_ops.flashinfer_import_error", lambda: None)
     shape, tokens = default_shape, 5
     ops = FlashInferOps()
 

@@ -233,7 +233,7 @@ def test_build_engine_refuses_flashinfer_on_cpu_before_loading_anything():
 
 
 def test_gpu_cache_gets_what_weights_and_activations_leave(monkeypatch):
-    from engine.process.build import gpu_activation_reserve, gpu_kv_pages
+    from engine.process.load import gpu_activation_reserve, gpu_kv_pages
     from shared.config import EngineConfig
     from tests.unit.engine_builders import CONFIG
 

@@ -5,7 +5,7 @@ the same order), step by step, on both builds; steps it cannot take run op by op
 import pytest
 import torch
 
-from engine.layers.ops import QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS_FLOAT32
+from engine.layers.cpu_ops import QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS_FLOAT32
 from tests.unit.engine_builders import drain, request
 from tests.unit.kquant_builders import LlamaShape, engine_core, write_q4_k_m
 
@@ -92,7 +92,7 @@ def test_fused_decode_layers_take_the_int16_path_as_the_per_op_one_does(compiled
 
 
 def test_only_rows_the_blocks_take_run_fused(compiled):
-    from engine.layers.ops import CpuKernelOps
+    from engine.layers.cpu_ops import CpuKernelOps
 
     ops = CpuKernelOps(compiled)
     assert ops.takes_decode_layer(torch.empty(QUANTIZED_MAX_ROWS_FLOAT32, 8))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.base.errors import APIError
-from frontend.http.app import _decode
+from frontend.http.decoding import decode_body
 from frontend.input.input_bounds import RequestLimits
 from frontend.input.json_depth import TooDeep, check_depth, max_depth
 from frontend.pipeline.protocol_edge import renamed
@@ -153,11 +153,11 @@ def test_the_body_decoder_answers_400_for_deep_json():
 
     deep = b'{"messages": [], "metadata": {"a": ' + nested(5000).encode() + b"}}"
     with pytest.raises(APIError) as info:
-        asyncio.run(_decode(Body(deep), ChatCompletionRequest, 64))
+        asyncio.run(decode_body(Body(deep), ChatCompletionRequest, 64))
     assert info.value.status == 400 and info.value.param.startswith("metadata.a[0]")
     assert "64" in info.value.message
-    ok = asyncio.run(_decode(Body(b'{"messages": [], "metadata": {"a": [[1]]}}'),
-                             ChatCompletionRequest, 64))
+    ok = asyncio.run(decode_body(Body(b'{"messages": [], "metadata": {"a": [[1]]}}'),
+                                 ChatCompletionRequest, 64))
     assert ok.metadata == {"a": [[1]]}
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.layers.weights import BLOCK_KINDS
+from engine.layers.gguf_weights import BLOCK_KINDS
 from tests.unit.test_cpu_kernels import _both_builds
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small shapes: threads only add waiting
@@ -231,7 +231,7 @@ def test_the_engine_takes_the_int16_path_up_to_two_rows_by_default(compiled, mon
     """On by default up to 2 rows (INT16_X_MAX_ROWS); SLUICE_CPU_INT16_ROWS=N: float32 rows
     over Q4_1 or Q8_0 blocks up to N rows (0: off); never other kinds, bfloat16 rows or the
     batch-invariant mode."""
-    from engine.layers.ops import INT16_X_MAX_ROWS, CpuKernelOps
+    from engine.layers.cpu_ops import INT16_X_MAX_ROWS, CpuKernelOps
 
     q4_1, q8_0, q4_k = BLOCK_KINDS["Q4_1"], BLOCK_KINDS["Q8_0"], BLOCK_KINDS["Q4_K"]
     one, two = torch.empty(1, 64), torch.empty(2, 64)

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.ops import (
+from engine.layers.cpu_ops import (
     ANY_KIND_LAYOUT,
     BLOCKS_ONLY_MAX_ROWS_BF16,
     QUANTIZED_MAX_ROWS_FLOAT32,
     CpuKernelOps,
 )
-from engine.layers.weights import BLOCK_KINDS
+from engine.layers.gguf_weights import BLOCK_KINDS
 from engine.models.registry import load_model_config, load_quantized_weights, load_weights
 from tests.unit.engine_builders import drain, request
 from tests.unit.kquant_builders import (

@@ -21,8 +21,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.kernels.cpu_kernels import kernels
-from engine.layers.ops import BLOCKS_ONLY_MAX_ROWS, CpuKernelOps
-from engine.layers.weights import BLOCK_KINDS
+from engine.layers.cpu_ops import BLOCKS_ONLY_MAX_ROWS, CpuKernelOps
+from engine.layers.gguf_weights import BLOCK_KINDS
 from engine.models.registry import (
     build_model,
     load_model_config,
@@ -248,7 +248,7 @@ def test_experts_stay_in_the_mapped_checkpoint(tmp_path, case, pairs):
     than their bytes; copied (no mapping), it grows by at least their bytes. Qwen-MoE's
     gate_proj and up_proj lie back to back in the file (one weight viewing both); Mixtral's
     w1 and w3 do not (kept as a pair)."""
-    from engine.layers.weights import in_mapped_file
+    from engine.layers.safetensors_weights import in_mapped_file
     from engine.models.registry import build_model, expected_shapes, load_weights
 
     config_cls, _, overrides = CASES[case]
@@ -291,7 +291,7 @@ def test_moe_block_paths_agree(monkeypatch):
     token by token (the reference that SLUICE_MOE_PER_TOKEN=1 switches on for
     benchmarks/moe_serve.py): the same output."""
     from engine.layers.config import MoeConfig
-    from engine.layers.ops import TorchOps
+    from engine.layers.torch_ops import TorchOps
     from engine.models.moe import ExpertLinear, MoeBlock
 
     gen = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import transformers
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu_kernels import kernels
-from engine.layers.ops import CpuKernelOps
+from engine.layers.cpu_ops import CpuKernelOps
 from engine.models.registry import (
     build_model,
     load_model_config,

@@ -326,7 +326,7 @@ def test_images_load_while_the_template_renders():
 def test_other_apis_translate_image_parts():
     from frontend.anthropic import api as anthropic_api
     from frontend.anthropic.models import ContentBlock
-    from frontend.responses import api as responses_api
+    from frontend.responses import chat_request as responses_api
     from frontend.responses.models import InputItem, InputPart
 
     [message] = responses_api.input_messages([InputItem(role="user", content=[

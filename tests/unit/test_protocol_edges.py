@@ -16,7 +16,7 @@ from frontend.anthropic.models import MessagesRequest
 from frontend.base.errors import APIError
 from frontend.http.auth import AuthMiddleware
 from frontend.pipeline.protocol_edge import Blocks
-from frontend.responses import api as responses_api
+from frontend.responses import chat_request as responses_api
 from frontend.responses.models import ResponsesRequest
 from shared.protocol import FunctionCallDelta, TextFrame, ToolCallDelta
 

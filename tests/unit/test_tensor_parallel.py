@@ -31,8 +31,8 @@ import transformers
 
 import engine.step.lora_adapters as engine_lora
 from engine.layers.config import MoeConfig
+from engine.layers.gguf_weights import BLOCK_KINDS
 from engine.layers.sharding import Shard, check_tensor_parallel
-from engine.layers.weights import BLOCK_KINDS
 from engine.models.gpt_oss import GptOssOptions, dequantize_mxfp4
 from engine.models.registry import load_model_config, load_quantized_weights, load_weights
 from engine.parallel.leader import Watchdog

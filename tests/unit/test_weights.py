@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from engine.layers.config import ModelConfig, RopeScaling
-from engine.layers.weights import _undo_rope_permute
+from engine.layers.gguf_weights import _undo_rope_permute
 from engine.models.registry import expected_shapes, load_model_config, load_weights
 from shared.model_source import DEFAULT_MODEL_FILE
 from tests.hf_default_model import hf_default_model

@@ -1,0 +1,42 @@
+"""The operator's routes: health and readiness, load, version, /metrics and /openapi.json."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from frontend.http import openapi
+from frontend.http.metrics import render
+from frontend.http.routes.context import AppContext
+
+VERSION = "0.1.0"
+
+
+def routes(app: AppContext) -> list[Route]:
+    async def health(request: Request) -> Response:
+        # 503 while draining too, so balancers stop sending before the frontend goes.
+        if app.readiness.ready:
+            return Response(status_code=200)
+        return Response(status_code=503, headers=app.readiness.not_ready_headers())
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
+
+    async def load(request: Request) -> Response:
+        # vLLM's shape, read by vllm-router's least-load policy: requests being answered.
+        return JSONResponse({"server_load": app.admission.in_flight})
+
+    async def metrics(request: Request) -> Response:
+        if app.config.export_engine_metrics and app.ctx.client.engine_alive:
+            await app.ctx.client.refresh_stats()
+        return Response(render(app.metrics), media_type="text/plain; version=0.0.4")
+
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's /health, as vLLM's
+        Route("/load", load, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi.endpoint(app.ctx.model_name, VERSION), methods=["GET"]),
+    ]
