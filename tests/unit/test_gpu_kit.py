@@ -20,6 +20,7 @@ from benchmarks.gpukit import wheels as carried
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the whole kit's dry run, a model build included: ~15 s
 def test_dry_run_passes():
     """The one command's --dry-run, as CI runs it: the plan fits 540 s and 8 files, the
     device's unit tests collect there, the carried size fits, every module sluice imports
