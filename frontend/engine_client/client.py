@@ -17,7 +17,10 @@ is dropped, and the engine it was on is told to abort it (freeing its KV pages) 
 answers again. With no engine to go to, requests wait up to --engine-timeout for one (a
 frozen engine that wakes simply goes on with them; new requests wait too), then end with an
 error. A started request moves at most --migration-limit times. A draining engine (SIGTERM)
-takes no new requests; what it still runs when it exits moves.
+takes no new requests; what it still runs when it exits moves. One that goes silent while it
+drains is a frozen engine like any other: with nowhere to move, its requests wait for it and
+go on there when it answers. The frontend's own stalls (stopped, or starved on a loaded host)
+are not counted against the engines.
 
 Outputs arrive on this frontend's own PULL socket (`reply_to`), read by a receiver thread:
 text frames from postproc workers, or token batches that it post-processes itself (when
@@ -68,6 +71,7 @@ log = logging.getLogger("sluice.frontend")
 
 LOST_MESSAGE = "the engine stopped responding"  # the error of a request that cannot move
 MIGRATION_REASONS = ("death", "freeze", "drain")
+STALL_S = 1.0  # the ping loop this much later than its interval: this frontend stalled
 
 Resolver = Callable[[str, int], list[str]]  # (name, port) -> IP addresses
 
@@ -331,14 +335,30 @@ class EngineClient:
             for conn in list(self.engines.values()):
                 if self.engines.get(conn.address) is conn:  # not dropped meanwhile
                     await conn.dealer.send(ping)
+            slept = time.monotonic()
             await asyncio.sleep(self.heartbeat_interval_s)
+            self._forgive_own_stall(time.monotonic() - slept - self.heartbeat_interval_s)
             for conn in list(self.engines.values()):
                 alive = conn.alive(self.heartbeat_timeout_s)
                 if conn.was_alive and not alive:
-                    await self._engine_lost(conn, "drain" if conn.draining else "freeze")
+                    # Silent, not gone (its socket is up): it may answer again, draining
+                    # or not, and finish what it runs.
+                    await self._engine_lost(conn, "drain" if conn.draining else "freeze",
+                                            silent=True)
                 conn.was_alive = alive
                 self._drop_if_retired(conn)
             await self._place_waiting()
+
+    def _forgive_own_stall(self, late_s: float) -> None:
+        """The ping loop woke `late_s` after its time: past STALL_S this frontend itself did
+        not run (stopped, or starved on a loaded host) and heard nothing meanwhile. The
+        silence is its own, so every engine's clock moves on by it rather than the engines
+        being taken for frozen (as the engine's PeerWatch does for its frontends)."""
+        if late_s <= STALL_S:
+            return
+        for conn in self.engines.values():
+            if conn.last_heard > 0:  # 0: never heard, or its connection dropped
+                conn.last_heard += late_s
 
     async def _monitor_loop(self, conn: EngineConnection, monitor) -> None:
         """A dropped connection is a dead engine (a frozen one keeps its socket): known at
@@ -394,14 +414,15 @@ class EngineClient:
             for task in tasks:
                 task.cancel()
 
-    async def _engine_lost(self, conn: EngineConnection, reason: str) -> None:
-        """`conn` died, froze or drained away: its requests move to live engines. A frozen
-        engine with none to take over keeps them (it may wake: they wait, see
-        `_place_waiting`); a dead one's wait for an engine without it."""
+    async def _engine_lost(self, conn: EngineConnection, reason: str,
+                           silent: bool = False) -> None:
+        """`conn` died, froze or drained away: its requests move to live engines. A silent
+        engine (frozen, draining or not) with none to take over keeps them (it may wake:
+        they wait, see `_place_waiting`); a dead one's wait for an engine without it."""
         mine = [(rid, s) for rid, s in self._streams.items() if s.engine is conn]
         others = [c for c in self.live_engines() if c is not conn]
         now = time.monotonic()
-        if reason == "freeze" and not others:
+        if silent and not others:
             for _, stream in mine:
                 stream.waiting_since, stream.lost_reason = now, reason
             log.error("engine %s at %s stopped answering; its %d requests wait for it (or "
@@ -420,14 +441,15 @@ class EngineClient:
 
     async def _place_waiting(self) -> None:
         """Each tick: requests that lost their engine go on where they can (their frozen
-        engine woke, or another is live), or fail once they waited --engine-timeout."""
+        engine woke, or another is live), or fail once they waited --engine-timeout. A
+        woken engine that drains takes nothing new, but goes on with what it holds."""
         live = self.live_engines()
         now = time.monotonic()
         for request_id, stream in list(self._streams.items()):
             if stream.waiting_since is None:
                 continue
             home = stream.engine
-            if home is not None and home in live:
+            if home is not None and home.alive(self.heartbeat_timeout_s):
                 log.info("engine %s answers again: request %s goes on there",
                          home.engine_id, request_id)
                 stream.waiting_since = None

@@ -46,8 +46,10 @@ class Faults:
 
     def start_engine(self) -> None:
         n = len(self.engines)
-        # One torch thread, as the session engine (tests/conftest.py says why).
-        self.engines.append(Proc(["engine", "--engine-address", self.address, "--threads", "1"],
+        # One torch thread, as the session engine (tests/conftest.py says why). Its drain
+        # window, too, is one no stream here outlasts (the last test drains it).
+        self.engines.append(Proc(["engine", "--engine-address", self.address, "--threads", "1",
+                                  "--shutdown-timeout", str(DRAIN_WINDOW_S)],
                                  os.path.join(self.tmp_dir, f"engine{n}.log")))
 
     def stop(self) -> None:
@@ -230,3 +232,67 @@ def test_disconnect_of_a_plain_request_frees_its_pages(faults):
     now = metrics(url)
     assert now["sluice:num_requests_running"] == 0
     assert now["sluice:kv_cache_free_pages"] == now["sluice:kv_cache_total_pages"]
+
+
+def _clean_stream(events: list[str], tokens: int) -> None:
+    """Every token came, and no error on the way."""
+    assert events[-1] == "[DONE]", events[-3:]
+    assert all("error" not in json.loads(e) for e in events[:-1]), events[-3:]
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == tokens
+
+
+def test_a_stalled_frontend_does_not_take_its_engine_for_frozen(faults):
+    """A frontend stopped past the heartbeat timeout (as a loaded host can starve one) heard
+    nothing because it did not run: on waking it blames neither engine nor stream (it once
+    said the engine "stopped answering" and held its requests), and the stream goes on."""
+    proc, url = faults.frontends[0], faults.urls[0]
+    out: dict = {}
+    body = {**LONG, "max_tokens": 300, "stream_options": {"include_usage": True}}
+    t = threading.Thread(target=_stream, args=(url, out, "s"), kwargs={"body": body})
+    t.start()
+    wait_until(lambda: len(out.get("s", [])) >= 2, 120, "the first tokens")
+    seen = len(proc.log())
+    os.kill(proc.popen.pid, signal.SIGSTOP)
+    try:
+        time.sleep(7)  # past the 5 s heartbeat timeout; under the engine's 10 s for frontends
+    finally:
+        os.kill(proc.popen.pid, signal.SIGCONT)
+    t.join()
+    _clean_stream(out["s"], 300)
+    assert "stopped answering" not in proc.log()[seen:], proc.log()[seen:]
+
+
+def test_a_draining_engine_gone_silent_finishes_its_stream(faults):
+    """Last here: it drains the engine away. An engine that drains (SIGTERM) and goes silent
+    past the heartbeat timeout (SIGSTOP; a loaded host can starve it as long) is frozen, not
+    gone: with no other engine the stream waits for it and goes on there when it answers.
+    It was taken for drained away: the stream was aborted on it and, with the draining engine
+    never live again, ended with "the engine stopped responding" though the engine would have
+    finished it."""
+    proc, url = start_frontend(faults.tmp_dir, faults.address, "frontend-patient",
+                               "--engine-timeout", "10")  # waits out the silence below
+    engine = faults.engines[-1]
+    try:
+        wait_healthy(url, [engine, proc])
+        out: dict = {}
+        body = {**LONG, "max_tokens": 300, "stream_options": {"include_usage": True}}
+        t = threading.Thread(target=_stream, args=(url, out, "s"), kwargs={"body": body})
+        t.start()
+        wait_until(lambda: len(out.get("s", [])) >= 2, 120, "the first tokens")
+        engine.popen.send_signal(signal.SIGTERM)
+        # Its only engine drains: nothing new may go there, so /health says 503.
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, 10, "the drain")
+        os.kill(engine.popen.pid, signal.SIGSTOP)
+        try:
+            # Until the frontend acted on the silence (an error line on the engine, its
+            # heartbeat timeout after the stop), not merely found it late.
+            wait_until(lambda: "ERROR sluice.frontend: engine " in proc.log(), 30,
+                       "the frontend to find it silent")
+        finally:
+            os.kill(engine.popen.pid, signal.SIGCONT)
+        t.join()
+        _clean_stream(out["s"], 300)
+        assert engine.popen.wait(timeout=60) == 0
+        assert "drained: every request finished" in engine.log()
+    finally:
+        proc.stop()

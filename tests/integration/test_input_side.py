@@ -27,6 +27,11 @@ HI = [{"role": "user", "content": "Say hi."}]
 LONG_PROMPT = "word " * 600  # ~600 tokens: over SHORT_LEN, far under its character ceiling
 
 
+# The tests on `short` need a `serve` of their own (a short context is the engine's): ~15 s
+# to start, so they run in `make test`; the fast tier keeps the ones on the session stack.
+SHORT_STACK = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def short(tmp_path_factory):
     """A stack with a short context, our own template (from a file), a short render timeout,
@@ -107,12 +112,14 @@ def test_developer_messages_and_content_parts(base_url):
 # ---------------------------------------------------------------- budgets and truncation
 
 
+@SHORT_STACK
 def test_over_long_prompt_fails_with_at_least(short):
     message = error(post(short.base_url, "/v1/completions", {"prompt": LONG_PROMPT}), "prompt")
     assert f"maximum context length is {SHORT_LEN}" in message
     assert f"at least {SHORT_LEN + 1} tokens" in message
 
 
+@SHORT_STACK
 @pytest.mark.parametrize("side", [None, "left", "right"])
 def test_truncation_is_exact_and_visible(short, side):
     truncated_before = metric(short.base_url, "sluice:input_truncated_tokens_total")
@@ -129,6 +136,7 @@ def test_truncation_is_exact_and_visible(short, side):
     assert len(lines) == 1 and f"truncated_tokens={cut:.0f}" in lines[0], lines
 
 
+@SHORT_STACK
 def test_truncate_to_the_maximum_leaves_one_token(short):
     body = {"prompt": LONG_PROMPT, "truncate_prompt_tokens": -1, "max_tokens": 1}
     r = post(short.base_url, "/v1/completions", body)
@@ -136,6 +144,7 @@ def test_truncate_to_the_maximum_leaves_one_token(short):
     assert r.json()["usage"]["prompt_tokens"] == SHORT_LEN - 1
 
 
+@SHORT_STACK
 def test_chat_truncation(short):
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": LONG_PROMPT + "What word did I repeat?"}]
@@ -148,6 +157,7 @@ def test_chat_truncation(short):
 # ---------------------------------------------------------------- templates
 
 
+@SHORT_STACK
 def test_server_template_from_file_is_used(short):
     # The file's template has no default system prompt, unlike SmolLM2's own: fewer tokens.
     r = post(short.base_url, "/v1/chat/completions", {"messages": HI, "max_tokens": 1})
@@ -155,6 +165,7 @@ def test_server_template_from_file_is_used(short):
     assert r.json()["usage"]["prompt_tokens"] == 12  # <|im_start|>user\nSay hi.<|im_end|>\n...
 
 
+@SHORT_STACK
 def test_trusted_request_template_and_its_errors(short):
     ok = post(short.base_url, "/v1/chat/completions", {
         "messages": HI, "max_tokens": 1,
@@ -168,6 +179,7 @@ def test_trusted_request_template_and_its_errors(short):
     assert "effort must be low or high" in error(rejected, "messages")
 
 
+@SHORT_STACK
 def test_continue_final_message(short):
     messages = HI + [{"role": "assistant", "content": "Hi th"}]
     r = post(short.base_url, "/v1/chat/completions", {
@@ -183,6 +195,7 @@ def test_continue_final_message(short):
 # ---------------------------------------------------------------- render timeout (T-8)
 
 
+@SHORT_STACK
 def test_stuck_template_times_out_and_the_server_moves_on(short):
     timeouts_before = metric(short.base_url, "sluice:input_render_timeouts_total")
     results = {}

@@ -18,6 +18,10 @@ from tests.tiny_vlm import tiny_vlm_tokenizer
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+# An engine and a frontend of its own (~10 s to start); the engine side of LoRA is checked in
+# the fast tier by tests/unit/test_lora.py.
+pytestmark = pytest.mark.slow
+
 KEY = "lora-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = [5, 9, 17, 33, 2, 21, 8]

@@ -69,6 +69,10 @@ def _build(path: str, tied: bool = True):
     return tok, model
 
 
+# Over HTTP, on a `serve` of its own (~9 s to start); the in-process checks below stay fast.
+SERVED = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-reranker")
@@ -95,6 +99,7 @@ def _post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{server[0]}{path}", json=body, timeout=60)
 
 
+@SERVED
 def test_score_is_p_yes(server):
     expected = [_expected(server, QUERIES[0], d) for d in DOCS]
     assert max(expected) - min(expected) > 1e-3  # the scores tell the documents apart
@@ -111,6 +116,7 @@ def test_score_is_p_yes(server):
         [_expected(server, q, d) for q, d in zip(QUERIES, DOCS[:2], strict=True)], abs=1e-4)
 
 
+@SERVED
 def test_rerank_orders_by_p_yes(server):
     out = _post(server, "/v1/rerank", {"query": query_text(QUERIES[1]),
                                        "documents": [doc_text(d) for d in DOCS], "top_n": 3})
@@ -123,6 +129,7 @@ def test_rerank_orders_by_p_yes(server):
         assert r["relevance_score"] == pytest.approx(scores[r["index"]], abs=1e-4)
 
 
+@SERVED
 def test_embeddings_refused_on_a_reranker(server):
     r = _post(server, "/v1/embeddings", {"input": "yes"})
     assert r.status_code == 400 and "not served by this model" in r.json()["error"]["message"]

@@ -93,6 +93,7 @@ def _stream(frontend) -> tuple[threading.Thread, list[str]]:
     return reader, events
 
 
+@pytest.mark.slow  # a 2-rank engine and a frontend of its own: ~15 s
 def test_a_killed_rank_ends_its_engine_and_the_stream(tp_engine):
     engine, frontend = tp_engine
     r = httpx.post(f"{frontend.base_url}/v1/completions",

@@ -322,6 +322,7 @@ def sample(llt, grammar: str, rng: random.Random, max_tokens: int = 200) -> str 
     return llt.decode_str(tokens) if matcher.is_accepting() else None
 
 
+@pytest.mark.slow  # random walks of the masks, 3 to 5 s a parser; the fixed cases stay fast
 @pytest.mark.parametrize("parser", PARSERS)
 def test_sampled_outputs_parse_into_schema_valid_calls(llt, parser):
     c = constraint(chat(tools=[WEATHER, TIME], tool_choice="required"), settings(llt, parser))
@@ -392,6 +393,7 @@ def test_thinking_before_a_forced_call_is_what_the_reasoning_parser_reads(llt, p
         assert not accepts(llt, grammar, text), text
 
 
+@pytest.mark.slow  # random walks of the masks, 3 to 4 s a parser; the fixed cases stay fast
 @pytest.mark.parametrize("reasoning", THINK_TAG_PARSERS)
 def test_sampled_forced_outputs_read_back_as_calls_for_every_reasoning_parser(llt, reasoning):
     """Random walks of the token masks: every output the grammar allows is thinking (or

@@ -20,6 +20,7 @@ from benchmarks.gpukit import wheels as carried
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the whole kit's dry run, a model build included: ~15 s
 def test_dry_run_passes():
     """The one command's --dry-run, as CI runs it: the plan fits 540 s and 8 files, the
     device's unit tests collect there, the carried size fits, every module sluice imports
@@ -182,5 +183,23 @@ def test_run_times_out_kills_skips_and_summarizes(fake_plan, tmp_path):
                       "after bad": "skipped (bad did not pass)", "after good": "ok"}
     assert "hello" in (out / "a.log").read_text()
     assert sorted(p.name for p in out.iterdir()) == ["a.log", "b.log", kit.SUMMARY]
-    time.sleep(4)
+    # Killed with their steps: gone now, not 3 s from now when they would leave the marker
+    # (waiting those out cost every run 4 s). A zombie's cmdline is empty.
+    deadline = time.monotonic() + 1
+    while _running_with(str(fake_plan)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running_with(str(fake_plan)), "a step's child outlived it"
     assert not fake_plan.exists(), "a step's child outlived it"
+
+
+def _running_with(text: str) -> list[int]:
+    """The live processes whose command line holds `text`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found

@@ -240,6 +240,7 @@ def _rss_anon() -> int:
     return int(line.split()[1]) * 1024
 
 
+@pytest.mark.slow  # 64 experts a layer, built twice: 3 to 6 s each
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's RssAnon")
 @pytest.mark.parametrize(("case", "pairs"), [("qwen3_moe", False), ("mixtral", True)])
 def test_experts_stay_in_the_mapped_checkpoint(tmp_path, case, pairs):

@@ -88,9 +88,15 @@ CASES = {
 }
 PROMPT_LENGTHS = [1, 6, 19, 27]
 STEPS = 10
+# `make test-fast` runs one case of each kind of split: heads (and the KV heads with them),
+# and experts. Every case starts its ranks as processes (3 to 9 s each on a 2-core host), so
+# the others, a case added here included, run in `make test`.
+FAST_CASES = {"llama-kv-split", "qwen2_moe"}
+SLOW = pytest.mark.slow  # the same model paths as a fast case, through 2 rank processes more
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[c if c in FAST_CASES else pytest.param(c, marks=SLOW)
+                                        for c in sorted(CASES)])
 def checkpoint(request, tmp_path_factory):
     config_cls, model_cls, overrides, ranks = CASES[request.param]
     path = tmp_path_factory.mktemp(request.param)
@@ -163,6 +169,7 @@ def _compare(path: str, ranks: int, prompts, images=None) -> None:
                                        atol=1e-4, rtol=0, equal_nan=True)
 
 
+@SLOW
 def test_a_vlm_at_two_ranks_matches_one(tmp_path):
     """Idefics3: the text model sharded, the vision encoder on rank 0 only, whose image
     embeddings reach every rank with the step's plan; one image's tokens split over two
@@ -179,6 +186,7 @@ def test_a_vlm_at_two_ranks_matches_one(tmp_path):
     _compare(path, 2, [prompt, words * 3], [[picture], []])
 
 
+@SLOW
 def test_embeddings_at_two_ranks_match_transformers(tmp_path):
     """The pooling runner over 2 ranks: a tiny Qwen3 embedder (a bare-model checkpoint, no
     LM head), last-token pooling, normalized, batched prompts prefilled whole."""
@@ -299,6 +307,7 @@ def _word_tokenizer(ids: dict[str, int]):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
 
 
+@SLOW
 def test_a_yes_no_reranker_at_two_ranks_scores_as_transformers(tmp_path):
     """--hf-overrides' yes/no head (Qwen3-Reranker) over 2 ranks: "no" (id 5) lies in rank
     0's half of the vocabulary, "yes" (id 100) in rank 1's, so the head's row difference is
@@ -621,6 +630,7 @@ def test_flags_reach_the_engine_and_serve_forwards_them(monkeypatch):
     assert engine[engine.index("--tensor-parallel-size") + 1] == "3"
 
 
+@SLOW
 def test_two_nodes_meet_over_the_documented_rendezvous(tmp_path):
     """`--nnodes 2`: node 1 is a separate `sluice engine --node-rank 1` process (as on
     another machine), node 0 is the engine here; they meet at --master-addr:--master-port
