@@ -4,6 +4,9 @@ chat requests, frames -> blocks, the stored-response LRU, and errors in each API
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import msgspec
 import pytest
 from starlette.applications import Starlette
@@ -15,7 +18,7 @@ from frontend.anthropic import api as anthropic_api
 from frontend.anthropic.models import MessagesRequest
 from frontend.base.errors import APIError
 from frontend.http.auth import AuthMiddleware
-from frontend.pipeline.protocol_edge import Blocks
+from frontend.pipeline.protocol_edge import Blocks, gather
 from frontend.responses import chat_request as responses_api
 from frontend.responses.models import ResponsesRequest
 from shared.protocol import FunctionCallDelta, TextFrame, ToolCallDelta
@@ -207,3 +210,58 @@ def test_errors_and_auth_take_each_apis_shape():
     assert http.post("/v1/messages", headers={"x-api-key": "k"}).text == "ok"
     assert http.post("/v1/responses", headers={"Authorization": "Bearer k"}).text == "ok"
     assert http.post("/v1/messages/count_tokens").json()["type"] == "error"
+
+
+# The ways postproc may cut a thinking-then-answer output into frames (issue 49: a Messages
+# stream with thinking once carried no text_delta while the whole answer had the text).
+THINK_THEN_ANSWER = {
+    "apart": [frame(reasoning="Let me"), frame(reasoning=" think."), frame(text="Paris"),
+              frame(text=" it is.", finish="stop")],
+    "one frame turns": [frame(reasoning="Let me think."), frame(reasoning="", text="Paris"),
+                        frame(text=" it is.", finish="stop")],
+    "answer with the finish": [frame(reasoning="Let me think."),
+                               frame(text="Paris it is.", finish="stop")],
+    "all in one": [frame(reasoning="Let me think.", text="Paris it is.", finish="stop")],
+    "answer only": [frame(text="Paris"), frame(text=" it is.", finish="length")],
+}
+
+
+async def _frames(frames):
+    for f in frames:
+        yield 0, f
+
+
+def _streamed_blocks(body: bytes) -> list[tuple[str, str]]:
+    """(type, text) per content block, read back from a Messages event stream."""
+    blocks: dict[int, list[str]] = {}
+    for event in body.decode().split("\n\n"):
+        data = next((line[6:] for line in event.splitlines() if line.startswith("data: ")), "")
+        if not data:
+            continue
+        ev = msgspec.json.decode(data)
+        if ev["type"] == "content_block_start":
+            blocks[ev["index"]] = [ev["content_block"]["type"], ""]
+        elif ev["type"] == "content_block_delta":
+            delta = ev["delta"]
+            blocks[ev["index"]][1] += delta.get("text", delta.get("thinking", ""))
+    return [tuple(blocks[i]) for i in sorted(blocks)]
+
+
+@pytest.mark.parametrize("cut", THINK_THEN_ANSWER)
+def test_a_messages_stream_carries_what_the_whole_answer_has(cut):
+    request = messages(stream=True, messages=[{"role": "user", "content": "Capital?"}],
+                       thinking={"type": "enabled", "budget_tokens": 1024})
+    ctx = SimpleNamespace(model_name="m")
+    frames = THINK_THEN_ANSWER[cut]
+
+    async def both():
+        whole = await gather(_frames(frames))
+        streamed = b"".join([chunk async for chunk in anthropic_api._stream(
+            ctx, request, "msg_1", 3, _frames(frames))])
+        return whole, streamed
+
+    whole, streamed = asyncio.run(both())
+    expected = [(type(b).__struct_config__.tag or "", b.text if hasattr(b, "text")
+                 else b.thinking) for b in (anthropic_api._content(b) for b in whole.blocks)]
+    assert _streamed_blocks(streamed) == expected
+    assert ("text", "Paris it is.") in expected  # the answer is there to be lost
