@@ -216,8 +216,8 @@ class PoolingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """A pooling request (vLLM's --runner pooling): prefill only, and the pooled hidden state
     comes back instead of tokens. How the states are pooled is the model's (engine.step.pooler)."""
 
-    # embed: the pooled hidden state; a cross-encoder's classify (softmax over its labels)
-    # or score (the sigmoid of its one logit, else classify's probabilities).
+    # embed: the pooled hidden state; a cross-encoder's classify or score: the sigmoid of
+    # its one logit, else the softmax over its labels (vLLM's).
     task: str = "embed"
     normalize: bool | None = None  # None: as the model's pooler config says
     dimensions: int | None = None  # Matryoshka: keep the first n, then normalize

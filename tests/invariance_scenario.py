@@ -33,11 +33,12 @@ class RecordingEngine:
     """An engine core whose sampled rows' logits and scheduled chunks are kept per request."""
 
     def __init__(self, batch_invariant: bool, device: str = "cpu",
-                 attention_backend: str = "torch", model: str | None = None) -> None:
+                 attention_backend: str = "torch", model: str | None = None,
+                 dtype: str = "bfloat16") -> None:
         self.model = model or default_model_path()
         config = EngineConfig(
             model=self.model, served_model_name="m", request_address="inproc://x",
-            dtype="bfloat16", device=device, attention_backend=attention_backend,
+            dtype=dtype, device=device, attention_backend=attention_backend,
             max_num_batched_tokens=BUDGET, max_model_len=2048, kv_cache_memory_gb=0.25,
             num_pages=None if device == "cpu" else 512, batch_invariant=batch_invariant)
         self.core = build_engine(config)
@@ -95,12 +96,12 @@ def scenario(engine: RecordingEngine) -> dict[str, dict[str, list]]:
         if phase == "batched":
             # Fillers arrive over the probes' whole run, so the probes decode in steps that
             # carry other prompts' prefill chunks.
-            results = run(engine.step.core, fillers + probe,
+            results = run(engine.core, fillers + probe,
                           [3 * i for i in range(len(fillers))] + [1, 2, 2, 3, 1])
         else:
             results = {}
             for r in probe:  # one at a time: alone on an idle engine
-                results.update(run(engine.step.core, [r]))
+                results.update(run(engine.core, [r]))
         phases[phase] = {r.request_id.removeprefix(phase): (
             results[r.request_id].tokens, engine.logits[r.request_id]) for r in probe}
     for r in probe_requests(prompts, "batched"):

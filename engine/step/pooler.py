@@ -32,8 +32,7 @@ def pool_chunks(hidden: torch.Tensor, chunks: list[ScheduledChunk], pooler: Pool
             continue
         pooled = pool_rows(rows, pooler.pooling_type)
         if classify is not None:
-            out[chunk.seq.request_id] = scores(classify(pooled[None].to(hidden.dtype))[0],
-                                               params.task)
+            out[chunk.seq.request_id] = scores(classify(pooled[None].to(hidden.dtype))[0])
         else:
             out[chunk.seq.request_id] = finish_vector(pooled, params, pooler)
     return out
@@ -53,10 +52,11 @@ class TokenScoreHead:
         return pooled.to(torch.float32) @ self.weight.T
 
 
-def scores(logits: torch.Tensor, task: str) -> np.ndarray:
-    """vLLM's: score takes the sigmoid of a one-label head; else softmax over the labels."""
+def scores(logits: torch.Tensor) -> np.ndarray:
+    """vLLM's, for score and classify alike: the sigmoid of a one-label head (a softmax over
+    one logit is always 1); else the softmax over the labels."""
     logits = logits.to(torch.float32)
-    probs = torch.sigmoid(logits) if task == "score" and len(logits) == 1 else logits.softmax(-1)
+    probs = torch.sigmoid(logits) if len(logits) < 2 else logits.softmax(-1)
     return probs.cpu().numpy().astype(np.float32)
 
 

@@ -4,9 +4,10 @@ checkpoint: /score and /v1/score (text pairs to relevance scores), /rerank, /v1/
 /classify (texts to label probabilities).
 
 A pair is tokenized as the model's tokenizer joins two segments (`[CLS] a [SEP] b [SEP]` for
-BERT), with its token types, and runs as one engine request (task `score`: the sigmoid of a
-one-label head, as vLLM); /classify's requests take the softmax over the labels. Every
-input is checked first (kind, emptiness, count, length), each failure a 400 naming it.
+BERT), with its token types, and runs as one engine request (task `score`). Both /score and
+/classify get the sigmoid of a one-label head and the softmax over two or more labels
+(vLLM's). Every input is checked first (kind, emptiness, count, length), each failure a 400
+naming it.
 """
 
 from __future__ import annotations

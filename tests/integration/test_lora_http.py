@@ -1,8 +1,8 @@
 """LoRA adapters over HTTP, on one engine with two frontends (module-scoped): --lora-modules
 served by `model` with peft's merged tokens, /v1/models listing adapters with their parent
 and root, run-time load / unload / reload with a request in flight, vLLM's error statuses,
-auth on the new routes, and a frontend started after a load seeing the adapter (the engines
-are the truth)."""
+auth on the new routes, a load past --max-cpu-loras refused, and a frontend started after
+a load seeing the adapter (the engines are the truth)."""
 
 import copy
 import json
@@ -26,6 +26,7 @@ KEY = "lora-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = [5, 9, 17, 33, 2, 21, 8]
 STEPS = 6
+MAX_CPU_LORAS = 4  # the engine's bound on adapters loaded at once
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -62,7 +63,8 @@ def setup(tmp_path_factory):
         merged[name] = lora.merge_and_unload().eval()
     engine, front = engine_and_frontend(
         str(root), ("--model", str(root / "base"), "--dtype", "float32", "--enable-lora",
-                    "--max-loras", "2", "--lora-modules", f"a={root / 'a'}",
+                    "--max-loras", "2", "--max-cpu-loras", str(MAX_CPU_LORAS),
+                    "--lora-modules", f"a={root / 'a'}",
                     json.dumps({"name": "b", "path": str(root / "b"),
                                 "base_model_name": "tinybase"})),
         "front", "--model", str(root / "base"), "--served-model-name", "tiny",
@@ -181,6 +183,35 @@ def test_frontend_started_later_sees_loaded_adapters(setup):
         later.stop()
     httpx.post(f"{front.base_url}/v1/unload_lora_adapter", json={"lora_name": "d"},
                headers=AUTH, timeout=60)
+
+
+def test_a_load_past_max_cpu_loras_is_refused_until_one_is_unloaded(setup):
+    """--max-cpu-loras: loads fill the engine to its bound, the next is a 400 naming the
+    flag (the adapter not listed, the engine serving on), and an unload makes room."""
+    root, merged, _, front = setup
+    url = front.base_url
+
+    def load(name):
+        return httpx.post(f"{url}/v1/load_lora_adapter", headers=AUTH, timeout=60,
+                          json={"lora_name": name, "lora_path": str(root / "a")})
+
+    fillers = [f"fill{i}" for i in range(MAX_CPU_LORAS - (len(_models(url)) - 1))]
+    assert fillers, "the module loaded the bound already"
+    try:
+        for name in fillers:  # up to the bound: each taken
+            assert load(name).status_code == 200, name
+        over = load("over")
+        assert over.status_code == 400 and "--max-cpu-loras" in over.text, over.text
+        assert "over" not in _models(url)
+        assert _tokens(_complete(url, fillers[-1])) == _greedy(merged["a"], PROMPT)
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": fillers.pop()},
+                          headers=AUTH, timeout=60).status_code == 200
+        assert load("over").status_code == 200
+        fillers.append("over")
+    finally:
+        for name in fillers:
+            httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name},
+                       headers=AUTH, timeout=60)
 
 
 @pytest.mark.parametrize("route,body,status,words", [

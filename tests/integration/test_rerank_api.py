@@ -67,10 +67,15 @@ def test_rerank_best_first_top_n_and_documents(server, path):
 
 
 def test_classify_gives_label_probabilities(server):
-    out = _post(server, "/classify", {"input": ["hello world", "hi"]}).json()
+    """One label: the sigmoid of its logit, as transformers' logit gives it (vLLM's), not a
+    softmax over one logit (always 1)."""
+    texts = ["hello world", "hi"]
+    out = _post(server, "/classify", {"input": texts}).json()
     assert [d["index"] for d in out["data"]] == [0, 1]
-    assert all(d["label"] == "class_0" and d["num_classes"] == 1 and d["probs"] == [1.0]
-               for d in out["data"])
+    for text, d in zip(texts, out["data"], strict=True):
+        expected = float(torch.sigmoid(reference_logits(server[1], server[2], text))[0])
+        assert d["label"] == "class_0" and d["num_classes"] == 1
+        assert abs(d["probs"][0] - expected) < 1e-4 and abs(expected - 1.0) > 1e-3
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

@@ -156,3 +156,25 @@ def test_the_open_routes_are_routes():
 
 def test_not_routes_are_not_routes():
     assert not _route_table() & set(NOT_ROUTES)
+
+
+# Neither FlashInfer nor NCCL tensor parallelism has run on a GPU yet (docs/gpu.md): every
+# doc that names them says so, and README in each section that does. Drop this test with
+# the caveats once benchmarks/gpu_check.sh's results (and a two-GPU run) are recorded.
+GPU_PATHS = re.compile(r"flashinfer|nccl", re.IGNORECASE)
+NOT_RUN_ON_A_GPU = re.compile(r"(?:not yet run|untested) on a GPU|has run on a GPU yet",
+                              re.IGNORECASE)
+
+
+def _unflagged_gpu_claims(text: str, per_section: bool) -> list[str]:
+    """The first line of each part of `text` (each `##` section, or the whole) that names
+    FlashInfer or NCCL without saying it has not run on a GPU."""
+    parts = re.split(r"(?m)^## ", text) if per_section else [text]
+    return [part.splitlines()[0] for part in parts
+            if GPU_PATHS.search(part) and not NOT_RUN_ON_A_GPU.search(" ".join(part.split()))]
+
+
+def test_every_doc_naming_flashinfer_or_nccl_says_neither_has_run_on_a_gpu():
+    unflagged = {f"{doc.relative_to(ROOT)}: {where}" for doc in DOCS
+                 for where in _unflagged_gpu_claims(doc.read_text(), doc.name == "README.md")}
+    assert not unflagged, unflagged

@@ -68,6 +68,31 @@ def test_an_encoder_cannot_generate(tmp_path):
         _core(str(tmp_path), max_model_len=65)
 
 
+def test_one_label_classify_and_score_are_the_sigmoid(tmp_path):
+    """vLLM's: below two labels both tasks take the sigmoid (a softmax over one logit would
+    answer 1.0 whatever the model said)."""
+    tokenizer, model = build_cross_encoder(str(tmp_path), num_labels=1)
+    core = _core(str(tmp_path))
+    texts = ["hello world", "the cat sat on the mat"]
+    for task in ("classify", "score"):
+        for i, text in enumerate(texts):
+            enc = tokenizer(text, return_token_type_ids=True)
+            core.add(EngineRequest(f"{task}{i}", pack_ids(enc["input_ids"]),
+                                   SamplingParams(max_tokens=1), "inproc://x", 0.0,
+                                   pooling=PoolingParams(
+                                       task=task, token_type_ids=pack_ids(enc["token_type_ids"]))))
+    outs = {}
+    while core.has_work:
+        for _, out in core.step():
+            outs[out.request_id] = out
+    for task in ("classify", "score"):
+        for i, text in enumerate(texts):
+            probs = unpack_tensor(outs[f"{task}{i}"].pooled)
+            expected = reference_logits(tokenizer, model, text).sigmoid().numpy()
+            assert abs(float(expected[0]) - 1.0) > 1e-3  # a value a softmax cannot give
+            assert np.allclose(probs, expected, atol=1e-5), (task, probs, expected)
+
+
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
 def test_cross_encoder_classify_and_score_match_transformers(tmp_path, kind):
     tokenizer, model = build_cross_encoder(str(tmp_path), kind, num_labels=3)

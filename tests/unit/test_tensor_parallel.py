@@ -6,13 +6,16 @@ equal, logprobs within float32 tolerance.
 
 Tiny random transformers checkpoints cover each sharding case: KV heads split across ranks,
 fewer KV heads than ranks (replicated), 3 ranks over a vocabulary and an intermediate that
-do not divide by 3 (zero-padded parts), q/k norms, q/k/v biases, MoE experts with a shared
-expert; and each family beyond Llama's blocks, on the checkpoints of
-tests/unit/test_model_families.py: Gemma 2 and 3 (GeGLU, scaled embedding, soft caps, two
+do not divide by 3 (zero-padded parts), q/k norms, q/k/v biases (dense Qwen2), MoE experts
+with a shared expert; and each family beyond Llama's blocks, on the checkpoints of
+tests/unit/test_model_families.py: Qwen3-MoE (a dense layer among MoE ones), Mixtral (w1/w3/w2
+experts, a window on every layer), Gemma 2 and 3 (GeGLU, scaled embedding, soft caps, two
 rotary bases), Phi-3 (fused qkv_proj with one KV head on 2 ranks, fused gate_up_proj),
-gpt-oss (attention sinks, o_proj and expert biases, stacked interleaved experts over an odd
-intermediate size, so the last rank's part is padded). LoRA adapters sliced over 2 ranks
-against one rank, and each module's slices against the whole low-rank product."""
+Phi-4-mini (partial rotary), gpt-oss (attention sinks, o_proj and expert biases, stacked
+interleaved experts over an odd intermediate size, so the last rank's part is padded). On
+every MoE case rank 0 holds its part of the experts, not all of them. Every family in
+engine.layers.sharding.TP_FAMILIES has a case. LoRA adapters sliced over 2 ranks against
+one rank, and each module's slices against the whole low-rank product."""
 
 import copy
 import json
@@ -32,7 +35,7 @@ import transformers
 import engine.step.lora_adapters as engine_lora
 from engine.layers.config import MoeConfig
 from engine.layers.gguf_weights import BLOCK_KINDS
-from engine.layers.sharding import Shard, check_tensor_parallel
+from engine.layers.sharding import TP_FAMILIES, Shard, check_tensor_parallel
 from engine.models.gpt_oss import GptOssOptions, dequantize_mxfp4
 from engine.models.registry import load_model_config, load_quantized_weights, load_weights
 from engine.parallel.leader import Watchdog
@@ -85,6 +88,15 @@ CASES = {
     "phi3": (*FAMILIES["phi3"][:2], dict(FAMILIES["phi3"][2], num_key_value_heads=1), 2),
     "gpt_oss": (*FAMILIES["gpt_oss"][:2], dict(FAMILIES["gpt_oss"][2], intermediate_size=101),
                 2),
+    # Dense Qwen2: q/k/v biases split with their heads, no q/k norms.
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(num_attention_heads=4, num_key_value_heads=2), 2),
+    # Experts split inside, no shared expert; a dense layer among the MoE ones.
+    "qwen3_moe": (*FAMILIES["qwen3_moe"], 2),
+    # Mixtral's experts (w1/w3/w2 in its checkpoint) split inside, a window on every layer.
+    "mixtral": (*FAMILIES["mixtral"], 2),
+    # Phi-4-mini: rotary over part of each head, on each rank's heads.
+    "phi4_mini": (*FAMILIES["phi4_mini"], 2),
 }
 PROMPT_LENGTHS = [1, 6, 19, 27]
 STEPS = 10
@@ -156,6 +168,11 @@ def _compare(path: str, ranks: int, prompts, images=None) -> None:
     core = build_engine(_config(path, ranks))
     try:
         assert core.runner.model.inner.tp.size == ranks
+        # An MoE model's experts are split, not replicated: rank 0 holds its part of each
+        # (a padded part where the intermediate size does not divide).
+        whole, part = _expert_numel(single.runner.model), _expert_numel(core.runner.model.inner)
+        if whole:
+            assert part * ranks == pytest.approx(whole, rel=0.05), (part, whole)
         got = _serve(core, prompts, images)
         assert core.allocator.prefix_hits > 0
     finally:
@@ -167,6 +184,22 @@ def _compare(path: str, ranks: int, prompts, images=None) -> None:
         if want["prompt_logprobs"] is not None:
             np.testing.assert_allclose(got[rid]["prompt_logprobs"], want["prompt_logprobs"],
                                        atol=1e-4, rtol=0, equal_nan=True)
+
+
+def test_every_family_tensor_parallelism_serves_has_a_case(tmp_path):
+    """A family added to TP_FAMILIES without a case above would be served untested."""
+    covered = set()
+    for name, (config_cls, _, overrides, _) in CASES.items():
+        (tmp_path / name).mkdir()
+        config_cls(**{**TINY, **overrides}).to_json_file(str(tmp_path / name / "config.json"))
+        covered.add(load_model_config(str(tmp_path / name)).architecture)
+    assert set(TP_FAMILIES) <= covered, set(TP_FAMILIES) - covered
+
+
+def _expert_numel(model) -> int:
+    """Weights a model (one rank's) holds in its experts, shared expert included."""
+    return sum(w.numel() for layer in model.layers if layer.moe is not None
+               for w in layer.moe.linear_weights())
 
 
 @SLOW
