@@ -286,7 +286,7 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
                    help="how a frontend picks an engine per request: prefix (the same first "
                         "prompt pages and cache_salt prefer the same engine, bounded by "
                         "load), least-loaded or round-robin (default: %(default)s)")
-    # Migration (frontend.engine_client.client): what a frontend does when an engine is lost.
+    # Migration (frontend.engine_client.migration): what a frontend does when an engine is lost.
     p.add_argument("--migration-limit", type=int_at_least(0), default=3,
                    help="how many times one streaming request may move to another engine "
                         "when its engine dies, freezes or drains: it goes on there with the "
