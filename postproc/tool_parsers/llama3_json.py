@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import json
 
-from postproc.tool_parsers.base import (
-    ToolParser,
-    call_from_object,
-    call_head,
-    parse_json,
-)
+from postproc.tool_parsers.base import ToolParser
+from postproc.tool_parsers.call_json import call_from_object, call_head, parse_json
 from postproc.tool_parsers.scanners import JsonValueEnd
 from shared.grammar_parts import call_json_schema
 
