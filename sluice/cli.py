@@ -34,12 +34,10 @@ from frontend.http import flags as frontend_cli
 from frontend.http.flags import (
     add_frontend_arguments,
     add_routing_arguments,
-    api_keys,
     batch_argv,
     frontend_config,
-    limit_argv,
-    limit_config,
 )
+from frontend.http.limit_flags import api_keys, limit_argv, limit_config
 from postproc import flags as postproc_cli
 from shared.command_line import (
     DEFAULT_ENGINE_ADDRESS,

@@ -74,6 +74,12 @@ class EngineCore:
         # Structured output (llguidance); None: constrained requests are refused.
         self.grammar = grammar
         self._compiling: dict[str, Sequence] = {}  # requests whose grammar is not ready yet
+        # Outputs produced outside a step (rejections, aborts), sent with the next batch.
+        self._pending: list[tuple[str, RequestOutput]] = []
+        self._start_counts()
+
+    def _start_counts(self) -> None:
+        """The counts the engine's stats and /metrics report, all from zero."""
         self.num_steps = 0
         self.max_seqs_in_step = 0
         self.num_finished = 0
@@ -84,8 +90,6 @@ class EngineCore:
         self.step_time_total_s = 0.0
         # vLLM's engine histograms (tokens per step, per-request phase times) as counts.
         self.histograms = h.engine_histograms()
-        # Outputs produced outside a step (rejections, aborts), sent with the next batch.
-        self._pending: list[tuple[str, RequestOutput]] = []
 
     @property
     def has_work(self) -> bool:

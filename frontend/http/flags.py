@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 
+from frontend.http.limit_flags import add_http_arguments, add_limit_arguments, limit_config
 from shared.command_line import (
     DEFAULT_ENGINE_ADDRESS,
     Command,
@@ -24,7 +25,7 @@ from shared.command_line import (
     seconds,
     tokenizer_path,
 )
-from shared.config import OPEN_PATHS, FrontendConfig, HttpSettings
+from shared.config import FrontendConfig, HttpSettings
 from shared.prometheus_dir import prepare_prometheus_dir
 from shared.startup_checks import (
     StartupError,
@@ -106,7 +107,20 @@ def add_lora_frontend_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
+    # One "frontend" group in --help, filled in this order by the helpers below.
     g = p.add_argument_group("frontend")
+    _add_server_arguments(g)
+    _add_chat_input_arguments(g)
+    _add_parser_arguments(g)
+    _add_store_arguments(g)
+    _add_generation_default_arguments(g)
+    _add_output_arguments(g)
+    add_http_arguments(p)
+    add_limit_arguments(p)
+
+
+def _add_server_arguments(g) -> None:
+    """Where the HTTP server listens, and the threads that render requests."""
     g.add_argument("--host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"),
                    help="address the HTTP server binds (default: $SLUICE_HOST, else "
                         "127.0.0.1; the images set SLUICE_HOST=0.0.0.0)")
@@ -118,6 +132,10 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a chat template may take to render before its request fails "
                         "with a 400 and its thread is replaced; a request that waits this "
                         "long for a free render thread gets a 503 instead (default: %(default)s)")
+
+
+def _add_chat_input_arguments(g) -> None:
+    """Chat templates and media: how a request becomes a prompt."""
     g.add_argument("--chat-template", default=None,
                    help="chat template for chat requests: a file path or the Jinja text itself "
                         "(default: the tokenizer's)")
@@ -135,6 +153,10 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a request's template runs "
                         "on this server's CPU; off by default)")
+
+
+def _add_parser_arguments(g) -> None:
+    """The output parsers (postproc): thinking and tool calls."""
     g.add_argument("--reasoning-parser", default=None,
                    choices=["deepseek_r1", "openai_gptoss", "qwen3"],
                    help="split the model's thinking from its answer (default: off; "
@@ -149,6 +171,10 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    help="turn the model's tool-call syntax into tool_calls (default: off, "
                         "openai for a gpt-oss model; without one, tools are only accepted "
                         "with tool_choice none)")
+
+
+def _add_store_arguments(g) -> None:
+    """What the state store keeps: responses, batches, conversations."""
     g.add_argument("--max-stored-responses", type=int_at_least(0), default=1000,
                    help="stored /v1/responses the embedded state store (sqlite, memory) "
                         "keeps, least recently used dropped first; 0 stores none (default: "
@@ -174,6 +200,10 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a /v1/conversations conversation is kept after its last "
                         "change; 0: until evicted or deleted (default: 0, as OpenAI's, which "
                         "do not expire)")
+
+
+def _add_generation_default_arguments(g) -> None:
+    """Defaults a request gets for the fields it leaves out."""
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for fields a request leaves out: auto, the model's "
                         "generation_config.json (beside a .gguf file too); vllm, none (the "
@@ -190,6 +220,10 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="JSON",
                    help="chat_template_kwargs every chat request gets, under its own, e.g. "
                         "'{\"enable_thinking\": false}' (default: none)")
+
+
+def _add_output_arguments(g) -> None:
+    """Request logging and what every answer carries."""
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log one line per request as it is sent to the engine: its id, "
                         "prompt length and sampling parameters")
@@ -205,8 +239,6 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="every streamed answer ends with a usage chunk, as if its "
                         "stream_options.include_usage were true")
-    _add_http_arguments(p)
-    _add_limit_arguments(p)
 
 
 # The Files and Batch APIs (frontend.batches): flag -> (FrontendConfig field, type, default, help).
@@ -248,85 +280,13 @@ def batch_argv(args) -> list[str]:
             for x in (flag, str(getattr(args, dest)))]
 
 
-def _add_http_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("HTTP server (uvicorn)")
-    g.add_argument("--root-path", default="",
-                   help="the path prefix a proxy in front strips, for URLs the server "
-                        "writes (ASGI root_path; default: none)")
-    g.add_argument("--uds", default=None, metavar="PATH",
-                   help="listen on this Unix domain socket instead of --host/--port")
-    g.add_argument("--ssl-keyfile", default=None, help="TLS: the private key file")
-    g.add_argument("--ssl-certfile", default=None, help="TLS: the certificate file")
-    g.add_argument("--ssl-ca-certs", default=None,
-                   help="TLS: CA certificates for client certificates")
-    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
-                   help="TLS: client certificates: 0 none, 1 optional, 2 required "
-                        "(Python's ssl.CERT_*; default: %(default)s)")
-    g.add_argument("--uvicorn-log-level", default=None,
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="the HTTP server's own log level (default: --log-level)")
-
-
-def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("frontend limits and security")
-    g.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
-                   help="require this key (Authorization: Bearer KEY, or x-api-key: KEY) on "
-                        f"every route but {', '.join(OPEN_PATHS)}; repeat for several "
-                        "keys; SLUICE_API_KEY adds comma-separated keys (default: none)")
-    g.add_argument("--allowed-origins", nargs="+", action="extend", default=[],
-                   metavar="ORIGIN",
-                   help="CORS: origins browsers may call from, or '*' (default: none, so no "
-                        "CORS headers); a JSON list as vLLM takes it works too")
-    g.add_argument("--allowed-methods", nargs="+", action="extend", default=None,
-                   metavar="METHOD", help="CORS: allowed methods (default: *)")
-    g.add_argument("--allowed-headers", nargs="+", action="extend", default=None,
-                   metavar="HEADER", help="CORS: allowed request headers (default: *)")
-    g.add_argument("--allow-credentials", action="store_true",
-                   help="CORS: let browsers send cookies and authorization headers")
-    g.add_argument("--max-request-body-bytes", type=int_at_least(1), default=32 * 2**20,
-                   help="larger request bodies get a 413 (default: 32 MiB)")
-    g.add_argument("--max-queued-requests", "--max-num-queued-reqs", type=int_at_least(1),
-                   default=None,
-                   help="requests this frontend has accepted that have not started generating; "
-                        "beyond it new ones get a 503 with Retry-After (default: no cap; "
-                        "--max-num-queued-reqs: vLLM's name, counted per frontend here)")
-    g.add_argument("--request-timeout", type=positive_number, default=None,
-                   help="seconds a request may take from arrival to its last token; then it "
-                        "ends with a 504 error and is aborted in the engine (default: none)")
-    g.add_argument("--shutdown-timeout", type=seconds, default=30.0,
-                   help="on SIGTERM or SIGINT, seconds in-flight requests may still run while "
-                        "new ones get a 503; then the rest end with an error "
-                        "(default: %(default)s)")
-    _add_bound_arguments(p)
-
-
-# Bounds per request (frontend.input.input_bounds): flag -> (FrontendConfig field, default, help).
-_BOUNDS = {
-    "--max-json-depth": ("max_json_depth", 64, "levels any JSON in a request may nest: the "
-                         "body, and JSON strings such as schemas and tool-call arguments"),
-    "--max-n": ("max_n", 128, "largest n and best_of (engine requests per prompt)"),
-    "--max-prompts-per-request": ("max_prompts_per_request", 128,
-                                  "prompts in one /v1/completions batch"),
-    "--max-messages": ("max_messages", 2048, "messages in one chat request"),
-    "--max-tools": ("max_tools", 128, "tools in one request"),
-    "--max-stop-strings": ("max_stop_strings", 64, "stop strings in one request"),
-}
-
-
-def _add_bound_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("frontend bounds per request (past one: a 400 naming the field)")
-    for flag, (dest, default, what) in _BOUNDS.items():
-        g.add_argument(flag, type=int_at_least(1), default=default, dest=dest,
-                       help=f"{what} (default: %(default)s)")
-
-
 def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", choices=["prefix", "least-loaded", "round-robin"],
                    default="prefix",
                    help="how a frontend picks an engine per request: prefix (the same first "
                         "prompt pages and cache_salt prefer the same engine, bounded by "
                         "load), least-loaded or round-robin (default: %(default)s)")
-    # Migration (frontend.engine_client.client): what a frontend does when an engine is lost.
+    # Migration (frontend.engine_client.migration): what a frontend does when an engine is lost.
     p.add_argument("--migration-limit", type=int_at_least(0), default=3,
                    help="how many times one streaming request may move to another engine "
                         "when its engine dies, freezes or drains: it goes on there with the "
@@ -388,54 +348,6 @@ def frontend_config(args, engine_address: str | list[str] | None,
         **limit_config(args),
     )
 
-
-def _listed(values: list[str] | None, default: list[str]) -> list[str]:
-    """Flag values, where one may also be a JSON list (vLLM's `--allowed-origins '["*"]'`)."""
-    if not values:
-        return default
-    out: list[str] = []
-    for value in values:
-        out.extend(json.loads(value) if value.startswith("[") else [value])
-    return out
-
-
-def api_keys(args) -> list[str]:
-    from_env = [k.strip() for k in os.environ.get("SLUICE_API_KEY", "").split(",")]
-    return list(dict.fromkeys(k for k in [*args.api_keys, *from_env] if k))
-
-
-def limit_config(args) -> dict:
-    return dict(
-        api_keys=api_keys(args), allowed_origins=_listed(args.allowed_origins, []),
-        allowed_methods=_listed(args.allowed_methods, ["*"]),
-        allowed_headers=_listed(args.allowed_headers, ["*"]),
-        allow_credentials=args.allow_credentials,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
-        shutdown_timeout_s=args.shutdown_timeout,
-        **{dest: getattr(args, dest) for dest, _, _ in _BOUNDS.values()},
-    )
-
-
-def limit_argv(args) -> list[str]:
-    """The limit flags for the frontend `serve` starts; API keys go by environment instead,
-    so they do not show up twice in the process list."""
-    argv = ["--max-request-body-bytes", str(args.max_request_body_bytes),
-            "--shutdown-timeout", str(args.shutdown_timeout)]
-    for flag, (dest, _, _) in _BOUNDS.items():
-        argv += [flag, str(getattr(args, dest))]
-    for flag, values in (("--allowed-origins", args.allowed_origins),
-                         ("--allowed-methods", args.allowed_methods),
-                         ("--allowed-headers", args.allowed_headers)):
-        if values:
-            argv += [flag, *values]
-    for flag, value in (("--max-queued-requests", args.max_queued_requests),
-                        ("--request-timeout", args.request_timeout)):
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.allow_credentials:
-        argv.append("--allow-credentials")
-    return argv
 
 
 # ---------------------------------------------------------------- start-up checks

@@ -23,9 +23,8 @@ from frontend.base.errors import bad_request
 from frontend.input.budgets import BudgetError, TokenizeParams
 from frontend.input.input_bounds import check_bounds
 from frontend.pipeline.input_stage import _render as render_messages
+from frontend.pipeline.job import Candidate, Job
 from frontend.pipeline.pipeline import (
-    Candidate,
-    Job,
     collect_candidates,
     job_usage,
     sse_stream,

@@ -156,16 +156,45 @@ def request_plan(
     request leaves out; request values win. `bad_words`: the request's, as token sequences
     (`Tokenization.bad_word_ids`); `thinking`: its thinking_token_budget, with the parser's
     tags and the prompt's thinking state (`pipeline.thinking_budget`)."""
-    d = defaults or _NO_DEFAULTS
     asked, _ = _asked_max_tokens(request)
+    candidates, logprobs, prompt_logprobs = _candidates_and_logprobs(request)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS_MAX if asked is None else asked,
+        **_sampled_fields(request, defaults or _NO_DEFAULTS, vocab_size),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        constraint=constraint,
+        allowed_token_ids=request.allowed_token_ids or [],
+        bad_words=bad_words or [],
+        thinking=thinking,
+    )
+    _check_plan(request, params, vocab_size)
+    output = OutputParams(
+        skip_special_tokens=request.skip_special_tokens,
+        stop=_stop_strings(request.stop),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        min_tokens=request.min_tokens,  # stop strings wait for it too (req P-9)
+        logprobs=logprobs is not None or prompt_logprobs is not None,
+        tokens_as_ids=bool(request.return_tokens_as_token_ids),
+    )
+    return Plan(params, output, request.n, candidates)
+
+
+def _candidates_and_logprobs(request: Request) -> tuple[int, int | None, int | None]:
+    """(engine requests per prompt, logprobs, prompt_logprobs): best_of runs more
+    candidates than n, and ranking them needs their cumulative logprobs."""
     logprobs, prompt_logprobs = _logprobs(request)
     candidates = request.n
     if isinstance(request, CompletionRequest) and request.best_of is not None:
         candidates = request.best_of
         if candidates > request.n and logprobs is None:
             logprobs = 0  # ranking the candidates needs their cumulative logprobs
-    params = SamplingParams(
-        max_tokens=MAX_TOKENS_MAX if asked is None else asked,
+    return candidates, logprobs, prompt_logprobs
+
+
+def _sampled_fields(request: Request, d: GenerationDefaults, vocab_size: int) -> dict:
+    """The sampling fields, the request's own or else the model's defaults (`d`)."""
+    return dict(
         temperature=_given(request.temperature, None, d.temperature, 1.0),
         top_p=_given(request.top_p, None, d.top_p, 1.0),
         top_k=0 if request.top_k == -1 else _given(request.top_k, None, d.top_k, 0),
@@ -180,13 +209,11 @@ def request_plan(
         repetition_penalty=_given(request.repetition_penalty, None, d.repetition_penalty,
                                   1.0),
         logit_bias=logit_bias_pairs(request.logit_bias, vocab_size),
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        constraint=constraint,
-        allowed_token_ids=request.allowed_token_ids or [],
-        bad_words=bad_words or [],
-        thinking=thinking,
     )
+
+
+def _check_plan(request: Request, params: SamplingParams, vocab_size: int) -> None:
+    """What no engine could sample: values out of range, nothing allowed, best_of greedy."""
     _check_ranges(params, vocab_size)
     if request.allowed_token_ids == []:
         # Nothing allowed could never be sampled; the engine's [] means "no restriction".
@@ -198,15 +225,6 @@ def request_plan(
         # the engine's own definition (shared.protocol), so 1e-6 counts as 0 here too.
         raise bad_request("best_of must be 1 when sampling greedily (temperature below "
                           f"{GREEDY_TEMPERATURE:g})", "best_of")
-    output = OutputParams(
-        skip_special_tokens=request.skip_special_tokens,
-        stop=_stop_strings(request.stop),
-        include_stop_str_in_output=request.include_stop_str_in_output,
-        min_tokens=request.min_tokens,  # stop strings wait for it too (req P-9)
-        logprobs=logprobs is not None or prompt_logprobs is not None,
-        tokens_as_ids=bool(request.return_tokens_as_token_ids),
-    )
-    return Plan(params, output, request.n, candidates)
 
 
 def prompt_max_tokens(request: Request, endpoint: str, prompt_len: int, max_model_len: int,

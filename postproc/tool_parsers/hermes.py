@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from postproc.markers import find_first, partial_suffix_len
-from postproc.tool_parsers.base import (
+from postproc.tool_parsers.call_json import (
     call_from_object,
     call_head,
     parse_json,

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import json
 
-from postproc.tool_parsers.base import (
-    ToolParser,
-    call_from_object,
-    call_head,
-    parse_json,
-)
+from postproc.tool_parsers.base import ToolParser
+from postproc.tool_parsers.call_json import call_from_object, call_head, parse_json
 from postproc.tool_parsers.scanners import JsonValueEnd
 from shared.grammar_parts import call_json_schema
 
@@ -48,7 +44,6 @@ class Llama3JsonToolParser(ToolParser):
         self._sent = 0
 
     def _step(self, final: bool) -> bool:
-        buf = self._buf
         mode = self._mode
         if mode == _START:
             opening = self._opening(_TAG, "{", final)
@@ -62,21 +57,30 @@ class Llama3JsonToolParser(ToolParser):
             self._mode = _CALLS
             return True
         if mode == _SEP:
-            rest = buf.lstrip()
-            if not rest:
-                self._buf = "" if final else buf
-                return False
-            if rest[0] == ";":
-                self._buf = rest[1:]
-                self._mode = _CALLS
-            elif rest[0] == "{":
-                self._mode = _CALLS
-            else:
-                self._mode = _CONTENT
-            return True
+            return self._separator(self._buf, final)
         # _CALLS: a JSON object is expected (after whitespace).
         if self._args is not None:
-            return self._streaming(buf, final)
+            return self._streaming(self._buf, final)
+        return self._call_object(self._buf, final)
+
+    def _separator(self, buf: str, final: bool) -> bool:
+        """After a call: `;` or another `{` goes on with calls, anything else is content."""
+        rest = buf.lstrip()
+        if not rest:
+            self._buf = "" if final else buf
+            return False
+        if rest[0] == ";":
+            self._buf = rest[1:]
+            self._mode = _CALLS
+        elif rest[0] == "{":
+            self._mode = _CALLS
+        else:
+            self._mode = _CONTENT
+        return True
+
+    def _call_object(self, buf: str, final: bool) -> bool:
+        """A call's JSON object: streamed when its head is `{"name": ..., "parameters": {`,
+        else read whole (`_whole_object`)."""
         if self._scanner is None:
             rest = buf.lstrip()
             if not rest:
@@ -95,6 +99,10 @@ class Llama3JsonToolParser(ToolParser):
                 self._args, self._outer, self._sent = JsonValueEnd(value_start), None, value_start
                 return True
             self._scanner = JsonValueEnd(start)  # any other object is read whole
+        return self._whole_object(buf, final)
+
+    def _whole_object(self, buf: str, final: bool) -> bool:
+        """An object read whole: a call once it closes, else content."""
         end = self._scanner.scan(buf)
         if end is None:
             if self._drop_unfinished(final):  # cut by max_tokens inside a call

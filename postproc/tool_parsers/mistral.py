@@ -27,11 +27,8 @@ from functools import lru_cache
 from typing import Any, ClassVar
 
 from postproc.markers import partial_suffix_len
-from postproc.tool_parsers.base import (
-    ToolParser,
-    call_from_object,
-    parse_json,
-)
+from postproc.tool_parsers.base import ToolParser
+from postproc.tool_parsers.call_json import call_from_object, parse_json
 from postproc.tool_parsers.scanners import JsonValueEnd
 from shared.grammar_parts import call_json_schema, json_layout, special_token_lark
 

@@ -24,7 +24,7 @@ import ast
 import json
 from typing import Any
 
-from postproc.tool_parsers.base import parse_json
+from postproc.tool_parsers.call_json import parse_json
 from postproc.tool_parsers.tagged import TaggedBlockParser
 from shared.grammar_parts import json_layout
 

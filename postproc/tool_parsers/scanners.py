@@ -72,65 +72,77 @@ class PythonValueEnd:
         self.quote: str | None = None
 
     def scan(self, text: str) -> int | None:
-        i, n = self.pos, len(text)
+        """Index just past the closing bracket, or None while the value is unfinished (or
+        the text ends where the next character decides, e.g. two quotes that may be three)."""
+        i: int | None = self.pos
+        n = len(text)
         while True:
-            q = self.quote
-            if q is not None:
-                j = _find_either(text, "\\", q[0], i)
-                if j < 0:
+            if self.quote is not None:
+                i = self._in_string(text, i, n)
+            else:
+                m = _PY_STRUCT.search(text, i)
+                if m is None:
                     self.pos = n
                     return None
-                if text[j] == "\\":
-                    if j + 1 >= n:
-                        self.pos = j
-                        return None
-                    i = j + 2
-                    continue
-                if len(q) == 3:
-                    if j + 3 > n:
-                        self.pos = j  # may be the closing triple quote: wait
-                        return None
-                    if text.startswith(q, j):
-                        self.quote = None
-                        i = j + 3
-                    else:
-                        i = j + 1
-                    continue
-                self.quote = None
-                i = j + 1
-                continue
-            m = _PY_STRUCT.search(text, i)
-            if m is None:
-                self.pos = n
-                return None
-            j = m.start()
-            c = text[j]
-            if c in "\"'":
-                if j + 3 > n and text[j:] == c * (n - j):
-                    self.pos = j  # "" could still become """: wait
-                    return None
-                if text.startswith(c * 3, j):
-                    self.quote = c * 3
-                    i = j + 3
+                j = m.start()
+                c = text[j]
+                if c in "\"'":
+                    i = self._open_string(text, j, n, c)
+                elif c == "#":
+                    i = self._past_comment(text, j)
                 else:
-                    self.quote = c
                     i = j + 1
-                continue
-            if c == "#":
-                k = text.find("\n", j)
-                if k < 0:
-                    self.pos = j
-                    return None
-                i = k + 1
-                continue
-            i = j + 1
-            if c in "[({":
-                self.depth += 1
-            else:
-                self.depth -= 1
-                if self.depth <= 0:
-                    self.pos = i
-                    return i
+                    if c in "[({":
+                        self.depth += 1
+                    else:
+                        self.depth -= 1
+                        if self.depth <= 0:
+                            self.pos = i
+                            return i
+            if i is None:
+                return None  # waiting: `pos` says where to go on
+
+    def _in_string(self, text: str, i: int, n: int) -> int | None:
+        """Past the next escape or quote inside a string (closing it if it is the end);
+        None while undecided."""
+        q = self.quote
+        j = _find_either(text, "\\", q[0], i)
+        if j < 0:
+            self.pos = n
+            return None
+        if text[j] == "\\":
+            if j + 1 >= n:
+                self.pos = j
+                return None
+            return j + 2
+        if len(q) == 3:
+            if j + 3 > n:
+                self.pos = j  # may be the closing triple quote: wait
+                return None
+            if text.startswith(q, j):
+                self.quote = None
+                return j + 3
+            return j + 1
+        self.quote = None
+        return j + 1
+
+    def _open_string(self, text: str, j: int, n: int, c: str) -> int | None:
+        """A quote at text[j] opens a string: single or triple."""
+        if j + 3 > n and text[j:] == c * (n - j):
+            self.pos = j  # "" could still become """: wait
+            return None
+        if text.startswith(c * 3, j):
+            self.quote = c * 3
+            return j + 3
+        self.quote = c
+        return j + 1
+
+    def _past_comment(self, text: str, j: int) -> int | None:
+        k = text.find("\n", j)
+        if k < 0:
+            self.pos = j
+            return None
+        return k + 1
 
 
 def _find_either(text: str, a: str, b: str, start: int) -> int:
