@@ -270,7 +270,7 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         """--routing kv: the prompt's leading pages each engine holds, by address. A LoRA
         adapter's or an image's pages hash on what only the engine knows (the adapter's id
         there, the image's digest): those requests are placed as `prefix`."""
-        if (self.kv_events is None or request.lora_name or request.images
+        if (self.kv_events is None or len(live) < 2 or request.lora_name or request.images
                 or request.pooling is not None):
             return {}
         ids = np.frombuffer(request.prompt_token_ids, dtype="<i4")
