@@ -43,7 +43,11 @@ class Feed:
         if replay:
             self.replay = ctx.socket(zmq.DEALER)
             self.replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            self.replay.connect(replay)
+            try:
+                self.replay.connect(replay)
+            except zmq.ZMQError:
+                self.close()
+                raise
         self.last_seq = -1  # the last batch applied
         self.replay_deadline: float | None = None  # set: a replay runs
         self.held: list[tuple[int, KVEventBatch]] = []  # live batches during a replay
@@ -110,7 +114,14 @@ class KvEventSubscriber:
                 old.close()
             self.index.drop(engine)
             if verb == "follow" and endpoints[0]:
-                feed = self._feeds[engine] = Feed(ctx, engine, *endpoints)
+                try:
+                    feed = Feed(ctx, engine, *endpoints)
+                except zmq.ZMQError as exc:  # its stats named something no socket takes
+                    log.warning("KV events: engine %s names %s: %s; not following it",
+                                engine, endpoints, exc)
+                    self.malformed += 1
+                    continue
+                self._feeds[engine] = feed
                 self._ask_replay(feed, 0)  # what it published before this frontend came
 
     def _poll(self) -> None:

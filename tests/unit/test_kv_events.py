@@ -211,6 +211,11 @@ def test_the_subscriber_drops_bad_messages_and_holes(tmp_path):
         assert index.longest_runs([3], ["e"]) == {"e": 1} and index.pages_of("e") == 1
         subscriber.forget("e")
         _wait(lambda: index.pages_of("e") == 0, "forget")
+        subscriber.follow("bad", "ipc:///bad", "tcp://nowhere:x", "")  # an engine's odd stats
+        _wait(lambda: subscriber.malformed == 5, "the bad endpoint")
+        subscriber.follow("e", "ipc:///e", endpoint, "")  # the thread still works
+        _wait(lambda: send(4, KVEventBatch(4.0, [_stored([4])])) or index.pages_of("e"),
+              "following again")
     finally:
         subscriber.stop()
         pub.close(linger=0)
