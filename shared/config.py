@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.kv_events import KvEventsConfig
 from shared.protocol import LoraAdapterInfo
 from shared.speculative import SpeculativeConfig
 
@@ -69,6 +70,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    # --kv-events-config (shared.kv_events; engine.process.kv_events): None, no events. Its
+    # ports are offset by --data-parallel-rank, which its batches also carry.
+    kv_events: KvEventsConfig | None = None
+    data_parallel_rank: int = 0
 
 
 # Frontend routes that answer without an API key and while draining: probes, scrapes and the

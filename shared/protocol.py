@@ -326,6 +326,11 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     draining: bool = False
     # The LoRA adapters it serves now (the frontends' /v1/models lists these).
     lora_adapters: list[LoraAdapterInfo] = []
+    # --kv-events-config: where its KV events are published and replayed ("": not; a
+    # wildcard host means the host the engine is reached at), and batches it dropped.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_dropped: int = 0
 
 
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):

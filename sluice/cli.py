@@ -229,6 +229,8 @@ def _engine_argv(args, common: list[str], address: str) -> list[str]:
     if args.speculative_config is not None:
         engine_argv += ["--speculative-config",
                         msgspec.json.encode(args.speculative_config).decode()]
+    if args.kv_events_config is not None:  # each engine offsets its ports by its rank
+        engine_argv += ["--kv-events-config", msgspec.json.encode(args.kv_events_config).decode()]
     return engine_argv + lora_engine_argv(args)
 
 
@@ -307,9 +309,10 @@ def _frontend_routing_argv(args, more_engines: list[str]) -> list[str]:
 
 def _engine_argvs(engine_argv: list[str], addresses: list[str]) -> list[list[str]]:
     """One engine's command line per address, each named as vLLM's data-parallel ranks
-    are: engine-0, engine-1..."""
+    are: engine-0, engine-1... (and ranked so: their KV-event ports differ)."""
     at = engine_argv.index("--engine-address") + 1
-    return [[*engine_argv[:at], a, *engine_argv[at + 1:], "--engine-id", f"engine-{i}"]
+    return [[*engine_argv[:at], a, *engine_argv[at + 1:], "--engine-id", f"engine-{i}",
+             "--data-parallel-rank", str(i)]
             for i, a in enumerate(addresses)]
 
 

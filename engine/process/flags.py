@@ -28,6 +28,7 @@ from shared.command_line import (
     tokenizer_path,
 )
 from shared.config import EngineConfig
+from shared.kv_events import KvEventsConfig, KvEventsConfigError, parse_kv_events_config
 from shared.protocol import LoraAdapterInfo
 from shared.speculative import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
@@ -65,6 +66,11 @@ def add_engine_command(engine: argparse.ArgumentParser) -> None:
     engine.add_argument("--metrics-host", default=os.environ.get("SLUICE_HOST", "127.0.0.1"),
                         help="the address --metrics-port binds (default: $SLUICE_HOST, "
                              "else 127.0.0.1)")
+    engine.add_argument("--data-parallel-rank", "-dpn", type=int_at_least(0), default=0,
+                        help="this engine's data-parallel rank, as vLLM's: its KV-event "
+                             "ports are --kv-events-config's plus the rank, and its event "
+                             "batches carry it (default: %(default)s; `serve -dp N` gives "
+                             "engine i rank i)")
 
 
 def run_engine_command(args) -> int:
@@ -79,6 +85,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     _add_device_arguments(g)
     _add_step_arguments(g)
     _add_tensor_parallel_arguments(g)
+    add_kv_events_arguments(g)
 
 
 def _add_device_arguments(g) -> None:
@@ -237,7 +244,28 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         **lora_engine_config(args),
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        kv_events=args.kv_events_config,
+        data_parallel_rank=getattr(args, "data_parallel_rank", 0),
     )
+
+
+# --- KV-cache events (issue 50): vLLM's --kv-events-config (shared.kv_events).
+
+
+def add_kv_events_arguments(g) -> None:
+    g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                   help="publish KV-cache events for KV-aware routers, vLLM's JSON and wire "
+                        'format: {"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
+                        '"buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, '
+                        '"topic": ""} (docs/observability.md). Default: off')
+
+
+def _kv_events_config(text: str) -> KvEventsConfig:
+    try:
+        return parse_kv_events_config(text)
+    except KvEventsConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # --- LoRA adapters (issue 36): vLLM's flags. The engine's flags load and bound adapters;

@@ -26,9 +26,11 @@ import msgspec
 import zmq
 
 from engine.process.build import build_engine
+from engine.process.kv_events import KvEventPublisher
 from engine.process.metrics_server import start_metrics_server
 from engine.process.output_router import FleetCounts, OutputRouter
 from engine.step.core import EngineCore
+from engine.step.kv_cache import KvEventLog
 from shared.codec import encode, engine_inbound_decoder
 from shared.config import EngineConfig
 from shared.protocol import AbortRequest, EngineRequest, EngineStats, LoraUpdate, Ping
@@ -103,9 +105,14 @@ class PeerWatch:
 class EngineServer:
     def __init__(
         self, core: EngineCore, request_address: str, postproc_address: str | None = None,
-        frontend_timeout_s: float = 10.0,
+        frontend_timeout_s: float = 10.0, kv_events: KvEventPublisher | None = None,
     ) -> None:
         self.core = core
+        # --kv-events-config: each step's prefix-cache changes go out on it.
+        self.kv_events = kv_events
+        if kv_events is not None:
+            core.allocator.events = KvEventLog()
+            core.allocator.events.cleared()  # subscribers learn this engine starts empty
         self.request_address = request_address
         self.postproc_address = postproc_address
         self.ctx = zmq.Context()
@@ -138,6 +145,8 @@ class EngineServer:
             self.outbox.put(None)
             for t in threads:
                 t.join(timeout=2)
+            if self.kv_events is not None:
+                self.kv_events.close()
             self.ctx.term()
 
     def drain(self, timeout_s: float) -> None:
@@ -167,6 +176,8 @@ class EngineServer:
                 outputs = core.step()
                 if outputs:
                     self.outbox.put((outputs, time.perf_counter() - started))
+            if self.kv_events is not None:
+                self.kv_events.publish(core.allocator.events.take())
             if abandoned:
                 # After the abort outputs above, so whoever still listens gets them.
                 self.outbox.put(CloseResultSockets(abandoned))
@@ -244,8 +255,16 @@ class EngineServer:
         return msgspec.structs.replace(
             self.latest_stats, num_postproc_workers=fleet.live_workers,
             postproc_assigned=fleet.assigned, postproc_replayed=fleet.replayed,
-            draining=self.draining.is_set(),
+            draining=self.draining.is_set(), **self._kv_events_stats(),
         )
+
+    def _kv_events_stats(self) -> dict:
+        """Where frontends under --routing kv subscribe to this engine's KV events."""
+        if self.kv_events is None:
+            return {}
+        return {"kv_events_endpoint": self.kv_events.announced_endpoint,
+                "kv_events_replay_endpoint": self.kv_events.replay_endpoint or "",
+                "kv_events_dropped": self.kv_events.dropped}
 
     def _send_loop(self) -> None:
         """Routes outputs to postproc workers or frontends; between batches it takes the
@@ -272,6 +291,20 @@ class EngineServer:
             router.close()
 
 
+def _start_kv_events(config: EngineConfig) -> KvEventPublisher | None:
+    """--kv-events-config's sockets, bound before the model loads: a port in use fails
+    the start at once, naming it."""
+    if config.kv_events is None or not config.kv_events.publishes:
+        return None
+    try:
+        return KvEventPublisher(zmq.Context.instance(), config.kv_events,
+                                config.data_parallel_rank)
+    except zmq.ZMQError as exc:
+        raise SystemExit(f"sluice engine: --kv-events-config: cannot open "
+                         f"{config.kv_events.endpoint} (offset by data-parallel rank "
+                         f"{config.data_parallel_rank}) or its replay endpoint: {exc}") from None
+
+
 def run_engine(config: EngineConfig) -> None:
     from engine.parallel.rendezvous import plan_rendezvous
 
@@ -290,13 +323,14 @@ def run_engine(config: EngineConfig) -> None:
         # Until the engine is built a scrape finds no series.
         start_metrics_server(config.metrics_host, config.metrics_port,
                              lambda: built[0]._stats() if built else None)
+    kv_events = _start_kv_events(config)
     core = build_engine(config)
     # Everything loaded so far (torch, transformers, the tokenizer: ~400k objects) lives as
     # long as the process; frozen, the cyclic GC stops re-walking it in the middle of steps.
     gc.collect()
     gc.freeze()
     server = EngineServer(core, config.request_address, config.postproc_address,
-                          config.frontend_timeout_s)
+                          config.frontend_timeout_s, kv_events)
     built.append(server)
 
     def stop(signum, frame):

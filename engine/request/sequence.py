@@ -34,6 +34,7 @@ class Sequence(msgspec.Struct, kw_only=True):
     priority: int = 0  # lower runs first under the priority policy
     # its LoRA adapter's engine-unique id (engine.step.lora_adapters); 0: the base model
     lora_id: int = 0
+    lora_name: str | None = None  # its name, for the KV events (vLLM's lora_name)
     images: list = []  # engine.step.multimodal.SeqImage, in prompt order (req T-13)
     peer: bytes | None = None  # the ROUTER identity of the connection it came on
     order: int = 0  # arrival order in the engine, the FCFS key and the tie-breaker

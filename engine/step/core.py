@@ -126,6 +126,7 @@ class EngineCore:
         if request.lora_name is not None:
             try:
                 seq.lora_id = self._acquire_lora(request.lora_name)
+                seq.lora_name = request.lora_name
             except LoraError as exc:
                 self._reject(request, len(prompt), str(exc), exc.status)
                 return

@@ -11,36 +11,68 @@ match (tenants never share). A
 released page that holds a hash is not wiped: it waits in an LRU of cached free pages and is
 reused as is by the next request with that prefix, or recycled, oldest first, when no plain
 free page is left.
+
+KV-cache events (`--kv-events-config`, shared.kv_events): with an `events` log, the cache
+records what a KV-aware router needs, as vLLM's events: `BlockStored` when full pages enter
+it (the scheduler registers them, knowing their tokens), `BlockRemoved` when a cached page
+is recycled, `AllBlocksCleared` when it starts empty. The engine publishes the log once per
+step. An offload tier or a KV transfer that lands pages records into a log of its own
+medium (`KvEventLog(MEDIUM_CPU)`): that is the hook they take (none exists yet).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 
-import numpy as np
+from shared.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from shared.page_hash import PageHash, chain_hash, external_hash, root_hash
+
+__all__ = ["KvEventLog", "OutOfPages", "PageAllocator", "PageHash", "chain_hash", "root_hash"]
 
 
 class OutOfPages(Exception):
     pass
 
 
-PageHash = bytes
+class KvEventLog:
+    """The cache's changes since the publisher last took them, in order."""
 
+    def __init__(self, medium: str = MEDIUM_GPU) -> None:
+        self.medium = medium
+        self._events: list[KVEvent] = []
 
-def root_hash(cache_salt: str | None, lora_id: int = 0) -> PageHash:
-    """The root of a sequence's chain: its salt and, under a LoRA adapter, the adapter's
-    engine-unique id (two adapters compute different K/V for the same tokens)."""
-    salt = (cache_salt or "").encode()
-    if lora_id:
-        salt += b"\0lora:%d" % lora_id
-    return hashlib.blake2b(salt, digest_size=16, person=b"sluice-root").digest()
+    def stored(self, hashes: list[PageHash], indices: list[int], token_ids, page_size: int,
+               lora_id: int = 0, lora_name: str | None = None) -> None:
+        """Pages `indices` of a sequence (its page hashes, its tokens) entered the cache: one
+        BlockStored per run of consecutive pages, as vLLM sends a request's new blocks."""
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self._events.append(BlockStored(
+                block_hashes=[external_hash(hashes[i]) for i in run],
+                parent_block_hash=external_hash(hashes[first - 1]) if first else None,
+                token_ids=list(token_ids[first * page_size:(last + 1) * page_size]),
+                block_size=page_size, lora_id=lora_id or None, medium=self.medium,
+                lora_name=lora_name))
 
+    def removed(self, page_hash: PageHash) -> None:
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved):  # a step's evictions travel as one event
+            last.block_hashes.append(external_hash(page_hash))
+        else:
+            self._events.append(BlockRemoved([external_hash(page_hash)], self.medium))
 
-def chain_hash(parent: PageHash, tokens) -> PageHash:
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(np.asarray(tokens, dtype="<i4").tobytes())
-    return h.digest()
+    def cleared(self) -> None:
+        self._events.append(AllBlocksCleared())
+
+    def take(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
 
 
 class PageAllocator:
@@ -56,6 +88,7 @@ class PageAllocator:
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+        self.events: KvEventLog | None = None  # set: --kv-events-config records changes
 
     @property
     def num_free(self) -> int:
@@ -82,6 +115,8 @@ class PageAllocator:
             return self._free.popleft()
         page, _ = self._cached_free.popitem(last=False)
         del self._page_of[self._hash_of[page]]
+        if self.events is not None:
+            self.events.removed(self._hash_of[page])
         self._hash_of[page] = None
         return page
 
@@ -120,8 +155,11 @@ class PageAllocator:
         self.prefix_hits += len(pages) * self.page_size
         return pages
 
-    def register(self, page: int, page_hash: PageHash) -> None:
-        """Record that a full page holds the prefix `page_hash` (first writer wins)."""
+    def register(self, page: int, page_hash: PageHash) -> bool:
+        """Record that a full page holds the prefix `page_hash` (first writer wins); whether
+        the cache holds a new prefix now."""
         if self._hash_of[page] is None and page_hash not in self._page_of:
             self._hash_of[page] = page_hash
             self._page_of[page_hash] = page
+            return True
+        return False

@@ -283,9 +283,12 @@ class Scheduler:
         if full <= seq.num_registered_pages:
             return
         self._extend_hashes(seq, full)
-        for i in range(seq.num_registered_pages, full):
-            self.allocator.register(seq.pages[i], seq.page_hashes[i])
+        new = [i for i in range(seq.num_registered_pages, full)
+               if self.allocator.register(seq.pages[i], seq.page_hashes[i])]
         seq.num_registered_pages = full
+        if new and self.allocator.events is not None:
+            self.allocator.events.stored(seq.page_hashes, new, seq.token_ids,
+                                         self.allocator.page_size, seq.lora_id, seq.lora_name)
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         # At least one token must still be computed: its logits give the next token.

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable
 
 import msgspec
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -32,6 +33,8 @@ from frontend.engine_client.connection import (
     RequestStream,
 )
 from frontend.engine_client.heartbeats import EngineHeartbeats
+from frontend.engine_client.kv_events import KvEventSubscriber
+from frontend.engine_client.kv_index import KvIndex
 from frontend.engine_client.lora_client import LoraReplies, engines_with
 from frontend.engine_client.migration import MIGRATION_REASONS, Migration
 from frontend.engine_client.placement import Candidate, Placement, prefix_key
@@ -39,6 +42,7 @@ from frontend.engine_client.receiver import OutputReceiver
 from frontend.engine_client.tracking import RequestTracker
 from postproc.processor import OutputProcessor
 from shared.codec import encode
+from shared.page_hash import prompt_page_hashes
 from shared.protocol import AbortRequest, EngineRequest, EngineStats
 from shared.transport import (
     is_dns_address,
@@ -102,6 +106,8 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         self.migration_failures = 0  # requests that had to move and could not
         self.last_live = 0.0  # time.monotonic() when an engine was last live
         self.lora_replies = LoraReplies()  # run-time adapter loads (lora_client.py)
+        # --routing kv: the engines' KV events, by engine address (kv_events.py).
+        self.kv_events = KvEventSubscriber(KvIndex()) if routing == "kv" else None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -114,6 +120,8 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         )
         self._receiver.start()
         bound.wait()
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._tasks = [asyncio.create_task(self._ping_loop())]
         if any(is_dns_address(s) for s in self.engine_sources):
             self._tasks.append(asyncio.create_task(self._resolve_loop()))
@@ -128,6 +136,8 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         conn.monitor_task = asyncio.create_task(self._monitor_loop(conn, conn.monitor))
 
     def _disconnect(self, conn: EngineConnection) -> None:
+        if self.kv_events is not None:  # lost or gone: what it held is unknown now
+            self.kv_events.forget(conn.address)
         for task in (conn.stats_task, conn.monitor_task):
             if task is not None:
                 task.cancel()
@@ -151,6 +161,8 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         self._receiver.join(timeout=2)
         for conn in self.engines.values():
             self._disconnect(conn)
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self._ctx.term()
 
     # ---------------------------------------------------------------- engines
@@ -245,11 +257,25 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         page_size = next((getattr(c.stats, "page_size", 0) for c in live
                           if c.stats is not None and getattr(c.stats, "page_size", 0)), 16)
         key = prefix_key(request.prompt_token_ids, request.cache_salt, page_size)
+        cached = self._cached_runs(request, live, page_size)
         chosen = self.placement.choose(key, [
             Candidate(name=name, load=c.load(), kv_use=c.kv_use(),
-                      waiting=c.stats.num_waiting if c.stats is not None else 0)
+                      waiting=c.stats.num_waiting if c.stats is not None else 0,
+                      cached_pages=cached.get(c.address, 0))
             for name, c in names.items()])
         return names[chosen]
+
+    def _cached_runs(self, request: EngineRequest, live: list[EngineConnection],
+                     page_size: int) -> dict[str, int]:
+        """--routing kv: the prompt's leading pages each engine holds, by address. A LoRA
+        adapter's or an image's pages hash on what only the engine knows (the adapter's id
+        there, the image's digest): those requests are placed as `prefix`."""
+        if (self.kv_events is None or len(live) < 2 or request.lora_name or request.images
+                or request.pooling is not None):
+            return {}
+        ids = np.frombuffer(request.prompt_token_ids, dtype="<i4")
+        return self.kv_events.index.longest_runs(
+            prompt_page_hashes(ids, page_size, request.cache_salt), [c.address for c in live])
 
     async def _send_to(self, conn: EngineConnection, request_id: str,
                        stream: RequestStream, request: EngineRequest) -> None:

@@ -35,6 +35,28 @@ def connection_families(client, model_name: str = ""):
         labels=["model_name"])
     failed.add_metric([model_name], float(client.migration_failures))
     yield failed
+    if client.kv_events is not None:
+        yield from kv_event_families(client, model_name)
+
+
+def kv_event_families(client, model_name: str = ""):
+    """--routing kv: what this frontend took from the engines' KV events."""
+    subscriber = client.kv_events
+    pages = GaugeMetricFamily("sluice:kv_events_pages",
+                              "KV pages this engine's events say it holds now.",
+                              labels=["model_name", "engine", "address"])
+    for conn in sorted(client.engines.values(), key=lambda c: c.address):
+        pages.add_metric([model_name, conn.engine_id, conn.address],
+                         float(subscriber.index.pages_of(conn.address)))
+    yield pages
+    for name, value, text in (
+            ("batches", subscriber.batches, "KV-event batches applied."),
+            ("malformed", subscriber.malformed, "KV-event messages dropped as malformed."),
+            ("gaps", subscriber.gaps, "Holes in an engine's KV events no replay filled "
+                                      "(its entries were dropped).")):
+        family = CounterMetricFamily(f"sluice:kv_events_{name}", text, labels=["model_name"])
+        family.add_metric([model_name], float(value))
+        yield family
 
 
 def every_engine_families(client):

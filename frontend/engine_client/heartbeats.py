@@ -81,6 +81,9 @@ class EngineHeartbeats:
             elif isinstance(message, EngineStats):
                 conn.stats = message
                 conn.own_at_stats = len(conn.requests)
+                if self.kv_events is not None:  # --routing kv: its events, where it says
+                    self.kv_events.follow(conn.address, conn.address, message.kv_events_endpoint,
+                                          message.kv_events_replay_endpoint)
                 conn.last_heard = time.monotonic()
                 if not conn.was_alive:
                     # Said here, as it becomes live, so it comes before the "ready" line.

@@ -12,6 +12,11 @@ et al. 2018, over rendezvous rather than a ring). An engine whose KV cache is ne
 while requests wait is skipped too. `least-loaded` takes the engine with the least load (KV
 use breaks ties), `round-robin` cycles. Only live engines are candidates.
 
+`kv` knows rather than guesses: the engines' KV events (`kv_index.py`) say how many of the
+prompt's leading pages each engine holds (`cached_pages`), whoever sent them there. The
+request goes to the engine holding the longest run, within the same load bound (ties in
+rendezvous order); when no engine within the bound holds any, it is placed as `prefix`.
+
 Load is waiting + running requests from the engine's last heartbeat, corrected by what this
 frontend sent it since (heartbeats lag by up to a second, and a burst must not all land on
 the engine whose heartbeat is oldest).
@@ -25,7 +30,7 @@ import math
 
 import msgspec
 
-POLICIES = ("prefix", "least-loaded", "round-robin")
+POLICIES = ("prefix", "least-loaded", "round-robin", "kv")
 # Full pages of prompt the key covers: a shared system prompt, or a chat's first turn, which
 # every later turn of that chat re-sends. Few, so the key stays the same as a chat grows.
 AFFINITY_PAGES = 2
@@ -40,6 +45,7 @@ class Candidate(msgspec.Struct, frozen=True):
     load: int  # waiting + running requests, as best known now
     kv_use: float = 0.0  # share of KV pages in use, 0..1
     waiting: int = 0
+    cached_pages: int = 0  # `kv`: the prompt's leading pages its KV events say it holds
 
 
 def prefix_key(prompt_ids: bytes, cache_salt: str | None,
@@ -92,13 +98,16 @@ class Placement:
         if self.policy == "round-robin":
             ordered = sorted(c.name for c in candidates)
             return ordered[next(self._turn) % len(ordered)]
-        if self.policy == "prefix":
+        if self.policy in ("prefix", "kv"):
             bound = load_bound(candidates, self.load_factor)
             by_name = {c.name: c for c in candidates}
-            for name in rank(key, list(by_name)):
-                c = by_name[name]
-                if c.load < bound and not (c.kv_use >= KV_FULL and c.waiting > 0):
-                    return name
+            open_ = [by_name[name] for name in rank(key, list(by_name))
+                     if by_name[name].load < bound
+                     and not (by_name[name].kv_use >= KV_FULL and by_name[name].waiting > 0)]
+            if self.policy == "kv" and open_ and max(c.cached_pages for c in open_) > 0:
+                return max(open_, key=lambda c: c.cached_pages).name  # first of the ties
+            if open_:
+                return open_[0].name
         return least_loaded(candidates)
 
 

@@ -281,11 +281,14 @@ def batch_argv(args) -> list[str]:
 
 
 def add_routing_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--routing", choices=["prefix", "least-loaded", "round-robin"],
+    p.add_argument("--routing", choices=["prefix", "least-loaded", "round-robin", "kv"],
                    default="prefix",
                    help="how a frontend picks an engine per request: prefix (the same first "
                         "prompt pages and cache_salt prefer the same engine, bounded by "
-                        "load), least-loaded or round-robin (default: %(default)s)")
+                        "load), least-loaded, round-robin, or kv (the engine whose KV-cache "
+                        "events say it holds the longest run of the prompt's pages, bounded "
+                        "by load, else as prefix; the engines need --kv-events-config) "
+                        "(default: %(default)s)")
     # Migration (frontend.engine_client.migration): what a frontend does when an engine is lost.
     p.add_argument("--migration-limit", type=int_at_least(0), default=3,
                    help="how many times one streaming request may move to another engine "
