@@ -20,6 +20,7 @@ from frontend.batches.records import BatchRecords, FileRecords
 from frontend.batches.runner import BatchRunner
 from frontend.embeddings import embeddings as embeddings_api
 from frontend.embeddings import scoring as scoring_api
+from frontend.http import key_setup
 from frontend.http.auth import AuthMiddleware
 from frontend.http.limits import Admission, AdmissionMiddleware, BodyLimitMiddleware
 from frontend.http.metrics import metrics_registry
@@ -45,6 +46,7 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     ctx.limits = limits = RequestLimits.from_config(config, ctx.vocab_size)
     state = open_store(config.state_store, config.max_stored_responses,
                        config.max_stored_bytes)
+    keys = key_setup.open_keys(config, state)  # --api-keys-file
     # Each batch line goes to the route an interactive request of its endpoint meets,
     # filled from the route table once it is built.
     line_routes: dict = {}
@@ -59,9 +61,9 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
                         if route.path in app.batches.settings.endpoints + ("/v1/messages",)
                         and "POST" in (route.methods or ())})
     starlette = Starlette(
-        routes=routes, lifespan=_lifespan(app, state),
+        routes=routes, lifespan=_lifespan(app, state, keys),
         exception_handlers={HTTPException: _http_error},
-        middleware=_middleware(config, admission),
+        middleware=_middleware(config, admission, keys),
     )
     starlette.state.admission = admission  # the drain on SIGTERM (frontend.http.server) flips it
     starlette.state.readiness = app.readiness  # frontend.http.server announces it
@@ -109,7 +111,7 @@ def _batches(state: StateStore, config: FrontendConfig, line_routes: dict) -> ba
             ("/v1/embeddings",) if pooling else ("/v1/chat/completions", "/v1/completions")))
 
 
-def _lifespan(app: AppContext, state: StateStore):
+def _lifespan(app: AppContext, state: StateStore, keys: key_setup.KeyService | None):
     """The engine client and the sweeps run while the app serves; the stores close after."""
     @contextlib.asynccontextmanager
     async def lifespan(_starlette):
@@ -117,7 +119,8 @@ def _lifespan(app: AppContext, state: StateStore):
         sweep = asyncio.create_task(background_runs.sweep(app.ctx, app.responses))
         batch_sweep = asyncio.create_task(app.batches.runner.sweep())
         try:
-            yield
+            async with key_setup.watching(keys):
+                yield
         finally:
             sweep.cancel()
             batch_sweep.cancel()
@@ -149,7 +152,8 @@ def _internal_request(path: str, body: bytes) -> Request:
     return Request(scope, receive)
 
 
-def _middleware(config: FrontendConfig, admission: Admission) -> list[Middleware]:
+def _middleware(config: FrontendConfig, admission: Admission,
+                keys: key_setup.KeyService | None) -> list[Middleware]:
     """Outermost first: CORS answers preflights and decorates even 401s (browsers must see
     them); unauthenticated requests are refused before their bodies are read or queued."""
     stack = [Middleware(RequestIdMiddleware)]
@@ -159,9 +163,14 @@ def _middleware(config: FrontendConfig, admission: Admission) -> list[Middleware
             allow_methods=config.allowed_methods, allow_headers=config.allowed_headers,
             allow_credentials=config.allow_credentials,
         ))
-    if config.api_keys:
+    key_auth, key_limits = key_setup.middleware(keys) if keys else (None, None)
+    if key_auth is not None:  # the file's keys and --api-key's, with their limits
+        stack.append(key_auth)
+    elif config.api_keys:
         stack.append(Middleware(AuthMiddleware, keys=config.api_keys))
     stack.append(Middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes))
+    if key_limits is not None:
+        stack.append(key_limits)
     stack.append(Middleware(AdmissionMiddleware, admission=admission))
     return stack
 

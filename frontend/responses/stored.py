@@ -50,7 +50,11 @@ class InputItemList(msgspec.Struct):
 
 def owner_of(http: Request, keys: frozenset[str]) -> str:
     """Who owns what this request stores: where API keys are configured, a hash of the key
-    it presented that the auth middleware accepted; else nobody in particular."""
+    it presented that the auth middleware accepted; else nobody in particular. With
+    --api-keys-file, the principal the key middleware found says it (the same hash)."""
+    principal = http.scope.get("sluice.principal")
+    if principal is not None:
+        return principal.owner
     if not keys:
         return ""
     auth = http.headers.get("authorization", "")
