@@ -17,7 +17,7 @@ from starlette.routing import Route
 from frontend.base.errors import APIError, error_response, route_path
 from frontend.batches import api as batches_api
 from frontend.batches.records import BatchRecords, FileRecords
-from frontend.batches.runner import BatchRunner
+from frontend.batches.runner import BatchRunner, line_owner
 from frontend.embeddings import embeddings as embeddings_api
 from frontend.embeddings import scoring as scoring_api
 from frontend.http import key_setup
@@ -54,7 +54,8 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         ctx=ctx, config=config, limits=limits, admission=admission,
         readiness=Readiness(ctx.client, admission),
         metrics=metrics_registry(ctx.client, ctx.model_name, config.export_engine_metrics),
-        responses=_responses(state, config), batches=_batches(state, config, line_routes),
+        responses=_responses(state, config),
+        batches=_batches(state, config, line_routes, keys),
         keys=frozenset(config.api_keys))
     routes = _routes(app)
     line_routes.update({route.path: route.endpoint for route in routes
@@ -93,11 +94,17 @@ def _responses(state: StateStore, config: FrontendConfig) -> Responses:
         keys=frozenset(config.api_keys))
 
 
-def _batches(state: StateStore, config: FrontendConfig, line_routes: dict) -> batches_api.Batches:
-    """Files and batches (frontend.batches), whose lines run through `line_routes`."""
-    async def dispatch(path: str, body: bytes) -> tuple[int, bytes]:
+def _batches(state: StateStore, config: FrontendConfig, line_routes: dict,
+             keys: key_setup.KeyService | None) -> batches_api.Batches:
+    """Files and batches (frontend.batches), whose lines run through `line_routes`, each
+    within its key's limits where --api-keys-file gives it some."""
+    async def run(path: str, body: bytes) -> tuple[int, bytes]:
         response = await line_routes[path](_internal_request(path, body))
         return response.status_code, bytes(response.body)
+
+    async def dispatch(path: str, body: bytes) -> tuple[int, bytes]:
+        return await key_setup.batch_line(keys, line_owner.get(), path, body,
+                                          lambda b: run(path, b))
 
     batch_ttl = config.batch_ttl_s or None
     files, batch_records = FileRecords(state, batch_ttl), BatchRecords(state, batch_ttl)

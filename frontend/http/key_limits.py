@@ -11,12 +11,16 @@ estimate (its body's bytes / 4) plus max_tokens (× n) when admitted, and is ref
 that does not fit; at its end (a stream's too, finished or cut) the reservation is settled
 to what it really used, prompt + completion tokens (`settle`).
 
+Batch lines (`admit_idle`) wait for their key's budget rather than being refused, taking at most
+`BATCH_SHARE` of each limit, so interactive requests are never starved by them.
+
 A store that does not answer admits (`--rate-limit-store-failure open`, the default) or
 refuses with a 503 (`closed`); either way it is logged and counted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -43,6 +47,10 @@ _MAX_TOKENS_FIELD = {"/v1/chat/completions": "max_completion_tokens",
                      "/v1/completions": "max_tokens", "/v1/responses": "max_output_tokens"}
 _MAX_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 BYTES_PER_TOKEN = 4  # OpenAI's own rule of thumb for a prompt's tokens before tokenizing
+# Batch lines draw from their key's budget at idle priority: up to this share of each
+# per-minute limit, never the last of it, which stays for interactive requests.
+BATCH_SHARE = 0.8
+IDLE_POLL_S = 5.0  # the longest a waiting batch line sleeps before it looks again
 
 
 class Shape(msgspec.Struct):
@@ -70,6 +78,7 @@ class Admitted(msgspec.Struct):
     index: int | None  # the tokens window they went to (None: no tokens limit, or no store)
     headers: dict[str, str]
     body: bytes | None = None  # the body as the route should read it (max tokens filled in)
+    slot: bool = True  # holds a max_concurrent slot (a batch line does not)
 
 
 def duration(seconds: float) -> str:
@@ -113,8 +122,9 @@ def _with_field(body: bytes, field: str, value: int) -> bytes | None:
 
 class KeyLimiter:
     def __init__(self, windows: WindowCounters, default_model: str, fail_open: bool = True,
-                 clock=time.time) -> None:
+                 clock=time.time, sleep=asyncio.sleep) -> None:
         self.windows = windows
+        self.sleep = sleep
         self.default_model = default_model
         self.fail_open = fail_open
         self.clock = clock
@@ -143,14 +153,20 @@ class KeyLimiter:
             return cap, _with_field(body, _MAX_TOKENS_FIELD[path], cap)
         return (asked[1] if asked else cap or 0), None
 
-    async def admit(self, principal: Principal, path: str, body: bytes | None,
-                    shape: Shape | None) -> Admitted:
-        entry = principal.entry
+    def _reserve(self, entry: KeyEntry, path: str, body: bytes | None,
+                 shape: Shape | None) -> tuple[int, bytes | None]:
+        """(tokens to reserve, the body with max tokens filled in or None), after the
+        model and max-tokens checks."""
         self.check_model(entry, path, shape)
         completion, new_body = self.max_tokens(entry, path, shape, body or b"")
         n = shape.n if shape is not None and isinstance(shape.n, int) and shape.n > 0 else 1
         reserved = (math.ceil(len(body or b"") / BYTES_PER_TOKEN) + completion * n
                     if body else 0)
+        return reserved, new_body
+
+    async def admit(self, principal: Principal, path: str, body: bytes | None,
+                    shape: Shape | None) -> Admitted:
+        reserved, new_body = self._reserve(principal.entry, path, body, shape)
         self._enter(principal)
         try:
             index, headers = await self._take(principal, reserved)
@@ -158,6 +174,41 @@ class KeyLimiter:
             self.leave(principal)
             raise
         return Admitted(principal, reserved, index, headers, new_body)
+
+    async def admit_idle(self, principal: Principal, path: str, body: bytes,
+                         shape: Shape | None) -> Admitted:
+        """A batch line of the key: it waits, never refused for the budget, until it fits
+        within BATCH_SHARE of each per-minute limit, so interactive requests always have
+        the rest. It holds no `max_concurrent` slot (--max-batch-lines-in-flight bounds
+        lines); a line that could never fit is a 429."""
+        reserved, new_body = self._reserve(principal.entry, path, body, shape)
+        charges = [Charge(c.key, c.cost, max(1, math.floor(c.limit * BATCH_SHARE)))
+                   for c in self._charges(principal, reserved)]
+        if too_big := next((c for c in charges if c.cost > c.limit), None):
+            raise Refusal(429, f"This batch line needs about {too_big.cost} tokens, more than "
+                               f"a batch line of API key '{principal.name}' may use in a "
+                               f"minute ({too_big.limit}).", "tokens_per_minute", {})
+        index = await self._wait_idle(charges) if charges else None
+        has_tokens = principal.entry.tokens_per_minute is not None
+        return Admitted(principal, reserved, index if has_tokens else None, {}, new_body,
+                        slot=False)
+
+    async def _wait_idle(self, charges: list[Charge]) -> int | None:
+        while True:
+            try:
+                taken = await self.windows.take(charges, self.clock())
+            except StoreUnavailable as exc:
+                try:
+                    self._outage(exc)
+                    return None  # open: run it uncounted
+                except Refusal:
+                    await self.sleep(1.0)  # closed: wait for the store
+                    continue
+            if taken.admitted:
+                return taken.windows[0].index
+            wait = retry_after_s(taken.windows[taken.refused], charges[taken.refused].cost,
+                                 self.windows.window_s)
+            await self.sleep(min(max(wait, 0.05), IDLE_POLL_S))
 
     def _enter(self, principal: Principal) -> None:
         cap, name = principal.entry.max_concurrent, principal.name
@@ -230,7 +281,8 @@ class KeyLimiter:
         name = admitted.principal.name
         km.PROMPT_TOKENS.labels(name).inc(prompt)
         km.GENERATION_TOKENS.labels(name).inc(output)
-        self.leave(admitted.principal)
+        if admitted.slot:
+            self.leave(admitted.principal)
         delta = prompt + output - admitted.reserved
         if admitted.index is None or delta == 0:
             return

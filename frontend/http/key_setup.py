@@ -12,8 +12,10 @@ import signal
 import msgspec
 from starlette.middleware import Middleware
 
-from frontend.http.key_limits import KeyLimiter
-from frontend.http.key_middleware import KeyAuthMiddleware, KeyLimitMiddleware
+from frontend.base.errors import APIError
+from frontend.engine_client.admission import KeyMeter, current_meter
+from frontend.http.key_limits import KeyLimiter, Shape
+from frontend.http.key_middleware import KeyAuthMiddleware, KeyLimitMiddleware, refusal_response
 from frontend.http.key_table import KeyTable
 from frontend.state.store import StateStore
 from frontend.state.window_stores import windows_for
@@ -71,3 +73,28 @@ async def watching(keys: KeyService | None):
     finally:
         task.cancel()
         loop.remove_signal_handler(signal.SIGHUP)
+
+
+async def batch_line(keys: KeyService | None, owner: str | None, path: str, body: bytes,
+                     run) -> tuple[int, bytes]:
+    """A batch line through its key's limits (`KeyLimiter.admit_idle`): it waits for the
+    budget, runs (`run(body)`: the route's (status, body)), and settles its tokens."""
+    principal = keys.table.by_owner(owner) if keys is not None else None
+    if principal is None or principal.entry is None:
+        return await run(body)
+    try:
+        shape = msgspec.json.decode(body, type=Shape)
+    except msgspec.DecodeError:
+        shape = None
+    try:
+        admitted = await keys.limiter.admit_idle(principal, path, body, shape)
+    except APIError as error:
+        response = refusal_response(error, path, {})
+        return response.status_code, bytes(response.body)
+    meter = KeyMeter(priority_floor=principal.entry.priority)
+    token = current_meter.set(meter)
+    try:
+        return await run(admitted.body or body)
+    finally:
+        current_meter.reset(token)
+        await keys.limiter.settle(admitted, *meter.totals())

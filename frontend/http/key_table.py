@@ -180,6 +180,10 @@ class KeyTable:
         if changed:
             self.reload("the file changed")
 
+    def by_owner(self, owner: str | None) -> Principal | None:
+        """The principal whose stored objects `owner` marks (a batch's key)."""
+        return next((p for p in self.principals if owner and p.owner == owner), None)
+
     def lookup(self, presented: bytes) -> Principal | None:
         """The principal whose key this is. Every hash is compared, match or not, each in
         constant time, so the time taken says nothing of which entry (if any) matched."""

@@ -181,3 +181,41 @@ def test_models_max_tokens_and_the_reservation():
                                 Shape(model="adapter-a"))
         assert info.value.code == "tokens_per_minute" and "more than" in info.value.message
     run(go())
+
+
+def test_a_batch_line_waits_for_the_budget_and_leaves_interactive_room():
+    """admit_idle on an injected clock whose sleep moves it: a line takes at most 80% of a
+    limit, waits (never refused) while that is used, and interactive requests still fit."""
+    key = principal(requests_per_minute=10, max_concurrent=1)
+    now = [T0]
+
+    async def sleep(seconds):
+        now[0] += seconds
+
+    limiter = KeyLimiter(MemoryWindows(), "m", clock=lambda: now[0], sleep=sleep)
+
+    async def go():
+        for _ in range(8):  # the lines' share: 8 of 10
+            line = await limiter.admit_idle(key, "/v1/completions", b"{}", Shape())
+            assert not line.slot and now[0] == T0
+            await limiter.settle(line, 1, 1)
+        # The ninth waits, time passing, until enough of the window slid out ...
+        ninth = await limiter.admit_idle(key, "/v1/completions", b"{}", Shape())
+        assert now[0] > T0 + W
+        await limiter.settle(ninth, 0, 0)
+        # ... while an interactive request had room all along, and holds its slot as usual.
+        now[0] = T0 + 1
+        fresh = KeyLimiter(MemoryWindows(), "m", clock=lambda: now[0], sleep=sleep)
+        for _ in range(8):
+            await fresh.settle(await fresh.admit_idle(key, "/v1/completions", b"{}",
+                                                      Shape()), 0, 0)
+        admitted = await fresh.admit(key, "/v1/completions", b"{}", Shape())
+        assert admitted.headers["x-ratelimit-remaining-requests"] == "1"
+        with pytest.raises(Refusal):  # the slot is taken: max_concurrent 1
+            await fresh.admit(key, "/v1/completions", b"{}", Shape())
+        await fresh.settle(admitted, 0, 0)
+        big = principal(tokens_per_minute=100)
+        with pytest.raises(Refusal, match="batch line"):  # 81+ tokens: never within 80
+            await fresh.admit_idle(big, "/v1/completions", b'{"prompt": "%s"}' % (b"x" * 320),
+                                   Shape())
+    run(go())
