@@ -13,9 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,6 +38,7 @@ KEYS = {  # name -> (secret, limits)
     "swap": ("sk-swap-old-0123456789", {}),
     "outage": ("sk-outage-0123456789", {"requests_per_minute": 1000}),
 }
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "sluice-dashboard.json"
 NEW_SWAP = "sk-swap-new-0123456789"  # the same length: the file's size does not change
 
 
@@ -75,7 +78,7 @@ def pair(request, shared_engine, tmp_path_factory):
     try:
         # b fails closed when the store is gone; a (the default) fails open.
         frontends = shared_engine.frontends(
-            str(tmp), (f"{request.param}-a", flags),
+            str(tmp), (f"{request.param}-a", (*flags, "--enable-log-requests")),
             (f"{request.param}-b", (*flags, "--rate-limit-store-failure", "closed")))
         yield request.param, [f.base_url for f in frontends], frontends, path, redis
     finally:
@@ -139,15 +142,19 @@ def test_tokens_settle_after_a_streamed_answer(pair):
 
 
 def test_limits_per_request_and_the_key_itself(pair):
-    _, (a, b), *_ = pair
+    _, (a, b), frontends, *_ = pair
     over = complete(a, "capped", max_tokens=5)
     assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
     assert "max_tokens_per_request" in over.json()["error"]["message"]
-    # Left out, max tokens is the key's cap.
-    chat = httpx.post(f"{a}/v1/chat/completions", headers=auth("capped"), timeout=60, json={
+    # Left out, max tokens is the key's cap; a priority better than the key's is the key's.
+    chat = httpx.post(f"{a}/v1/chat/completions", timeout=60,
+                      headers={**auth("capped"), "X-Request-Id": "capped-priority"}, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Count to ten."}],
-        "ignore_eos": True})
+        "ignore_eos": True, "priority": -3})
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 4
+    sent = [line for line in frontends[0].proc.log().splitlines()
+            if "capped-priority" in line and "priority=" in line]
+    assert sent and all("priority=5 " in line for line in sent), sent
     expired = complete(b, "expired")
     assert expired.status_code == 401 and "expired" in expired.json()["error"]["message"]
     assert complete(a, "sk-nobody-0123456789").status_code == 401
@@ -156,7 +163,7 @@ def test_limits_per_request_and_the_key_itself(pair):
 
 
 def _stream(url: str, results: list, gate: threading.Barrier) -> None:
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16,
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8,
             "ignore_eos": True, "stream": True}
     gate.wait()
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth("pair"),
@@ -244,6 +251,10 @@ def test_metrics_name_the_keys_and_never_their_secrets(pair):
     for url in urls:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         assert not [s for s in secrets + hashes + [h[:32] for h in hashes] if s in text]
+    # The dashboard's per-key panels query series that exist.
+    queried = set(re.findall(r"\bsluice:api_key_[a-z_]+", DASHBOARD.read_text()))
+    exported = {line.split("{")[0] for line in text.splitlines() if not line.startswith("#")}
+    assert len(queried) == 5 and queried <= exported, queried - exported
     refusals = _series(urls[1], "sluice:api_key_refusals_total")
     assert any('key_name="three"' in k and 'reason="requests_per_minute"' in k
                for k in refusals)
