@@ -160,8 +160,9 @@ class KeyLimiter:
         self.check_model(entry, path, shape)
         completion, new_body = self.max_tokens(entry, path, shape, body or b"")
         n = shape.n if shape is not None and isinstance(shape.n, int) and shape.n > 0 else 1
+        # Only what runs the model spends tokens (an uploaded file does not).
         reserved = (math.ceil(len(body or b"") / BYTES_PER_TOKEN) + completion * n
-                    if body else 0)
+                    if body and path in MODEL_PATHS else 0)
         return reserved, new_body
 
     async def admit(self, principal: Principal, path: str, body: bytes | None,

@@ -19,6 +19,7 @@ import msgspec
 from starlette.responses import Response
 
 from frontend.base.errors import APIError, error_response, is_anthropic_path, route_path
+from frontend.base.principal import PRINCIPAL
 from frontend.engine_client import request_metrics as m
 from frontend.engine_client.admission import KeyMeter, current_meter
 from frontend.http import key_metrics as km
@@ -26,7 +27,6 @@ from frontend.http.key_limits import Admitted, KeyLimiter, Refusal, Shape
 from frontend.http.key_table import KeyTable, Principal, presented_keys
 from frontend.http.limits import OPEN_PATHS, reject
 
-PRINCIPAL = "sluice.principal"  # the scope key the principal travels under
 _shape = msgspec.json.Decoder(Shape)
 _TYPES = {429: "rate_limit_exceeded", 404: "invalid_request_error", 503: "service_unavailable"}
 

@@ -106,7 +106,9 @@ _ADJUST_LUA = """
 local count = redis.call('GET', KEYS[1])
 if not count then return 0 end
 local new = math.max(0, tonumber(count) + tonumber(ARGV[1]))
-redis.call('SET', KEYS[1], new, 'KEEPTTL')
+local ttl = redis.call('PTTL', KEYS[1])
+redis.call('SET', KEYS[1], new)
+if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
 return new
 """
 

@@ -209,6 +209,8 @@ def _only_d(url: str) -> None:
         assert refused.json()["error"]["code"] == "model_not_found"
     assert httpx.get(f"{url}/v1/models/tiny", headers=only, timeout=10).status_code == 404
     assert httpx.get(f"{url}/v1/models/d", headers=only, timeout=10).status_code == 200
+    listed = httpx.get(f"{url}/v1/models", headers=only, timeout=10).json()["data"]
+    assert [m["id"] for m in listed] == ["d"]  # the key lists what it may use
 
 
 def test_a_load_past_max_cpu_loras_is_refused_until_one_is_unloaded(setup):
