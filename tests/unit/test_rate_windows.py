@@ -220,3 +220,32 @@ def test_a_batch_line_waits_for_the_budget_and_leaves_interactive_room():
             await fresh.admit_idle(big, "/v1/completions", b'{"prompt": "%s"}' % (b"x" * 320),
                                    Shape())
     run(go())
+
+
+def test_a_batch_line_runs_within_its_owners_limits():
+    from frontend.http.key_setup import KeyService, batch_line
+    from frontend.http.key_table import KeyTable
+
+    table = KeyTable(None, [])
+    table.principals = [principal(models=["adapter-a"], max_tokens_per_request=8)]
+    keys = KeyService(table, KeyLimiter(MemoryWindows(), "base", clock=lambda: T0))
+    ran = []
+
+    async def route(body):
+        ran.append(msgspec.json.decode(body))
+        return 200, b"{}"
+
+    async def go():
+        owner = table.principals[0].owner
+        status, body = await batch_line(keys, owner, "/v1/chat/completions",
+                                        b'{"model": "base", "messages": []}', route)
+        assert status == 404 and not ran
+        assert msgspec.json.decode(body)["error"]["code"] == "model_not_found"
+        line = b'{"model": "adapter-a", "messages": []}'
+        assert await batch_line(keys, owner, "/v1/chat/completions", line, route) == (200, b"{}")
+        assert ran[-1]["max_completion_tokens"] == 8
+        # A batch of nobody the table knows (no keys, or an --api-key) runs as it is.
+        assert await batch_line(keys, "0" * 32, "/v1/chat/completions", line, route) == \
+            (200, b"{}")
+        assert "max_completion_tokens" not in ran[-1]
+    run(go())
