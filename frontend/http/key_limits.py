@@ -11,8 +11,8 @@ estimate (its body's bytes / 4) plus max_tokens (× n) when admitted, and is ref
 that does not fit; at its end (a stream's too, finished or cut) the reservation is settled
 to what it really used, prompt + completion tokens (`settle`).
 
-Batch lines (`admit_idle`) wait for their key's budget rather than being refused, taking at most
-`BATCH_SHARE` of each limit, so interactive requests are never starved by them.
+Batch lines (`admit_idle`) wait for their key's budget rather than being refused, and take
+at most `BATCH_SHARE` of each limit, so they never starve interactive requests.
 
 A store that does not answer admits (`--rate-limit-store-failure open`, the default) or
 refuses with a 503 (`closed`); either way it is logged and counted.
