@@ -185,3 +185,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     max_tools: int = 128
     max_stop_strings: int = 64
     max_logprobs: int = 20  # --max-logprobs; -1: up to the vocabulary
+    # --api-keys-file (frontend.http.key_table): per-key limits; the budgets live in the
+    # state store, and a store that does not answer fails "open" (admit) or "closed" (503).
+    api_keys_file: str | None = None
+    rate_limit_store_failure: str = "open"

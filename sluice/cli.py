@@ -168,6 +168,8 @@ def _serve(args) -> int:
                     *(_start(argv, share) for argv, share in zip(engine_argvs[1:], shares[1:],
                                                                  strict=True)),
                     *(_start(argv) for argv in worker_argvs)]
+        if args.api_keys_file:  # `kill -HUP` on serve reloads the frontend's keys file
+            signal.signal(signal.SIGHUP, lambda signum, frame: children[1].send_signal(signum))
         # The frontend (children[1]) drains first, while the engines still run its requests.
         return _supervise(children, drain_first=children[1:2],
                           grace_s=args.shutdown_timeout + FRONTEND_EXIT_S)

@@ -23,6 +23,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 
 import msgspec
 
@@ -47,6 +48,9 @@ BATCH_PRIORITY = 2**31
 PRIORITIZED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")  # take `priority`
 # (status, body) of one request run through its route, as the route answers it.
 Dispatch = Callable[[str, bytes], Awaitable[tuple[int, bytes]]]
+# The owner of the batch whose line `dispatch` runs (its line tasks inherit it), so the
+# dispatch can draw the line from its key's budget (--api-keys-file).
+line_owner: ContextVar[str | None] = ContextVar("sluice_batch_owner", default=None)
 _decode_line = msgspec.json.Decoder(InputLine)
 _encode = msgspec.json.Encoder().encode
 
@@ -216,6 +220,7 @@ class BatchRunner:
         frontend's batches run) while the keeper holds the lease; returns when they are done
         or `stop` is set (`ending` then says why)."""
         keeper = asyncio.create_task(self._keep(stored, results, stop, ending))
+        line_owner.set(stored.owner)  # for the line tasks made below
         running: set[asyncio.Task] = set()
         try:
             for index, item in enumerate(planned):

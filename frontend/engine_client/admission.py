@@ -41,3 +41,24 @@ class Ticket(msgspec.Struct):
 
 
 current_ticket: ContextVar[Ticket | None] = ContextVar("sluice_ticket", default=None)
+
+
+class KeyMeter(msgspec.Struct):
+    """What one request of a keys-file key (`frontend.http.key_limits`) used, for settling
+    its tokens-per-minute budget at its end: each engine request's latest prompt and output
+    token counts (n > 1 and retries count once per engine request). `priority_floor`: the
+    key's priority, the best (lowest) an engine request of it may ask for."""
+
+    priority_floor: int = 0
+    prompt: dict[str, int] = {}
+    output: dict[str, int] = {}
+
+    def saw(self, request_id: str, prompt_tokens: int, output_tokens: int) -> None:
+        self.prompt[request_id] = max(prompt_tokens, self.prompt.get(request_id, 0))
+        self.output[request_id] = max(output_tokens, self.output.get(request_id, 0))
+
+    def totals(self) -> tuple[int, int]:
+        return sum(self.prompt.values()), sum(self.output.values())
+
+
+current_meter: ContextVar[KeyMeter | None] = ContextVar("sluice_key_meter", default=None)

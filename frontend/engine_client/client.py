@@ -27,6 +27,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from frontend.engine_client.admission import current_meter
 from frontend.engine_client.connection import (
     EngineConnection,
     EngineUnavailable,
@@ -302,6 +303,10 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         live = await self._wait_for_live()
         if not live:
             raise EngineUnavailable("no engine is connected")
+        meter = current_meter.get()
+        if meter is not None and (request.priority or 0) < meter.priority_floor:
+            # A keys-file key's priority is the best its requests get (lower runs first).
+            request = msgspec.structs.replace(request, priority=meter.priority_floor)
         stream = RequestStream(queue, request, prompt_ids)
         self._streams[request.request_id] = stream
         self.tracker.submitted(request)

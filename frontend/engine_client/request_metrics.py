@@ -62,7 +62,7 @@ REQUEST_ERRORS = Counter(
 REJECTED = Counter(
     "sluice:requests_rejected",
     "HTTP requests refused before any work, by reason (unauthorized, body_too_large, "
-    "queue_full, draining).",
+    "queue_full, draining; with --api-keys-file also expired and the limit's name).",
     ["reason"], registry=None,
 )
 # vLLM's per-request parameter histograms: one observation per prompt (vLLM's request).

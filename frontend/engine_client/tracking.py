@@ -14,7 +14,7 @@ import time
 import msgspec
 
 from frontend.engine_client import request_metrics as m
-from frontend.engine_client.admission import Ticket, current_ticket
+from frontend.engine_client.admission import KeyMeter, Ticket, current_meter, current_ticket
 from frontend.engine_client.request_log import RequestLog
 from shared.protocol import EngineRequest, TextFrame
 
@@ -27,6 +27,7 @@ class Timing(msgspec.Struct):
     last_token: float = 0.0
     tokens: int = 0
     deadline: asyncio.TimerHandle | None = None
+    meter: KeyMeter | None = None  # a keys-file key's request: its tokens, for its budget
 
 
 class RequestTracker:
@@ -42,6 +43,7 @@ class RequestTracker:
         now = time.monotonic()
         timing = Timing(ticket.arrived if ticket is not None else now, ticket)
         timing.arrived_wall = time.time() - (now - timing.arrived)
+        timing.meter = current_meter.get()
         if self.request_timeout_s is not None:
             delay = max(0.0, timing.arrived + self.request_timeout_s - now)
             timing.deadline = asyncio.get_running_loop().call_later(
@@ -56,6 +58,8 @@ class RequestTracker:
         timing = self._timings.get(frame.request_id)
         if timing is None:
             return
+        if timing.meter is not None:
+            timing.meter.saw(frame.request_id, frame.num_prompt_tokens, frame.num_output_tokens)
         now = time.monotonic()
         new = frame.num_output_tokens - timing.tokens
         if new > 0:

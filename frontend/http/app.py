@@ -17,9 +17,10 @@ from starlette.routing import Route
 from frontend.base.errors import APIError, error_response, route_path
 from frontend.batches import api as batches_api
 from frontend.batches.records import BatchRecords, FileRecords
-from frontend.batches.runner import BatchRunner
+from frontend.batches.runner import BatchRunner, line_owner
 from frontend.embeddings import embeddings as embeddings_api
 from frontend.embeddings import scoring as scoring_api
+from frontend.http import key_setup
 from frontend.http.auth import AuthMiddleware
 from frontend.http.limits import Admission, AdmissionMiddleware, BodyLimitMiddleware
 from frontend.http.metrics import metrics_registry
@@ -45,6 +46,7 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
     ctx.limits = limits = RequestLimits.from_config(config, ctx.vocab_size)
     state = open_store(config.state_store, config.max_stored_responses,
                        config.max_stored_bytes)
+    keys = key_setup.open_keys(config, state)  # --api-keys-file
     # Each batch line goes to the route an interactive request of its endpoint meets,
     # filled from the route table once it is built.
     line_routes: dict = {}
@@ -52,16 +54,17 @@ def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
         ctx=ctx, config=config, limits=limits, admission=admission,
         readiness=Readiness(ctx.client, admission),
         metrics=metrics_registry(ctx.client, ctx.model_name, config.export_engine_metrics),
-        responses=_responses(state, config), batches=_batches(state, config, line_routes),
+        responses=_responses(state, config),
+        batches=_batches(state, config, line_routes, keys),
         keys=frozenset(config.api_keys))
     routes = _routes(app)
     line_routes.update({route.path: route.endpoint for route in routes
                         if route.path in app.batches.settings.endpoints + ("/v1/messages",)
                         and "POST" in (route.methods or ())})
     starlette = Starlette(
-        routes=routes, lifespan=_lifespan(app, state),
+        routes=routes, lifespan=_lifespan(app, state, keys),
         exception_handlers={HTTPException: _http_error},
-        middleware=_middleware(config, admission),
+        middleware=_middleware(config, admission, keys),
     )
     starlette.state.admission = admission  # the drain on SIGTERM (frontend.http.server) flips it
     starlette.state.readiness = app.readiness  # frontend.http.server announces it
@@ -91,11 +94,17 @@ def _responses(state: StateStore, config: FrontendConfig) -> Responses:
         keys=frozenset(config.api_keys))
 
 
-def _batches(state: StateStore, config: FrontendConfig, line_routes: dict) -> batches_api.Batches:
-    """Files and batches (frontend.batches), whose lines run through `line_routes`."""
-    async def dispatch(path: str, body: bytes) -> tuple[int, bytes]:
+def _batches(state: StateStore, config: FrontendConfig, line_routes: dict,
+             keys: key_setup.KeyService | None) -> batches_api.Batches:
+    """Files and batches (frontend.batches), whose lines run through `line_routes`, each
+    within its key's limits where --api-keys-file gives it some."""
+    async def run(path: str, body: bytes) -> tuple[int, bytes]:
         response = await line_routes[path](_internal_request(path, body))
         return response.status_code, bytes(response.body)
+
+    async def dispatch(path: str, body: bytes) -> tuple[int, bytes]:
+        return await key_setup.batch_line(keys, line_owner.get(), path, body,
+                                          lambda b: run(path, b))
 
     batch_ttl = config.batch_ttl_s or None
     files, batch_records = FileRecords(state, batch_ttl), BatchRecords(state, batch_ttl)
@@ -109,7 +118,7 @@ def _batches(state: StateStore, config: FrontendConfig, line_routes: dict) -> ba
             ("/v1/embeddings",) if pooling else ("/v1/chat/completions", "/v1/completions")))
 
 
-def _lifespan(app: AppContext, state: StateStore):
+def _lifespan(app: AppContext, state: StateStore, keys: key_setup.KeyService | None):
     """The engine client and the sweeps run while the app serves; the stores close after."""
     @contextlib.asynccontextmanager
     async def lifespan(_starlette):
@@ -117,7 +126,8 @@ def _lifespan(app: AppContext, state: StateStore):
         sweep = asyncio.create_task(background_runs.sweep(app.ctx, app.responses))
         batch_sweep = asyncio.create_task(app.batches.runner.sweep())
         try:
-            yield
+            async with key_setup.watching(keys):
+                yield
         finally:
             sweep.cancel()
             batch_sweep.cancel()
@@ -149,7 +159,8 @@ def _internal_request(path: str, body: bytes) -> Request:
     return Request(scope, receive)
 
 
-def _middleware(config: FrontendConfig, admission: Admission) -> list[Middleware]:
+def _middleware(config: FrontendConfig, admission: Admission,
+                keys: key_setup.KeyService | None) -> list[Middleware]:
     """Outermost first: CORS answers preflights and decorates even 401s (browsers must see
     them); unauthenticated requests are refused before their bodies are read or queued."""
     stack = [Middleware(RequestIdMiddleware)]
@@ -159,9 +170,14 @@ def _middleware(config: FrontendConfig, admission: Admission) -> list[Middleware
             allow_methods=config.allowed_methods, allow_headers=config.allowed_headers,
             allow_credentials=config.allow_credentials,
         ))
-    if config.api_keys:
+    key_auth, key_limits = key_setup.middleware(keys) if keys else (None, None)
+    if key_auth is not None:  # the file's keys and --api-key's, with their limits
+        stack.append(key_auth)
+    elif config.api_keys:
         stack.append(Middleware(AuthMiddleware, keys=config.api_keys))
     stack.append(Middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes))
+    if key_limits is not None:
+        stack.append(key_limits)
     stack.append(Middleware(AdmissionMiddleware, admission=admission))
     return stack
 

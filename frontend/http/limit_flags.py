@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 
+from frontend.http.key_flags import add_key_arguments, key_argv, key_config
 from shared.command_line import int_at_least, positive_number, seconds
 from shared.config import OPEN_PATHS
 
@@ -40,6 +41,7 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="require this key (Authorization: Bearer KEY, or x-api-key: KEY) on "
                         f"every route but {', '.join(OPEN_PATHS)}; repeat for several "
                         "keys; SLUICE_API_KEY adds comma-separated keys (default: none)")
+    add_key_arguments(g)
     g.add_argument("--allowed-origins", nargs="+", action="extend", default=[],
                    metavar="ORIGIN",
                    help="CORS: origins browsers may call from, or '*' (default: none, so no "
@@ -112,6 +114,7 @@ def limit_config(args) -> dict:
         max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         **{dest: getattr(args, dest) for dest, _, _ in _BOUNDS.values()},
+        **key_config(args),
     )
 
 
@@ -133,4 +136,4 @@ def limit_argv(args) -> list[str]:
             argv += [flag, str(value)]
     if args.allow_credentials:
         argv.append("--allow-credentials")
-    return argv
+    return argv + key_argv(args)

@@ -19,6 +19,7 @@ from prometheus_client.core import GaugeMetricFamily
 from frontend.engine_client.client import EngineClient
 from frontend.engine_client.engine_metrics import connection_families, every_engine_families
 from frontend.engine_client.request_metrics import register_request_metrics
+from frontend.http.key_metrics import register_key_metrics
 from frontend.input.input_metrics import register_input_metrics
 from shared.metrics_export import with_model_name, with_vllm_names
 
@@ -71,6 +72,7 @@ def metrics_registry(client: EngineClient, model_name: str = "",
     else:
         register_input_metrics(own)
         register_request_metrics(own)
+        register_key_metrics(own)
     registry.register(FrontendSeries(own, model_name))
     return registry
 

@@ -21,6 +21,7 @@ from starlette.requests import Request
 
 from frontend.base.api_models import ChatCompletionRequest, ChatMessage
 from frontend.base.errors import APIError, bad_request
+from frontend.base.principal import principal_of
 from frontend.responses.models import InputItem, ResponseObject
 from frontend.state.owned_records import OwnedRecords
 from frontend.state.store import StateStore, ValueTooLarge
@@ -50,7 +51,11 @@ class InputItemList(msgspec.Struct):
 
 def owner_of(http: Request, keys: frozenset[str]) -> str:
     """Who owns what this request stores: where API keys are configured, a hash of the key
-    it presented that the auth middleware accepted; else nobody in particular."""
+    it presented that the auth middleware accepted; else nobody in particular. With
+    --api-keys-file, the principal the key middleware found says it (the same hash)."""
+    principal = principal_of(http.scope)
+    if principal is not None:
+        return principal.owner
     if not keys:
         return ""
     auth = http.headers.get("authorization", "")

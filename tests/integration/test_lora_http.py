@@ -162,27 +162,55 @@ def test_runtime_load_unload_reload(setup):
     assert _tokens(_complete(url, "c")) == _greedy(merged["b"], PROMPT)
 
 
+ONLY_D = "sk-adapter-d-0123456789"  # a keys-file key that may use adapter d alone
+
+
 @pytest.mark.slow  # a second frontend's start
 def test_frontend_started_later_sees_loaded_adapters(setup):
+    """The later frontend also takes an --api-keys-file (issue 54) whose key may reach
+    adapter d only: never the base model, nor another adapter."""
     root, _, engine, front = setup
     load = {"lora_name": "d", "lora_path": str(root / "b")}
     r = httpx.post(f"{front.base_url}/v1/load_lora_adapter", json=load, headers=AUTH,
                    timeout=60)
     assert r.status_code == 200
+    keys = root / "keys.yaml"
+    keys.write_text(f"- {{name: only-d, key: {ONLY_D}, models: [d]}}\n")
     later = engine.frontend(str(root), "later", "--model", str(root / "base"),
-                            "--served-model-name", "tiny")
+                            "--served-model-name", "tiny", "--api-key", KEY,
+                            "--api-keys-file", str(keys))
     try:
-        listed = httpx.get(f"{later.base_url}/v1/models", timeout=10).json()["data"]
+        listed = httpx.get(f"{later.base_url}/v1/models", headers=AUTH,
+                           timeout=10).json()["data"]
         assert {"a", "b", "d"} <= {m["id"] for m in listed}
-        served = httpx.post(f"{later.base_url}/v1/completions", timeout=60, json={
+        served = httpx.post(f"{later.base_url}/v1/completions", headers=AUTH, timeout=60, json={
             "model": "d", "prompt": PROMPT, "max_tokens": 2, "ignore_eos": True})
         assert served.status_code == 200, served.text
         # Without --allow-runtime-lora-updating the routes do not exist, as in vLLM.
-        assert httpx.post(f"{later.base_url}/v1/load_lora_adapter", json=load).status_code == 404
+        assert httpx.post(f"{later.base_url}/v1/load_lora_adapter", json=load,
+                          headers=AUTH).status_code == 404
+        _only_d(later.base_url)
     finally:
         later.stop()
     httpx.post(f"{front.base_url}/v1/unload_lora_adapter", json={"lora_name": "d"},
                headers=AUTH, timeout=60)
+
+
+def _only_d(url: str) -> None:
+    only = {"Authorization": f"Bearer {ONLY_D}"}
+    body = {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}
+    allowed = httpx.post(f"{url}/v1/completions", headers=only, timeout=60,
+                         json={**body, "model": "d"})
+    assert allowed.status_code == 200, allowed.text
+    for model in ("tiny", "a", None):  # None: the served model, by default
+        refused = httpx.post(f"{url}/v1/completions", headers=only, timeout=60,
+                             json={**body, **({"model": model} if model else {})})
+        assert refused.status_code == 404, (model, refused.text)
+        assert refused.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(f"{url}/v1/models/tiny", headers=only, timeout=10).status_code == 404
+    assert httpx.get(f"{url}/v1/models/d", headers=only, timeout=10).status_code == 200
+    listed = httpx.get(f"{url}/v1/models", headers=only, timeout=10).json()["data"]
+    assert [m["id"] for m in listed] == ["d"]  # the key lists what it may use
 
 
 def test_a_load_past_max_cpu_loras_is_refused_until_one_is_unloaded(setup):

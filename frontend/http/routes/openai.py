@@ -15,6 +15,7 @@ from frontend.base.api_models import (
     TokenizeRequest,
 )
 from frontend.base.errors import APIError
+from frontend.base.principal import principal_of
 from frontend.http import lora as lora_routes
 from frontend.http.request_id import with_request_id
 from frontend.http.routes.context import AppContext, guarded, json_response
@@ -52,9 +53,13 @@ def _model_routes(app: AppContext) -> list[Route]:
         return lora_routes.lora_cards(ctx, stats.max_model_len if stats else 0)
 
     async def models(request: Request) -> Response:
-        # One card per served name, as vLLM lists them, then the engines' LoRA adapters.
-        return json_response(ModelList([model_card(name) for name in
-                                        (ctx.model_name, *ctx.model_aliases)] + lora_cards()))
+        # One card per served name, as vLLM lists them, then the engines' LoRA adapters;
+        # a keys-file key with `models` sees only those (frontend.http.key_table).
+        cards = [model_card(name) for name in (ctx.model_name, *ctx.model_aliases)]
+        entry = getattr(principal_of(request.scope), "entry", None)
+        allowed = entry.models if entry is not None else None
+        return json_response(ModelList([c for c in cards + lora_cards()
+                                        if allowed is None or c.id in allowed]))
 
     async def model(request: Request) -> Response:
         # The client's models.retrieve(); `:path` so a Hub id (org/name) is one model id.
