@@ -180,3 +180,5 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     max_tools: int = 128
     max_stop_strings: int = 64
     max_logprobs: int = 20  # --max-logprobs; -1: up to the vocabulary
+    # --disable-web-ui: no playground at / and no dashboard at /dashboard (frontend.web).
+    disable_web_ui: bool = False
