@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import httpx
@@ -79,8 +80,7 @@ def web(shared_engine, tmp_path_factory):
         engine.wait_ready()
         wait_until(lambda: _sum(frontend.base_url, "sluice:engine_live") == 2, 60,
                    "both engines live")
-        frontend.engine_proc = engine.proc
-        yield frontend
+        yield SimpleNamespace(base_url=frontend.base_url, engine_proc=engine.proc)
     finally:
         if frontend:
             frontend.stop()

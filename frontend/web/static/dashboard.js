@@ -19,10 +19,18 @@ function scrapeBefore(now, ms) {
   return history.find((s) => now.time - s.time <= ms && s !== now) ?? null;
 }
 
-const fixed = (digits) => (v) => (v === null || !Number.isFinite(v) ? "\u2013" : v.toFixed(digits));
+const DASH = "\u2013";  // no value (yet)
+const known = (v) => v !== null && v !== undefined && Number.isFinite(v);
+const fixed = (digits) => (v) => (known(v) ? v.toFixed(digits) : DASH);
 const whole = fixed(0);
-const seconds = (v) => (v === null ? "\u2013" : v < 1 ? `${(v * 1000).toFixed(0)} ms` : `${v.toFixed(2)} s`);
-const percent = (v) => (v === null || !Number.isFinite(v) ? "\u2013" : `${(v * 100).toFixed(0)}%`);
+const percent = (v) => (known(v) ? `${(v * 100).toFixed(0)}%` : DASH);
+const seconds = (v) => {
+  if (!known(v)) return DASH;
+  return v < 1 ? `${(v * 1000).toFixed(0)} ms` : `${v.toFixed(2)} s`;
+};
+const TTFT = "sluice:time_to_first_token_seconds";
+const E2E = "sluice:e2e_request_latency_seconds";
+const GENERATED = "sluice:generation_tokens_total";
 
 function frontendNumbers(now) {
   const recent = scrapeBefore(now, RATE_WINDOW_MS);
@@ -30,21 +38,21 @@ function frontendNumbers(now) {
   const s = now.series;
   const done = (scrape) => (total(scrape.series, "sluice:request_success_total") ?? 0)
     + (total(scrape.series, "sluice:request_errors_total") ?? 0);
-  const requestRate = recent ? (done(now) - done(recent)) / ((now.time - recent.time) / 1000) : null;
+  const requestRate = recent
+    ? (done(now) - done(recent)) / ((now.time - recent.time) / 1000) : null;
   // Over the last minute; since the start while the minute saw no request.
-  const q = (name, p) => seconds(quantile(now, minute, name, p) ?? quantile(now, null, name, p));
+  const q = (name, ...ps) => ps.map((p) => seconds(
+    quantile(now, minute, name, p) ?? quantile(now, null, name, p))).join(" / ");
   return [
     ["requests-per-second", "Requests/s", fixed(2)(requestRate)],
-    ["tokens-per-second", "Generated tokens/s", fixed(1)(rate(now, recent, "sluice:generation_tokens_total"))],
-    ["generated-tokens", "Generated tokens", whole(total(s, "sluice:generation_tokens_total"))],
+    ["tokens-per-second", "Generated tokens/s", fixed(1)(rate(now, recent, GENERATED))],
+    ["generated-tokens", "Generated tokens", whole(total(s, GENERATED))],
     ["in-flight", "In flight", whole(total(s, "sluice:frontend_requests_in_flight"))],
     ["queued", "Queued", whole(total(s, "sluice:frontend_queued_requests"))],
     ["errors", "Errors", whole(total(s, "sluice:request_errors_total") ?? 0)],
     ["aborted", "Aborted in engines", whole(total(s, "sluice:requests_aborted_total"))],
-    ["ttft", "First token p50 / p90 / p99",
-      `${q("sluice:time_to_first_token_seconds", 0.5)} / ${q("sluice:time_to_first_token_seconds", 0.9)} / ${q("sluice:time_to_first_token_seconds", 0.99)}`],
-    ["e2e", "Whole request p50 / p99",
-      `${q("sluice:e2e_request_latency_seconds", 0.5)} / ${q("sluice:e2e_request_latency_seconds", 0.99)}`],
+    ["ttft", "First token p50 / p90 / p99", q(TTFT, 0.5, 0.9, 0.99)],
+    ["e2e", "Whole request p50 / p99", q(E2E, 0.5, 0.99)],
   ];
 }
 
@@ -74,7 +82,7 @@ function renderEngines(rows) {
     tr.dataset.engine = r.id;
     const state = cell(r.state, "state");
     state.className = `state ${r.state}`;
-    const kv = r.kvUsed === null ? "\u2013" : `${whole(r.kvUsed)} / ${whole(r.kvTotal)}`;
+    const kv = known(r.kvUsed) ? `${whole(r.kvUsed)} / ${whole(r.kvTotal)}` : DASH;
     tr.append(cell(r.id, "id"), cell(r.role ?? "n/a", "role"), state,
       cell(whole(r.running), "running"), cell(whole(r.waiting), "waiting"), cell(kv, "kv"),
       cell(percent(r.hitRate), "prefix-hits"), cell(fixed(1)(r.tokensPerSecond), "tokens"),
@@ -93,8 +101,10 @@ function renderRequests(listed) {
     tr.append(td);
     body.replaceChildren(tr);
   };
-  if (listing === "no") return note("n/a: this server does not list its engines' requests (GET /v1/engines)");
-  if (!listed) return note("\u2013");
+  if (listing === "no") {
+    return note("n/a: this server does not list its engines' requests (GET /v1/engines)");
+  }
+  if (!listed) return note(DASH);
   const requests = requestsInFlight(listed);
   if (!requests.length) return note("none");
   body.replaceChildren(...requests.map((r) => {
@@ -108,13 +118,17 @@ function renderPlots(now, rows) {
   const previous = history[history.length - 2] ?? null;
   const list = [...rows.values()].filter((r) => r.state !== "down");
   const sum = (field) => list.reduce((acc, r) => acc + (r[field] ?? 0), 0);
-  const push = (key, value) => { plots[key].push(value); if (plots[key].length > KEEP) plots[key].shift(); };
-  push("tokens", rate(now, previous, "sluice:generation_tokens_total"));
+  const push = (key, value) => {
+    plots[key].push(value);
+    if (plots[key].length > KEEP) plots[key].shift();
+  };
+  push("tokens", rate(now, previous, GENERATED));
   push("running", sum("running"));
   push("waiting", sum("waiting"));
   push("kv", sum("kvTotal") ? (100 * sum("kvUsed")) / sum("kvTotal") : null);
   drawPlot($("plot-tokens"), [{ values: plots.tokens }], KEEP);
-  drawPlot($("plot-queue"), [{ values: plots.running }, { values: plots.waiting, dashed: true }], KEEP);
+  const queue = [{ values: plots.running }, { values: plots.waiting, dashed: true }];
+  drawPlot($("plot-queue"), queue, KEEP);
   drawPlot($("plot-kv"), [{ values: plots.kv }], KEEP);
 }
 

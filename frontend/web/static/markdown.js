@@ -7,8 +7,14 @@ const HEADING = /^(#{1,6})\s+(.*)$/;
 const LIST_ITEM = /^\s*([-*+]|\d{1,9}[.)])\s+(.*)$/;
 const QUOTE = /^\s*>\s?(.*)$/;
 const BLANK = /^\s*$/;
-// One inline span: `code`, **bold**, __bold__, *italic*, or [text](url).
-const INLINE = /(`+)([^`][\s\S]*?)\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|__(?=\S)([\s\S]*?\S)__|\*(?=[^\s*])([^*]*?[^\s*])\*|\[([^\]\n]+)\]\(([^)\s]+)\)/;
+// One inline span; its groups, in order: `code`, **bold**, __bold__, *italic*, [text](url).
+const INLINE = new RegExp([
+  /(`+)([^`][\s\S]*?)\1(?!`)/.source,
+  /\*\*(?=\S)([\s\S]*?\S)\*\*/.source,
+  /__(?=\S)([\s\S]*?\S)__/.source,
+  /\*(?=[^\s*])([^*]*?[^\s*])\*/.source,
+  /\[([^\]\n]+)\]\(([^)\s]+)\)/.source,
+].join("|"));
 
 function el(tag, children = [], props = {}) {
   const node = document.createElement(tag);

@@ -145,6 +145,7 @@ async function runAnswer(conversation, body, answer) {
     $("messages").scrollTop = $("messages").scrollHeight;
   };
   state.controller = new AbortController();
+  node.setAttribute("aria-busy", "true");  // screen readers read the answer once, when done
   setBusy(true);
   await streamChat(body, answer, () => {
     if (!queued) { queued = true; requestAnimationFrame(redraw); }
@@ -155,6 +156,7 @@ async function runAnswer(conversation, body, answer) {
   state.controller = null;
   setBusy(false);
   redraw();
+  node.removeAttribute("aria-busy");
   save();
 }
 
@@ -198,6 +200,8 @@ function wire() {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
       event.preventDefault();  // Enter sends; Shift+Enter is a new line
       send();
+    } else if (event.key === "Escape") {
+      state.controller?.abort();  // as Stop
     }
   });
   $("stop").addEventListener("click", () => state.controller?.abort());

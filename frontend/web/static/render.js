@@ -60,7 +60,9 @@ function statsNode(stats, trace) {
   const known = (v) => v !== null && v !== undefined && Number.isFinite(Number(v));
   const bits = [`${known(stats.tokens) ? Number(stats.tokens) : "?"} tokens`];
   if (known(stats.ttft)) bits.push(`first token ${Number(stats.ttft).toFixed(2)} s`);
-  if (known(stats.tokensPerSecond)) bits.push(`${Number(stats.tokensPerSecond).toFixed(1)} tokens/s`);
+  if (known(stats.tokensPerSecond)) {
+    bits.push(`${Number(stats.tokensPerSecond).toFixed(1)} tokens/s`);
+  }
   const node = el("p", "stats", [bits.join(" \u00b7 ")]);
   const traceId = /^[\da-f]{2}-([\da-f]{32})-/.exec(String(trace ?? ""))?.[1];
   if (traceId) node.append(" \u00b7 trace ", el("code", "trace", [traceId]));

@@ -31,7 +31,8 @@ export function loadConversations() {
   const list = read(CONVERSATIONS, []);
   if (!Array.isArray(list)) return [];
   return list.filter((c) => c && typeof c.id === "string" && Array.isArray(c.messages))
-    .map((c) => ({ ...c, title: String(c.title ?? "Chat"), messages: c.messages.filter(validMessage) }));
+    .map((c) => ({ ...c, title: String(c.title ?? "Chat"),
+      messages: c.messages.filter(validMessage) }));
 }
 
 export function saveConversations(list) {
