@@ -189,3 +189,5 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     # state store, and a store that does not answer fails "open" (admit) or "closed" (503).
     api_keys_file: str | None = None
     rate_limit_store_failure: str = "open"
+    # --disable-web-ui: no playground at / and no dashboard at /dashboard (frontend.web).
+    disable_web_ui: bool = False

@@ -257,6 +257,7 @@ def _frontend_http_argv(args) -> list[str]:
         *_given((("--uds", args.uds), ("--ssl-keyfile", args.ssl_keyfile),
                  ("--ssl-certfile", args.ssl_certfile), ("--ssl-ca-certs", args.ssl_ca_certs),
                  ("--uvicorn-log-level", args.uvicorn_log_level))),
+        *_switches((("--disable-web-ui", args.disable_web_ui),)),
     ]
 
 

@@ -26,7 +26,7 @@ from frontend.http.limits import Admission, AdmissionMiddleware, BodyLimitMiddle
 from frontend.http.metrics import metrics_registry
 from frontend.http.readiness import Readiness
 from frontend.http.request_id import RequestIdMiddleware
-from frontend.http.routes import anthropic, batches, openai, ops, responses
+from frontend.http.routes import anthropic, batches, openai, ops, responses, web
 from frontend.http.routes.context import AppContext, guarded
 from frontend.input.input_bounds import RequestLimits
 from frontend.pipeline.serving_context import ServingContext
@@ -82,6 +82,7 @@ def _routes(app: AppContext) -> list[Route]:
         *batches.routes(app),
         *embeddings_api.routes(ctx, config, decode, guarded),  # pooling models
         *scoring_api.routes(ctx, config, decode, guarded),  # cross-encoders
+        *web.routes(app),  # the playground and dashboard (off with --disable-web-ui)
     ]
 
 

@@ -3,7 +3,8 @@
 A key comes as `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic
 clients). Probes and scrapes (`frontend.http.limits.OPEN_PATHS`: `/health`, `/ping`, `/load`,
 `/metrics`, `/version`, `/openapi.json`) stay open, so orchestrators, routers and Prometheus
-need no secret.
+need no secret; so do the web UI's pages and files (`frontend.web.assets.is_web_path`), which
+hold no data: they ask the user for the key and send it with their API calls.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hmac
 
 from frontend.base.errors import APIError, route_path
 from frontend.http.limits import OPEN_PATHS, reject
+from frontend.web.assets import is_web_path
 
 
 class AuthMiddleware:
@@ -20,7 +22,8 @@ class AuthMiddleware:
         self.keys = [key.encode() for key in keys]
 
     async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] != "http" or route_path(scope) in OPEN_PATHS
+        path = route_path(scope)
+        if (scope["type"] != "http" or path in OPEN_PATHS or is_web_path(path)
                 or self._allowed(scope)):
             return await self.app(scope, receive, send)
         error = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer KEY' "

@@ -115,6 +115,7 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     _add_store_arguments(g)
     _add_generation_default_arguments(g)
     _add_output_arguments(g)
+    _add_web_ui_arguments(g)
     add_http_arguments(p)
     add_limit_arguments(p)
 
@@ -241,6 +242,13 @@ def _add_output_arguments(g) -> None:
                         "stream_options.include_usage were true")
 
 
+def _add_web_ui_arguments(g) -> None:
+    """The pages a browser opens (frontend.web)."""
+    g.add_argument("--disable-web-ui", action="store_true",
+                   help="serve no playground at / and no dashboard at /dashboard (they "
+                        "are on by default, and need --api-key's key for their API calls)")
+
+
 # The Files and Batch APIs (frontend.batches): flag -> (FrontendConfig field, type, default, help).
 _BATCH_FLAGS = {
     "--max-batch-file-bytes": ("max_batch_file_bytes", int_at_least(1), 100 * 2**20,
@@ -349,6 +357,7 @@ def frontend_config(args, engine_address: str | list[str] | None,
         hf_overrides=getattr(args, "hf_overrides", None),
         max_embedding_inputs=getattr(args, "max_embedding_inputs", 2048),
         **limit_config(args),
+        disable_web_ui=getattr(args, "disable_web_ui", False),
     )
 
 

@@ -171,7 +171,7 @@ def upward_imports(graph: dict[str, set[str]], package: str, ranks: dict[str, in
 # and import neither each other nor anything above them.
 FRONTEND_WINGS = {
     "http": 5,
-    "openai": 4, "responses": 4, "anthropic": 4, "embeddings": 4, "batches": 4,
+    "openai": 4, "responses": 4, "anthropic": 4, "embeddings": 4, "batches": 4, "web": 4,
     "pipeline": 3,
     "input": 2, "engine_client": 2, "state": 2,
     "base": 1,
