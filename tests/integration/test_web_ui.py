@@ -9,7 +9,8 @@ an answer holding `<script>` (the engine made to write it with structured_output
 stored conversation full of HTML stay text; the pages under a proxy that strips --root-path's
 prefix; a phone's width in dark mode; the dashboard's numbers move under load and the killed
 engine shows down. Every request stays on the server's origin and no page logs an error.
-The screenshots in docs/ are made here.
+The screenshots in docs/ are made here: with SLUICE_UPDATE_SCREENSHOTS=1 they replace the
+committed ones; otherwise they go to a temporary folder, so a test run leaves the tree clean.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import urlsplit
@@ -36,6 +38,8 @@ pytestmark = pytest.mark.slow  # starts an engine, a frontend and a browser of i
 KEY = "sk-web-ui-test"
 CHROMIUM = "/usr/bin/chromium"
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+SHOTS = DOCS if os.environ.get("SLUICE_UPDATE_SCREENSHOTS") == "1" else Path(
+    tempfile.mkdtemp(prefix="sluice-web-ui-shots-"))
 KILLED = "web-killed"  # this module's engine
 # GET /v1/engines (another branch's): until it is served, the dashboard's one probe of it is
 # a 404 that Chromium logs; nothing else may be.
@@ -244,7 +248,7 @@ def test_a_stored_conversation_renders_safely(page):
         'get_weather({"city": "<Paris>"})'
     assert page.locator("#conversations [aria-current=true]").inner_text() == "<b>stored</b>"
     DOCS.mkdir(exist_ok=True)
-    page.screenshot(path=str(DOCS / "web-ui-playground.png"))
+    page.screenshot(path=str(SHOTS / "web-ui-playground.png"))
 
 
 def test_the_pages_work_under_the_root_path(page, web):
@@ -294,7 +298,7 @@ def test_a_phone_in_dark_mode(browser, web, watches):
         phone.goto(f"{web.base_url}/")
         phone.wait_for_selector("body[data-ready=true]")
         assert phone.locator("#side").is_hidden()
-        phone.screenshot(path=str(DOCS / "web-ui-phone-dark.png"))
+        phone.screenshot(path=str(SHOTS / "web-ui-phone-dark.png"))
         phone.click("#toggle-side")  # conversations and settings open above the chat
         assert phone.locator("#side").is_visible()
         assert phone.get_attribute("#toggle-side", "aria-expanded") == "true"
@@ -333,7 +337,7 @@ def test_the_dashboard_moves_under_load_and_shows_a_killed_engine_down(page, web
     page.wait_for_selector(f"{state.format(KILLED)}:text('down')", timeout=20_000)
     other = page.locator(f"#engines tbody tr:not([data-engine='{KILLED}'])")
     assert other.locator("[data-field=state]").inner_text() == "up"
-    page.screenshot(path=str(DOCS / "web-ui-dashboard.png"), full_page=True)
+    page.screenshot(path=str(SHOTS / "web-ui-dashboard.png"), full_page=True)
 
 
 def test_every_request_stayed_on_the_origin_and_nothing_logged_an_error(web, watches):
