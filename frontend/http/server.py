@@ -28,7 +28,7 @@ from postproc.processor import OutputProcessor
 from postproc.reasoning import get_reasoning_parser
 from shared.config import FrontendConfig
 from shared.generation_config import load_generation_defaults
-from shared.runner_config import resolve_runner
+from shared.runner_config import encoder_lower_case, resolve_runner
 from shared.tokenizer import TokenizerFacts, load_tokenizer, tokenizer_facts
 
 log = logging.getLogger("sluice.frontend")
@@ -67,6 +67,8 @@ def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) ->
     return InputSettings(
         max_chars_per_token=facts.max_chars_per_token,
         pad_token_id=facts.pad_token_id,
+        pad_side="left" if tokenizer.padding_side == "left" else "right",
+        do_lower_case=encoder_lower_case(config.model),
         threads=config.tokenizer_threads,
         render_timeout_s=config.render_timeout_s,
         templates=templates,

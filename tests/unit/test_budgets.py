@@ -209,6 +209,25 @@ def test_pad_to_the_maximum():
     assert out.ids == [1] + [9] * (LIMIT - 1)
 
 
+def test_padding_follows_the_tokenizers_side_with_every_parallel_array():
+    """pad_prompt_tokens pads on the tokenizer's padding_side (vLLM's), after a cut on
+    either side, and token types and offsets grow with the ids."""
+    tokens = PromptTokens(ids=[11, 12, 13, 14], offsets=[(i, i + 1) for i in range(4)],
+                          token_types=[0, 0, 1, 1])
+    left = finish(tokens, params(truncate_prompt_tokens=3, truncation_side="right",
+                                 pad_prompt_tokens=5), capped=False, pad_token_id=0,
+                  pad_side="left")
+    assert left.ids == [0, 0, 11, 12, 13] and left.token_types == [0, 0, 0, 0, 1]
+    assert left.offsets == [(0, 0), (0, 0), (0, 1), (1, 2), (2, 3)]
+    right = finish(tokens, params(pad_prompt_tokens=6), capped=False, pad_token_id=0)
+    assert right.ids == [11, 12, 13, 14, 0, 0] and right.token_types == [0, 0, 1, 1, 0, 0]
+    same = finish(tokens, params(pad_prompt_tokens=4), capped=False, pad_token_id=None)
+    assert same.ids == tokens.ids  # already long enough: no pad token needed
+    with pytest.raises(BudgetError, match="no pad token") as err:
+        finish(tokens, params(pad_prompt_tokens=5), capped=False, pad_token_id=None)
+    assert err.value.param == "pad_prompt_tokens"
+
+
 def test_length_check_says_exact_count_when_not_capped():
     with pytest.raises(BudgetError, match=f"has {LIMIT + 5} tokens"):
         finish(PromptTokens(ids=[1] * (LIMIT + 5)), params(), capped=False, pad_token_id=None)
