@@ -69,6 +69,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    tokenizer_mode: str = "auto"  # --tokenizer-mode (shared.tokenizer_modes)
 
 
 # Frontend routes that answer without an API key and while draining: probes, scrapes and the
@@ -180,3 +181,4 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     max_tools: int = 128
     max_stop_strings: int = 64
     max_logprobs: int = 20  # --max-logprobs; -1: up to the vocabulary
+    tokenizer_mode: str = "auto"  # --tokenizer-mode (shared.tokenizer_modes)

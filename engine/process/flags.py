@@ -237,6 +237,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         **lora_engine_config(args),
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        tokenizer_mode=getattr(args, "tokenizer_mode", "auto"),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import signal
 import time
@@ -63,6 +64,7 @@ def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) ->
         default_kwargs=config.default_chat_template_kwargs,
         content_format=config.chat_template_content_format,
         harmony=model_type(config.model) == "gpt_oss",
+        mistral=getattr(tokenizer, "mistral", None) is not None,  # mistral-common renders
     )
     return InputSettings(
         max_chars_per_token=facts.max_chars_per_token,
@@ -87,16 +89,20 @@ def _think_tag_ids(tokenizer, reasoning_parser: str | None) -> dict:
 
 def run_frontend(config: FrontendConfig) -> None:
     config = with_model_parsers(config)  # gpt-oss: the Harmony parsers unless named
-    tokenizer_path = config.tokenizer or config.model
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = _load_tokenizer(config)
     # The receiver thread detokenizes with its own copy; tokenizers are not shared across threads.
-    client = _engine_client(config, OutputProcessor(load_tokenizer(tokenizer_path)))
+    client = _engine_client(config, OutputProcessor(copy.deepcopy(tokenizer)))
     app = build_app(_serving_context(config, tokenizer, client), config)
     server = _server(config, app, client)
     try:
         server.run()
     finally:
         process_exiting()
+
+
+def _load_tokenizer(config: FrontendConfig):
+    return load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
+                          model=config.model)
 
 
 def _engine_client(config: FrontendConfig, processor: OutputProcessor) -> EngineClient:

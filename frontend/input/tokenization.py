@@ -40,6 +40,7 @@ from frontend.input.budgets import (
     shift_offsets,
 )
 from frontend.input.harmony_render import render_for_harmony
+from frontend.input.mistral_render import render_for_mistral
 from frontend.input.rendering import RenderedPrompt, RenderParams, TemplateSettings, render
 from frontend.input.structured import StructuredSettings
 
@@ -293,7 +294,8 @@ class Tokenization:
         try:
             with self.pool.borrow() as tok:
                 templates = self.settings.templates
-                renderer = render_for_harmony if templates.harmony else render
+                renderer = (render_for_mistral if templates.mistral else
+                            render_for_harmony if templates.harmony else render)
                 return renderer(tok, messages, params, templates)
         finally:
             with job.lock:
