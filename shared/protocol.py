@@ -326,6 +326,9 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     draining: bool = False
     # The LoRA adapters it serves now (the frontends' /v1/models lists these).
     lora_adapters: list[LoraAdapterInfo] = []
+    # shared.tokenizer.tokenizer_fingerprint of the tokenizer it loaded: a frontend that
+    # renders with another refuses it. "": not reported (it is then taken on trust).
+    tokenizer_fingerprint: str = ""
 
 
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):

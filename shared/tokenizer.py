@@ -287,3 +287,22 @@ def _special_token_ids(tokenizer) -> list[int]:
     ids = set(tokenizer.all_special_ids)
     ids.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
     return sorted(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprint (tiers agree on the tokenizer)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of what decides ids: the backend tokenizer's whole pipeline (normalizer,
+    pre-tokenizer, vocabulary and merges, added and special tokens, post-processor), less
+    the per-call truncation and padding a copy may have set. The engine reports it with its
+    stats and each frontend computes it the same way (this function), so a frontend can
+    refuse an engine whose ids mean other tokens."""
+    import json
+
+    raw = json.loads(tokenizer.backend_tokenizer.to_str())
+    raw.pop("truncation", None)
+    raw.pop("padding", None)
+    payload = json.dumps(raw, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]

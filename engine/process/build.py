@@ -25,7 +25,7 @@ from engine.step.scheduler import Scheduler
 from engine.step.spec_decode import Drafter
 from shared.config import EngineConfig
 from shared.startup_checks import StartupError
-from shared.tokenizer import load_tokenizer, tokenizer_facts
+from shared.tokenizer import load_tokenizer, tokenizer_facts, tokenizer_fingerprint
 
 log = logging.getLogger("sluice.engine")
 
@@ -120,6 +120,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
         pooling=pooling,
         hidden_size=model_config.hidden_size,
         lora=lora,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
     )
 
 

@@ -12,6 +12,7 @@ import msgspec
 import uvicorn
 
 from frontend.engine_client.client import EngineClient
+from frontend.engine_client.consistency import ServedIdentity
 from frontend.engine_client.request_log import RequestLog, log_requests
 from frontend.http.app import build_app
 from frontend.http.limits import Admission, drain
@@ -30,7 +31,12 @@ from postproc.reasoning import get_reasoning_parser
 from shared.config import FrontendConfig
 from shared.generation_config import load_generation_defaults
 from shared.runner_config import encoder_lower_case, resolve_runner
-from shared.tokenizer import TokenizerFacts, load_tokenizer, tokenizer_facts
+from shared.tokenizer import (
+    TokenizerFacts,
+    load_tokenizer,
+    tokenizer_facts,
+    tokenizer_fingerprint,
+)
 
 log = logging.getLogger("sluice.frontend")
 
@@ -92,6 +98,7 @@ def run_frontend(config: FrontendConfig) -> None:
     tokenizer = _load_tokenizer(config)
     # The receiver thread detokenizes with its own copy; tokenizers are not shared across threads.
     client = _engine_client(config, OutputProcessor(copy.deepcopy(tokenizer)))
+    client.identity = ServedIdentity(config.served_model_name, tokenizer_fingerprint(tokenizer))
     app = build_app(_serving_context(config, tokenizer, client), config)
     server = _server(config, app, client)
     try:

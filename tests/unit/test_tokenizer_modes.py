@@ -134,3 +134,31 @@ def test_start_up_refuses_in_one_line(tmp_path):
         assert str(err.value).startswith("sluice: --tokenizer-mode") and "\n" not in str(err.value)
     register_tokenizer("tiny-ok", "transformers", "PreTrainedTokenizerFast")
     check_model(argparse.Namespace(**{**base, "tokenizer_mode": "custom", "tokenizer": "tiny-ok"}))
+
+
+def test_fingerprint_tracks_what_decides_ids(tmp_path):
+    import copy
+
+    from frontend.engine_client.consistency import ServedIdentity, mismatch
+    from shared.protocol import EngineStats
+    from shared.tokenizer import tokenizer_fingerprint
+
+    tok = tiny_tokenizer()
+    same = tokenizer_fingerprint(tok)
+    copied = copy.deepcopy(tok)
+    copied("hello", "world", truncation=True, max_length=3)  # sets the copy's truncation
+    assert tokenizer_fingerprint(copied) == same and len(same) == 16
+    other = tiny_tokenizer()
+    other.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    assert tokenizer_fingerprint(other) != same
+    stats = dict(engine_id="e", max_model_len=8, num_total_pages=1, num_free_pages=1,
+                 num_running=0, num_waiting=0, num_steps=0, max_seqs_in_step=0,
+                 num_finished=0, num_aborted=0, sent_at=0.0)
+    me = ServedIdentity("m", same)
+    assert mismatch(me, EngineStats(model_name="m", tokenizer_fingerprint=same, **stats)) is None
+    assert mismatch(me, EngineStats(model_name="m", **stats)) is None  # not reported: trusted
+    assert "another tokenizer" in mismatch(
+        me, EngineStats(model_name="m", tokenizer_fingerprint="x" * 16, **stats))
+    assert "serves the model 'n'" in mismatch(
+        me, EngineStats(model_name="n", tokenizer_fingerprint=same, **stats))
+    assert mismatch(None, EngineStats(model_name="n", **stats)) is None
