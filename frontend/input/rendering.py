@@ -75,6 +75,10 @@ class RenderedPrompt(msgspec.Struct, frozen=True):
     # The prompt's ids when the renderer tokenized it itself (--tokenizer-mode mistral);
     # None: the tokenizer stage tokenizes `text`.
     token_ids: list[int] | None = None
+    # Trailing prompt ids the model's own template adds that usage does not count (a Harmony
+    # generation opener, `<|start|>assistant`; TensorRT-LLM's prompt_tokens_excluded_from_
+    # usage); empty under a server or request template.
+    usage_excluded_ids: tuple[int, ...] = ()
 
     @property
     def text(self) -> str:

@@ -52,8 +52,18 @@ class PromptInput(msgspec.Struct):
 
     @property
     def num_tokens(self) -> int:
-        """The prompt's length in tokens: what usage, token counts and budgets report."""
+        """The prompt's length in tokens: what token counts and budgets report."""
         return len(self.tokens.ids)
+
+    @property
+    def usage_tokens(self) -> int:
+        """What usage reports as prompt_tokens: less the trailing generation opener the
+        model's own template adds, when the prompt still ends with it (Harmony)."""
+        opener = self.rendered.usage_excluded_ids if self.rendered is not None else ()
+        ids = self.tokens.ids
+        if opener and len(ids) > len(opener) and tuple(ids[-len(opener):]) == opener:
+            return len(ids) - len(opener)
+        return len(ids)
 
 
 async def chat_prompt_ids(ctx: ServingContext, request: ChatCompletionRequest) -> list[int]:
