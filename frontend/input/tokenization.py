@@ -353,8 +353,11 @@ class Tokenization:
         a, b = self._lowered(a), self._lowered(b)
         with self.pool.borrow() as tok:
             _check_room(tok, params, pair=second is not None)
-            enc = tok(a.text, b.text if second is not None else None, truncation=True,
-                      max_length=params.pair_max_length, return_token_type_ids=True)
+            try:
+                enc = tok(a.text, b.text if second is not None else None, truncation=True,
+                          max_length=params.pair_max_length, return_token_type_ids=True)
+            finally:  # transformers leaves truncation set on the copy; _encode would obey it
+                tok.backend_tokenizer.no_truncation()
         input_metrics.TOKENIZER_CHARS.inc(len(a.text) + len(b.text))
         ids = list(enc["input_ids"])
         types = (segments and enc.get("token_type_ids")) or [0] * len(ids)

@@ -237,3 +237,19 @@ def test_needs_detokenization_gives_the_text_after_truncation(stage, tokenizer):
     text = TEXT[:300]
     out = stage.tokenize_sync(text, params(truncate_prompt_tokens=4, needs_detokenization=True))
     assert out.text == tokenizer.decode(out.ids) and text.endswith(out.text)
+
+
+def test_a_pair_leaves_its_tokenizer_copy_untruncated(tokenizer):
+    """tokenize_pair cuts with the tokenizer's own truncation, which transformers leaves set
+    on the copy: the next prompt tokenized with that copy must not be cut by it."""
+    settings = InputSettings(max_chars_per_token=MAX_CHARS_PER_TOKEN * 20, threads=1)
+    stage = Tokenization(tokenizer, settings)
+    try:
+        pair = stage.tokenize_pair_sync("hello there", "world " * 20,
+                                        params(generation=False, truncate_prompt_tokens=5))
+        assert len(pair.ids) == 5
+        assert stage.pool.copies == 1  # the one copy, used by both jobs below
+        whole = stage.tokenize_sync(TEXT, TokenizeParams(max_total_tokens=10_000))
+        assert len(whole.ids) == len(encode(tokenizer, TEXT)[0]) > 5
+    finally:
+        stage.shutdown()
