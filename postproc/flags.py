@@ -25,8 +25,10 @@ def add_postproc_command(postproc: argparse.ArgumentParser) -> None:
 def run_postproc_command(args) -> int:
     from postproc.worker import run_postproc
 
-    run_postproc(tokenizer_path(args, model_names(args)[0]),
-                 args.engine_postproc_address or [DEFAULT_POSTPROC_ADDRESS])
+    model = model_names(args)[0]
+    run_postproc(tokenizer_path(args, model),
+                 args.engine_postproc_address or [DEFAULT_POSTPROC_ADDRESS],
+                 tokenizer_mode=args.tokenizer_mode, model=model)
     return 0
 
 

@@ -164,12 +164,14 @@ class PostprocWorker:
             engine.send(encode(WorkerDone(done)))
 
 
-def run_postproc(model: str, engine_address: str | list[str]) -> None:
+def run_postproc(tokenizer: str, engine_address: str | list[str], tokenizer_mode: str = "auto",
+                 model: str | None = None) -> None:
     import signal
 
     from shared.tokenizer import load_tokenizer
 
-    worker = PostprocWorker(load_tokenizer(model), engine_address)
+    worker = PostprocWorker(load_tokenizer(tokenizer, tokenizer_mode, model=model),
+                            engine_address)
 
     def stop(signum, frame):
         worker.stopping.set()

@@ -28,6 +28,7 @@ from shared.runner_config import (
     parse_hf_overrides,
     parse_pooler_config,
 )
+from shared.tokenizer_modes import TOKENIZER_MODES
 
 
 class Command(msgspec.Struct, frozen=True):
@@ -108,7 +109,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the Hub id, or derived from --model's file or folder)")
     p.add_argument("--tokenizer", default=None,
                    help="the tokenizer, when not the model's: a .gguf file, an HF folder or a "
-                        "Hub id in the local cache (default: --model's)")
+                        "Hub id in the local cache (default: --model's); with "
+                        "--tokenizer-mode custom, the registered tokenizer's name")
+    p.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
+                   help="how the tokenizer loads, as vLLM's: auto (a Mistral-format folder, "
+                        "tekken.json or tokenizer.model.v*, uses mistral-common, else hf), hf, "
+                        "slow (as hf: transformers 5 has only fast tokenizers), mistral "
+                        "(mistral-common, with its chat rendering), custom (--tokenizer names "
+                        "a tokenizer registered in the sluice.tokenizers entry points)")
     p.add_argument("--max-logprobs", type=max_logprobs_value, default=MAX_LOGPROBS,
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask for; "
                         "-1: the whole vocabulary (default: %(default)s, as vLLM)")
@@ -415,6 +423,8 @@ def tokenizer_path(args, model_path: str) -> str:
 
     if getattr(args, "tokenizer", None) is None:
         return model_path
+    if getattr(args, "tokenizer_mode", "auto") == "custom":
+        return args.tokenizer  # a registered name, not a path
     return resolve_model_path(args.tokenizer, args.revision, args.download_dir)
 
 

@@ -74,6 +74,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # ports are offset by --data-parallel-rank, which its batches also carry.
     kv_events: KvEventsConfig | None = None
     data_parallel_rank: int = 0
+    tokenizer_mode: str = "auto"  # --tokenizer-mode (shared.tokenizer_modes)
 
 
 # Frontend routes that answer without an API key and while draining: probes, scrapes and the
@@ -191,3 +192,4 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     rate_limit_store_failure: str = "open"
     # --disable-web-ui: no playground at / and no dashboard at /dashboard (frontend.web).
     disable_web_ui: bool = False
+    tokenizer_mode: str = "auto"  # --tokenizer-mode (shared.tokenizer_modes)

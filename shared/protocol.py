@@ -331,6 +331,9 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_dropped: int = 0
+    # shared.tokenizer.tokenizer_fingerprint of the tokenizer it loaded: a frontend that
+    # renders with another refuses it. "": not reported (it is then taken on trust).
+    tokenizer_fingerprint: str = ""
 
 
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -200,3 +200,10 @@ def pooling_facts(model_path: str, pooler_config: str | None = None,
         labels = [str(id2label.get(str(i), f"LABEL_{i}")) for i in range(len(id2label))]
         return PoolingFacts(PoolerConfig("CLS", False), ("classify", "score"), labels)
     return PoolingFacts(pooler, ("embed",), [], matryoshka, dims)
+
+
+def encoder_lower_case(model_path: str) -> bool:
+    """sentence-transformers' `do_lower_case` (sentence_bert_config.json): the encoder was
+    trained on lowercased text, whatever its tokenizer does (vLLM's encoder_config)."""
+    config = _read_json(os.path.join(model_path, "sentence_bert_config.json"))
+    return isinstance(config, dict) and config.get("do_lower_case") is True

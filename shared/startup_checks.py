@@ -27,13 +27,44 @@ def check_model(args) -> None:
     """--model and --tokenizer name something there (a file, a folder, a cached Hub id)."""
     from shared.model_source import resolve_model_path
 
+    custom = getattr(args, "tokenizer_mode", "auto") == "custom"
     for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer)):
-        if value is None and flag == "--tokenizer":
+        if flag == "--tokenizer" and (value is None or custom):  # custom: a registered name
             continue
         try:
             resolve_model_path(value, args.revision, args.download_dir)
         except ValueError as exc:
             raise StartupError(f"{flag} {value}: {exc}") from None
+    check_tokenizer_mode(args)
+
+
+def check_tokenizer_mode(args) -> None:
+    """--tokenizer-mode can load this tokenizer (mistral: its files and mistral-common;
+    custom: a registered name), before any process starts loading."""
+    from shared.model_source import is_gguf, resolve_model_path
+    from shared.tokenizer_modes import (
+        TokenizerModeError,
+        custom_tokenizer_class,
+        resolve_tokenizer_mode,
+    )
+
+    mode = getattr(args, "tokenizer_mode", "auto")
+    try:
+        if mode == "custom":
+            if args.tokenizer is None:
+                raise TokenizerModeError("--tokenizer-mode custom needs --tokenizer NAME, a "
+                                         "registered tokenizer")
+            custom_tokenizer_class(args.tokenizer)
+            return
+        path = resolve_model_path(args.tokenizer or args.model, args.revision,
+                                  args.download_dir)
+        if is_gguf(path) and mode not in ("auto", "hf", "slow"):
+            raise TokenizerModeError(f"--tokenizer-mode {mode}: a .gguf file carries an HF "
+                                     "tokenizer; use auto or hf")
+        if not is_gguf(path):
+            resolve_tokenizer_mode(path, mode)
+    except TokenizerModeError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def check_generation_config(args) -> None:

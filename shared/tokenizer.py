@@ -11,6 +11,12 @@ import tempfile
 import msgspec
 
 from shared.model_source import is_gguf, read_gguf_scalars, resolve_model_path
+from shared.tokenizer_modes import (
+    MODEL_TYPES_WITH_INCORRECT_TOKENIZER_CLASS,
+    TokenizerModeError,
+    custom_tokenizer_class,
+    resolve_tokenizer_mode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -18,20 +24,79 @@ log = logging.getLogger(__name__)
 _CACHE_FORMAT = "1"
 
 
-def load_tokenizer(model_path: str):
-    """A transformers fast tokenizer for a .gguf file or an HF folder."""
+def load_tokenizer(model_path: str, mode: str = "auto", config=None, model: str | None = None):
+    """A transformers fast tokenizer for a .gguf file or an HF folder, loaded the way
+    --tokenizer-mode says (shared.tokenizer_modes). `config`: the model's transformers config
+    when the caller has read it already, handed to the tokenizer instead of a second read
+    (which could also see a cache being rewritten in between). `model`: the model folder a
+    `custom` tokenizer loads from (model_path is then the registered name)."""
+    if mode == "custom":
+        return _fast_only(_load_custom(model_path, model), model_path)
     path = resolve_model_path(model_path)
-    tokenizer = _load_gguf_tokenizer(path) if is_gguf(path) else _load_folder_tokenizer(path)
+    if is_gguf(path):
+        if mode not in ("auto", "hf", "slow"):
+            raise TokenizerModeError(f"--tokenizer-mode {mode}: a .gguf file carries an HF "
+                                     "tokenizer; use auto or hf")
+        return _fast_only(_load_gguf_tokenizer(path), path)
+    mode = resolve_tokenizer_mode(path, mode)
+    if mode == "mistral":
+        from shared.mistral_tokenizer import load_mistral_tokenizer
+
+        return load_mistral_tokenizer(path)
+    if mode == "slow":
+        log.warning("--tokenizer-mode slow: transformers 5 only has fast tokenizers; loading "
+                    "the fast one (as hf does)")
+    return _fast_only(_load_folder_tokenizer(path, config), path)
+
+
+def _fast_only(tokenizer, path: str):
     if not getattr(tokenizer, "is_fast", False):
         # The detokenizer and the facts drive the Rust backend directly.
         raise TypeError(f"{path}: no fast (tokenizers-backed) tokenizer is available")
     return tokenizer
 
 
-def _load_folder_tokenizer(path: str):
-    from transformers import AutoTokenizer
+def _read_config(path: str):
+    """The model's config.json, read once: (a transformers config or None, its model_type).
+    The same read gives both, and the config goes to AutoTokenizer, which would otherwise
+    read the file again. A type transformers lacks (remote code: internlm2) keeps its name."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return None, None
+    with open(file, "rb") as f:
+        raw = msgspec.json.decode(f.read())
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    from transformers import CONFIG_MAPPING
 
-    return AutoTokenizer.from_pretrained(path)
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None, model_type
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(raw), model_type
+    except (ValueError, TypeError, KeyError) as exc:
+        log.debug("%s: config not readable by transformers (%s)", path, exc)
+        return None, model_type
+
+
+def _load_folder_tokenizer(path: str, config=None):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if config is None:
+        config, model_type = _read_config(path)
+    else:
+        model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_TYPES_WITH_INCORRECT_TOKENIZER_CLASS:
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    kwargs = {"config": config} if config is not None else {}
+    # hf means the Hugging Face files: transformers 5 would otherwise switch a folder that
+    # also holds tekken.json to mistral-common's (slow) backend by itself.
+    return AutoTokenizer.from_pretrained(path, mistral_format=False, **kwargs)
+
+
+def _load_custom(name: str, model: str | None):
+    if model is None:
+        raise TokenizerModeError("--tokenizer-mode custom needs --model (the files its "
+                                 "registered tokenizer loads)")
+    return custom_tokenizer_class(name).from_pretrained(resolve_model_path(model))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,3 +287,22 @@ def _special_token_ids(tokenizer) -> list[int]:
     ids = set(tokenizer.all_special_ids)
     ids.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
     return sorted(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprint (tiers agree on the tokenizer)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of what decides ids: the backend tokenizer's whole pipeline (normalizer,
+    pre-tokenizer, vocabulary and merges, added and special tokens, post-processor), less
+    the per-call truncation and padding a copy may have set. The engine reports it with its
+    stats and each frontend computes it the same way (this function), so a frontend can
+    refuse an engine whose ids mean other tokens."""
+    import json
+
+    raw = json.loads(tokenizer.backend_tokenizer.to_str())
+    raw.pop("truncation", None)
+    raw.pop("padding", None)
+    payload = json.dumps(raw, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -197,6 +197,7 @@ def _common_argv(args) -> list[str]:
         common += ["--served-model-name", *args.served_model_name]
     common += _given((("--revision", args.revision), ("--download-dir", args.download_dir),
                       ("--tokenizer", args.tokenizer)))
+    common += ["--tokenizer-mode", args.tokenizer_mode]
     common += ["--runner", runner_of(args),  # pooling: every process reads it alike
                "--max-embedding-inputs", str(args.max_embedding_inputs)]
     return common + _given((("--pooler-config", args.pooler_config),

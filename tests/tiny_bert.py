@@ -21,7 +21,7 @@ POOLING_MODES = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_to
                  "lasttoken": "pooling_mode_lasttoken"}
 
 
-def wordpiece_tokenizer(words: list[str] | None = None, **options):
+def wordpiece_tokenizer(words: list[str] | None = None, lowercase: bool = True, **options):
     """BERT's WordPiece tokenizer over `words` (default: SPECIALS + WORDS, which must start
     with SPECIALS); `options` go to PreTrainedTokenizerFast (benchmarks/embeddings.py sets
     model_max_length)."""
@@ -29,7 +29,7 @@ def wordpiece_tokenizer(words: list[str] | None = None, **options):
 
     vocab = {w: i for i, w in enumerate(words or SPECIALS + WORDS)}
     backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
-    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
@@ -40,9 +40,12 @@ def wordpiece_tokenizer(words: list[str] | None = None, **options):
         sep_token="[SEP]", mask_token="[MASK]", **options)
 
 
-def build_bert(path: str, kind: str = "bert", pooling: str = "mean", seed: int = 5):
-    """kind: bert | xlm-roberta; pooling: mean | cls | lasttoken. Returns the tokenizer."""
-    tokenizer = wordpiece_tokenizer()
+def build_bert(path: str, kind: str = "bert", pooling: str = "mean", seed: int = 5,
+               do_lower_case: bool = False):
+    """kind: bert | xlm-roberta; pooling: mean | cls | lasttoken. Returns the tokenizer.
+    do_lower_case: a cased tokenizer, and sentence-transformers' config asking for lowercase
+    input (as uncased models saved that way are)."""
+    tokenizer = wordpiece_tokenizer(lowercase=not do_lower_case)
     common = dict(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=64, type_vocab_size=2)
     if kind == "bert":
@@ -61,7 +64,7 @@ def build_bert(path: str, kind: str = "bert", pooling: str = "mean", seed: int =
     tokenizer.save_pretrained(path)
     write_sentence_transformers_files(path, HIDDEN, POOLING_MODES[pooling])
     with open(os.path.join(path, "sentence_bert_config.json"), "w") as f:
-        json.dump({"max_seq_length": 60, "do_lower_case": False}, f)
+        json.dump({"max_seq_length": 60, "do_lower_case": do_lower_case}, f)
     return tokenizer
 
 

@@ -31,6 +31,18 @@ CARRIED = {
     "apache-tvm-ffi": "0.1.15.post2",
     "redis": "8.1.0",  # --state-store redis://'s client (frontend.state.store)
     "python-multipart": "0.0.34",  # /v1/files uploads (Starlette's form parser)
+    # --tokenizer-mode mistral (shared.mistral_tokenizer), with what it needs the device lacks.
+    "mistral-common": "1.13.1",
+    "pydantic": "2.14.4",
+    "pydantic-core": "2.50.5",
+    "annotated-types": "0.8.0",
+    "typing-inspection": "0.4.5",
+    "pydantic-extra-types": "2.11.1",
+    "pycountry": "26.2.16",  # pydantic-extra-types[pycountry], which mistral-common asks for
+    "jsonschema": "4.26.0",
+    "jsonschema-specifications": "2025.9.1",
+    "referencing": "0.37.0",
+    "rpds-py": "2026.9.1",
 }
 
 # On the device already, as KINDS.md lists them (read 2026-11-17); names normalized.

@@ -25,7 +25,7 @@ from engine.step.scheduler import Scheduler
 from engine.step.spec_decode import Drafter
 from shared.config import EngineConfig
 from shared.startup_checks import StartupError
-from shared.tokenizer import load_tokenizer, tokenizer_facts
+from shared.tokenizer import load_tokenizer, tokenizer_facts, tokenizer_fingerprint
 
 log = logging.getLogger("sluice.engine")
 
@@ -96,7 +96,8 @@ def build_engine(config: EngineConfig) -> EngineCore:
     if loaded.choice.name == "flashinfer" and not eager:
         model = _graphed(model, backend, config.max_num_seqs, max_model_len)
     allocator = PageAllocator(num_pages, config.page_size)
-    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
+                               model=config.model)
     facts = tokenizer_facts(tokenizer, config.model)
     runner = ModelRunner(model, backend, model_config.vocab_size, vision,
                          pooler=pooling.pooler if pooling is not None else None)
@@ -119,6 +120,7 @@ def build_engine(config: EngineConfig) -> EngineCore:
         pooling=pooling,
         hidden_size=model_config.hidden_size,
         lora=lora,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
     )
 
 

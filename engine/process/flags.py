@@ -246,6 +246,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
         kv_events=args.kv_events_config,
         data_parallel_rank=getattr(args, "data_parallel_rank", 0),
+        tokenizer_mode=getattr(args, "tokenizer_mode", "auto"),
     )
 
 

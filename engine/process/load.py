@@ -303,7 +303,8 @@ def _score_head(config: EngineConfig, model_config, weights, tokens: list[str], 
     if model_config.architecture in ("bert", "roberta") or head is None:
         raise StartupError("--hf-overrides makes a decoder (a *ForCausalLM with an LM head) a "
                            f"yes/no reranker; {config.model} is not one")
-    vocab = load_tokenizer(config.tokenizer or config.model).get_vocab()
+    vocab = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
+                           model=config.model).get_vocab()
     missing = [t for t in tokens if t not in vocab]
     if missing:
         raise StartupError(f"--hf-overrides classifier_from_token {missing} are not single "

@@ -51,6 +51,7 @@ class EngineCore:
         pooling: PoolingFacts | None = None,
         hidden_size: int = 0,
         lora: LoraManager | None = None,
+        tokenizer_fingerprint: str = "",
     ) -> None:
         self.runner = runner
         self.allocator = allocator
@@ -61,6 +62,7 @@ class EngineCore:
         self.max_logprobs = max_logprobs  # --max-logprobs (-1: the vocabulary)
         self.engine_id = engine_id
         self.model_name = model_name
+        self.tokenizer_fingerprint = tokenizer_fingerprint  # reported with the stats
         self.sequences: dict[str, Sequence] = {}
         # Set: a pooling engine (vLLM's --runner pooling), which takes pooling requests only.
         self.pooling = pooling

@@ -373,5 +373,5 @@ async def count_tokens(ctx: ServingContext, request: CountTokensRequest) -> Toke
     check_model(ctx, chat.model)
     check_request(chat, structured_settings(ctx), ctx.limits)
     prompt = await chat_input(ctx, chat)
-    return TokenCount(prompt.num_tokens)
+    return TokenCount(prompt.usage_tokens)  # what usage would say
 

@@ -38,6 +38,7 @@ from frontend.embeddings.scoring_models import (
     ScoreRequest,
     ScoreResponse,
 )
+from frontend.input.budgets import BudgetError, TokenizeParams
 from frontend.pipeline.serving_context import ServingContext, check_model, max_model_len
 from shared.config import FrontendConfig
 from shared.param_ranges import RangeProblem, check_priority
@@ -144,34 +145,20 @@ def _check_common(ctx: ServingContext, model: str | None, priority: int | None,
 
 async def _encode(ctx: ServingContext, pairs: list[tuple[str, str | None]], limit: int,
                   truncate: int | None, field: str, segments: bool = True) -> list[Encoded]:
-    """Token ids and types of each pair (or single text), cut to `truncate_prompt_tokens`,
-    else a 400 when one does not fit the context. `segments` False (a decoder reranker,
-    which has no token types): every type is 0."""
-    ceiling = limit * ctx.tokenization.settings.max_chars_per_token
-    for i, (a, b) in enumerate(pairs):
-        if truncate is None and len(a) + len(b or "") > ceiling:
-            raise bad_request(f"{field}[{i}] is longer than this model's maximum context "
-                              f"length of {limit} tokens; set truncate_prompt_tokens", field)
+    """Token ids and types of each pair (or single text) under the prompt budgets of every
+    route (character ceiling, capped tokenizer output, truncation that keeps the separators,
+    length check): cut to `truncate_prompt_tokens`, else a 400 when one does not fit."""
+    params = TokenizeParams(max_total_tokens=limit, generation=False,
+                            truncate_prompt_tokens=truncate)
 
-    def run() -> list[Encoded]:
-        with ctx.tokenization.pool.borrow() as tok:
-            out = []
-            for a, b in pairs:
-                enc = tok(a, b, return_token_type_ids=True)
-                types = (segments and enc.get("token_type_ids")) or [0] * len(enc["input_ids"])
-                out.append(Encoded(list(enc["input_ids"]), list(types)))
-            return out
+    async def one(i: int, a: str, b: str | None) -> Encoded:
+        try:
+            tokens = await ctx.tokenization.tokenize_pair(a, b, params, segments)
+        except BudgetError as exc:
+            raise bad_request(f"{field}[{i}]: {exc}", exc.param or field) from exc
+        return Encoded(tokens.ids, tokens.token_types or [0] * len(tokens.ids))
 
-    encoded = await asyncio.wrap_future(ctx.tokenization.workers.submit(run))
-    keep = limit if truncate == -1 else truncate
-    for i, e in enumerate(encoded):
-        if keep is not None:
-            e.ids, e.token_types = e.ids[:keep], e.token_types[:keep]
-        elif len(e.ids) > limit:
-            raise bad_request(f"{field}[{i}] has {len(e.ids)} tokens, more than this model's "
-                              f"maximum context length of {limit}; set truncate_prompt_tokens",
-                              field)
-    return encoded
+    return list(await asyncio.gather(*(one(i, a, b) for i, (a, b) in enumerate(pairs))))
 
 
 async def _run(ctx: ServingContext, encoded: list[Encoded], task: str, priority: int | None,

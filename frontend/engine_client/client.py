@@ -33,6 +33,7 @@ from frontend.engine_client.connection import (
     EngineUnavailable,
     RequestStream,
 )
+from frontend.engine_client.consistency import ServedIdentity
 from frontend.engine_client.heartbeats import EngineHeartbeats
 from frontend.engine_client.kv_events import KvEventSubscriber
 from frontend.engine_client.kv_index import KvIndex
@@ -109,6 +110,8 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         self.lora_replies = LoraReplies()  # run-time adapter loads (lora_client.py)
         # --routing kv: the engines' KV events, by engine address (kv_events.py).
         self.kv_events = KvEventSubscriber(KvIndex()) if routing == "kv" else None
+        # What this frontend renders for; engines serving something else are refused.
+        self.identity: ServedIdentity | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -216,7 +219,14 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
     def live_engines(self) -> list[EngineConnection]:
         """The engines new work may go to: heard lately, not retired, not draining."""
         return [c for c in self.engines.values()
-                if c.alive(self.heartbeat_timeout_s) and not c.retired and not c.draining]
+                if c.alive(self.heartbeat_timeout_s) and not c.retired and not c.draining
+                and c.refusal is None]
+
+    @property
+    def refusals(self) -> list[str]:
+        """Why the engines that answer are refused (consistency.py); /health says it."""
+        return [c.refusal for c in self.engines.values()
+                if c.refusal is not None and c.alive(self.heartbeat_timeout_s)]
 
     @property
     def engine_alive(self) -> bool:

@@ -37,6 +37,9 @@ class EngineConnection:
         self.monitor: zmq.asyncio.Socket | None = None  # the dealer's disconnect events
         self.monitor_task: asyncio.Task | None = None
         self.stats_arrived = asyncio.Event()
+        # Why this frontend refuses it (another model or tokenizer; consistency.py); None:
+        # it may take requests.
+        self.refusal: str | None = None
 
     @property
     def draining(self) -> bool:

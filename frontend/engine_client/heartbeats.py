@@ -16,6 +16,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from frontend.engine_client.connection import EngineConnection
+from frontend.engine_client.consistency import mismatch
 from shared.codec import encode, frontend_inbound_decoder
 from shared.protocol import AbortRequest, EngineStats, LoraUpdateResult, Ping
 
@@ -85,6 +86,8 @@ class EngineHeartbeats:
                     self.kv_events.follow(conn.address, conn.address, message.kv_events_endpoint,
                                           message.kv_events_replay_endpoint)
                 conn.last_heard = time.monotonic()
+                if self._refused(conn, message):
+                    continue
                 if not conn.was_alive:
                     # Said here, as it becomes live, so it comes before the "ready" line.
                     conn.was_alive = True
@@ -99,6 +102,22 @@ class EngineHeartbeats:
                     await conn.dealer.send(encode(AbortRequest(orphans)))
                 conn.stats_arrived.set()
                 conn.stats_arrived = asyncio.Event()
+
+    def _refused(self, conn: EngineConnection, stats: EngineStats) -> bool:
+        """Another model or tokenizer than this frontend's: never live here. Logged once
+        each time the verdict changes."""
+        reason = mismatch(self.identity, stats)
+        if reason != conn.refusal:
+            if reason is not None:
+                log.error("refusing engine at %s: %s", conn.address, reason)
+            else:
+                log.info("engine %s at %s now serves this frontend's model and tokenizer",
+                         conn.engine_id, conn.address)
+            conn.refusal = reason
+        if reason is not None:
+            conn.stats_arrived.set()
+            conn.stats_arrived = asyncio.Event()
+        return reason is not None
 
     async def refresh_stats(self, timeout_s: float = 1.0) -> None:
         """Ask the live engines for their stats now, so a scrape never shows a second-old

@@ -99,7 +99,8 @@ class Operation(NamedTuple):
 
 
 OPERATIONS: tuple[Operation, ...] = (
-    Operation("get", "/health", "200 while the engine is reachable and not draining, else 503",
+    Operation("get", "/health", "200 while the engine is reachable and not draining, else 503 "
+              "(with a JSON reason when the engine serves another model or tokenizer)",
               answer_type=""),
     Operation("get", "/ping", "SageMaker's health check: the same answer as /health",
               answer_type=""),

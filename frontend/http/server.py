@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import signal
 import time
@@ -11,6 +12,7 @@ import msgspec
 import uvicorn
 
 from frontend.engine_client.client import EngineClient
+from frontend.engine_client.consistency import ServedIdentity
 from frontend.engine_client.request_log import RequestLog, log_requests
 from frontend.http.app import build_app
 from frontend.http.limits import Admission, drain
@@ -28,8 +30,13 @@ from postproc.processor import OutputProcessor
 from postproc.reasoning import get_reasoning_parser
 from shared.config import FrontendConfig
 from shared.generation_config import load_generation_defaults
-from shared.runner_config import resolve_runner
-from shared.tokenizer import TokenizerFacts, load_tokenizer, tokenizer_facts
+from shared.runner_config import encoder_lower_case, resolve_runner
+from shared.tokenizer import (
+    TokenizerFacts,
+    load_tokenizer,
+    tokenizer_facts,
+    tokenizer_fingerprint,
+)
 
 log = logging.getLogger("sluice.frontend")
 
@@ -63,10 +70,13 @@ def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) ->
         default_kwargs=config.default_chat_template_kwargs,
         content_format=config.chat_template_content_format,
         harmony=model_type(config.model) == "gpt_oss",
+        mistral=getattr(tokenizer, "mistral", None) is not None,  # mistral-common renders
     )
     return InputSettings(
         max_chars_per_token=facts.max_chars_per_token,
         pad_token_id=facts.pad_token_id,
+        pad_side="left" if tokenizer.padding_side == "left" else "right",
+        do_lower_case=encoder_lower_case(config.model),
         threads=config.tokenizer_threads,
         render_timeout_s=config.render_timeout_s,
         templates=templates,
@@ -85,16 +95,21 @@ def _think_tag_ids(tokenizer, reasoning_parser: str | None) -> dict:
 
 def run_frontend(config: FrontendConfig) -> None:
     config = with_model_parsers(config)  # gpt-oss: the Harmony parsers unless named
-    tokenizer_path = config.tokenizer or config.model
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = _load_tokenizer(config)
     # The receiver thread detokenizes with its own copy; tokenizers are not shared across threads.
-    client = _engine_client(config, OutputProcessor(load_tokenizer(tokenizer_path)))
+    client = _engine_client(config, OutputProcessor(copy.deepcopy(tokenizer)))
+    client.identity = ServedIdentity(config.served_model_name, tokenizer_fingerprint(tokenizer))
     app = build_app(_serving_context(config, tokenizer, client), config)
     server = _server(config, app, client)
     try:
         server.run()
     finally:
         process_exiting()
+
+
+def _load_tokenizer(config: FrontendConfig):
+    return load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
+                          model=config.model)
 
 
 def _engine_client(config: FrontendConfig, processor: OutputProcessor) -> EngineClient:

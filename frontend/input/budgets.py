@@ -81,6 +81,13 @@ class TokenizeParams(msgspec.Struct, frozen=True, kw_only=True):
             return None
         return self.max_input_tokens + 1
 
+    @property
+    def pair_max_length(self) -> int:
+        """What a tokenizer joining two segments may return: the tokens truncation keeps, or
+        the cap. It cuts the segments' text, never the special tokens it adds around them."""
+        keep = self.keep_tokens
+        return keep if keep is not None else self.max_input_tokens + 1
+
     def max_input_chars(self, max_chars_per_token: int) -> int:
         return self.max_input_tokens * max_chars_per_token
 
@@ -100,6 +107,7 @@ class PromptTokens(msgspec.Struct):
     chars_cut: int = 0  # removed before tokenizing by the character ceiling
     tokens_cut: int = 0  # removed by token truncation
     text: str | None = None  # the prompt as text after truncation, when asked for
+    token_types: list[int] | None = None  # a pair's segment of each token (cross-encoders)
 
 
 def check_truncation(params: TokenizeParams) -> None:
@@ -143,6 +151,21 @@ def fit_text(text: str, params: TokenizeParams, max_chars_per_token: int) -> Fit
     return FittedText(text[:ceiling], cut_right=excess)
 
 
+def fit_pair(first: str, second: str, params: TokenizeParams, max_chars_per_token: int
+             ) -> tuple[FittedText, FittedText]:
+    """The ceiling for a pair (score, rerank): its two texts together, without truncation;
+    with it, each cut to the ceiling on its own (either may end up holding every kept token)."""
+    ceiling = params.max_input_chars(max_chars_per_token)
+    total = len(first) + len(second)
+    if params.keep_tokens is None and total > ceiling:
+        raise BudgetError(
+            f"This model's maximum context length is {params.max_input_tokens} tokens, and the "
+            f"pair has {total} characters, more than {params.max_input_tokens} tokens can hold "
+            f"(at most {ceiling}). Shorten it, or set truncate_prompt_tokens.")
+    return (fit_text(first, params, max_chars_per_token),
+            fit_text(second, params, max_chars_per_token))
+
+
 def shift_offsets(offsets: Offsets, chars: int) -> Offsets:
     """Offsets into a left-cut text, moved back into the original text's coordinates.
     Special tokens keep (0, 0): it means "no position", not "the first character"."""
@@ -161,19 +184,32 @@ def truncation_slice(num_tokens: int, params: TokenizeParams) -> slice | None:
     return slice(num_tokens - keep, None) if params.side == "left" else slice(0, keep)
 
 
+def _cut(values: list | None, cut: slice) -> list | None:
+    return values[cut] if values is not None else None
+
+
 def truncate(tokens: PromptTokens, params: TokenizeParams) -> PromptTokens:
     """Cuts ids and every parallel array with one slice, so token i keeps its offsets."""
     cut = truncation_slice(len(tokens.ids), params)
     if cut is None:
         return tokens
-    offsets = tokens.offsets[cut] if tokens.offsets is not None else None
     kept = tokens.ids[cut]
     return msgspec.structs.replace(
-        tokens, ids=kept, offsets=offsets, tokens_cut=len(tokens.ids) - len(kept)
+        tokens, ids=kept, offsets=_cut(tokens.offsets, cut),
+        token_types=_cut(tokens.token_types, cut), tokens_cut=len(tokens.ids) - len(kept),
     )
 
 
-def pad(tokens: PromptTokens, params: TokenizeParams, pad_token_id: int | None) -> PromptTokens:
+def _padded(values: list | None, filler, extra: int, side: Side) -> list | None:
+    if values is None:
+        return None
+    return [filler] * extra + values if side == "left" else values + [filler] * extra
+
+
+def pad(tokens: PromptTokens, params: TokenizeParams, pad_token_id: int | None,
+        side: Side = "right") -> PromptTokens:
+    """Pads to pad_prompt_tokens (-1: max_input_tokens) on the tokenizer's padding side,
+    every parallel array with it (offsets "no position", token types 0, as HF pads)."""
     target = params.pad_prompt_tokens
     if target is not None and target < 0:
         target = params.max_input_tokens
@@ -182,9 +218,10 @@ def pad(tokens: PromptTokens, params: TokenizeParams, pad_token_id: int | None) 
     if pad_token_id is None:
         raise BudgetError("this tokenizer has no pad token", "pad_prompt_tokens")
     extra = target - len(tokens.ids)
-    offsets = tokens.offsets + [_NO_POSITION] * extra if tokens.offsets is not None else None
     return msgspec.structs.replace(
-        tokens, ids=tokens.ids + [pad_token_id] * extra, offsets=offsets
+        tokens, ids=_padded(tokens.ids, pad_token_id, extra, side),
+        offsets=_padded(tokens.offsets, _NO_POSITION, extra, side),
+        token_types=_padded(tokens.token_types, 0, extra, side),
     )
 
 
@@ -201,11 +238,12 @@ def check_length(tokens: PromptTokens, params: TokenizeParams, capped: bool) -> 
 
 
 def finish(
-    tokens: PromptTokens, params: TokenizeParams, *, capped: bool, pad_token_id: int | None
+    tokens: PromptTokens, params: TokenizeParams, *, capped: bool, pad_token_id: int | None,
+    pad_side: Side = "right",
 ) -> PromptTokens:
     """Truncate, then pad, then check the length (req T-7). Padding before a left cut would
     keep the padding and drop the prompt; checking before the cut would reject what the
     client asked us to cut."""
     tokens = truncate(tokens, params)
-    tokens = pad(tokens, params, pad_token_id)
+    tokens = pad(tokens, params, pad_token_id, pad_side)
     return check_length(tokens, params, capped)

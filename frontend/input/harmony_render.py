@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from frontend.input.rendering import (
     RenderedPrompt,
     RenderError,
@@ -40,6 +42,7 @@ MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 # special token.
 _JOINER = "\u2060"
 
+GENERATION_OPENER = "<|start|>assistant"  # where the model's answer begins
 IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
 KNOWLEDGE_CUTOFF = "2024-06"
 EFFORTS = ("low", "medium", "high")
@@ -67,11 +70,29 @@ def render_for_harmony(tok, messages, params: RenderParams, settings: TemplateSe
     message text escaped either way."""
     conversation = [_escaped(m) for m in template_messages(messages)]
     call_names(conversation)  # a tool message naming no call is a 400 either way
-    if params.request_template or settings.chat_template or tok.chat_template:
+    if params.request_template or settings.chat_template:  # a template the server chose
         return render_with_template(tok, conversation, params, settings)
-    text = render_harmony(conversation, params.tools, params.template_kwargs,
-                          params.add_generation_prompt)
-    return RenderedPrompt(text, params.injected_prefix)
+    if tok.chat_template:
+        rendered = render_with_template(tok, conversation, params, settings)
+    else:
+        rendered = RenderedPrompt(render_harmony(conversation, params.tools,
+                                                 params.template_kwargs,
+                                                 params.add_generation_prompt),
+                                  params.injected_prefix)
+    return _without_opener_usage(tok, rendered, params)
+
+
+def _without_opener_usage(tok, rendered: RenderedPrompt, params: RenderParams
+                          ) -> RenderedPrompt:
+    """The model's own template ends a prompt with the generation opener it adds; its
+    tokens are not the client's prompt and usage leaves them out (TensorRT-LLM's
+    prompt_tokens_excluded_from_usage), only when the template wrote it last."""
+    if not params.add_generation_prompt or params.continue_final_message:
+        return rendered
+    if not rendered.template_text.endswith(GENERATION_OPENER):
+        return rendered
+    opener = tuple(tok.encode(GENERATION_OPENER, add_special_tokens=False))
+    return msgspec.structs.replace(rendered, usage_excluded_ids=opener)
 
 
 def _escaped(m: dict[str, Any]) -> dict[str, Any]:
@@ -143,7 +164,7 @@ def render_harmony(conversation: list[dict[str, Any]], tools: list[dict] | None,
         else:
             raise RenderError(f"messages[{i}]: role {role!r} is not supported by this model")
     if add_generation_prompt:
-        out.append("<|start|>assistant")
+        out.append(GENERATION_OPENER)
     return "".join(out)
 
 

@@ -45,6 +45,8 @@ class TemplateSettings(msgspec.Struct, frozen=True):
     # A gpt-oss model (Harmony format): its prompts go through frontend.input.harmony_render
     # (markers in message text escaped; our renderer where there is no chat template).
     harmony: bool = False
+    # --tokenizer-mode mistral: mistral-common renders (frontend.input.mistral_render).
+    mistral: bool = False
 
 
 class RenderParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,6 +72,13 @@ class RenderedPrompt(msgspec.Struct, frozen=True):
 
     template_text: str
     injected_prefix: str = ""
+    # The prompt's ids when the renderer tokenized it itself (--tokenizer-mode mistral);
+    # None: the tokenizer stage tokenizes `text`.
+    token_ids: list[int] | None = None
+    # Trailing prompt ids the model's own template adds that usage does not count (a Harmony
+    # generation opener, `<|start|>assistant`; TensorRT-LLM's prompt_tokens_excluded_from_
+    # usage); empty under a server or request template.
+    usage_excluded_ids: tuple[int, ...] = ()
 
     @property
     def text(self) -> str:

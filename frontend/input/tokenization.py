@@ -29,14 +29,18 @@ import msgspec
 from frontend.base.api_models import ChatMessage
 from frontend.input import input_metrics
 from frontend.input.budgets import (
+    BudgetError,
     FittedText,
     PromptTokens,
+    Side,
     TokenizeParams,
     finish,
+    fit_pair,
     fit_text,
     shift_offsets,
 )
 from frontend.input.harmony_render import render_for_harmony
+from frontend.input.mistral_render import render_for_mistral
 from frontend.input.rendering import RenderedPrompt, RenderParams, TemplateSettings, render
 from frontend.input.structured import StructuredSettings
 
@@ -46,6 +50,11 @@ log = logging.getLogger("sluice.frontend")
 class InputSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_chars_per_token: int  # TokenizerFacts, computed once at load (req T-11)
     pad_token_id: int | None = None
+    pad_side: Side = "right"  # the tokenizer's padding_side
+    # An encoder's sentence_bert_config.json `do_lower_case`: the model was trained on
+    # lowercased text its tokenizer does not lowercase. Applied after the character ceiling
+    # (which counts what the client sent), before tokenizing.
+    do_lower_case: bool = False
     threads: int = 4
     render_timeout_s: float = 30.0
     templates: TemplateSettings = TemplateSettings()
@@ -227,6 +236,16 @@ def _encode(tok, fitted: FittedText, params: TokenizeParams, num_chars: int):
     return tokens, capped
 
 
+def _check_room(tok, params: TokenizeParams, pair: bool) -> None:
+    """Truncation cuts text only: it must leave room for the tokens the tokenizer adds."""
+    needed = tok.num_special_tokens_to_add(pair=pair)
+    if params.keep_tokens is not None and params.keep_tokens < needed:
+        raise BudgetError(
+            f"truncate_prompt_tokens={params.keep_tokens} leaves no room for the "
+            f"{needed} special tokens this model's tokenizer adds around the input",
+            "truncate_prompt_tokens")
+
+
 # ---------------------------------------------------------------- the stage
 
 
@@ -275,7 +294,8 @@ class Tokenization:
         try:
             with self.pool.borrow() as tok:
                 templates = self.settings.templates
-                renderer = render_for_harmony if templates.harmony else render
+                renderer = (render_for_mistral if templates.mistral else
+                            render_for_harmony if templates.harmony else render)
                 return renderer(tok, messages, params, templates)
         finally:
             with job.lock:
@@ -298,19 +318,57 @@ class Tokenization:
     def tokenize_sync(self, text: str, params: TokenizeParams) -> PromptTokens:
         """The pool job behind `tokenize` (tests call it directly)."""
         # The ceiling comes first: an over-long text never reaches the tokenizer.
-        fitted = fit_text(text, params, self.settings.max_chars_per_token)
+        fitted = self._lowered(fit_text(text, params, self.settings.max_chars_per_token))
         with self.pool.borrow() as tok:
             tokens, capped = _encode(tok, fitted, params, len(text))
-            tokens = finish(tokens, params, capped=capped, pad_token_id=self.settings.pad_token_id)
+            tokens = self._finish(tokens, params, capped)
             if params.needs_detokenization:
                 tokens.text = tok.decode(tokens.ids, skip_special_tokens=False)
         return tokens
 
+    def _lowered(self, fitted: FittedText) -> FittedText:
+        # str.lower() may change the length (a few Unicode letters), so offsets then refer to
+        # the lowercased text, as in vLLM.
+        if not self.settings.do_lower_case:
+            return fitted
+        return msgspec.structs.replace(fitted, text=fitted.text.lower())
+
+    def _finish(self, tokens: PromptTokens, params: TokenizeParams, capped: bool
+                ) -> PromptTokens:
+        return finish(tokens, params, capped=capped, pad_token_id=self.settings.pad_token_id,
+                      pad_side=self.settings.pad_side)
+
+    async def tokenize_pair(self, first: str, second: str | None, params: TokenizeParams,
+                            segments: bool = True) -> PromptTokens:
+        return await self._run(self.tokenize_pair_sync, first, second, params, segments)
+
+    def tokenize_pair_sync(self, first: str, second: str | None, params: TokenizeParams,
+                           segments: bool = True) -> PromptTokens:
+        """A cross-encoder's input: two segments (or one) joined as the tokenizer joins them,
+        with their token types, under the same three budgets as a prompt. Truncation cuts
+        the segments' text (the longer first, as HF's longest_first), never the separators
+        the tokenizer adds, so a cut pair keeps its second segment and its closing token.
+        `segments` False (a decoder reranker has no token types): every type is 0."""
+        a, b = fit_pair(first, second or "", params, self.settings.max_chars_per_token)
+        a, b = self._lowered(a), self._lowered(b)
+        with self.pool.borrow() as tok:
+            _check_room(tok, params, pair=second is not None)
+            try:
+                enc = tok(a.text, b.text if second is not None else None, truncation=True,
+                          max_length=params.pair_max_length, return_token_type_ids=True)
+            finally:  # transformers leaves truncation set on the copy; _encode would obey it
+                tok.backend_tokenizer.no_truncation()
+        input_metrics.TOKENIZER_CHARS.inc(len(a.text) + len(b.text))
+        ids = list(enc["input_ids"])
+        types = (segments and enc.get("token_type_ids")) or [0] * len(ids)
+        tokens = PromptTokens(ids=ids, token_types=list(types),
+                              num_chars=len(first) + len(second or ""),
+                              chars_cut=a.cut_left + a.cut_right + b.cut_left + b.cut_right)
+        return self._finish(tokens, params, capped=params.keep_tokens is None)
+
     async def fit_ids(self, ids: list[int], params: TokenizeParams) -> PromptTokens:
         """prompt_token_ids passthrough: budgets only, no rendering (req T-10)."""
-        tokens = finish(
-            PromptTokens(ids=ids), params, capped=False, pad_token_id=self.settings.pad_token_id
-        )
+        tokens = self._finish(PromptTokens(ids=ids), params, capped=False)
         if params.needs_detokenization:  # after truncation: the text matches the ids sent
             tokens.text = await self.decode(tokens.ids, skip_special_tokens=False)
         return tokens

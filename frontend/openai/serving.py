@@ -213,6 +213,7 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> TokenizeRes
     limit = max_model_len(ctx)
     if (request.prompt is None) == (request.messages is None):
         raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
+    rendered_ids = None
     if request.prompt is not None:
         text, field, add_special = request.prompt, "prompt", True
     else:
@@ -228,12 +229,15 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> TokenizeRes
         )
         check_bounds(chat, ctx.limits)  # message and tool counts, tool-call arguments' depth
         # The template already holds BOS, so no special tokens by default (req T-4).
-        text, field, add_special = (await render_messages(ctx, chat)).text, "messages", False
+        rendered = await render_messages(ctx, chat)
+        text, field, add_special = rendered.text, "messages", False
+        rendered_ids = rendered.token_ids  # set when the renderer tokenized (mistral-common)
     if request.add_special_tokens is not None:
         add_special = request.add_special_tokens
     params = TokenizeParams(max_total_tokens=limit, add_special_tokens=add_special)
     try:
-        tokens = await ctx.tokenization.tokenize(text, params)
+        tokens = (await ctx.tokenization.fit_ids(rendered_ids, params) if rendered_ids is not None
+                  else await ctx.tokenization.tokenize(text, params))
     except BudgetError as exc:
         raise bad_request(str(exc), exc.param or field) from exc
     strs = await ctx.tokenization.token_strs(tokens.ids) if request.return_token_strs else None

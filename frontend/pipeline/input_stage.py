@@ -19,7 +19,13 @@ import numpy as np
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.base.errors import APIError, bad_request
 from frontend.input import input_metrics
-from frontend.input.budgets import BudgetError, PromptTokens, TokenizeParams, check_truncation
+from frontend.input.budgets import (
+    BudgetError,
+    PromptTokens,
+    TokenizeParams,
+    check_truncation,
+    fit_text,
+)
 from frontend.input.media import MediaError
 from frontend.input.multimodal import (
     ImagePart,
@@ -46,8 +52,18 @@ class PromptInput(msgspec.Struct):
 
     @property
     def num_tokens(self) -> int:
-        """The prompt's length in tokens: what usage, token counts and budgets report."""
+        """The prompt's length in tokens: what token counts and budgets report."""
         return len(self.tokens.ids)
+
+    @property
+    def usage_tokens(self) -> int:
+        """What usage reports as prompt_tokens: less the trailing generation opener the
+        model's own template adds, when the prompt still ends with it (Harmony)."""
+        opener = self.rendered.usage_excluded_ids if self.rendered is not None else ()
+        ids = self.tokens.ids
+        if opener and len(ids) > len(opener) and tuple(ids[-len(opener):]) == opener:
+            return len(ids) - len(opener)
+        return len(ids)
 
 
 async def chat_prompt_ids(ctx: ServingContext, request: ChatCompletionRequest) -> list[int]:
@@ -72,7 +88,10 @@ async def chat_input(ctx: ServingContext, request: ChatCompletionRequest) -> Pro
     if parts:
         return await _multimodal_input(ctx, request, params, parts)
     rendered = await _render(ctx, request)
-    tokens = await _tokenize(ctx, rendered.text, params, "messages")
+    if rendered.token_ids is not None:  # the renderer tokenized (mistral-common)
+        tokens = await _fit_rendered(ctx, rendered, params)
+    else:
+        tokens = await _tokenize(ctx, rendered.text, params, "messages")
     _record(request, "chat", tokens, rendered=True)
     return PromptInput(tokens, rendered)
 
@@ -240,6 +259,20 @@ async def _tokenize(ctx: ServingContext, text: str, params: TokenizeParams,
     except BudgetError as exc:
         input_metrics.REJECTED.labels("too_long").inc()
         raise bad_request(str(exc), exc.param or field) from exc
+
+
+async def _fit_rendered(ctx: ServingContext, rendered: RenderedPrompt,
+                        params: TokenizeParams) -> PromptTokens:
+    """A prompt the renderer already tokenized: the character ceiling on its text, then the
+    same truncation and length check as any prompt."""
+    try:
+        fit_text(rendered.text, params, ctx.tokenization.settings.max_chars_per_token)
+        tokens = await ctx.tokenization.fit_ids(rendered.token_ids, params)
+    except BudgetError as exc:
+        input_metrics.REJECTED.labels("too_long").inc()
+        raise bad_request(str(exc), exc.param or "messages") from exc
+    tokens.num_chars = len(rendered.text)
+    return tokens
 
 
 async def _passthrough(ctx: ServingContext, request, ids, params: TokenizeParams,

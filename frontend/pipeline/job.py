@@ -30,7 +30,8 @@ class Job(msgspec.Struct):
 
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(p.num_tokens for p in self.prompts)
+        """Usage's prompt_tokens (PromptInput.usage_tokens)."""
+        return sum(p.usage_tokens for p in self.prompts)
 
 
 class Candidate(msgspec.Struct):

@@ -198,4 +198,4 @@ async def input_tokens(ctx: ServingContext, http: Request, request: InputTokensR
     except APIError as exc:
         raise renamed(exc, FIELD_NAMES) from exc
     prompt = await chat_input(ctx, chat)
-    return InputTokens(prompt.num_tokens)
+    return InputTokens(prompt.usage_tokens)  # what usage would say

@@ -268,3 +268,19 @@ def test_anthropic_messages_with_thinking_stream_what_they_answer_whole(url):
     assert streamed_text == "".join(texts)
     assert [b.model_dump(exclude={"signature"}) for b in again.content] == [
         b.model_dump(exclude={"signature"}) for b in whole.content]
+
+
+def test_usage_leaves_out_the_generation_opener(client, url):
+    """prompt_tokens is the rendered prompt less the `<|start|>assistant` the model's format
+    adds (TensorRT-LLM's prompt_tokens_excluded_from_usage); /tokenize still shows every
+    id, and ids sent as prompt_token_ids are counted as sent."""
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    ids = httpx.post(f"{url}/tokenize", timeout=30, json={
+        "model": MODEL, "messages": messages}).json()["tokens"]
+    opener = harmony_tokenizer().encode("<|start|>assistant", add_special_tokens=False)
+    assert ids[-len(opener):] == opener
+    out = chat(client, ANSWER, messages=messages)
+    assert out.usage.prompt_tokens == len(ids) - len(opener)
+    passthrough = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": messages, "prompt_token_ids": ids, "max_tokens": 1})
+    assert passthrough.json()["usage"]["prompt_tokens"] == len(ids)

@@ -111,3 +111,62 @@ def test_long_pairs_truncate_when_asked_and_embeddings_are_refused(server):
     assert out["usage"]["prompt_tokens"] == 40 and 0 < out["data"][0]["score"] < 1
     r = _post(server, "/v1/embeddings", {"input": "hi"})
     assert r.status_code == 400 and "not served by this model" in r.json()["error"]["message"]
+
+
+def _reference_cut(server, a: str, b: str | None, keep: int) -> tuple[int, float]:
+    """transformers' own truncation of a pair to `keep` tokens (longest_first, separators
+    kept), its token count and the sigmoid of its logit."""
+    enc = server[1](a, b, truncation=True, max_length=keep, return_tensors="pt",
+                    return_token_type_ids=True)
+    with torch.no_grad():
+        logit = server[2](**enc).logits[0]
+    return enc["input_ids"].shape[1], float(torch.sigmoid(logit)[0])
+
+
+def test_truncated_pairs_keep_their_second_segment_and_separator(server):
+    """A cut pair is the tokenizer's own cut: text from the longer segment, both [SEP]s kept
+    (a plain slice of the joined ids dropped the closing [SEP] and then the whole document)."""
+    long_query = " ".join(["hello"] * 30)
+    for a, b, keep in [(long_query, "hi there", 9), (long_query, " ".join(["cat"] * 50), 40),
+                       ("hi", " ".join(["hello"] * 60), 12)]:
+        out = _post(server, "/score", {"text_1": a, "text_2": b,
+                                       "truncate_prompt_tokens": keep}).json()
+        count, expected = _reference_cut(server, a, b, keep)
+        assert out["usage"]["prompt_tokens"] == count == keep
+        assert abs(out["data"][0]["score"] - expected) < 1e-4
+    rerank = _post(server, "/rerank", {"query": long_query, "documents": ["hi there"],
+                                       "truncate_prompt_tokens": 9}).json()
+    assert abs(rerank["results"][0]["relevance_score"]
+               - _reference_cut(server, long_query, "hi there", 9)[1]) < 1e-4
+    long_text = " ".join(["dog"] * 80)
+    classify = _post(server, "/classify", {"input": long_text,
+                                           "truncate_prompt_tokens": 10}).json()
+    count, expected = _reference_cut(server, long_text, None, 10)
+    assert classify["usage"]["prompt_tokens"] == count == 10
+    assert abs(classify["data"][0]["probs"][0] - expected) < 1e-4
+
+
+def test_pair_budgets_ceiling_cut_and_bounds(server):
+    """The character ceiling (40 tokens x the longest token's characters) pre-cuts a huge
+    truncated pair before the tokenizer sees it; untruncated it is a 400 at once; a keep
+    too small for the separators is a 400 naming the field."""
+    from tests.servers import metrics
+
+    huge = "hello " * 20_000
+    before = metrics(server[0])["sluice:input_tokenizer_chars_total"]
+    out = _post(server, "/score", {"text_1": huge, "text_2": huge,
+                                   "truncate_prompt_tokens": -1})
+    assert out.status_code == 200 and out.json()["usage"]["prompt_tokens"] == 40
+    tokenized = metrics(server[0])["sluice:input_tokenizer_chars_total"] - before
+    assert 0 < tokenized < len(huge)  # each side cut to the ceiling
+    r = _post(server, "/rerank", {"query": "hi", "documents": [huge]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+    assert "characters" in r.json()["error"]["message"]
+    for keep, status in [(2, 400), (3, 200), (40, 200), (41, 400)]:
+        r = _post(server, "/score", {"text_1": "hi", "text_2": "hello world",
+                                     "truncate_prompt_tokens": keep})
+        assert r.status_code == status, (keep, r.text)
+        if status == 400:
+            assert r.json()["error"]["param"] == "truncate_prompt_tokens"
+    r = _post(server, "/classify", {"input": "hi", "truncate_prompt_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"

@@ -209,6 +209,25 @@ def test_pad_to_the_maximum():
     assert out.ids == [1] + [9] * (LIMIT - 1)
 
 
+def test_padding_follows_the_tokenizers_side_with_every_parallel_array():
+    """pad_prompt_tokens pads on the tokenizer's padding_side (vLLM's), after a cut on
+    either side, and token types and offsets grow with the ids."""
+    tokens = PromptTokens(ids=[11, 12, 13, 14], offsets=[(i, i + 1) for i in range(4)],
+                          token_types=[0, 0, 1, 1])
+    left = finish(tokens, params(truncate_prompt_tokens=3, truncation_side="right",
+                                 pad_prompt_tokens=5), capped=False, pad_token_id=0,
+                  pad_side="left")
+    assert left.ids == [0, 0, 11, 12, 13] and left.token_types == [0, 0, 0, 0, 1]
+    assert left.offsets == [(0, 0), (0, 0), (0, 1), (1, 2), (2, 3)]
+    right = finish(tokens, params(pad_prompt_tokens=6), capped=False, pad_token_id=0)
+    assert right.ids == [11, 12, 13, 14, 0, 0] and right.token_types == [0, 0, 1, 1, 0, 0]
+    same = finish(tokens, params(pad_prompt_tokens=4), capped=False, pad_token_id=None)
+    assert same.ids == tokens.ids  # already long enough: no pad token needed
+    with pytest.raises(BudgetError, match="no pad token") as err:
+        finish(tokens, params(pad_prompt_tokens=5), capped=False, pad_token_id=None)
+    assert err.value.param == "pad_prompt_tokens"
+
+
 def test_length_check_says_exact_count_when_not_capped():
     with pytest.raises(BudgetError, match=f"has {LIMIT + 5} tokens"):
         finish(PromptTokens(ids=[1] * (LIMIT + 5)), params(), capped=False, pad_token_id=None)
@@ -218,3 +237,19 @@ def test_needs_detokenization_gives_the_text_after_truncation(stage, tokenizer):
     text = TEXT[:300]
     out = stage.tokenize_sync(text, params(truncate_prompt_tokens=4, needs_detokenization=True))
     assert out.text == tokenizer.decode(out.ids) and text.endswith(out.text)
+
+
+def test_a_pair_leaves_its_tokenizer_copy_untruncated(tokenizer):
+    """tokenize_pair cuts with the tokenizer's own truncation, which transformers leaves set
+    on the copy: the next prompt tokenized with that copy must not be cut by it."""
+    settings = InputSettings(max_chars_per_token=MAX_CHARS_PER_TOKEN * 20, threads=1)
+    stage = Tokenization(tokenizer, settings)
+    try:
+        pair = stage.tokenize_pair_sync("hello there", "world " * 20,
+                                        params(generation=False, truncate_prompt_tokens=5))
+        assert len(pair.ids) == 5
+        assert stage.pool.copies == 1  # the one copy, used by both jobs below
+        whole = stage.tokenize_sync(TEXT, TokenizeParams(max_total_tokens=10_000))
+        assert len(whole.ids) == len(encode(tokenizer, TEXT)[0]) > 5
+    finally:
+        stage.shutdown()

@@ -164,3 +164,33 @@ def test_with_the_checkpoint_template_too_unknown_calls_are_400s_and_thinking_is
                                  "reasoning_content": "why <|end|>"}),
                   RenderParams(), settings()).text
     assert f"[assistant|why {escape_markers('<|end|>')}]" in text
+
+
+def test_the_models_own_opener_is_left_out_of_usage_only_with_its_template():
+    """TensorRT-LLM's prompt_tokens_excluded_from_usage: the generation opener the model's
+    own format adds (`<|start|>assistant`) is marked for usage to leave out, with our
+    renderer or the checkpoint's template; a server or request template, no generation
+    prompt, or a continued message mark nothing."""
+    from frontend.input.budgets import PromptTokens
+    from frontend.pipeline.input_stage import PromptInput
+    from tests.harmony_model import harmony_tokenizer
+
+    tok = harmony_tokenizer()
+    opener = tuple(tok.encode("<|start|>assistant", add_special_tokens=False))
+    chat = messages({"role": "user", "content": "hi"})
+    ours = render_for_harmony(tok, chat, RenderParams(), settings())
+    assert ours.usage_excluded_ids == opener and tok.decode(opener) == "<|start|>assistant"
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}<|start|>assistant"
+    assert render_for_harmony(tok, chat, RenderParams(), settings()).usage_excluded_ids == opener
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}<|start|>assistant"
+    for params, where in [(RenderParams(), TemplateSettings(harmony=True,
+                                                            chat_template=template)),
+                          (RenderParams(request_template=template), settings()),
+                          (RenderParams(add_generation_prompt=False), settings())]:
+        assert render_for_harmony(tok, chat, params, where).usage_excluded_ids == ()
+    ids = tok.encode(ours.text, add_special_tokens=False)
+    prompt = PromptInput(PromptTokens(ids=ids), ours)
+    assert prompt.usage_tokens == len(ids) - len(opener) and prompt.num_tokens == len(ids)
+    cut = PromptInput(PromptTokens(ids=ids[:-1]), ours)  # no longer ends with it
+    assert cut.usage_tokens == len(ids) - 1
+    assert PromptInput(PromptTokens(ids=ids)).usage_tokens == len(ids)  # token ids sent

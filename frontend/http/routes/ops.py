@@ -18,7 +18,12 @@ def routes(app: AppContext) -> list[Route]:
         # 503 while draining too, so balancers stop sending before the frontend goes.
         if app.readiness.ready:
             return Response(status_code=200)
-        return Response(status_code=503, headers=app.readiness.not_ready_headers())
+        headers = app.readiness.not_ready_headers()
+        refusals = app.ctx.client.refusals
+        if refusals and not app.readiness.admission.draining:  # an engine answers: why not it
+            return JSONResponse({"status": "unhealthy", "reason": refusals[0]},
+                                status_code=503, headers=headers)
+        return Response(status_code=503, headers=headers)
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": VERSION})
