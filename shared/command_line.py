@@ -28,6 +28,7 @@ from shared.runner_config import (
     parse_hf_overrides,
     parse_pooler_config,
 )
+from shared.tracing_flags import add_tracing_arguments
 
 
 class Command(msgspec.Struct, frozen=True):
@@ -121,6 +122,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "names are the same everywhere)")
     add_vllm_compat_arguments(p)
     _add_pooling_arguments(p)
+    add_tracing_arguments(p)
 
 
 # ---------------------------------------------------------------- pooling (embeddings)

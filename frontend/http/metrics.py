@@ -21,6 +21,7 @@ from frontend.engine_client.engine_metrics import connection_families, every_eng
 from frontend.engine_client.request_metrics import register_request_metrics
 from frontend.input.input_metrics import register_input_metrics
 from shared.metrics_export import with_model_name, with_vllm_names
+from shared.tracing import dropped_spans_counter
 
 # The library chose its storage when it was imported, i.e. by now: read the same setting.
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -71,6 +72,7 @@ def metrics_registry(client: EngineClient, model_name: str = "",
     else:
         register_input_metrics(own)
         register_request_metrics(own)
+        own.register(dropped_spans_counter())
     registry.register(FrontendSeries(own, model_name))
     return registry
 
