@@ -41,7 +41,7 @@ from frontend.pipeline.serving_context import (
     frame_error,
     max_model_len,
 )
-from frontend.pipeline.tracing import engine_context, note_embeddings
+from frontend.pipeline.tracing import engine_context, note_embeddings, phase
 from shared.config import FrontendConfig
 from shared.param_ranges import RangeProblem, check_priority
 from shared.protocol import (
@@ -172,8 +172,9 @@ async def create_embeddings(ctx: ServingContext, request: EmbeddingRequest,
         check_truncation(params)
     except BudgetError as exc:
         raise bad_request(str(exc), exc.param) from exc
-    prompts = await asyncio.gather(*(_tokens(ctx, item, params, i)
-                                     for i, item in enumerate(inputs)))
+    with phase("tokenize"):
+        prompts = await asyncio.gather(*(_tokens(ctx, item, params, i)
+                                         for i, item in enumerate(inputs)))
     request_id = f"embd-{request.request_id or uuid.uuid4().hex}"
     now = time.time()
     trace_context = engine_context()  # the engine's spans join this request's trace

@@ -32,6 +32,9 @@ class RequestSpan:
         self.sink = sink
         self.span = span
         self.started = time.time()
+        # A background response's work outlives its request's span: it still carries the
+        # span's context on, but writes nothing more to it.
+        self.ended = False
         self.first_token = False
         self.output_tokens: dict[int, int] = {}  # candidate number -> its output tokens
         self.finish_reasons: dict[int, str] = {}
@@ -42,6 +45,8 @@ class RequestSpan:
         return self.sink.tracer.start_span(name, context=trace.set_span_in_context(self.span))
 
     def frame(self, number: int, frame: TextFrame) -> None:
+        if self.ended:
+            return
         if not self.first_token and frame.num_output_tokens:
             self.first_token = True
             self.span.add_event("first_token")
@@ -66,6 +71,7 @@ class RequestSpan:
             span.set_attribute("gen_ai.latency.e2e", time.time() - self.started)
         if status >= 500:
             span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+        self.ended = True
         span.end()
 
 
@@ -94,6 +100,9 @@ class TracingMiddleware:
 
             try:
                 await self.app(scope, receive, send_traced)
+            except Exception as exc:
+                traced.span.record_exception(exc)
+                raise
             finally:
                 route = scope.get("route")
                 traced.close(status[0], getattr(route, "path", None))
@@ -124,10 +133,16 @@ def current() -> RequestSpan | None:
     return _current.get()
 
 
+def _open() -> RequestSpan | None:
+    """The current request's span while it is still open."""
+    traced = _current.get()
+    return traced if traced is not None and not traced.ended else None
+
+
 @contextmanager
 def phase(name: str):
     """A child span of the current request's for the block (render, tokenize, submit)."""
-    traced = _current.get()
+    traced = _open()
     if traced is None:
         yield
         return
@@ -155,7 +170,7 @@ def engine_context() -> TraceContext | None:
 def note_job(job, endpoint: str, request) -> None:
     """The GenAI request attributes of a job (a chat or completions request, or one the
     Responses and Messages faces translated)."""
-    traced = _current.get()
+    traced = _open()
     if traced is None:
         return
     first = job.candidates[0].params
@@ -175,7 +190,7 @@ def note_job(job, endpoint: str, request) -> None:
 
 
 def note_embeddings(request_id: str, model: str, input_tokens: int, inputs: int) -> None:
-    traced = _current.get()
+    traced = _open()
     if traced is not None:
         traced.span.set_attributes({
             "gen_ai.operation.name": "embeddings", "gen_ai.request.model": model,
