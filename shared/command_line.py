@@ -28,7 +28,7 @@ from shared.runner_config import (
     parse_hf_overrides,
     parse_pooler_config,
 )
-from shared.tracing_flags import add_tracing_arguments
+from shared.tracing_flags import add_tracing_arguments, check_tracing_flags
 
 
 class Command(msgspec.Struct, frozen=True):
@@ -71,6 +71,7 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str],
     apply_model_tag(command, args)
     if commands[args.command].serves:
         args.compat_notes = vllm_compat_notes(command, args)
+        check_tracing_flags(command, args)
         commands[args.command].validate(command, args)
     return args
 

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from shared.trace_context import TraceParent
+from shared.tracing_flags import traces_endpoint
 
 log = logging.getLogger("sluice.tracing")
 
@@ -53,16 +54,6 @@ class SpanData(msgspec.Struct):
     events: list[SpanEvent] = []
     error: str | None = None  # set: the span's status is ERROR with this description
     kind: str = "internal"  # internal | server | consumer
-
-
-def traces_endpoint(flag: str | None) -> str | None:
-    """Where traces go, or None when tracing is off: the flag, else the OTEL_ variables."""
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    if flag:
-        return flag
-    return (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-            or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
 
 
 def traces_protocol() -> str:

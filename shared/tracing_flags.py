@@ -5,6 +5,7 @@ OpenTelemetry SDK."""
 from __future__ import annotations
 
 import argparse
+import os
 
 # vLLM's --collect-detailed-traces modules. sluice records all it has whatever is chosen.
 DETAILED_TRACE_MODULES = ("all", "model", "worker")
@@ -31,6 +32,24 @@ def add_tracing_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's (all, model, worker): accepted; sluice's spans always carry "
                         "every detail it records (phase times, prefill chunks, preemptions), "
                         "which costs nothing per step")
+
+
+def traces_endpoint(flag: str | None) -> str | None:
+    """Where traces go, or None when tracing is off: the flag, else the OTEL_ variables."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    if flag:
+        return flag
+    return (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
+
+
+def check_tracing_flags(parser: argparse.ArgumentParser, args) -> None:
+    """As vLLM: detailed traces without anywhere to send them is a mistake, said at start."""
+    if (getattr(args, "collect_detailed_traces", None)
+            and traces_endpoint(getattr(args, "otlp_traces_endpoint", None)) is None):
+        parser.error("--collect-detailed-traces needs --otlp-traces-endpoint (or "
+                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
 
 
 def tracing_argv(args) -> list[str]:

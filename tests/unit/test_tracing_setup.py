@@ -65,7 +65,16 @@ def test_flags_on_every_serving_command_and_forwarded_by_serve():
     assert "--otlp-traces-endpoint" not in _common_argv(parse_args(["serve"]))
     for bad in ("", "bogus", "all,", "model;worker"):
         with pytest.raises(SystemExit):
-            parse_args(["engine", "--collect-detailed-traces", bad])
+            parse_args(["engine", "--otlp-traces-endpoint", "http://c:4317",
+                        "--collect-detailed-traces", bad])
+
+
+def test_detailed_traces_need_somewhere_to_go(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["frontend", "--collect-detailed-traces", "all"])
+    assert "--collect-detailed-traces needs --otlp-traces-endpoint" in capsys.readouterr().err
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:4317")
+    assert parse_args(["frontend", "--collect-detailed-traces", "all"]).collect_detailed_traces
 
 
 def test_a_process_without_tracing_loads_no_opentelemetry():
