@@ -61,7 +61,7 @@ class RequestSpan:
 
         span = self.span
         span.set_attribute("http.response.status_code", status)
-        if route:
+        if route and span.is_recording():  # an unsampled span has no name to change
             span.update_name(f"{span.name.split(' ', 1)[0]} {route}")
             span.set_attribute("http.route", route)
         if self.finish_reasons:

@@ -148,20 +148,24 @@ def unreachable(shared_engine, tmp_path_factory):
     receiver.stop()
 
 
-def _ask(base_url: str) -> None:
+def _ask(base_url: str, traceparent: str = TRACEPARENT) -> str:
     r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                   headers={"traceparent": TRACEPARENT}, timeout=60)
+                   headers={"traceparent": traceparent}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
-    assert CLIENT_TRACE in r.headers["traceparent"]
+    assert traceparent.split("-")[1] in r.headers["traceparent"]
+    return r.headers["traceparent"]
 
 
 def test_grpc_then_a_collector_that_hangs_or_refuses_costs_no_request(unreachable):
     frontend, receiver = unreachable
+    unsampled = "00-1bf7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+    assert _ask(frontend.base_url, unsampled).endswith("-00")  # the client said: no trace
     _ask(frontend.base_url)
     spans = receiver.wait_for(lambda got: any(s.kind == 2 for s in _trace(got, CLIENT_TRACE)))
     server = _server_span(_trace(spans, CLIENT_TRACE), "my-gateway")  # OTEL_SERVICE_NAME wins
     assert not [s for s in spans if s.name.endswith("/health")]  # probes are not traced
+    assert not _trace(spans, unsampled.split("-")[1])
     assert server.parent_span_id == CLIENT_SPAN
     assert server.attributes["gen_ai.operation.name"] == "text_completion"
     receiver.hang.set()  # takes the next export and never answers

@@ -121,10 +121,14 @@ def test_a_stuck_collector_costs_spans_not_time(monkeypatch):
     provider.add_span_processor(tracing._processor(exporter, "test"))
     tracer = provider.get_tracer("t")
     full, failed = _dropped("queue_full"), _dropped("export_failed")
-    for i in range(50):
+    tracer.start_span("first").end()
+    deadline = time.monotonic() + 30  # the export thread takes it (a loaded host is slow)
+    while exporter.calls == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for i in range(49):
         tracer.start_span(f"s{i}").end()
     # Every span ended while the first export still hangs (it would take 30 s to give up):
-    # one in export, 4 queued, the rest dropped and counted.
+    # one in export, 4 queued, the other 45 dropped and counted.
     assert exporter.calls == 1 and not exporter.release.is_set()
     assert _dropped("queue_full") - full >= 40
     exporter.release.set()
