@@ -24,7 +24,9 @@ def add_postproc_command(postproc: argparse.ArgumentParser) -> None:
 
 def run_postproc_command(args) -> int:
     from postproc.worker import run_postproc
+    from shared.tracing import start_tracing
 
+    start_tracing("sluice-postproc", args.otlp_traces_endpoint)
     model = model_names(args)[0]
     run_postproc(tokenizer_path(args, model),
                  args.engine_postproc_address or [DEFAULT_POSTPROC_ADDRESS],

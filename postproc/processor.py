@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -40,6 +41,23 @@ class Registration(msgspec.Struct):
     prompt_ids: Sequence[int]
     params: OutputParams
     continuation: Continuation | None = None
+    timed: bool = False  # traced: its state keeps `PhaseTimes`
+
+
+class PhaseTimes(msgspec.Struct):
+    """A traced request's time in each postproc phase (postproc.tracing makes its span)."""
+
+    detokenize_s: float = 0.0  # detokenizing and stop strings
+    parse_s: float = 0.0  # the reasoning and tool-call parsers
+    frames: int = 0
+    first_frame_at: float = 0.0  # time.time() of its first frame
+
+    def add(self, started: float, detokenized: float, parsed: float) -> None:
+        if not self.frames:
+            self.first_frame_at = time.time()
+        self.frames += 1
+        self.detokenize_s += detokenized - started
+        self.parse_s += parsed - detokenized
 
 
 class RequestState(msgspec.Struct):
@@ -51,12 +69,15 @@ class RequestState(msgspec.Struct):
     tools: ToolParser | None
     writer: ChunkWriter | None
     next_seq: int = 0
+    timing: PhaseTimes | None = None
 
 
 class Processed(msgspec.Struct):
     frames: list[TextFrame]
     # Requests a stop string finished while the engine still runs them: abort them there.
     stopped_early: list[str]
+    # Traced requests that finished in this batch: their phase times.
+    timings: dict[str, PhaseTimes] = msgspec.field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -72,10 +93,11 @@ class OutputProcessor:
 
     def register(
         self, request_id: str, prompt_token_ids: Sequence[int], params: OutputParams,
-        continuation: Continuation | None = None,
+        continuation: Continuation | None = None, timed: bool = False,
     ) -> None:
         with self._lock:
-            self._states[request_id] = Registration(prompt_token_ids, params, continuation)
+            self._states[request_id] = Registration(prompt_token_ids, params, continuation,
+                                                    timed)
 
     def discard(self, request_id: str) -> None:
         with self._lock:
@@ -101,6 +123,8 @@ class OutputProcessor:
                 frame = _failed_frame(state.next_seq if state else 0, output, exc)
             if frame.finish_reason is not None:
                 self.discard(output.request_id)
+                if state is not None and state.timing is not None:
+                    result.timings[output.request_id] = state.timing
                 if output.finish_reason is None:
                     result.stopped_early.append(output.request_id)
             result.frames.append(frame)
@@ -136,6 +160,7 @@ class OutputProcessor:
             tools=tools,
             writer=(ChunkWriter(params.chunk, spec.prompt_ids)
                     if params.chunk is not None else None),
+            timing=PhaseTimes() if spec.timed else None,
         )
         if spec.continuation is not None:
             self._replay(state, spec.continuation, request_id)
@@ -172,10 +197,14 @@ class OutputProcessor:
 
     def _frame(self, state: RequestState, output: RequestOutput, request_id: str) -> TextFrame:
         ids = unpack_ids(output.new_token_ids)
+        started = time.perf_counter()
         text, finish_reason, stop_reason = self._text(state, output, ids)
+        detokenized = time.perf_counter()
         finished = finish_reason is not None and finish_reason != "error"
         reasoning, content, calls = self._parse(state, text, finished,
                                                 truncated=finish_reason == "length")
+        if state.timing is not None:
+            state.timing.add(started, detokenized, time.perf_counter())
         if finish_reason == "stop" and state.tools is not None and state.tools.num_calls:
             finish_reason = "tool_calls"  # as OpenAI says when the answer called tools
         logprobs = self._entries(state, ids, output.logprobs)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import zmq
 
 from postproc.processor import OutputProcessor
+from postproc.tracing import postproc_traces
 from shared.codec import encode, worker_inbound_decoder
 from shared.protocol import (
     AbortRequest,
@@ -68,6 +69,7 @@ class PostprocWorker:
         self._reply_to: dict[str, str] = {}
         self._owned: dict[str, set[str]] = defaultdict(set)  # engine address -> request ids
         self.engines: dict[str, zmq.Socket] = {}
+        self.traces = postproc_traces(self.worker_id)  # None: this worker traces nothing
 
     def _wanted(self) -> set[str]:
         """The engine addresses the sources name now (a failed lookup keeps what it had)."""
@@ -105,6 +107,8 @@ class PostprocWorker:
         for request_id in self._owned.pop(address, set()):
             self.processor.discard(request_id)
             self._reply_to.pop(request_id, None)
+            if self.traces is not None:
+                self.traces.forget(request_id)
 
     def run(self) -> None:
         ctx = zmq.Context()
@@ -142,11 +146,15 @@ class PostprocWorker:
         owned = self._owned[address]
         for request in batch.assignments:
             prompt = unpack_ids(request.prompt_token_ids)
+            timed = (self.traces is not None and request.trace_context is not None
+                     and self.traces.assigned(request))
             self.processor.register(request.request_id, prompt, request.output,
-                                    request.continuation)
+                                    request.continuation, timed)
             self._reply_to[request.request_id] = request.reply_to
             owned.add(request.request_id)
         processed = self.processor.process(batch.outputs)
+        if self.traces is not None:
+            self.traces.finished(processed)
         by_frontend: dict[str, list[TextFrame]] = defaultdict(list)
         done = []
         for frame in processed.frames:

@@ -29,6 +29,7 @@ from shared.runner_config import (
     parse_pooler_config,
 )
 from shared.tokenizer_modes import TOKENIZER_MODES
+from shared.tracing_flags import add_tracing_arguments, check_tracing_flags
 
 
 class Command(msgspec.Struct, frozen=True):
@@ -71,6 +72,7 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str],
     apply_model_tag(command, args)
     if commands[args.command].serves:
         args.compat_notes = vllm_compat_notes(command, args)
+        check_tracing_flags(command, args)
         commands[args.command].validate(command, args)
     return args
 
@@ -129,6 +131,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "names are the same everywhere)")
     add_vllm_compat_arguments(p)
     _add_pooling_arguments(p)
+    add_tracing_arguments(p)
 
 
 # ---------------------------------------------------------------- pooling (embeddings)

@@ -226,6 +226,14 @@ class PoolingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     token_type_ids: bytes = b""
 
 
+class TraceContext(msgspec.Struct, frozen=True, array_like=True):
+    """W3C trace context as its two headers (shared.trace_context reads them): the span
+    a request's work in the next process is the child of."""
+
+    traceparent: str
+    tracestate: str = ""
+
+
 class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     request_id: str
     prompt_token_ids: TokenIds
@@ -249,6 +257,8 @@ class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     pooling: PoolingParams | None = None
     # The LoRA adapter to run it with, by name (the request's `model`); None: the base model.
     lora_name: str | None = None
+    # Set when the frontend traces it: the engine's and the postproc worker's spans join it.
+    trace_context: TraceContext | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):

@@ -55,6 +55,7 @@ from shared.command_line import (
 from shared.command_line import setup_logging as _setup_logging
 from shared.prometheus_dir import prepare_prometheus_dir
 from shared.startup_checks import check_model
+from shared.tracing_flags import tracing_argv
 from shared.transport import new_ipc_address, remove_ipc_file
 
 # Names tests and tools reach through this module, the one every command goes through.
@@ -200,6 +201,7 @@ def _common_argv(args) -> list[str]:
     common += ["--tokenizer-mode", args.tokenizer_mode]
     common += ["--runner", runner_of(args),  # pooling: every process reads it alike
                "--max-embedding-inputs", str(args.max_embedding_inputs)]
+    common += tracing_argv(args)  # every process traces its own part of a request
     return common + _given((("--pooler-config", args.pooler_config),
                             ("--hf-overrides", args.hf_overrides)))
 

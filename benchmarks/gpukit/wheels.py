@@ -43,6 +43,18 @@ CARRIED = {
     "jsonschema-specifications": "2025.9.1",
     "referencing": "0.37.0",
     "rpds-py": "2026.9.1",
+    # --otlp-traces-endpoint (shared.tracing): the SDK, its OTLP exporters and what they need
+    # beyond the device's grpcio, protobuf and requests.
+    "opentelemetry-api": "1.45.2",
+    "opentelemetry-sdk": "1.45.2",
+    "opentelemetry-semantic-conventions": "0.66b2",
+    "opentelemetry-proto": "1.45.2",
+    "opentelemetry-exporter-otlp-proto-common": "1.45.2",
+    "opentelemetry-exporter-otlp-common": "0.66b2",
+    "opentelemetry-exporter-http-transport": "0.66b2",
+    "opentelemetry-exporter-otlp-proto-grpc": "1.45.2",
+    "opentelemetry-exporter-otlp-proto-http": "1.45.2",
+    "googleapis-common-protos": "1.76.0",
 }
 
 # On the device already, as KINDS.md lists them (read 2026-11-17); names normalized.

@@ -75,8 +75,11 @@ def add_engine_command(engine: argparse.ArgumentParser) -> None:
 
 def run_engine_command(args) -> int:
     from engine.process.server import run_engine
+    from shared.tracing import start_tracing
 
-    run_engine(engine_config(args, args.engine_address, args.postproc_address))
+    config = engine_config(args, args.engine_address, args.postproc_address)
+    start_tracing("sluice-engine", args.otlp_traces_endpoint, config.engine_id)
+    run_engine(config)
     return 0
 
 

@@ -35,5 +35,8 @@ def start_metrics_server(host: str, port: int,
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(stats))
+    from shared.tracing import dropped_spans_counter
+
+    registry.register(dropped_spans_counter())  # spans this engine could not export
     start_http_server(port, addr=host, registry=registry)  # a daemon thread
     log.info("engine metrics on http://%s:%d/metrics", host, port)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from engine.request.records import DraftState
+from engine.request.records import DraftState, RequestTrace
 from engine.request.thinking import ThinkingTracker
 from shared.protocol import PoolingParams, SamplingParams
 
@@ -83,6 +83,9 @@ class Sequence(msgspec.Struct, kw_only=True):
     # sampled; its result is the pooled vector.
     pooling: PoolingParams | None = None
     pooled: object = None  # numpy float32 vector, once computed
+    # Set when the request came with a sampled trace context and tracing is on
+    # (engine.step.tracing): the span it ends with, stamped as it runs, never per token.
+    trace: RequestTrace | None = None
 
     @property
     def awaiting_grammar(self) -> bool:

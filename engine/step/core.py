@@ -18,6 +18,7 @@ from engine.step.multimodal import ImageProblem, parse_images
 from engine.step.request_checks import continuation_problem, request_problem, resumed_ids
 from engine.step.request_output import output_for
 from engine.step.scheduler import Scheduler
+from engine.step.tracing import engine_traces, note_chunk
 from shared import histograms as h
 from shared.param_ranges import MAX_LOGPROBS
 from shared.protocol import (
@@ -78,6 +79,7 @@ class EngineCore:
         self._compiling: dict[str, Sequence] = {}  # requests whose grammar is not ready yet
         # Outputs produced outside a step (rejections, aborts), sent with the next batch.
         self._pending: list[tuple[str, RequestOutput]] = []
+        self.traces = engine_traces(engine_id, model_name)  # None: this engine traces nothing
         self._start_counts()
 
     def _start_counts(self) -> None:
@@ -166,6 +168,8 @@ class EngineCore:
             # A continuation: its earlier tokens were reported by the engine that drew them.
             seq.num_reported = len(resumed)
             seq.cumulative_logprob = request.continuation.cumulative_logprob
+        if self.traces is not None and request.trace_context is not None:
+            self.traces.start(seq, request)
         return seq
 
     def _acquire_lora(self, name: str) -> int:
@@ -217,6 +221,8 @@ class EngineCore:
             error_status=status,
         )
         self._pending.append((request.reply_to, output))
+        if self.traces is not None and request.trace_context is not None:
+            self.traces.rejected(request, message, status)
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -229,6 +235,8 @@ class EngineCore:
             seq.finish_reason = "abort"
             self.num_aborted += 1
             observe_times(self.histograms, seq)
+            if seq.trace is not None:
+                self.traces.finished(seq)
             self._pending.append((seq.reply_to, output_for(seq)))
 
     def abort_peer(self, peer: bytes) -> list[str]:
@@ -258,6 +266,8 @@ class EngineCore:
         for chunk in plan.chunks:
             if chunk.seq.scheduled_time is None:
                 chunk.seq.scheduled_time = scheduled_at
+        if self.traces is not None:
+            self._stamp_traces(plan, scheduled_at)
         result = self.runner.execute(plan.chunks)
         self.num_steps += 1
         self.histograms[h.ITERATION_TOKENS].observe(plan.num_tokens)
@@ -288,6 +298,16 @@ class EngineCore:
             self._fail_in_step(seq, problem, outputs)
         self.step_time_total_s += time.perf_counter() - started
         return outputs
+
+    @staticmethod
+    def _stamp_traces(plan, now: float) -> None:
+        """Traced requests count their prefill chunks and note when they were preempted."""
+        for chunk in plan.chunks:
+            if chunk.seq.trace is not None:
+                note_chunk(chunk.seq)
+        for seq in plan.preempted:
+            if seq.trace is not None:
+                seq.trace.preempted_at.append(now)
 
     def _take_step_result(self, seq: Sequence, result, token, now: float, outputs) -> None:
         part = result.prompt_logprobs.get(seq.request_id)
@@ -408,6 +428,8 @@ class EngineCore:
         del self.sequences[seq.request_id]
         self.num_finished += 1
         observe_times(self.histograms, seq)
+        if seq.trace is not None:
+            self.traces.finished(seq)
 
     def stats(self) -> EngineStats:
         return engine_stats(self)

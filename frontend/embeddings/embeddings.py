@@ -41,6 +41,7 @@ from frontend.pipeline.serving_context import (
     frame_error,
     max_model_len,
 )
+from frontend.pipeline.tracing import engine_context, note_embeddings, phase
 from shared.config import FrontendConfig
 from shared.param_ranges import RangeProblem, check_priority
 from shared.protocol import (
@@ -171,16 +172,21 @@ async def create_embeddings(ctx: ServingContext, request: EmbeddingRequest,
         check_truncation(params)
     except BudgetError as exc:
         raise bad_request(str(exc), exc.param) from exc
-    prompts = await asyncio.gather(*(_tokens(ctx, item, params, i)
-                                     for i, item in enumerate(inputs)))
+    with phase("tokenize"):
+        prompts = await asyncio.gather(*(_tokens(ctx, item, params, i)
+                                         for i, item in enumerate(inputs)))
     request_id = f"embd-{request.request_id or uuid.uuid4().hex}"
     now = time.time()
+    trace_context = engine_context()  # the engine's spans join this request's trace
     engine_requests = [
         EngineRequest(request_id=f"{request_id}-{i}", prompt_token_ids=pack_ids(p.ids),
                       params=_UNUSED_SAMPLING, reply_to=ctx.client.result_address,
-                      arrival_time=now, priority=request.priority or 0, pooling=pooling)
+                      arrival_time=now, priority=request.priority or 0, pooling=pooling,
+                      trace_context=trace_context)
         for i, p in enumerate(prompts)
     ]
+    note_embeddings(request_id, request.model or ctx.model_name,
+                    sum(len(p.ids) for p in prompts), len(prompts))
     frames = await run_pooling(ctx, engine_requests, [p.ids for p in prompts])
     data = [Embedding(_encode(frames[r.request_id], request.encoding_format), i)
             for i, r in enumerate(engine_requests)]

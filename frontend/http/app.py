@@ -30,6 +30,7 @@ from frontend.http.routes import anthropic, batches, openai, ops, responses, web
 from frontend.http.routes.context import AppContext, guarded
 from frontend.input.input_bounds import RequestLimits
 from frontend.pipeline.serving_context import ServingContext
+from frontend.pipeline.tracing import TracingMiddleware, batch_line_span
 from frontend.responses import background_runs
 from frontend.responses.background import BackgroundRunner
 from frontend.responses.conversations import ConversationRecords
@@ -38,6 +39,7 @@ from frontend.responses.stored import ResponseRecords
 from frontend.state.store import StateStore, open_store
 from shared.config import FrontendConfig
 from shared.runner_config import resolve_runner
+from shared.tracing import tracing
 
 
 def build_app(ctx: ServingContext, config: FrontendConfig) -> Starlette:
@@ -98,9 +100,12 @@ def _responses(state: StateStore, config: FrontendConfig) -> Responses:
 def _batches(state: StateStore, config: FrontendConfig, line_routes: dict,
              keys: key_setup.KeyService | None) -> batches_api.Batches:
     """Files and batches (frontend.batches), whose lines run through `line_routes`, each
-    within its key's limits where --api-keys-file gives it some."""
+    within its key's limits where --api-keys-file gives it some, each its own trace."""
     async def run(path: str, body: bytes) -> tuple[int, bytes]:
-        response = await line_routes[path](_internal_request(path, body))
+        with batch_line_span(tracing(), path) as status:
+            response = await line_routes[path](_internal_request(path, body))
+            if status is not None:
+                status[0] = response.status_code
         return response.status_code, bytes(response.body)
 
     async def dispatch(path: str, body: bytes) -> tuple[int, bytes]:
@@ -165,6 +170,8 @@ def _middleware(config: FrontendConfig, admission: Admission,
     """Outermost first: CORS answers preflights and decorates even 401s (browsers must see
     them); unauthenticated requests are refused before their bodies are read or queued."""
     stack = [Middleware(RequestIdMiddleware)]
+    if tracing() is not None:  # outermost: refusals are traced too
+        stack.insert(0, Middleware(TracingMiddleware, sink=tracing()))
     if config.allowed_origins:
         stack.append(Middleware(
             CORSMiddleware, allow_origins=config.allowed_origins,

@@ -60,6 +60,9 @@ def add_frontend_command(frontend: argparse.ArgumentParser) -> None:
 def run_frontend_command(args) -> int:
     prepare_prometheus_dir()  # before frontend.* imports prometheus_client
     from frontend.http.server import run_frontend
+    from shared.tracing import start_tracing
+
+    start_tracing("sluice-frontend", args.otlp_traces_endpoint, f"{args.host}:{args.port}")
 
     run_frontend(frontend_config(args, args.engine_address, args.result_address))
     return 0

@@ -22,6 +22,7 @@ from frontend.engine_client.request_metrics import register_request_metrics
 from frontend.http.key_metrics import register_key_metrics
 from frontend.input.input_metrics import register_input_metrics
 from shared.metrics_export import with_model_name, with_vllm_names
+from shared.tracing import dropped_spans_counter
 
 # The library chose its storage when it was imported, i.e. by now: read the same setting.
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -73,6 +74,7 @@ def metrics_registry(client: EngineClient, model_name: str = "",
         register_input_metrics(own)
         register_request_metrics(own)
         register_key_metrics(own)
+        own.register(dropped_spans_counter())
     registry.register(FrontendSeries(own, model_name))
     return registry
 

@@ -38,6 +38,7 @@ from frontend.input.rendering import RenderedPrompt, RenderError, RenderParams, 
 from frontend.input.structured import forced_call_prefix
 from frontend.input.tokenization import RenderQueueTimeout, RenderTimeout
 from frontend.pipeline.serving_context import ServingContext, max_model_len
+from frontend.pipeline.tracing import phase
 from shared.protocol import ImageInput
 from shared.tool_specs import template_tools
 
@@ -174,7 +175,8 @@ async def _render(ctx: ServingContext, request: ChatCompletionRequest,
     )
     try:
         check_render_params(params, request.messages)
-        return await ctx.tokenization.render_chat(request.messages, params)
+        with phase("render"):
+            return await ctx.tokenization.render_chat(request.messages, params)
     except RenderError as exc:
         raise bad_request(str(exc), exc.param) from exc
     except RenderTimeout as exc:
@@ -255,7 +257,8 @@ def _tokenize_params(ctx: ServingContext, request: Request, *,
 async def _tokenize(ctx: ServingContext, text: str, params: TokenizeParams,
                     field: str) -> PromptTokens:
     try:
-        return await ctx.tokenization.tokenize(text, params)
+        with phase("tokenize"):
+            return await ctx.tokenization.tokenize(text, params)
     except BudgetError as exc:
         input_metrics.REJECTED.labels("too_long").inc()
         raise bad_request(str(exc), exc.param or field) from exc

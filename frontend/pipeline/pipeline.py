@@ -47,6 +47,7 @@ from frontend.pipeline.serving_context import (
     max_model_len,
     structured_settings,
 )
+from frontend.pipeline.tracing import current, engine_context, note_frame, note_job, phase
 from postproc.chunks import sse_event
 from postproc.openai_shapes import CompletionTokensDetails, PromptTokensDetails, Usage
 from postproc.reasoning import get_reasoning_parser
@@ -129,6 +130,7 @@ def build_job(
                         thinking=thinking)
     lora_name = lora_name_for(ctx, getattr(request, "model", None))
     job = Job(request_id, int(now), prompts, plan, [], {}, model=lora_name or ctx.model_name)
+    trace_context = engine_context()  # the engine's and postproc's spans join this request's
     for p, (prompt, prompt_max) in enumerate(zip(prompts, max_tokens, strict=True)):
         packed = pack_ids(prompt.tokens.ids)
         prompt_sampling = prompt_params(plan, prompt_max)
@@ -147,9 +149,10 @@ def build_job(
                 output=output_params(ctx, request, job, plan, prompt, number),
                 cache_salt=request.cache_salt, priority=request.priority,  # req P-12
                 images=prompt.images,
-                lora_name=lora_name,
+                lora_name=lora_name, trace_context=trace_context,
             ))
     job.index_of = {c.request_id: i for i, c in enumerate(job.candidates)}
+    note_job(job, endpoint, request)
     return job
 
 
@@ -257,9 +260,10 @@ async def submit(ctx: ServingContext, job: Job) -> asyncio.Queue:
             )
     queue: asyncio.Queue = asyncio.Queue()
     try:
-        for candidate in job.candidates:
-            prompt = job.prompts[job.index_of[candidate.request_id] // job.plan.candidates]
-            await ctx.client.submit(candidate, prompt.tokens.ids, queue)
+        with phase("submit"):  # waiting for a live engine, placing and sending
+            for candidate in job.candidates:
+                prompt = job.prompts[job.index_of[candidate.request_id] // job.plan.candidates]
+                await ctx.client.submit(candidate, prompt.tokens.ids, queue)
         for first in job.candidates[::job.plan.candidates]:  # one per prompt
             request_metrics.PARAMS_N.observe(job.plan.n)
             request_metrics.PARAMS_MAX_TOKENS.observe(first.params.max_tokens)
@@ -283,6 +287,7 @@ async def job_frames(ctx: ServingContext, http: Request, job: Job, queue: asynci
     """(candidate number, frame) until every candidate finishes; aborts the rest if the
     client leaves first."""
     watcher = asyncio.create_task(_watch_disconnect(http, queue))
+    traced = current()
     unfinished = set(job.index_of)
     most = [0] * len(job.prompts)  # the longest answer of each prompt, for vLLM's metric
     failed = False
@@ -292,6 +297,7 @@ async def job_frames(ctx: ServingContext, http: Request, job: Job, queue: asynci
             if frame is _DISCONNECTED:
                 return
             number = job.index_of[frame.request_id]
+            note_frame(traced, number, frame)
             if frame.finish_reason is not None:
                 unfinished.discard(frame.request_id)
                 prompt = number // job.plan.candidates

@@ -38,6 +38,7 @@ from shared.protocol import (
     TokenLogprobs,
     ToolCallDelta,
     TopLogprob,
+    TraceContext,
     WorkBatch,
     WorkerDone,
     WorkerHeartbeat,
@@ -115,6 +116,8 @@ ENGINE_INBOUND = {
         continuation=Continuation(pack_ids([9, 8, 7]), frame_sizes=[1, 0, 2],
                                   cumulative_logprob=-2.5),
         lora_name="sql-ünï",
+        trace_context=TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+                                   "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"),
     ),
     "request-defaults": EngineRequest(
         request_id="req-2",

@@ -33,6 +33,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--no-repack": "llama-server's (the llama.cpp comparison)",
     "--allowed-media-domains": "vLLM's, named as having no counterpart here",
     "--nproc-per-node": "torchrun's (docs/operations.md, Tensor parallelism)",
+    "--rm": "docker run's (docs/observability.md, a trace collector in one command)",
 }
 # Benchmark script flags named in prose, away from the script's command line.
 PROSE_SCRIPT_FLAGS = {"--shared-system": "benchmarks/prefix_routing.py",
@@ -44,6 +45,7 @@ NOT_ROUTES = {
     "/tmp": "a directory",
     "/tmp/sluice-gpu-site": "a directory on the GPU machine (docs/gpu.md)",
     "/tmp/sluice-gpu-model": "a directory on the GPU machine (docs/gpu.md)",
+    "/v1/traces": "a trace collector's OTLP/HTTP path (docs/observability.md)",
 }
 METHODS = r"(?:(?:GET|POST|DELETE)(?:\|(?:GET|POST|DELETE))* )?"
 ROUTE_SPAN = re.compile(rf"`{METHODS}(/[\w{{}}./-]*\w[\w{{}}./-]*)`")
