@@ -326,6 +326,8 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     draining: bool = False
     # The LoRA adapters it serves now (the frontends' /v1/models lists these).
     lora_adapters: list[LoraAdapterInfo] = []
+    # It drafts tokens (speculative decoding): beam search is refused there, as vLLM does.
+    speculative: bool = False
 
 
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):

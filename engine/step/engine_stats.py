@@ -51,4 +51,5 @@ def engine_stats(core) -> EngineStats:
         page_size=core.allocator.page_size,
         histograms={name: b.snapshot() for name, b in _histograms(core).items()},
         lora_adapters=core.lora.infos() if core.lora is not None else [],
+        speculative=core.scheduler.drafter is not None,
     )

@@ -58,6 +58,9 @@ async def start_beam_job(ctx: ServingContext, request: Request_, prefix: str) ->
         endpoint, prompts = "chat", [await chat_input(ctx, request)]
     else:
         endpoint, prompts = "completions", await completion_inputs(ctx, request)
+    if any(c.stats is not None and c.stats.speculative for c in ctx.client.live_engines()):
+        raise bad_request("use_beam_search cannot be combined with speculative decoding, "
+                          "which this server's engine runs", "use_beam_search")
     if any(p.images for p in prompts):
         raise bad_request("images cannot be combined with use_beam_search", "messages")
     plan = request_plan(request, vocab_size=ctx.vocab_size, defaults=ctx.generation_defaults)
