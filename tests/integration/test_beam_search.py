@@ -89,6 +89,7 @@ def _ask(base_url, case, **extra) -> httpx.Response:
                       timeout=120)
 
 
+@pytest.mark.slow  # transformers' beam search on the CPU: seconds a case
 def test_beams_match_transformers_token_for_token(base_url, reference, tokenizer):
     before = metrics(base_url)
     ours = {}

@@ -251,6 +251,7 @@ FRONTEND_INBOUND = {
         draining=True,
         lora_adapters=[LoraAdapterInfo("a", "/adapters/a"),
                        LoraAdapterInfo("b", "/adapters/b", base_model_name="base")],
+        speculative=True,
     ),
     "lora-result": LoraUpdateResult(op_id="op-1", status=404, message="No adapter found"),
 }
