@@ -344,6 +344,8 @@ class EngineStats(msgspec.Struct, tag="stats", frozen=True):
     # shared.tokenizer.tokenizer_fingerprint of the tokenizer it loaded: a frontend that
     # renders with another refuses it. "": not reported (it is then taken on trust).
     tokenizer_fingerprint: str = ""
+    # It drafts tokens (speculative decoding): beam search is refused there, as vLLM does.
+    speculative: bool = False
 
 
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -31,6 +31,7 @@ SHARED_ENGINE_ARGS = ("--max-num-batched-tokens", "256", "--dtype", "float32", "
 XDIST_GROUPS = {
     "test_reference.py": "cluster", "test_two_frontends.py": "cluster",
     "test_vllm_metrics.py": "cluster", "test_weights.py": "cluster",
+    "test_beam_search.py": "cluster",  # transformers' load of the default model, once
     "test_fuzz.py": "fuzz", "test_schemathesis.py": "fuzz",
 }
 

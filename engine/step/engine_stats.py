@@ -52,4 +52,5 @@ def engine_stats(core) -> EngineStats:
         histograms={name: b.snapshot() for name, b in _histograms(core).items()},
         lora_adapters=core.lora.infos() if core.lora is not None else [],
         tokenizer_fingerprint=core.tokenizer_fingerprint,
+        speculative=core.scheduler.drafter is not None,
     )

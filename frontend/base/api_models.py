@@ -161,6 +161,11 @@ class _SamplingFields(NullMeansDefault, forbid_unknown_fields=True, kw_only=True
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
     return_token_ids: bool | None = False  # answers carry prompt and output ids (vLLM's)
     prompt_logprobs: int | None = None  # logprobs of the prompt's tokens too (vLLM's)
+    # vLLM's beam search (frontend.pipeline.beam_search): n beams (best_of on completions),
+    # scored sum logprob / length**length_penalty, stopping as transformers' early_stopping.
+    use_beam_search: bool | None = False
+    length_penalty: float | None = 1.0
+    early_stopping: bool | Literal["never"] | None = False
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

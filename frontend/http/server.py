@@ -81,6 +81,7 @@ def _input_settings(config: FrontendConfig, tokenizer, facts: TokenizerFacts) ->
         render_timeout_s=config.render_timeout_s,
         templates=templates,
         structured=_structured_settings(config, tokenizer, facts),
+        eos_token_ids=tuple(facts.eos_token_ids),
     )
 
 

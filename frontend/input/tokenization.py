@@ -61,6 +61,7 @@ class InputSettings(msgspec.Struct, frozen=True, kw_only=True):
     # Tool-call and reasoning parsers (and llguidance's tokenizer) for structured output; the
     # renderer injects a named tool_choice's begin marker (req C-3).
     structured: StructuredSettings = StructuredSettings()
+    eos_token_ids: tuple[int, ...] = ()  # TokenizerFacts': what ends a beam (beam search)
 
 
 class RenderTimeout(Exception):

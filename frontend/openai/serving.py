@@ -3,7 +3,7 @@
 Route handlers stay thin; the shared pipeline (`frontend.pipeline.pipeline`) checks, renders and
 submits a request and yields its frames, and this module shapes them into OpenAI bodies
 or SSE chunks, streaming or not. A request with n > 1 or best_of returns its chosen
-candidates as choices.
+candidates as choices; one with use_beam_search its best beams (`beam_serving`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from frontend.base.api_models import (
 from frontend.base.errors import bad_request
 from frontend.input.budgets import BudgetError, TokenizeParams
 from frontend.input.input_bounds import check_bounds
+from frontend.openai.beam_serving import beam_chat_completion, beam_completion
 from frontend.pipeline.input_stage import _render as render_messages
 from frontend.pipeline.job import Candidate, Job
 from frontend.pipeline.pipeline import (
@@ -87,6 +88,8 @@ def _usage(ctx: ServingContext, job: Job, candidates: list[Candidate]) -> Usage:
 async def chat_completion(
     ctx: ServingContext, http: Request, request: ChatCompletionRequest
 ) -> Response:
+    if request.use_beam_search:
+        return await beam_chat_completion(ctx, http, request, answer_role(ctx, request))
     job, frames = await start_job(ctx, http, request)
     if request.stream:
         return sse_response(_chat_stream(ctx, request, job, frames))
@@ -171,6 +174,8 @@ def _chat_stream(ctx: ServingContext, request: ChatCompletionRequest, job: Job, 
 
 
 async def completion(ctx: ServingContext, http: Request, request: CompletionRequest) -> Response:
+    if request.use_beam_search:
+        return await beam_completion(ctx, http, request)
     job, frames = await start_job(ctx, http, request)
     if request.stream:
         include_usage, _ = stream_usage(ctx, request)

@@ -25,6 +25,7 @@ from frontend.base.api_models import (
 from frontend.base.errors import bad_request
 from frontend.input.input_bounds import RequestLimits, check_bounds
 from frontend.input.structured import StructuredSettings, check_structured
+from frontend.pipeline.beam_checks import check_beam_fields
 from shared.generation_config import GenerationDefaults
 from shared.param_ranges import (
     LOGIT_BIAS_LIMIT,
@@ -68,6 +69,7 @@ def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTU
     `structured`: the server's tool-call and reasoning parsers; without them, tools (other
     than with tool_choice "none") are refused. `limits`: the server's maxima per request."""
     check_bounds(request, limits)
+    check_beam_fields(request)
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if request.cache_salt is not None and not request.cache_salt:
@@ -220,7 +222,7 @@ def _check_plan(request: Request, params: SamplingParams, vocab_size: int) -> No
         raise bad_request("allowed_token_ids may not be empty (leave it out for no "
                           "restriction)", "allowed_token_ids")
     if (isinstance(request, CompletionRequest) and (request.best_of or 1) > 1
-            and params.greedy):
+            and params.greedy and not request.use_beam_search):
         # Greedy candidates are all the same answer: nothing to pick the best of. Greedy is
         # the engine's own definition (shared.protocol), so 1e-6 counts as 0 here too.
         raise bad_request("best_of must be 1 when sampling greedily (temperature below "

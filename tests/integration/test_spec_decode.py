@@ -74,3 +74,11 @@ def test_stop_strings_logprobs_streaming_and_n_are_unchanged(spec_url, base_url)
             assert lb["tokens"] == la["tokens"]
             assert lb["token_logprobs"] == pytest.approx(la["token_logprobs"], abs=1e-3)
     assert _stream_text(spec_url, stop=[stop]) == _stream_text(base_url, stop=[stop])
+
+
+def test_beam_search_is_refused_where_the_engine_drafts(spec_url):
+    # As vLLM: speculative decoding does not take beam search (a 400 naming the field).
+    body = {"prompt": COPY, "max_tokens": 4, "n": 2, "use_beam_search": True}
+    r = httpx.post(f"{spec_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "use_beam_search"

@@ -257,6 +257,7 @@ FRONTEND_INBOUND = {
         kv_events_endpoint="tcp://*:5557", kv_events_replay_endpoint="tcp://*:5558",
         kv_events_dropped=3,
         tokenizer_fingerprint="175fc183ddaf5265",
+        speculative=True,
     ),
     "lora-result": LoraUpdateResult(op_id="op-1", status=404, message="No adapter found"),
 }
