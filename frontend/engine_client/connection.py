@@ -37,6 +37,9 @@ class EngineConnection:
         self.monitor: zmq.asyncio.Socket | None = None  # the dealer's disconnect events
         self.monitor_task: asyncio.Task | None = None
         self.stats_arrived = asyncio.Event()
+        # This frontend's requests moved onto it / off it (GET /v1/engines).
+        self.migrated_in = 0
+        self.migrated_out = 0
 
     @property
     def draining(self) -> bool:
@@ -78,6 +81,7 @@ class RequestStream(msgspec.Struct):
     moves: int = 0  # times it moved after its first frame (--migration-limit)
     waiting_since: float | None = None  # lost its engine with nowhere to go
     lost_reason: str = ""  # why it is waiting: death | freeze | drain
+    lost_from: EngineConnection | None = None  # the engine it lost, until it moves off it
     # What the client has: the tokens of the frames delivered, and how many each held.
     output_ids: bytearray = msgspec.field(default_factory=bytearray)
     frame_sizes: list[int] = msgspec.field(default_factory=list)
