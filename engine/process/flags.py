@@ -69,8 +69,11 @@ def add_engine_command(engine: argparse.ArgumentParser) -> None:
 
 def run_engine_command(args) -> int:
     from engine.process.server import run_engine
+    from shared.log_format import set_process_fields
 
-    run_engine(engine_config(args, args.engine_address, args.postproc_address))
+    config = engine_config(args, args.engine_address, args.postproc_address)
+    set_process_fields(engine_id=config.engine_id)  # on every log line from here on
+    run_engine(config)
     return 0
 
 
