@@ -62,11 +62,10 @@ def close_request(token: contextvars.Token) -> None:
 
 
 def name_request(request_id: str) -> None:
-    """The request this task serves is `request_id` (from now on, in its log lines)."""
+    """The request this task serves is `request_id` (from now on, in its log lines). Only
+    inside an opened request: a task outside one (a test, a sweep) keeps no stale name."""
     current = _request.get()
-    if current is None:
-        _request.set(RequestContext(request_id))
-    else:
+    if current is not None:
         current.request_id = request_id
 
 

@@ -36,6 +36,7 @@ from frontend.responses.shared import Responses
 from frontend.responses.stored import ResponseRecords
 from frontend.state.store import StateStore, open_store
 from shared.config import FrontendConfig
+from shared.log_format import close_request, open_request
 from shared.runner_config import resolve_runner
 
 
@@ -94,7 +95,11 @@ def _responses(state: StateStore, config: FrontendConfig) -> Responses:
 def _batches(state: StateStore, config: FrontendConfig, line_routes: dict) -> batches_api.Batches:
     """Files and batches (frontend.batches), whose lines run through `line_routes`."""
     async def dispatch(path: str, body: bytes) -> tuple[int, bytes]:
-        response = await line_routes[path](_internal_request(path, body))
+        token = open_request()  # a line's log lines carry its request's id, as HTTP ones do
+        try:
+            response = await line_routes[path](_internal_request(path, body))
+        finally:
+            close_request(token)
         return response.status_code, bytes(response.body)
 
     batch_ttl = config.batch_ttl_s or None

@@ -51,6 +51,7 @@ def test_the_request_and_trace_come_from_the_context_and_extra_wins():
     finally:
         log_format.trace_id.reset(trace)
         log_format.close_request(token)
+    log_format.name_request("outside")  # no request open: nothing to name, nothing kept
     assert "request_id" not in json.loads(JsonFormatter().format(_record()))
 
 
