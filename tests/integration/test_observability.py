@@ -28,8 +28,8 @@ def stack(tmp_path_factory):
     s = Stack(str(tmp_path_factory.mktemp("observe")), "--data-parallel-size", "2",
               "--postproc-workers", "1", "--log-format", "json", "--api-key", KEY)
     try:
-        wait_until(lambda: [e["state"] for e in _engines(s)] == ["up", "up"], 60,
-                   "both engines up")
+        wait_until(lambda: [(e["state"], e["postproc_workers"]) for e in _engines(s)]
+                   == [("up", 1), ("up", 1)], 60, "both engines up, the worker on both")
         yield s
     finally:
         s.stop()
@@ -70,7 +70,7 @@ def test_engines_route_lists_both_engines_behind_the_key(stack):
     refused = httpx.post(f"{stack.base_url}/v1/engines", headers=AUTH)
     assert refused.status_code == 405 and refused.json()["error"]["code"] == 405
     engines = _engines(stack)
-    assert [e["id"] for e in engines] == sorted(e["id"] for e in engines)  # by address
+    assert [e["address"] for e in engines] == sorted(e["address"] for e in engines)
     assert {e["id"] for e in engines} == {"engine-0", "engine-1"}
     for e in engines:
         assert set(e) == {"id", "address", "role", "state", "running", "waiting",
