@@ -340,7 +340,8 @@ def _failed_frame(seq: int, output: RequestOutput, exc: Exception) -> TextFrame:
     """The last frame of a request whose output could not be processed (a bug or output no
     parser survives): it ends with an error, and the engine stops generating it, while every
     other request in the batch goes on."""
-    _log.exception("processing the output of %s failed", output.request_id)
+    _log.exception("processing the output of %s failed", output.request_id,
+                   extra={"request_id": output.request_id})
     return TextFrame(
         request_id=output.request_id, seq=seq, text="",
         token_ids=output.new_token_ids, num_prompt_tokens=output.num_prompt_tokens,

@@ -20,6 +20,8 @@ from typing import Any
 import msgspec
 
 from shared import json_flags
+from shared import log_format as log_format_module
+from shared.log_format import LOG_FORMATS
 from shared.param_ranges import MAX_LOGPROBS, UNBOUNDED_LOGPROBS
 from shared.runner_config import (
     GENERATE_TASKS,
@@ -49,7 +51,7 @@ class Command(msgspec.Struct, frozen=True):
 
 def new_parser(commands: list[Command]) -> argparse.ArgumentParser:
     """The `sluice` parser: one subparser per command, in the order given."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sluice", description="OpenAI-compatible LLM serving: frontend, engine, postproc.",
         formatter_class=HelpFormatter,
     )
@@ -61,16 +63,38 @@ def new_parser(commands: list[Command]) -> argparse.ArgumentParser:
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), whose errors under `--log-format json` are
+    one JSON log line, as every other line the process writes."""
+
+    json_errors = False
+
+    def error(self, message: str):
+        if not _Parser.json_errors:
+            super().error(message)
+        log_format_module.setup_logging("info", "json")
+        logging.getLogger("sluice").error("%s: error: %s", self.prog, message)
+        self.exit(2)
+
+
+def _asks_json(argv: list[str]) -> bool:
+    return any(a == "--log-format=json" or (a == "--log-format" and b == "json")
+               for a, b in zip(argv, [*argv[1:], ""], strict=True))
+
+
 def parse_command_line(parser: argparse.ArgumentParser, argv: list[str],
                        commands: dict[str, Command]):
     """Parse a command line the way `sluice` does: vLLM spellings, --config, positional MODEL."""
-    args, unknown = parser.parse_known_args(normalize_argv(argv))
+    argv = normalize_argv(argv)
+    _Parser.json_errors = _asks_json(argv)
+    args, unknown = parser.parse_known_args(argv)
     # Errors found after parsing print the subcommand's usage, as its own parsing errors do.
     command = subcommand_parser(parser, args.command)
     if unknown:
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
     apply_model_tag(command, args)
     if commands[args.command].serves:
+        check_log_format(args)
         args.compat_notes = vllm_compat_notes(command, args)
         check_tracing_flags(command, args)
         commands[args.command].validate(command, args)
@@ -125,6 +149,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="how much the processes log")
+    p.add_argument("--log-format", default="text", metavar="text|json",
+                   help="text lines, or one JSON object a line (timestamp, level, logger, "
+                        "message, role, engine_id, request_id, trace_id; docs/observability.md)"
+                        ", uvicorn's lines too (default: %(default)s)")
     p.add_argument("--config", metavar="YAML",
                    help="flags from a YAML file, as vLLM's: `max_model_len: 2048`, `enforce_eager: "
                         "true`; flags on the command line win (underscores and dashes in flag "
@@ -199,7 +227,6 @@ VLLM_NOOP_FLAGS = {
     "--enable-prefix-caching": "prefix caching is always on",
     "--enable-chunked-prefill": "chunked prefill is always on",
     "--enable-request-id-headers": "X-Request-Id is always read and echoed",
-    "--disable-uvicorn-access-log": "the HTTP server keeps no access log",
 }
 
 
@@ -431,7 +458,12 @@ def tokenizer_path(args, model_path: str) -> str:
     return resolve_model_path(args.tokenizer, args.revision, args.download_dir)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+def check_log_format(args) -> None:
+    """--log-format's refusal: one line, as every start-up mistake (not argparse's usage)."""
+    if args.log_format not in LOG_FORMATS:
+        raise SystemExit(f"sluice: --log-format {args.log_format}: expected one of "
+                         f"{', '.join(LOG_FORMATS)}")
+
+
+def setup_logging(level: str, log_format: str = "text", role: str | None = None) -> None:
+    log_format_module.setup_logging(level, log_format, role)

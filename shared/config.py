@@ -92,6 +92,7 @@ class HttpSettings(msgspec.Struct, kw_only=True):
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0  # ssl.CERT_NONE
     log_level: str = "info"
+    access_log: bool = True  # uvicorn's line per request (--disable-uvicorn-access-log)
 
 
 class FrontendConfig(msgspec.Struct, kw_only=True):

@@ -130,12 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     command = COMMANDS[args.command]
-    if command.serves:
-        _setup_logging(args.log_level)
+    if not command.serves:
+        return command.run(args)
+    # The process's role (serve, engine, frontend, postproc) is its subcommand.
+    _setup_logging(args.log_level, args.log_format, args.command)
+    try:
         for note in args.compat_notes:
             logging.getLogger("sluice").info("%s", note)
         check_startup(args)
-    return command.run(args)
+        return command.run(args)
+    except SystemExit as exc:
+        if args.log_format != "json" or not isinstance(exc.code, str):
+            raise
+        # A refusal's one line ("sluice: ..."), as a JSON line like every other.
+        logging.getLogger("sluice").error("%s", exc.code)
+        return 1
 
 
 def _serve(args) -> int:
@@ -191,7 +200,7 @@ def _switches(pairs) -> list[str]:
 
 def _common_argv(args) -> list[str]:
     """The flags every process `serve` starts reads alike: the model and how to load it."""
-    common = ["--log-level", args.log_level]
+    common = ["--log-level", args.log_level, "--log-format", args.log_format]
     if args.model:
         common += ["--model", args.model]
     if args.served_model_name:
@@ -261,6 +270,7 @@ def _frontend_http_argv(args) -> list[str]:
                  ("--ssl-certfile", args.ssl_certfile), ("--ssl-ca-certs", args.ssl_ca_certs),
                  ("--uvicorn-log-level", args.uvicorn_log_level))),
         *_switches((("--disable-web-ui", args.disable_web_ui),)),
+        *_switches((("--disable-uvicorn-access-log", args.disable_uvicorn_access_log),)),
     ]
 
 

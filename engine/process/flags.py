@@ -75,9 +75,11 @@ def add_engine_command(engine: argparse.ArgumentParser) -> None:
 
 def run_engine_command(args) -> int:
     from engine.process.server import run_engine
+    from shared.log_format import set_process_fields
     from shared.tracing import start_tracing
 
     config = engine_config(args, args.engine_address, args.postproc_address)
+    set_process_fields(engine_id=config.engine_id)  # on every log line from here on
     start_tracing("sluice-engine", args.otlp_traces_endpoint, config.engine_id)
     run_engine(config)
     return 0

@@ -21,6 +21,7 @@ from engine.parallel.commands import PlanSeq
 from engine.parallel.leader import WorkerSpec
 from engine.parallel.rendezvous import Rendezvous
 from shared.config import EngineConfig
+from shared.log_format import FORMAT_ENV, setup_logging
 
 log = logging.getLogger("sluice.engine")
 
@@ -122,8 +123,10 @@ def _exit(why: str) -> None:
 def main(argv: list[str]) -> int:
     spec = msgspec.json.decode(argv[0], type=WorkerSpec)
     rank = spec.rendezvous.rank
-    logging.basicConfig(level=spec.config_log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    # The engine's --log-format (left in the environment by shared.log_format), its id too.
+    setup_logging(spec.config_log_level, os.environ.get(FORMAT_ENV, "text"), "engine",
+                  text_format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
+                  engine_id=spec.config.engine_id, rank=rank)
     return run_rank(spec.config, spec.rendezvous)
 
 

@@ -107,7 +107,8 @@ class EngineCore:
         try:
             self._admit(request, peer)
         except Exception as exc:  # nothing was added yet: only this request is lost
-            log.exception("could not admit request %s", request.request_id[:200])
+            log.exception("could not admit request %s", request.request_id[:200],
+                          extra={"request_id": request.request_id[:200]})
             self._reject(request, 0, f"the engine could not admit this request: {exc}", 500)
 
     def _admit(self, request: EngineRequest, peer: bytes | None) -> None:
@@ -293,7 +294,8 @@ class EngineCore:
                                             now, outputs)
                     continue
                 except Exception as exc:  # its own bookkeeping (grammar, stops) broke
-                    log.exception("request %s failed after sampling", seq.request_id)
+                    log.exception("request %s failed after sampling", seq.request_id,
+                                  extra={"request_id": seq.request_id})
                     problem = f"processing its token failed: {type(exc).__name__}: {exc}"
             self._fail_in_step(seq, problem, outputs)
         self.step_time_total_s += time.perf_counter() - started

@@ -154,7 +154,8 @@ class ModelRunner:
             except Exception as exc:
                 _reraise_device_fault(exc)
                 failed[seq.request_id] = f"{self.stage} failed: {type(exc).__name__}: {exc}"
-                log.warning("request %s failed in %s: %s", seq.request_id, self.stage, exc)
+                log.warning("request %s failed in %s: %s", seq.request_id, self.stage, exc,
+                            extra={"request_id": seq.request_id})
                 sampled.append(None)
         return sampled
 

@@ -363,6 +363,10 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
     def active_request_ids(self) -> list[str]:
         return list(self._streams)
 
+    def requests_in_flight(self) -> list[tuple[str, RequestStream]]:
+        """(request id, stream) of every request running (GET /v1/engines)."""
+        return list(self._streams.items())
+
     async def fail_request(self, request_id: str, message: str, status: int) -> None:
         """End one running request with an error frame (its response says why) and abort it
         in the engine: used by --request-timeout and at the end of a drain."""

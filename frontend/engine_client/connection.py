@@ -40,6 +40,9 @@ class EngineConnection:
         # Why this frontend refuses it (another model or tokenizer; consistency.py); None:
         # it may take requests.
         self.refusal: str | None = None
+        # This frontend's requests moved onto it / off it (GET /v1/engines).
+        self.migrated_in = 0
+        self.migrated_out = 0
 
     @property
     def draining(self) -> bool:
@@ -81,6 +84,7 @@ class RequestStream(msgspec.Struct):
     moves: int = 0  # times it moved after its first frame (--migration-limit)
     waiting_since: float | None = None  # lost its engine with nowhere to go
     lost_reason: str = ""  # why it is waiting: death | freeze | drain
+    lost_from: EngineConnection | None = None  # the engine it lost, until it moves off it
     # What the client has: the tokens of the frames delivered, and how many each held.
     output_ids: bytearray = msgspec.field(default_factory=bytearray)
     frame_sizes: list[int] = msgspec.field(default_factory=list)

@@ -91,7 +91,8 @@ class EngineHeartbeats:
                 if not conn.was_alive:
                     # Said here, as it becomes live, so it comes before the "ready" line.
                     conn.was_alive = True
-                    log.info("engine %s at %s is live", conn.engine_id, conn.address)
+                    log.info("engine %s at %s is live", conn.engine_id, conn.address,
+                             extra={"engine_id": conn.engine_id})
                 if not message.draining and not conn.retired:
                     self.last_live = conn.last_heard
                 if conn.orphans:

@@ -44,17 +44,20 @@ class Migration:
         if silent and not others:
             for _, stream in mine:
                 stream.waiting_since, stream.lost_reason = now, reason
+                stream.lost_from = conn
             log.error("engine %s at %s stopped answering; its %d requests wait for it (or "
                       "another engine) up to --engine-timeout %gs", conn.engine_id,
-                      conn.address, len(mine), self.engine_timeout_s)
+                      conn.address, len(mine), self.engine_timeout_s,
+                      extra={"engine_id": conn.engine_id})
             return
         conn.orphans.update(s.wire_id for _, s in mine)
         conn.requests.clear()
         log.error("engine %s at %s is gone (%s); moving its %d requests", conn.engine_id,
-                  conn.address, reason, len(mine))
+                  conn.address, reason, len(mine), extra={"engine_id": conn.engine_id})
         for request_id, stream in mine:
             stream.engine = None
             stream.waiting_since, stream.lost_reason = now, reason
+            stream.lost_from = conn
             await self._move(request_id, stream, others)
         self._reconnect(conn)
 
@@ -105,7 +108,12 @@ class Migration:
         if stream.next_seq > 0:
             stream.moves += 1
         self.migrated[stream.lost_reason] += 1
+        target.migrated_in += 1
+        if stream.lost_from is not None:
+            stream.lost_from.migrated_out += 1
+            stream.lost_from = None
         stream.waiting_since = None
         log.warning("request %s (%s) moved to engine %s as %s after %d tokens (%s)",
                     request_id, old_wire, target.engine_id, stream.wire_id,
-                    len(stream.output_ids) // 4, stream.lost_reason)
+                    len(stream.output_ids) // 4, stream.lost_reason,
+                    extra={"request_id": request_id, "engine_id": target.engine_id})

@@ -63,4 +63,5 @@ class RequestLog:
 
 
 def _line(event: str, **fields) -> None:
-    log.info("%s %s", event, " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items()))
+    log.info("%s %s", event, " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items()),
+             extra={"request_id": fields.get("request_id")})

@@ -52,6 +52,11 @@ class RequestTracker:
         if self.request_log is not None:
             self.request_log.sent(request)
 
+    def arrived(self, request_id: str) -> float | None:
+        """When the request arrived (time.monotonic()), while it is followed."""
+        timing = self._timings.get(request_id)
+        return timing.arrived if timing is not None else None
+
     def delivered(self, frame: TextFrame) -> None:
         if self.request_log is not None:
             self.request_log.frame(frame)

@@ -38,6 +38,7 @@ from frontend.responses.shared import Responses
 from frontend.responses.stored import ResponseRecords
 from frontend.state.store import StateStore, open_store
 from shared.config import FrontendConfig
+from shared.log_format import close_request, open_request
 from shared.runner_config import resolve_runner
 from shared.tracing import tracing
 
@@ -100,12 +101,17 @@ def _responses(state: StateStore, config: FrontendConfig) -> Responses:
 def _batches(state: StateStore, config: FrontendConfig, line_routes: dict,
              keys: key_setup.KeyService | None) -> batches_api.Batches:
     """Files and batches (frontend.batches), whose lines run through `line_routes`, each
-    within its key's limits where --api-keys-file gives it some, each its own trace."""
+    within its key's limits where --api-keys-file gives it some, each its own trace, its
+    log lines carrying its own request id as HTTP ones do."""
     async def run(path: str, body: bytes) -> tuple[int, bytes]:
-        with batch_line_span(tracing(), path) as status:
-            response = await line_routes[path](_internal_request(path, body))
-            if status is not None:
-                status[0] = response.status_code
+        token = open_request()
+        try:
+            with batch_line_span(tracing(), path) as status:
+                response = await line_routes[path](_internal_request(path, body))
+                if status is not None:
+                    status[0] = response.status_code
+        finally:
+            close_request(token)
         return response.status_code, bytes(response.body)
 
     async def dispatch(path: str, body: bytes) -> tuple[int, bytes]:

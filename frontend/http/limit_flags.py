@@ -33,6 +33,9 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="the HTTP server's own log level (default: --log-level)")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per HTTP request (vLLM's; they are on by default, "
+                        "at info, in --log-format's format)")
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:

@@ -55,6 +55,7 @@ from frontend.embeddings.scoring_models import (
     ScoreRequest,
     ScoreResponse,
 )
+from frontend.engine_client.engine_list import EngineList
 from frontend.responses import models as responses_models
 from frontend.responses.conversation_models import (
     Conversation,
@@ -111,6 +112,9 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("get", "/metrics", "Prometheus metrics", answer_type="text/plain"),
     Operation("get", "/openapi.json", "This document"),
     Operation("get", "/v1/models", "The served model", answer=ModelList),
+    Operation("get", "/v1/engines", "The engines as this frontend sees them: state, load, KV "
+              "pages, LoRA adapters, moves and its requests on each (llama-server's /slots)",
+              answer=EngineList),
     Operation("get", "/v1/models/{model_id:path}", "One served model by name (404 if unknown)",
               answer=ModelCard),
     Operation("post", "/v1/chat/completions", "OpenAI chat completion",

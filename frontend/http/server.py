@@ -30,6 +30,7 @@ from postproc.processor import OutputProcessor
 from postproc.reasoning import get_reasoning_parser
 from shared.config import FrontendConfig
 from shared.generation_config import load_generation_defaults
+from shared.log_format import uvicorn_log_config
 from shared.runner_config import encoder_lower_case, resolve_runner
 from shared.tokenizer import (
     TokenizerFacts,
@@ -185,7 +186,9 @@ def _server(config: FrontendConfig, app, client: EngineClient) -> DrainingServer
             loop="uvloop",
             http="httptools",
             log_level=http.log_level,
-            access_log=False,
+            # uvicorn's error and access lines through this process's formatter.
+            log_config=uvicorn_log_config(),
+            access_log=http.access_log,
             # Our drain has already finished or failed every request by the time uvicorn
             # shuts down; this only bounds a second signal's wait.
             timeout_graceful_shutdown=5,

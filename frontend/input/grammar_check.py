@@ -24,6 +24,7 @@ from concurrent.futures.process import BrokenProcessPool
 import msgspec
 
 from shared.grammar_limits import DeepStackThreads, validation_problem
+from shared.log_format import setup_from_environment
 
 log = logging.getLogger("sluice.frontend")
 
@@ -148,6 +149,7 @@ _threads: DeepStackThreads | None = None
 
 def _init_worker(spec: TokenizerSpec | None) -> None:
     global _tokenizer, _threads
+    setup_from_environment()  # a spawned interpreter: it logs as the frontend does
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     if spec is not None:
         from llguidance import LLTokenizer

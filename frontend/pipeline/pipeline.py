@@ -51,6 +51,7 @@ from frontend.pipeline.tracing import current, engine_context, note_frame, note_
 from postproc.chunks import sse_event
 from postproc.openai_shapes import CompletionTokensDetails, PromptTokensDetails, Usage
 from postproc.reasoning import get_reasoning_parser
+from shared.log_format import name_request
 from shared.protocol import (
     ChunkFormat,
     Constraint,
@@ -120,6 +121,7 @@ def build_job(
     prompts and candidates; `bad_words` its bad words as token sequences. The plan is built
     once too; only max_tokens is per prompt."""
     request_id = f"{prefix}-{request.request_id or uuid.uuid4().hex}"
+    name_request(request_id)  # this task's log lines carry it from here (--log-format json)
     now = time.time()
     # Every prompt's room first: a prompt too long for the context is the likeliest 400.
     limit = max_model_len(ctx)

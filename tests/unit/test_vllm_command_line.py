@@ -122,7 +122,7 @@ def test_noop_vllm_flags_are_accepted_with_a_note(command):
 
 def test_noop_flags_are_logged_once_at_start(monkeypatch, caplog):
     monkeypatch.setattr(cli, "_serve", lambda args: 0)
-    monkeypatch.setattr(cli, "_setup_logging", lambda level: None)
+    monkeypatch.setattr(cli, "_setup_logging", lambda *args: None)
     with caplog.at_level("INFO", logger="sluice"):
         assert cli.main(["serve", "--trust-remote-code"]) == 0
     assert [r.getMessage() for r in caplog.records if "changes nothing" in r.getMessage()
@@ -347,7 +347,7 @@ def test_http_flags_reach_the_frontend_and_serve_forwards_them(tmp_path, monkeyp
 ])
 def test_bad_frontend_flags_fail_at_start(flags, message, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_serve", lambda args: 0)
-    monkeypatch.setattr(cli, "_setup_logging", lambda level: None)
+    monkeypatch.setattr(cli, "_setup_logging", lambda *args: None)
     for command in ("serve", "frontend"):
         with pytest.raises(SystemExit) as failure:
             cli.main([command, *flags])

@@ -1,4 +1,5 @@
-"""The operator's routes: health and readiness, load, version, /metrics and /openapi.json."""
+"""The operator's routes: health and readiness, load, version, /metrics and /openapi.json, and
+the engines as this frontend sees them (/v1/engines, behind --api-key)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from frontend.engine_client.engine_list import engine_list
 from frontend.http import openapi
 from frontend.http.metrics import render
-from frontend.http.routes.context import AppContext
+from frontend.http.routes.context import AppContext, guarded, json_response
 
 VERSION = "0.1.0"
 
@@ -37,6 +39,10 @@ def routes(app: AppContext) -> list[Route]:
             await app.ctx.client.refresh_stats()
         return Response(render(app.metrics), media_type="text/plain; version=0.0.4")
 
+    async def engines(request: Request) -> Response:
+        # llama-server's /slots, per engine: not in OPEN_PATHS, so behind --api-key.
+        return json_response(engine_list(app.ctx.client))
+
     return [
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's /health, as vLLM's
@@ -44,4 +50,5 @@ def routes(app: AppContext) -> list[Route]:
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi.endpoint(app.ctx.model_name, VERSION), methods=["GET"]),
+        Route("/v1/engines", guarded(engines), methods=["GET"]),
     ]
