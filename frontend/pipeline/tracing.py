@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from shared import log_format
 from shared.config import OPEN_PATHS
 from shared.protocol import TextFrame, TraceContext
 from shared.trace_context import format_traceparent, from_headers
@@ -117,9 +118,12 @@ def request_span(sink: Tracing, name: str, parent, attributes: dict):
                                   attributes=attributes)
     traced = RequestSpan(sink, span)
     token = _current.set(traced)
+    # --log-format json: the request's log lines name its trace (shared.log_format).
+    log_token = log_format.trace_id.set(format(span.get_span_context().trace_id, "032x"))
     try:
         yield traced
     finally:
+        log_format.trace_id.reset(log_token)
         _current.reset(token)
 
 

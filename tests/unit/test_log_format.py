@@ -118,3 +118,19 @@ def test_under_json_every_line_parses_refusals_warnings_and_crashes_included():
     assert [c["logger"] for c in crash] == ["py.warnings", "sluice"]
     assert "careful" in crash[0]["message"] and crash[0]["role"] == "engine"
     assert "RuntimeError: boom" in crash[1]["exception"]
+
+
+def test_a_traced_request_names_its_trace_on_its_log_lines():
+    """The frontend's request span sets the trace id the JSON lines carry, and only inside."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from frontend.pipeline.tracing import request_span
+    from shared.trace_context import parse_traceparent
+    from shared.tracing import Tracing
+
+    parent = parse_traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    with request_span(Tracing(TracerProvider(), "sluice-frontend"), "POST /x", parent, {}):
+        inside = json.loads(JsonFormatter().format(_record()))
+    outside = json.loads(JsonFormatter().format(_record()))
+    assert inside["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    assert "trace_id" not in outside
