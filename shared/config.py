@@ -69,6 +69,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    # --profile-dir (engine.process.profiler): where /start_profile's traces go; None: off.
+    profile_dir: str | None = None
 
 
 # Frontend routes that answer without an API key and while draining: probes, scrapes and the
@@ -180,3 +182,5 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     max_tools: int = 128
     max_stop_strings: int = 64
     max_logprobs: int = 20  # --max-logprobs; -1: up to the vocabulary
+    # --health-generate-timeout: /health_generate's one-token probe answers 503 after this.
+    health_generate_timeout_s: float = 10.0

@@ -11,6 +11,7 @@ import socket
 
 import msgspec
 
+from engine.process.profiler import PROFILE_DIR_ENV
 from shared.command_line import (
     DEFAULT_ENGINE_ADDRESS,
     DEFAULT_POSTPROC_ADDRESS,
@@ -79,6 +80,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     _add_device_arguments(g)
     _add_step_arguments(g)
     _add_tensor_parallel_arguments(g)
+    _add_profiler_arguments(g)
+
+
+def _add_profiler_arguments(g) -> None:
+    """The torch profiler behind /start_profile and /stop_profile (engine.process.profiler)."""
+    g.add_argument("--profile-dir", default=os.environ.get(PROFILE_DIR_ENV) or None,
+                   help="open /start_profile and /stop_profile: the torch profiler runs in "
+                        "the engine between them and writes a Chrome trace JSON here "
+                        f"(default: ${PROFILE_DIR_ENV}, vLLM's; unset: the routes answer 404)")
 
 
 def _add_device_arguments(g) -> None:
@@ -237,6 +247,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         **lora_engine_config(args),
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        profile_dir=getattr(args, "profile_dir", None),
     )
 
 

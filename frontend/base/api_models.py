@@ -116,6 +116,29 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     function: NamedFunction
 
 
+class ConversationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """TensorRT-LLM's conversation_params: a multi-turn conversation's stable id, which
+    routing keeps on one engine (where its earlier turns' pages are cached), and a
+    sub-agent's parent session id, which keeps the sub-agent beside its parent."""
+
+    conversation_id: str
+    subagent_affinity_id: str | None = None
+
+
+class SchedulingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """TensorRT-LLM's scheduling_params (its llmapi SchedulingParams). Sluice's engines are
+    its attention-DP ranks: `attention_dp_rank` pins the request to that engine (in
+    --engine-address order), `attention_dp_relax` lets it go elsewhere when that one is
+    not live or is past the load bound; `priority_tier` (0-15, higher first) orders the
+    priority scheduler's queue before `priority`; `organization_id` is accepted and checked
+    but used for nothing (no per-organization spike protection here)."""
+
+    attention_dp_rank: int | None = None
+    attention_dp_relax: bool | None = None
+    priority_tier: int | None = 0
+    organization_id: str | None = None
+
+
 class _SamplingFields(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share (OpenAI's plus vLLM's extensions)."""
 
@@ -161,6 +184,9 @@ class _SamplingFields(NullMeansDefault, forbid_unknown_fields=True, kw_only=True
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
     return_token_ids: bool | None = False  # answers carry prompt and output ids (vLLM's)
     prompt_logprobs: int | None = None  # logprobs of the prompt's tokens too (vLLM's)
+    # TensorRT-LLM's routing and scheduling fields (frontend.input.scheduling_hints).
+    conversation_params: ConversationParams | None = None
+    scheduling_params: SchedulingParams | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
