@@ -107,3 +107,50 @@ def test_a_conversation_key_stays_as_its_prompt_changes():
     assert key != conversation_key("chat-1", "tenant-a")  # the salt keeps tenants apart
     # Not any prompt's key: a conversation never lands where a prompt hashing alike would.
     assert key not in {prefix_key(pack_ids(list(range(n))), None) for n in (1, 40)}
+
+
+class _Conn:
+    """What placement reads of an engine connection."""
+
+    def __init__(self, i: int, load: int = 0) -> None:
+        self.engine_id, self.address, self.retired, self.stats = f"engine-{i}", f"tcp://e{i}", \
+            False, None
+        self._load = load
+
+    def load(self) -> int:
+        return self._load
+
+    def kv_use(self) -> float:
+        return 0.0
+
+
+def _client(conns):
+    from types import SimpleNamespace
+
+    from frontend.engine_client.client import EngineClient
+
+    fake = SimpleNamespace(engines={c.address: c for c in conns}, placement=Placement())
+    fake.ranked_engines = lambda: EngineClient.ranked_engines(fake)
+    return lambda req, live, hints: EngineClient._place(fake, req, live, hints)
+
+
+def test_the_engine_client_places_by_the_hints():
+    from frontend.engine_client.client import EngineUnavailable
+    from frontend.engine_client.placement import RoutingHints
+
+    conns = [_Conn(0), _Conn(1, load=20), _Conn(2)]
+    place = _client(conns)
+    one = request("r", PROMPT, max_tokens=2)
+    # Pinned by rank (--engine-address order), loaded or not; strict to a lost one: refused.
+    assert place(one, conns, RoutingHints(engine_rank=1)) is conns[1]
+    with pytest.raises(EngineUnavailable):
+        place(one, [conns[0], conns[2]], RoutingHints(engine_rank=1))
+    relaxed = RoutingHints(engine_rank=1, relax=True)
+    assert place(one, [conns[0], conns[2]], relaxed) in (conns[0], conns[2])
+    assert place(one, conns, relaxed) is not conns[1]  # past the load bound
+    # One conversation, whatever its prompts say, stays on one engine; without the id the
+    # prompts' own pages spread them.
+    prompts = [[(k * 31 + i) % 120 for i in range(40)] for k in range(12)]
+    chat = RoutingHints(affinity="chat-7")
+    assert len({id(place(request("c", p), conns, chat)) for p in prompts}) == 1
+    assert len({id(place(request("c", p), conns, None)) for p in prompts}) > 1
