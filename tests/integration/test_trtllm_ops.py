@@ -15,6 +15,8 @@ import pytest
 from tests.conftest import SHARED_ENGINE_ARGS
 from tests.servers import engine_and_frontend, wait_until
 
+pytestmark = pytest.mark.slow  # starts its own engine (the last test freezes it)
+
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
 
