@@ -154,3 +154,26 @@ def test_the_engine_client_places_by_the_hints():
     chat = RoutingHints(affinity="chat-7")
     assert len({id(place(request("c", p), conns, chat)) for p in prompts}) == 1
     assert len({id(place(request("c", p), conns, None)) for p in prompts}) > 1
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_engine_answers_every_command_a_peer_may_send(tmp_path, monkeypatch):
+    from engine.process.server import EngineServer
+    from shared.protocol import EngineCommand
+
+    core, _ = build_core(random_weights())
+    server = EngineServer(core, "inproc://unused")
+    try:
+        bogus = server._profile_command(EngineCommand("op", "x" * 10_000))
+        assert bogus.op_id == "op" and bogus.status == 400 and len(bogus.message) < 200
+        assert server._profile_command(EngineCommand("op", "start_profile")).status == 404
+        monkeypatch.setenv("SLUICE_POWERCAP_DIR", str(tmp_path))
+        (tmp_path / "intel-rapl:0").mkdir()
+        (tmp_path / "intel-rapl:0" / "name").write_text("package-0")
+        (tmp_path / "intel-rapl:0" / "energy_uj").write_text("1000000")
+        energy = server._read_energy(EngineCommand("e", "read_energy"))
+        assert energy.status == 200
+        assert ("rapl:intel-rapl:0:package-0", 1.0) in [(r.source, r.energy_j)
+                                                         for r in energy.energy]
+    finally:
+        server.ctx.term()
