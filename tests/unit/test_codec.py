@@ -17,6 +17,9 @@ from shared.protocol import (
     ChunkFormat,
     Constraint,
     Continuation,
+    EnergyReading,
+    EngineCommand,
+    EngineCommandResult,
     EngineRequest,
     EngineStats,
     FrameBatch,
@@ -115,6 +118,7 @@ ENGINE_INBOUND = {
         continuation=Continuation(pack_ids([9, 8, 7]), frame_sizes=[1, 0, 2],
                                   cumulative_logprob=-2.5),
         lora_name="sql-ünï",
+        priority_tier=3,
     ),
     "request-defaults": EngineRequest(
         request_id="req-2",
@@ -137,6 +141,7 @@ ENGINE_INBOUND = {
     "ping": Ping(sender_id="frontend-0", sent_at=3.5),
     "lora-load": LoraUpdate(op_id="op-1", action="load", name="a", path="/adapters/ä"),
     "lora-unload": LoraUpdate(op_id="op-2", action="unload", name="a"),
+    "command": EngineCommand(op_id="op-3", command="read_energy"),
 }
 
 FRONTEND_INBOUND = {
@@ -253,6 +258,9 @@ FRONTEND_INBOUND = {
                        LoraAdapterInfo("b", "/adapters/b", base_model_name="base")],
     ),
     "lora-result": LoraUpdateResult(op_id="op-1", status=404, message="No adapter found"),
+    "command-result": EngineCommandResult(
+        op_id="op-3", status=200, message="ok", energy=[EnergyReading("nvml:gpu-0", 1.5)],
+        path="/traces/engine-0.pt.trace.json"),
 }
 
 
