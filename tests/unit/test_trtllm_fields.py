@@ -177,3 +177,20 @@ def test_the_engine_answers_every_command_a_peer_may_send(tmp_path, monkeypatch)
                                                          for r in energy.energy]
     finally:
         server.ctx.term()
+
+
+def test_serve_forwards_the_profile_dir_and_the_probe_bound(monkeypatch, tmp_path):
+    from sluice import cli
+    from tests.unit.cli_builders import serve_argvs
+
+    engine, frontend = serve_argvs(monkeypatch, ["--profile-dir", str(tmp_path),
+                                                 "--health-generate-timeout", "2.5"])
+    assert cli.engine_config(cli.parse_args(engine), "ipc:///x").profile_dir == str(tmp_path)
+    assert cli.frontend_config(cli.parse_args(frontend), "ipc:///x",
+                               None).health_generate_timeout_s == 2.5
+    assert cli.engine_config(cli.parse_args(["engine"]), "ipc:///x").profile_dir is None
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", "/from/vllm")  # vLLM's name, the default
+    assert cli.engine_config(cli.parse_args(["engine"]), "ipc:///x").profile_dir == "/from/vllm"
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["frontend", "--health-generate-timeout", bad])
