@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -220,13 +219,14 @@ def _checked(translated: Translated, problem: str | None) -> Constraint:
 
 
 _threads: DeepStackThreads | None = None
-_builders: ThreadPoolExecutor | None = None
+_builders: DeepStackThreads | None = None
 BUILD_THREADS = 2  # one huge build holds one; another request's grammar takes the other
 
 
-def _build_threads() -> ThreadPoolExecutor:
+def _build_threads() -> DeepStackThreads:
+    """Daemon threads: a build still running never holds up the frontend's exit."""
     global _builders
-    _builders = _builders or ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="grammar-build")
+    _builders = _builders or DeepStackThreads(BUILD_THREADS, "grammar-build")
     return _builders
 
 
