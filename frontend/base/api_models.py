@@ -116,7 +116,7 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     function: NamedFunction
 
 
-class ConversationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ConversationParams(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """TensorRT-LLM's conversation_params: a multi-turn conversation's stable id, which
     routing keeps on one engine (where its earlier turns' pages are cached), and a
     sub-agent's parent session id, which keeps the sub-agent beside its parent."""
@@ -125,7 +125,7 @@ class ConversationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     subagent_affinity_id: str | None = None
 
 
-class SchedulingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class SchedulingParams(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """TensorRT-LLM's scheduling_params (its llmapi SchedulingParams). Sluice's engines are
     its attention-DP ranks: `attention_dp_rank` pins the request to that engine (in
     --engine-address order), `attention_dp_relax` lets it go elsewhere when that one is
