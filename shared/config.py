@@ -75,6 +75,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_events: KvEventsConfig | None = None
     data_parallel_rank: int = 0
     tokenizer_mode: str = "auto"  # --tokenizer-mode (shared.tokenizer_modes)
+    # --profile-dir (engine.process.profiler): where /start_profile's traces go; None: off.
+    profile_dir: str | None = None
 
 
 # Frontend routes that answer without an API key and while draining: probes, scrapes and the
@@ -194,3 +196,5 @@ class FrontendConfig(msgspec.Struct, kw_only=True):
     # --disable-web-ui: no playground at / and no dashboard at /dashboard (frontend.web).
     disable_web_ui: bool = False
     tokenizer_mode: str = "auto"  # --tokenizer-mode (shared.tokenizer_modes)
+    # --health-generate-timeout: /health_generate's one-token probe answers 503 after this.
+    health_generate_timeout_s: float = 10.0

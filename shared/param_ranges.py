@@ -134,3 +134,12 @@ def _check_id_list(field: str, ids: list[int], most: int, vocab_size: int) -> No
 def check_priority(priority: int) -> None:
     if not INT64_MIN <= priority <= INT64_MAX:
         raise RangeProblem("priority", "priority must fit in a signed 64-bit integer")
+
+
+MAX_PRIORITY_TIER = 15  # TensorRT-LLM's bound on scheduling_params.priority_tier
+
+
+def check_priority_tier(tier: int) -> None:
+    if not 0 <= tier <= MAX_PRIORITY_TIER:
+        raise RangeProblem("scheduling_params.priority_tier",
+                           f"scheduling_params.priority_tier must lie in [0, {MAX_PRIORITY_TIER}]")

@@ -259,6 +259,9 @@ class EngineRequest(msgspec.Struct, tag="request", frozen=True):
     lora_name: str | None = None
     # Set when the frontend traces it: the engine's and the postproc worker's spans join it.
     trace_context: TraceContext | None = None
+    # TensorRT-LLM's scheduling_params.priority_tier (0-15): under the priority scheduler a
+    # higher tier runs before every lower one, `priority` ordering within a tier.
+    priority_tier: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
@@ -485,7 +488,35 @@ class LoraUpdateResult(msgspec.Struct, tag="lora_result", frozen=True):
     message: str = ""
 
 
-EngineInbound = EngineRequest | AbortRequest | Ping | LoraUpdate
-FrontendInbound = OutputBatch | FrameBatch | EngineStats | LoraUpdateResult
+class EngineCommand(msgspec.Struct, tag="engine_command", frozen=True):
+    """From a frontend: an operator's command for the engine itself (TensorRT-LLM's and
+    vLLM's /start_profile, /stop_profile, /energy_metrics); the engine answers with an
+    `EngineCommandResult` carrying the same `op_id`."""
+
+    op_id: str
+    command: str  # "start_profile" | "stop_profile" | "read_energy"
+
+
+class EnergyReading(msgspec.Struct, frozen=True):
+    """One energy counter of the engine's machine: joules since the counter's own origin
+    (a RAPL domain, or a GPU since its driver loaded), monotonic but for wrap-arounds."""
+
+    source: str  # e.g. "rapl:package-0", "nvml:gpu-0"
+    energy_j: float
+
+
+class EngineCommandResult(msgspec.Struct, tag="command_result", frozen=True):
+    """An engine's answer to an EngineCommand: status 200, or the HTTP status of the problem
+    (404: the engine has nothing to do it with, 400: not now)."""
+
+    op_id: str
+    status: int
+    message: str = ""
+    energy: list[EnergyReading] = []  # read_energy's readings
+    path: str = ""  # stop_profile: the trace file written
+
+
+EngineInbound = EngineRequest | AbortRequest | Ping | LoraUpdate | EngineCommand
+FrontendInbound = OutputBatch | FrameBatch | EngineStats | LoraUpdateResult | EngineCommandResult
 WorkerInbound = WorkBatch
 EngineFromWorker = WorkerHeartbeat | WorkerDone | AbortRequest

@@ -237,7 +237,7 @@ def _engine_argv(args, common: list[str], address: str) -> list[str]:
                            ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                            ("--long-prefill-token-threshold",
                             args.long_prefill_token_threshold),
-                           ("--seed", args.seed)))
+                           ("--seed", args.seed), ("--profile-dir", args.profile_dir)))
     engine_argv += _switches((("--enforce-eager", args.enforce_eager),
                               ("--batch-invariant", args.batch_invariant)))
     if args.speculative_config is not None:
@@ -263,6 +263,7 @@ def _frontend_http_argv(args) -> list[str]:
         "--port", str(args.port), "--tokenizer-threads", str(args.tokenizer_threads),
         "--render-timeout", str(args.render_timeout),
         "--max-logprobs", str(args.max_logprobs), "--response-role", args.response_role,
+        "--health-generate-timeout", str(args.health_generate_timeout),
         "--root-path", args.root_path, "--ssl-cert-reqs", str(args.ssl_cert_reqs),
         # One frontend on one port: its /metrics is the engine's too, as `vllm serve`'s.
         "--export-engine-metrics",

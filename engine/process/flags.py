@@ -11,6 +11,7 @@ import socket
 
 import msgspec
 
+from engine.process.profiler import PROFILE_DIR_ENV
 from shared.command_line import (
     DEFAULT_ENGINE_ADDRESS,
     DEFAULT_POSTPROC_ADDRESS,
@@ -91,6 +92,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     _add_step_arguments(g)
     _add_tensor_parallel_arguments(g)
     add_kv_events_arguments(g)
+    _add_profiler_arguments(g)
+
+
+def _add_profiler_arguments(g) -> None:
+    """The torch profiler behind /start_profile and /stop_profile (engine.process.profiler)."""
+    g.add_argument("--profile-dir", default=os.environ.get(PROFILE_DIR_ENV) or None,
+                   help="open /start_profile and /stop_profile: the torch profiler runs in "
+                        "the engine between them and writes a Chrome trace JSON here "
+                        f"(default: ${PROFILE_DIR_ENV}, vLLM's; unset: the routes answer 404)")
 
 
 def _add_device_arguments(g) -> None:
@@ -252,6 +262,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         kv_events=args.kv_events_config,
         data_parallel_rank=getattr(args, "data_parallel_rank", 0),
         tokenizer_mode=getattr(args, "tokenizer_mode", "auto"),
+        profile_dir=getattr(args, "profile_dir", None),
     )
 
 

@@ -26,14 +26,24 @@ import msgspec
 import zmq
 
 from engine.process.build import build_engine
+from engine.process.energy import EnergyMeters
 from engine.process.kv_events import KvEventPublisher
 from engine.process.metrics_server import start_metrics_server
 from engine.process.output_router import FleetCounts, OutputRouter
+from engine.process.profiler import EngineProfiler, ProfileError
 from engine.step.core import EngineCore
 from engine.step.kv_cache import KvEventLog
 from shared.codec import encode, engine_inbound_decoder
 from shared.config import EngineConfig
-from shared.protocol import AbortRequest, EngineRequest, EngineStats, LoraUpdate, Ping
+from shared.protocol import (
+    AbortRequest,
+    EngineCommand,
+    EngineCommandResult,
+    EngineRequest,
+    EngineStats,
+    LoraUpdate,
+    Ping,
+)
 from shared.transport import make_socket
 
 log = logging.getLogger("sluice.engine")
@@ -50,6 +60,14 @@ class LoraOp(msgspec.Struct):
     """A run-time adapter load/unload with the connection to answer on."""
 
     update: LoraUpdate
+    peer: bytes
+
+
+class CommandOp(msgspec.Struct):
+    """A profile command with the connection to answer on: run on the main thread, the one
+    whose steps the profiler must see."""
+
+    command: EngineCommand
     peer: bytes
 
 
@@ -106,6 +124,7 @@ class EngineServer:
     def __init__(
         self, core: EngineCore, request_address: str, postproc_address: str | None = None,
         frontend_timeout_s: float = 10.0, kv_events: KvEventPublisher | None = None,
+        profiler: EngineProfiler | None = None,
     ) -> None:
         self.core = core
         # --kv-events-config: each step's prefix-cache changes go out on it.
@@ -113,6 +132,8 @@ class EngineServer:
         if kv_events is not None:
             core.allocator.events = KvEventLog()
             core.allocator.events.cleared()  # subscribers learn this engine starts empty
+        self.profiler = profiler or EngineProfiler(None, core.engine_id)
+        self.energy = EnergyMeters()
         self.request_address = request_address
         self.postproc_address = postproc_address
         self.ctx = zmq.Context()
@@ -204,6 +225,8 @@ class EngineServer:
                 result = self.core.update_lora(message.update)
                 self.latest_stats = self.core.stats()  # the next ping lists it already
                 self.replies.put((message.peer, result))
+            elif isinstance(message, CommandOp):
+                self.replies.put((message.peer, self._profile_command(message.command)))
             try:
                 message = self.inbox.get_nowait()
             except queue.Empty:
@@ -247,8 +270,32 @@ class EngineServer:
                 message = Submitted(message, identity.bytes)
             elif isinstance(message, LoraUpdate):
                 message = LoraOp(message, identity.bytes)
+            elif isinstance(message, EngineCommand):
+                if message.command == "read_energy":  # no step involved: answered here
+                    sock.send_multipart([identity, encode(self._read_energy(message))])
+                    continue
+                message = CommandOp(message, identity.bytes)
             self.inbox.put(message)
         sock.close(linger=0)
+
+    def _profile_command(self, command: EngineCommand) -> EngineCommandResult:
+        try:
+            if command.command == "start_profile":
+                self.profiler.start()
+                return EngineCommandResult(command.op_id, 200)
+            if command.command == "stop_profile":
+                return EngineCommandResult(command.op_id, 200, path=self.profiler.stop())
+        except ProfileError as exc:
+            return EngineCommandResult(command.op_id, exc.status, str(exc))
+        return EngineCommandResult(command.op_id, 400,
+                                   f"unknown engine command {command.command[:100]!r}")
+
+    def _read_energy(self, command: EngineCommand) -> EngineCommandResult:
+        readings = self.energy.read()
+        if not readings:
+            return EngineCommandResult(command.op_id, 404, "this machine reports no energy "
+                                       "counter (no readable RAPL zone, no NVML GPU)")
+        return EngineCommandResult(command.op_id, 200, energy=readings)
 
     def _stats(self) -> EngineStats:
         fleet = self.fleet_counts
@@ -324,13 +371,14 @@ def run_engine(config: EngineConfig) -> None:
         start_metrics_server(config.metrics_host, config.metrics_port,
                              lambda: built[0]._stats() if built else None)
     kv_events = _start_kv_events(config)
+    profiler = EngineProfiler(config.profile_dir, config.engine_id)  # a bad dir: before the load
     core = build_engine(config)
     # Everything loaded so far (torch, transformers, the tokenizer: ~400k objects) lives as
     # long as the process; frozen, the cyclic GC stops re-walking it in the middle of steps.
     gc.collect()
     gc.freeze()
     server = EngineServer(core, config.request_address, config.postproc_address,
-                          config.frontend_timeout_s, kv_events)
+                          config.frontend_timeout_s, kv_events, profiler)
     built.append(server)
 
     def stop(signum, frame):

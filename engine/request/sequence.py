@@ -32,6 +32,7 @@ class Sequence(msgspec.Struct, kw_only=True):
     max_output_tokens: int
     cache_salt: str | None = None
     priority: int = 0  # lower runs first under the priority policy
+    priority_tier: int = 0  # higher runs first under the priority policy, before `priority`
     # its LoRA adapter's engine-unique id (engine.step.lora_adapters); 0: the base model
     lora_id: int = 0
     lora_name: str | None = None  # its name, for the KV events (vLLM's lora_name)

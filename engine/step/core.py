@@ -161,6 +161,7 @@ class EngineCore:
             min_tokens_banned=self._min_tokens_banned(params),
             cache_salt=request.cache_salt,
             priority=request.priority,
+            priority_tier=request.priority_tier,
             peer=peer,
             images=images,
             pooling=request.pooling,

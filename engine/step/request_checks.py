@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import math
 
-from shared.param_ranges import RangeProblem, check_priority, check_sampling_params
+from shared.param_ranges import (
+    RangeProblem,
+    check_priority,
+    check_priority_tier,
+    check_sampling_params,
+)
 from shared.protocol import EngineRequest, unpack_ids
 
 # Bounds on strings the engine keeps per request (hashing and logging cost, nothing more).
@@ -54,6 +59,7 @@ def request_problem(core, request: EngineRequest, prompt: list[int]) -> str | No
         # Integers off msgpack may be anything up to 2**64-1 and floats inf or NaN.
         check_sampling_params(params, core.vocab_size, core.max_logprobs)
         check_priority(request.priority)
+        check_priority_tier(request.priority_tier)
     except RangeProblem as problem:
         return problem.message
     return None

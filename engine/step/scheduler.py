@@ -8,7 +8,8 @@ long prefill (more than `long_prefill_token_threshold` tokens left) takes at mos
 tokens a step, and only one long prefill runs at a time, so decodes and short prompts
 always get into the next step (issue 15); alone, it takes the whole budget.
 
-Queue order is arrival (`fcfs`) or (priority, arrival) (`priority`, lower first). When pages
+Queue order is arrival (`fcfs`) or (tier, priority, arrival) (`priority`: a higher
+TensorRT-LLM priority_tier first, then the lower vLLM priority). When pages
 run out, the running sequence that comes last in that order is preempted: its pages are
 released (full ones stay in the prefix cache) and it goes back to the queue to be recomputed,
 so nothing is lost. On admission a sequence takes every leading full page the prefix cache
@@ -119,8 +120,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _key(self, seq: Sequence) -> tuple[int, int]:
-        return (seq.priority if self.policy == "priority" else 0, seq.order)
+    def _key(self, seq: Sequence) -> tuple[int, int, int]:
+        if self.policy != "priority":
+            return (0, 0, seq.order)
+        # TensorRT-LLM's priority_tier: a higher tier dominates every lower one.
+        return (-seq.priority_tier, seq.priority, seq.order)
 
     def add(self, seq: Sequence) -> None:
         seq.order = next(self._arrivals)

@@ -116,6 +116,29 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     function: NamedFunction
 
 
+class ConversationParams(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
+    """TensorRT-LLM's conversation_params: a multi-turn conversation's stable id, which
+    routing keeps on one engine (where its earlier turns' pages are cached), and a
+    sub-agent's parent session id, which keeps the sub-agent beside its parent."""
+
+    conversation_id: str
+    subagent_affinity_id: str | None = None
+
+
+class SchedulingParams(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
+    """TensorRT-LLM's scheduling_params (its llmapi SchedulingParams). Sluice's engines are
+    its attention-DP ranks: `attention_dp_rank` pins the request to that engine (in
+    --engine-address order), `attention_dp_relax` lets it go elsewhere when that one is
+    not live or is past the load bound; `priority_tier` (0-15, higher first) orders the
+    priority scheduler's queue before `priority`; `organization_id` is accepted and checked
+    but used for nothing (no per-organization spike protection here)."""
+
+    attention_dp_rank: int | None = None
+    attention_dp_relax: bool | None = None
+    priority_tier: int | None = 0
+    organization_id: str | None = None
+
+
 class _SamplingFields(NullMeansDefault, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share (OpenAI's plus vLLM's extensions)."""
 
@@ -166,6 +189,9 @@ class _SamplingFields(NullMeansDefault, forbid_unknown_fields=True, kw_only=True
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
     early_stopping: bool | Literal["never"] | None = False
+    # TensorRT-LLM's routing and scheduling fields (frontend.input.scheduling_hints).
+    conversation_params: ConversationParams | None = None
+    scheduling_params: SchedulingParams | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

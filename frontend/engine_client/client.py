@@ -34,12 +34,20 @@ from frontend.engine_client.connection import (
     RequestStream,
 )
 from frontend.engine_client.consistency import ServedIdentity
+from frontend.engine_client.engine_commands import CommandReplies
 from frontend.engine_client.heartbeats import EngineHeartbeats
 from frontend.engine_client.kv_events import KvEventSubscriber
 from frontend.engine_client.kv_index import KvIndex
 from frontend.engine_client.lora_client import LoraReplies, engines_with
 from frontend.engine_client.migration import MIGRATION_REASONS, Migration
-from frontend.engine_client.placement import Candidate, Placement, prefix_key
+from frontend.engine_client.placement import (
+    Candidate,
+    PinnedUnavailable,
+    Placement,
+    RoutingHints,
+    conversation_key,
+    prefix_key,
+)
 from frontend.engine_client.receiver import OutputReceiver
 from frontend.engine_client.tracking import RequestTracker
 from postproc.processor import OutputProcessor
@@ -112,6 +120,7 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         self.kv_events = KvEventSubscriber(KvIndex()) if routing == "kv" else None
         # What this frontend renders for; engines serving something else are refused.
         self.identity: ServedIdentity | None = None
+        self.command_replies = CommandReplies()  # profile and energy (engine_commands.py)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -257,7 +266,13 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
 
     # ---------------------------------------------------------------- requests
 
-    def _place(self, request: EngineRequest, live: list[EngineConnection]) -> EngineConnection:
+    def ranked_engines(self) -> list[EngineConnection]:
+        """The engines in --engine-address order (a DNS name's in resolution order): the
+        ranks scheduling_params.attention_dp_rank names."""
+        return [c for c in self.engines.values() if not c.retired]
+
+    def _place(self, request: EngineRequest, live: list[EngineConnection],
+               routing: RoutingHints | None = None) -> EngineConnection:
         live = engines_with(live, request.lora_name)
         names: dict[str, EngineConnection] = {}
         for conn in live:
@@ -267,14 +282,25 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
             names[name] = conn
         page_size = next((getattr(c.stats, "page_size", 0) for c in live
                           if c.stats is not None and getattr(c.stats, "page_size", 0)), 16)
-        key = prefix_key(request.prompt_token_ids, request.cache_salt, page_size)
         cached = self._cached_runs(request, live, page_size)
-        chosen = self.placement.choose(key, [
-            Candidate(name=name, load=c.load(), kv_use=c.kv_use(),
-                      waiting=c.stats.num_waiting if c.stats is not None else 0,
-                      cached_pages=cached.get(c.address, 0))
-            for name, c in names.items()])
-        return names[chosen]
+        candidates = [Candidate(name=name, load=c.load(), kv_use=c.kv_use(),
+                                waiting=c.stats.num_waiting if c.stats is not None else 0,
+                                cached_pages=cached.get(c.address, 0))
+                      for name, c in names.items()]
+        routing = routing or RoutingHints()
+        if routing.engine_rank is not None:
+            ranked = self.ranked_engines()
+            target = ranked[routing.engine_rank] if routing.engine_rank < len(ranked) else None
+            name = next((n for n, c in names.items() if c is target), None)
+            try:
+                chosen = self.placement.choose_pinned(name, routing.relax, candidates)
+            except PinnedUnavailable as exc:
+                raise EngineUnavailable(str(exc)) from None
+            if chosen is not None:
+                return names[chosen]
+        key = (conversation_key(routing.affinity, request.cache_salt) if routing.affinity
+               else prefix_key(request.prompt_token_ids, request.cache_salt, page_size))
+        return names[self.placement.choose(key, candidates)]
 
     def _cached_runs(self, request: EngineRequest, live: list[EngineConnection],
                      page_size: int) -> dict[str, int]:
@@ -306,7 +332,8 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
                                 request.continuation)
         await conn.dealer.send(encode(request))
 
-    async def submit(self, request: EngineRequest, prompt_ids, queue: asyncio.Queue) -> None:
+    async def submit(self, request: EngineRequest, prompt_ids, queue: asyncio.Queue,
+                     routing: RoutingHints | None = None) -> None:
         """Send a request; its TextFrames will arrive on `queue` (which several may share).
         With no live engine but one live within --engine-timeout (frozen, restarting,
         draining away), it waits for one that long."""
@@ -318,9 +345,10 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
             # A keys-file key's priority is the best its requests get (lower runs first).
             request = msgspec.structs.replace(request, priority=meter.priority_floor)
         stream = RequestStream(queue, request, prompt_ids)
+        target = self._place(request, live, routing)  # first: a refused pin leaves no trace
         self._streams[request.request_id] = stream
         self.tracker.submitted(request)
-        await self._send_to(self._place(request, live), request.request_id, stream, request)
+        await self._send_to(target, request.request_id, stream, request)
 
     async def _wait_for_live(self) -> list[EngineConnection]:
         while not (live := self.live_engines()):

@@ -18,7 +18,13 @@ from zmq.utils.monitor import parse_monitor_message
 from frontend.engine_client.connection import EngineConnection
 from frontend.engine_client.consistency import mismatch
 from shared.codec import encode, frontend_inbound_decoder
-from shared.protocol import AbortRequest, EngineStats, LoraUpdateResult, Ping
+from shared.protocol import (
+    AbortRequest,
+    EngineCommandResult,
+    EngineStats,
+    LoraUpdateResult,
+    Ping,
+)
 
 log = logging.getLogger("sluice.frontend")
 
@@ -79,6 +85,8 @@ class EngineHeartbeats:
             message = decoder.decode(await conn.dealer.recv())
             if isinstance(message, LoraUpdateResult):
                 self.lora_replies.deliver(message)
+            elif isinstance(message, EngineCommandResult):
+                self.command_replies.deliver(message)
             elif isinstance(message, EngineStats):
                 conn.stats = message
                 conn.own_at_stats = len(conn.requests)

@@ -16,6 +16,11 @@ use breaks ties), `round-robin` cycles. Only live engines are candidates.
 prompt's leading pages each engine holds (`cached_pages`), whoever sent them there. The
 request goes to the engine holding the longest run, within the same load bound (ties in
 rendezvous order); when no engine within the bound holds any, it is placed as `prefix`.
+TensorRT-LLM's per-request fields steer it (`RoutingHints`): a conversation id replaces the
+prompt's pages as the affinity key, so a conversation stays on one engine even as its
+history is cut or rewritten; a pinned engine (scheduling_params.attention_dp_rank, an engine
+by its place in --engine-address order) takes the request whatever the policy, or, relaxed,
+only while it is live and within the load bound.
 
 Load is waiting + running requests from the engine's last heartbeat, corrected by what this
 frontend sent it since (heartbeats lag by up to a second, and a burst must not all land on
@@ -46,6 +51,25 @@ class Candidate(msgspec.Struct, frozen=True):
     kv_use: float = 0.0  # share of KV pages in use, 0..1
     waiting: int = 0
     cached_pages: int = 0  # `kv`: the prompt's leading pages its KV events say it holds
+
+
+class RoutingHints(msgspec.Struct, frozen=True):
+    """What a request's conversation_params and scheduling_params ask of placement."""
+
+    affinity: str | None = None  # a conversation (or its parent session) id
+    engine_rank: int | None = None  # the pinned engine's place in --engine-address order
+    relax: bool = False  # the pin may yield to load or to an engine that is not live
+
+
+class PinnedUnavailable(Exception):
+    """A strict pin names an engine that is not live."""
+
+
+def conversation_key(conversation: str, cache_salt: str | None) -> bytes:
+    """The affinity key of a conversation id (with the salt, as the prefix key)."""
+    digest = hashlib.blake2b(b"conversation:" + conversation.encode(), digest_size=16)
+    digest.update(b"\x00salt:" + (cache_salt or "").encode())
+    return digest.digest()
 
 
 def prefix_key(prompt_ids: bytes, cache_salt: str | None,
@@ -87,6 +111,22 @@ class Placement:
         self.policy = policy
         self.load_factor = load_factor
         self._turn = itertools.count()
+
+    def choose_pinned(self, name: str | None, relax: bool,
+                      candidates: list[Candidate]) -> str | None:
+        """The pinned engine `name` (None: no engine has that rank) if it may take the
+        request; None to place it as usual (a relaxed pin on an engine not live or past
+        the load bound). PinnedUnavailable when a strict pin's engine is not live."""
+        pinned = next((c for c in candidates if c.name == name), None)
+        if pinned is None:
+            if relax:
+                return None
+            raise PinnedUnavailable("the engine scheduling_params.attention_dp_rank names "
+                                    "is not available; set attention_dp_relax to let the "
+                                    "request go to another")
+        if relax and pinned.load >= load_bound(candidates, self.load_factor):
+            return None
+        return pinned.name
 
     def choose(self, key: bytes, candidates: list[Candidate]) -> str | None:
         """The engine for a request with affinity `key` among the live `candidates`;

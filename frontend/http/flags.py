@@ -119,8 +119,16 @@ def add_frontend_arguments(p: argparse.ArgumentParser) -> None:
     _add_generation_default_arguments(g)
     _add_output_arguments(g)
     _add_web_ui_arguments(g)
+    _add_probe_arguments(g)
     add_http_arguments(p)
     add_limit_arguments(p)
+
+
+def _add_probe_arguments(g) -> None:
+    """TensorRT-LLM's /health_generate (frontend.http.engine_ops)."""
+    g.add_argument("--health-generate-timeout", type=positive_number, default=10.0,
+                   help="seconds /health_generate's one-token generation may take before "
+                        "it answers 503 (default: %(default)s)")
 
 
 def _add_server_arguments(g) -> None:
@@ -363,6 +371,7 @@ def frontend_config(args, engine_address: str | list[str] | None,
         max_embedding_inputs=getattr(args, "max_embedding_inputs", 2048),
         **limit_config(args),
         disable_web_ui=getattr(args, "disable_web_ui", False),
+        health_generate_timeout_s=getattr(args, "health_generate_timeout", 10.0),
     )
 
 

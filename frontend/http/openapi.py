@@ -56,6 +56,7 @@ from frontend.embeddings.scoring_models import (
     ScoreResponse,
 )
 from frontend.engine_client.engine_list import EngineList
+from frontend.http.engine_ops import ClockOffset, EnergyMetrics, ProfileStopped
 from frontend.responses import models as responses_models
 from frontend.responses.conversation_models import (
     Conversation,
@@ -108,6 +109,19 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/ping", "SageMaker's health check: the same answer as /health",
               answer_type=""),
     Operation("get", "/load", "Requests being answered now: {\"server_load\": N}"),
+    Operation("get", "/health_generate", "TensorRT-LLM's: a one-token generation through the "
+              "stack; 200, or 503 past --health-generate-timeout", answer_type="text/plain"),
+    Operation("get", "/server_info", "TensorRT-LLM's: disaggregated_params (null here), model, "
+              "version, steady-clock offset, live engines"),
+    Operation("get", "/steady_clock_offset", "TensorRT-LLM's: the steady clock at arrival and "
+              "answer: {\"receive_ts\", \"transmit_ts\"}"),
+    Operation("post", "/steady_clock_offset", "TensorRT-LLM's: record a router's clock offset",
+              ClockOffset, answer_type=""),
+    Operation("post", "/start_profile", "Start the torch profiler in every engine (404 without "
+              "--profile-dir)", answer_type=""),
+    Operation("post", "/stop_profile", "Stop it; each engine's trace file", answer=ProfileStopped),
+    Operation("get", "/energy_metrics", "Energy counters of each engine's machine (404: none)",
+              answer=EnergyMetrics),
     Operation("get", "/version", "The server's version"),
     Operation("get", "/metrics", "Prometheus metrics", answer_type="text/plain"),
     Operation("get", "/openapi.json", "This document"),

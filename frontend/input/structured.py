@@ -15,6 +15,10 @@ past one), then checked by llguidance the way the engine will run it (compiled a
 model's tokenizer, first mask computed) in `frontend.input.grammar_check`'s worker processes, once
 per request: a bad schema, regex or grammar is a 400 quoting llguidance's message before the
 engine sees it, and a grammar that crashes llguidance costs only its own request.
+
+Building a grammar (seed 000-51) is off the event loop too, on threads of its own: it is
+Python (128 tools of near-limit schemas take seconds before the size check refuses them),
+which yields the GIL every few milliseconds, so the loop goes on answering others meanwhile.
 """
 
 from __future__ import annotations
@@ -177,8 +181,9 @@ def translate(request: Request, settings: StructuredSettings,
 async def constraint_for(request: Request, settings: StructuredSettings,
                          in_reasoning: bool = False) -> Constraint | None:
     """The request's constraint, checked by llguidance off the event loop (once per
-    request: every prompt and candidate of it shares the result)."""
-    translated = translate(request, settings, in_reasoning)
+    request: every prompt and candidate of it shares the result), built off the loop."""
+    translated = await asyncio.wrap_future(
+        _build_threads().submit(translate, request, settings, in_reasoning))
     if translated is None:
         return None
     if settings.checker is None:
@@ -214,6 +219,15 @@ def _checked(translated: Translated, problem: str | None) -> Constraint:
 
 
 _threads: DeepStackThreads | None = None
+_builders: DeepStackThreads | None = None
+BUILD_THREADS = 2  # one huge build holds one; another request's grammar takes the other
+
+
+def _build_threads() -> DeepStackThreads:
+    """Daemon threads: a build still running never holds up the frontend's exit."""
+    global _builders
+    _builders = _builders or DeepStackThreads(BUILD_THREADS, "grammar-build")
+    return _builders
 
 
 def _local_threads() -> DeepStackThreads:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from frontend.engine_client.placement import RoutingHints
 from frontend.pipeline.input_stage import PromptInput
 from frontend.pipeline.sampling import Plan
 from shared.protocol import EngineRequest, LogprobEntry, TextFrame, ToolCallDelta, unpack_ids
@@ -27,6 +28,8 @@ class Job(msgspec.Struct):
     # The name responses carry: the LoRA adapter's when the request named one (as vLLM),
     # else the served model's.
     model: str = ""
+    # Where its candidates go (conversation_params, scheduling_params); None: as usual.
+    routing: RoutingHints | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

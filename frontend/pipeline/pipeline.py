@@ -30,6 +30,8 @@ from frontend.base.errors import APIError, error_body
 from frontend.engine_client import request_metrics
 from frontend.engine_client.client import EngineUnavailable
 from frontend.engine_client.lora_client import lora_name_for
+from frontend.engine_client.placement import RoutingHints
+from frontend.input.scheduling_hints import affinity_id, priority_tier
 from frontend.input.structured import constraint_for, forces_call
 from frontend.pipeline.input_stage import PromptInput, chat_input, completion_inputs
 from frontend.pipeline.job import Candidate, Job
@@ -131,7 +133,8 @@ def build_job(
                         defaults=ctx.generation_defaults, bad_words=bad_words,
                         thinking=thinking)
     lora_name = lora_name_for(ctx, getattr(request, "model", None))
-    job = Job(request_id, int(now), prompts, plan, [], {}, model=lora_name or ctx.model_name)
+    job = Job(request_id, int(now), prompts, plan, [], {}, model=lora_name or ctx.model_name,
+              routing=routing_hints(ctx, request))
     trace_context = engine_context()  # the engine's and postproc's spans join this request's
     for p, (prompt, prompt_max) in enumerate(zip(prompts, max_tokens, strict=True)):
         packed = pack_ids(prompt.tokens.ids)
@@ -152,10 +155,27 @@ def build_job(
                 cache_salt=request.cache_salt, priority=request.priority,  # req P-12
                 images=prompt.images,
                 lora_name=lora_name, trace_context=trace_context,
+                priority_tier=priority_tier(request),
             ))
     job.index_of = {c.request_id: i for i, c in enumerate(job.candidates)}
     note_job(job, endpoint, request)
     return job
+
+
+def routing_hints(ctx: ServingContext, request) -> RoutingHints | None:
+    """conversation_params and scheduling_params as placement reads them; a pin to an
+    engine rank this frontend does not have is a 400."""
+    scheduling = request.scheduling_params
+    rank = scheduling.attention_dp_rank if scheduling is not None else None
+    affinity = affinity_id(request)
+    if rank is None and affinity is None:
+        return None
+    engines = len(ctx.client.ranked_engines())
+    if rank is not None and rank >= engines:
+        raise APIError(400, f"scheduling_params.attention_dp_rank {rank} names no engine: "
+                            f"this frontend has {engines} (ranks 0 to {engines - 1})",
+                       "scheduling_params.attention_dp_rank")
+    return RoutingHints(affinity, rank, bool(scheduling and scheduling.attention_dp_relax))
 
 
 def stream_usage(ctx: ServingContext, request) -> tuple[bool, bool]:
@@ -265,7 +285,7 @@ async def submit(ctx: ServingContext, job: Job) -> asyncio.Queue:
         with phase("submit"):  # waiting for a live engine, placing and sending
             for candidate in job.candidates:
                 prompt = job.prompts[job.index_of[candidate.request_id] // job.plan.candidates]
-                await ctx.client.submit(candidate, prompt.tokens.ids, queue)
+                await ctx.client.submit(candidate, prompt.tokens.ids, queue, job.routing)
         for first in job.candidates[::job.plan.candidates]:  # one per prompt
             request_metrics.PARAMS_N.observe(job.plan.n)
             request_metrics.PARAMS_MAX_TOKENS.observe(first.params.max_tokens)

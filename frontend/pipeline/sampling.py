@@ -24,6 +24,7 @@ from frontend.base.api_models import (
 )
 from frontend.base.errors import bad_request
 from frontend.input.input_bounds import RequestLimits, check_bounds
+from frontend.input.scheduling_hints import check_scheduling_fields
 from frontend.input.structured import StructuredSettings, check_structured
 from frontend.pipeline.beam_checks import check_beam_fields
 from shared.generation_config import GenerationDefaults
@@ -74,6 +75,7 @@ def check_request(request: Request, structured: StructuredSettings = _NO_STRUCTU
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if request.cache_salt is not None and not request.cache_salt:
         raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
+    check_scheduling_fields(request)
     if request.stream and request.prompt_logprobs:
         # As vLLM: prompt logprobs come with the whole answer only (0 asks for none).
         raise bad_request("prompt_logprobs is not available when stream is true",

@@ -17,6 +17,9 @@ from shared.protocol import (
     ChunkFormat,
     Constraint,
     Continuation,
+    EnergyReading,
+    EngineCommand,
+    EngineCommandResult,
     EngineRequest,
     EngineStats,
     FrameBatch,
@@ -118,6 +121,7 @@ ENGINE_INBOUND = {
         lora_name="sql-ünï",
         trace_context=TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
                                    "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"),
+        priority_tier=3,
     ),
     "request-defaults": EngineRequest(
         request_id="req-2",
@@ -140,6 +144,7 @@ ENGINE_INBOUND = {
     "ping": Ping(sender_id="frontend-0", sent_at=3.5),
     "lora-load": LoraUpdate(op_id="op-1", action="load", name="a", path="/adapters/ä"),
     "lora-unload": LoraUpdate(op_id="op-2", action="unload", name="a"),
+    "command": EngineCommand(op_id="op-3", command="read_energy"),
 }
 
 FRONTEND_INBOUND = {
@@ -260,6 +265,9 @@ FRONTEND_INBOUND = {
         speculative=True,
     ),
     "lora-result": LoraUpdateResult(op_id="op-1", status=404, message="No adapter found"),
+    "command-result": EngineCommandResult(
+        op_id="op-3", status=200, message="ok", energy=[EnergyReading("nvml:gpu-0", 1.5)],
+        path="/traces/engine-0.pt.trace.json"),
 }
 
 

@@ -33,6 +33,7 @@ LEAST = {
     "ContentPart": {"type": "text"},
     "ResponseFormat": {"type": "text"},
     "NamedFunction": {"name": "f"},
+    "ConversationParams": {"conversation_id": "c"},
     "NamedToolChoice": {"type": "function", "function": {"name": "f"}},
     "FunctionDefinition": {"name": "f"},
     "ChatTool": {"function": {"name": "f"}},

@@ -1,5 +1,6 @@
-"""The operator's routes: health and readiness, load, version, /metrics and /openapi.json, and
-the engines as this frontend sees them (/v1/engines, behind --api-key)."""
+"""The operator's routes: health and readiness, load, version, /metrics and /openapi.json,
+the engines as this frontend sees them (/v1/engines, behind --api-key), and TensorRT-LLM's
+(frontend.http.engine_ops)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from starlette.routing import Route
 
 from frontend.engine_client.engine_list import engine_list
 from frontend.http import openapi
+from frontend.http.engine_ops import EngineOps
 from frontend.http.metrics import render
 from frontend.http.routes.context import AppContext, guarded, json_response
+from shared.runner_config import resolve_runner
 
 VERSION = "0.1.0"
 
@@ -51,4 +54,24 @@ def routes(app: AppContext) -> list[Route]:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi.endpoint(app.ctx.model_name, VERSION), methods=["GET"]),
         Route("/v1/engines", guarded(engines), methods=["GET"]),
+        *_trtllm_routes(app),
+    ]
+
+
+def _trtllm_routes(app: AppContext) -> list[Route]:
+    """TensorRT-LLM's operator routes (seed 000); /kv_cache_events waits on KV events."""
+    ops = EngineOps(app, VERSION)
+    config = app.config
+    pooling = resolve_runner(config.model, config.runner, config.hf_overrides) == "pooling"
+    # A pooling model generates nothing: no generation to probe (as trtllm-serve's encoder).
+    probe = [] if pooling else [Route("/health_generate", guarded(ops.health_generate),
+                                      methods=["GET"])]
+    return [
+        *probe,
+        Route("/server_info", guarded(ops.server_info), methods=["GET"]),
+        Route("/steady_clock_offset", guarded(ops.get_clock), methods=["GET"]),
+        Route("/steady_clock_offset", guarded(ops.set_clock), methods=["POST"]),
+        Route("/start_profile", guarded(ops.start_profile), methods=["POST"]),
+        Route("/stop_profile", guarded(ops.stop_profile), methods=["POST"]),
+        Route("/energy_metrics", guarded(ops.energy_metrics), methods=["GET"]),
     ]
