@@ -490,11 +490,11 @@ class LoraUpdateResult(msgspec.Struct, tag="lora_result", frozen=True):
 
 class EngineCommand(msgspec.Struct, tag="engine_command", frozen=True):
     """From a frontend: an operator's command for the engine itself (TensorRT-LLM's and
-    vLLM's /start_profile, /stop_profile, /energy_metrics); the engine answers with an
-    `EngineCommandResult` carrying the same `op_id`."""
+    vLLM's /start_profile, /stop_profile, /energy_metrics; vLLM's /reset_prefix_cache); the
+    engine answers with an `EngineCommandResult` carrying the same `op_id`."""
 
     op_id: str
-    command: str  # "start_profile" | "stop_profile" | "read_energy"
+    command: str  # "start_profile" | "stop_profile" | "read_energy" | "reset_prefix_cache"
 
 
 class EnergyReading(msgspec.Struct, frozen=True):
@@ -507,7 +507,7 @@ class EnergyReading(msgspec.Struct, frozen=True):
 
 class EngineCommandResult(msgspec.Struct, tag="command_result", frozen=True):
     """An engine's answer to an EngineCommand: status 200, or the HTTP status of the problem
-    (404: the engine has nothing to do it with, 400: not now)."""
+    (404: the engine has nothing to do it with, 400 or 409: not now)."""
 
     op_id: str
     status: int

@@ -226,7 +226,7 @@ class EngineServer:
                 self.latest_stats = self.core.stats()  # the next ping lists it already
                 self.replies.put((message.peer, result))
             elif isinstance(message, CommandOp):
-                self.replies.put((message.peer, self._profile_command(message.command)))
+                self.replies.put((message.peer, self._step_command(message.command)))
             try:
                 message = self.inbox.get_nowait()
             except queue.Empty:
@@ -278,7 +278,15 @@ class EngineServer:
             self.inbox.put(message)
         sock.close(linger=0)
 
-    def _profile_command(self, command: EngineCommand) -> EngineCommandResult:
+    def _step_command(self, command: EngineCommand) -> EngineCommandResult:
+        """A command run between steps, where the step loop's state may be touched."""
+        if command.command == "reset_prefix_cache":
+            owned = self.core.allocator.reset_prefix_cache()
+            if owned:
+                return EngineCommandResult(command.op_id, 409, f"{owned} KV pages are in use "
+                                           "by running requests; retry when the engine idles")
+            self.latest_stats = self.core.stats()
+            return EngineCommandResult(command.op_id, 200)
         try:
             if command.command == "start_profile":
                 self.profiler.start()

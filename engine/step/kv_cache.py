@@ -140,6 +140,21 @@ class PageAllocator:
 
     # ---------------------------------------------------------------- prefix cache
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's /reset_prefix_cache), only when no sequence owns
+        a page: a running request's pages stay addressed by their hashes. The number of
+        owned pages (0: done, the cache is empty and AllBlocksCleared recorded)."""
+        owned = sum(1 for count in self._refcount if count > 0)
+        if owned:
+            return owned
+        self._free.extend(self._cached_free)
+        self._cached_free.clear()
+        self._page_of.clear()
+        self._hash_of = [None] * self.num_pages
+        if self.events is not None:
+            self.events.cleared()
+        return 0
+
     def cached_prefix(self, hashes: list[PageHash]) -> list[int]:
         """Take the longest run of leading pages already cached; the caller owns them now."""
         pages = []

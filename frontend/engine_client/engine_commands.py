@@ -1,6 +1,7 @@
 """Operator commands every engine runs (`EngineCommand`: the torch profiler's start and
-stop, a read of its energy counters), sent to each live engine over its connection, as LoRA
-updates are (`lora_client`), and answered by op id (`EngineCommandResult`)."""
+stop, a read of its energy counters, vLLM's prefix-cache reset), sent to each live engine
+over its connection, as LoRA updates are (`lora_client`), and answered by op id
+(`EngineCommandResult`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from shared.protocol import EngineCommand, EngineCommandResult
 
 # Seconds to wait for an engine's answer. A stop writes the trace first, which takes
 # seconds after a long profile; an energy read is at once (a frozen engine: the 503).
-COMMAND_TIMEOUT_S = {"start_profile": 30.0, "stop_profile": 120.0, "read_energy": 5.0}
+COMMAND_TIMEOUT_S = {"start_profile": 30.0, "stop_profile": 120.0, "read_energy": 5.0,
+                     "reset_prefix_cache": 10.0}
 
 
 class CommandReplies(LoraReplies):

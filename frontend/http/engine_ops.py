@@ -116,6 +116,11 @@ class EngineOps:
         results = await self._all_engines("stop_profile")
         return _json(ProfileStopped([ProfileTrace(e, r.path) for e, r in results]))
 
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's: every live engine forgets its cached prefixes (409 while one runs)."""
+        await self._all_engines("reset_prefix_cache")
+        return Response(status_code=200)
+
     async def energy_metrics(self, request: Request) -> Response:
         results = await self._engine_results("read_energy")
         found = [EngineEnergy(e, r.energy) for e, r in results if r.status == 200]

@@ -269,3 +269,27 @@ def test_routing_kv_follows_the_events_across_frontends(setup):
     assert after[1].num_finished == before[1].num_finished
     assert after[0].prefix_cache_hits - before[0].prefix_cache_hits == 64
     assert _series(setup.url_b, "sluice:kv_events_malformed") == 0
+
+
+
+def _hits_after(address: str, prompt: list[int]) -> int:
+    """The engine's prefix-cache hit tokens once `prompt` has run on it once more."""
+    finished = engine_stats(address).num_finished
+    RawEngineClient(address).generate([prompt], GREEDY)
+    wait_until(lambda: engine_stats(address).num_finished > finished, 10, "the stats")
+    return engine_stats(address).prefix_cache_hits
+
+
+def test_reset_prefix_cache_clears_every_engine(setup):
+    """vLLM's POST /reset_prefix_cache: each engine forgets its prefixes and says so with
+    AllBlocksCleared; a prompt sent again is computed again (no prefix hit)."""
+    x, address = setup.collectors[0], setup.addresses[0]
+    prompt = _prompt(40, 32)  # two full pages
+    cold = _hits_after(address, prompt)
+    warm = _hits_after(address, prompt)
+    assert warm > cold  # the control: without a reset the pages are found
+    before = sum(isinstance(e, AllBlocksCleared) for e in x.events())
+    assert httpx.post(f"{setup.url_a}/reset_prefix_cache", timeout=30).status_code == 200
+    wait_until(lambda: sum(isinstance(e, AllBlocksCleared) for e in x.events()) > before, 10,
+               "AllBlocksCleared after the reset")
+    assert _hits_after(address, prompt) == warm

@@ -134,6 +134,25 @@ def test_an_evicted_page_is_removed_once_and_only_when_recycled():
     assert alloc.events.take() == [BlockRemoved([external_hash(b"ha")], "GPU")]
 
 
+def test_a_prefix_cache_reset_waits_for_owned_pages_then_clears_all():
+    """/reset_prefix_cache: refused while a sequence owns a page (its hashes stay true);
+    then every cached prefix is gone, every page free and AllBlocksCleared recorded."""
+    alloc = PageAllocator(num_pages=3, page_size=4)
+    alloc.events = KvEventLog()
+    a, b = alloc.allocate(2)
+    alloc.register(a, b"ha")
+    alloc.register(b, b"hb")
+    alloc.release([a])
+    assert alloc.reset_prefix_cache() == 1  # b is still owned
+    assert alloc.events.take() == [] and alloc.cached_prefix([b"ha"]) == [a]
+    alloc.release([a, b])
+    assert alloc.reset_prefix_cache() == 0
+    assert alloc.events.take() == [AllBlocksCleared()]
+    assert alloc.cached_prefix([b"ha"]) == [] and alloc.num_free == 3
+    assert sorted(alloc.allocate(3)) == [0, 1, 2]
+    assert alloc.events.take() == []  # nothing cached was left to remove
+
+
 # ---------------------------------------------------------------- the frontend's side
 
 

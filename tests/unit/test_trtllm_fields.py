@@ -129,8 +129,10 @@ def _client(conns):
 
     from frontend.engine_client.client import EngineClient
 
-    fake = SimpleNamespace(engines={c.address: c for c in conns}, placement=Placement())
+    fake = SimpleNamespace(engines={c.address: c for c in conns}, placement=Placement(),
+                           kv_events=None)  # not --routing kv
     fake.ranked_engines = lambda: EngineClient.ranked_engines(fake)
+    fake._cached_runs = lambda *args: EngineClient._cached_runs(fake, *args)
     return lambda req, live, hints: EngineClient._place(fake, req, live, hints)
 
 
@@ -164,9 +166,15 @@ def test_the_engine_answers_every_command_a_peer_may_send(tmp_path, monkeypatch)
     core, _ = build_core(random_weights())
     server = EngineServer(core, "inproc://unused")
     try:
-        bogus = server._profile_command(EngineCommand("op", "x" * 10_000))
+        bogus = server._step_command(EngineCommand("op", "x" * 10_000))
         assert bogus.op_id == "op" and bogus.status == 400 and len(bogus.message) < 200
-        assert server._profile_command(EngineCommand("op", "start_profile")).status == 404
+        assert server._step_command(EngineCommand("op", "start_profile")).status == 404
+        # An idle engine's prefix cache resets; one with an owned page says 409.
+        assert server._step_command(EngineCommand("op", "reset_prefix_cache")).status == 200
+        page = core.allocator.allocate(1)
+        busy = server._step_command(EngineCommand("op", "reset_prefix_cache"))
+        assert busy.status == 409 and "1 KV pages are in use" in busy.message
+        core.allocator.release(page)
         monkeypatch.setenv("SLUICE_POWERCAP_DIR", str(tmp_path))
         (tmp_path / "intel-rapl:0").mkdir()
         (tmp_path / "intel-rapl:0" / "name").write_text("package-0")

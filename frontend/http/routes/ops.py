@@ -74,4 +74,5 @@ def _trtllm_routes(app: AppContext) -> list[Route]:
         Route("/start_profile", guarded(ops.start_profile), methods=["POST"]),
         Route("/stop_profile", guarded(ops.stop_profile), methods=["POST"]),
         Route("/energy_metrics", guarded(ops.energy_metrics), methods=["GET"]),
+        Route("/reset_prefix_cache", guarded(ops.reset_prefix_cache), methods=["POST"]),
     ]
