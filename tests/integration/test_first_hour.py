@@ -40,6 +40,9 @@ NOT_RUN = {
         "an outline of the parser API over placeholders (rendered, delta_text)",
     "from postproc.tool_parsers import get_tool_parser":
         "an outline of the parser API over placeholders (request, content_delta)",
+    "import msgspec, zmq":
+        "a KV-events consumer that runs until stopped, against an engine started with "
+        "--kv-events-config (tests/integration/test_kv_events.py decodes the same wire)",
 }
 
 

@@ -62,7 +62,8 @@ def setup(tmp_path_factory):
         lora.save_pretrained(root / name)
         merged[name] = lora.merge_and_unload().eval()
     engine, front = engine_and_frontend(
-        str(root), ("--model", str(root / "base"), "--dtype", "float32", "--enable-lora",
+        str(root), ("--model", str(root / "base"), "--served-model-name", "tiny",
+                    "--dtype", "float32", "--enable-lora",
                     "--max-loras", "2", "--max-cpu-loras", str(MAX_CPU_LORAS),
                     "--lora-modules", f"a={root / 'a'}",
                     json.dumps({"name": "b", "path": str(root / "b"),
