@@ -247,10 +247,13 @@ def test_every_new_field_has_clear_bounds(stack):
 
 def test_a_cancelled_batch_keeps_what_finished(stack):
     a, b = stack.client(0), stack.client(1)
-    # Four waves of lines (the in-flight bound is 4), long enough that the cancel comes
-    # before the last: a batch that completed first could not be cancelled (409).
+    # Fifteen waves of lines (the in-flight bound is 4): the runner sees a cancel at its
+    # keeper's next tick (LEASE_S / 3), and the counts appear at a tick too, so the batch must
+    # outlast two ticks by far on a fast machine (four waves finished first there). The lines
+    # after the cancel never run, so their number costs no time.
+    total = 60  # --max-batch-lines
     lines = [chat_line(f"long-{i}", "Tell a story.", max_tokens=48, ignore_eos=True)
-             for i in range(16)]
+             for i in range(total)]
     source = upload(a, jsonl(lines)).id
     batch, filler = (a.batches.create(input_file_id=source, endpoint="/v1/chat/completions",
                                       completion_window="24h") for _ in range(MAX_ACTIVE))
@@ -264,7 +267,7 @@ def test_a_cancelled_batch_keeps_what_finished(stack):
     assert poll(b, filler.id, 60).status == "cancelled"
     done = poll(a, batch.id, 60)
     assert done.status == "cancelled" and done.cancelled_at >= done.cancelling_at
-    assert 0 < done.request_counts.completed < 16
+    assert 0 < done.request_counts.completed < total
     output = lines_of(a, done.output_file_id)
     assert len(output) == done.request_counts.completed
     assert all(line["response"]["body"]["usage"]["completion_tokens"] == 48

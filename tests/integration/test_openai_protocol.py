@@ -195,8 +195,9 @@ def test_official_client_gets_typed_errors(client):
 
 def test_request_id_already_running_is_refused_without_harm(http):
     """R-3 (and a product fix): a second request reusing a running request_id is a 400; the
-    first one is not disturbed."""
-    body = {"prompt": FRANCE, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+    first one is not disturbed. 48 tokens: the first must still run when the second comes
+    (6 ended first on a fast machine)."""
+    body = {"prompt": FRANCE, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
             "request_id": f"dup-{time.monotonic_ns()}"}
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as first:
         lines = first.iter_lines()
