@@ -30,6 +30,9 @@ prefix-cache hit; SDPA's blocking, which follows the chunk's length, never enter
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import msgspec
 import numpy as np
 import torch
@@ -37,6 +40,21 @@ import torch.nn.functional as F
 
 from engine.layers.config import PLAIN_ATTENTION, LayerAttention
 from engine.request.batch import ScheduledChunk
+
+
+def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype,
+                         device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU in an anonymous mapping, whose pages the kernel makes resident only
+    when first written (read before then, they are the one shared zero page). The pool's
+    resident memory is then the KV that requests have used, not --kv-cache-memory-gb from
+    the start: torch.zeros writes every byte of it at once."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class PrefillSlice(msgspec.Struct):
@@ -91,8 +109,8 @@ class TorchAttentionBackend:
                              "or bfloat16 KV cache")
         self.batch_invariant = batch_invariant
         shape = (num_pages * page_size, num_kv_heads, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_cache = [zeros_on_first_write(shape, dtype, device) for _ in range(num_layers)]
+        self.v_cache = [zeros_on_first_write(shape, dtype, device) for _ in range(num_layers)]
         # The same memory seen as one row per page, for gathering whole pages.
         self._k_pages = [c.view(num_pages, -1) for c in self.k_cache]
         self._v_pages = [c.view(num_pages, -1) for c in self.v_cache]
