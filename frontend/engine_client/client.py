@@ -38,6 +38,7 @@ from frontend.engine_client.engine_commands import CommandReplies
 from frontend.engine_client.heartbeats import EngineHeartbeats
 from frontend.engine_client.kv_events import KvEventSubscriber
 from frontend.engine_client.kv_index import KvIndex
+from frontend.engine_client.kv_journal import KvJournal
 from frontend.engine_client.lora_client import LoraReplies, engines_with
 from frontend.engine_client.migration import MIGRATION_REASONS, Migration
 from frontend.engine_client.placement import (
@@ -116,8 +117,11 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         self.migration_failures = 0  # requests that had to move and could not
         self.last_live = 0.0  # time.monotonic() when an engine was last live
         self.lora_replies = LoraReplies()  # run-time adapter loads (lora_client.py)
-        # --routing kv: the engines' KV events, by engine address (kv_events.py).
-        self.kv_events = KvEventSubscriber(KvIndex()) if routing == "kv" else None
+        # The engines' KV events, by engine address (kv_events.py): an index under
+        # --routing kv, and the journal TensorRT-LLM's POST /kv_cache_events drains.
+        self.kv_journal = KvJournal()
+        self.kv_events = KvEventSubscriber(KvIndex() if routing == "kv" else None,
+                                           self.kv_journal)
         # What this frontend renders for; engines serving something else are refused.
         self.identity: ServedIdentity | None = None
         self.command_replies = CommandReplies()  # profile and energy (engine_commands.py)
@@ -307,7 +311,8 @@ class EngineClient(EngineHeartbeats, Migration, OutputReceiver):
         """--routing kv: the prompt's leading pages each engine holds, by address. A LoRA
         adapter's or an image's pages hash on what only the engine knows (the adapter's id
         there, the image's digest): those requests are placed as `prefix`."""
-        if (self.kv_events is None or len(live) < 2 or request.lora_name or request.images
+        if (self.kv_events is None or self.kv_events.index is None or len(live) < 2
+                or request.lora_name or request.images
                 or request.pooling is not None):
             return {}
         ids = np.frombuffer(request.prompt_token_ids, dtype="<i4")

@@ -35,7 +35,7 @@ def connection_families(client, model_name: str = ""):
         labels=["model_name"])
     failed.add_metric([model_name], float(client.migration_failures))
     yield failed
-    if client.kv_events is not None:
+    if client.kv_events is not None and client.kv_events.index is not None:
         yield from kv_event_families(client, model_name)
 
 

@@ -8,6 +8,10 @@ engine's replay socket when it has one, and otherwise, or when the replay cannot
 that engine's entries are dropped (a short picture, never a wrong one) and the feed goes on
 from the new batch. A number that goes back is a restarted engine: its entries are dropped.
 Anything malformed is dropped and counted; nothing a peer sends stops the thread.
+
+Every frontend follows the engines that publish: each applied batch goes to the index (only
+under `--routing kv`, where placement reads it) and to the journal TensorRT-LLM's
+POST /kv_cache_events drains (`kv_journal.py`), a hole also marked there.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import msgspec
 import zmq
 
 from frontend.engine_client.kv_index import KvIndex
+from frontend.engine_client.kv_journal import KvJournal
 from shared.kv_events import END_SEQ, KVEventBatch, connectable
 
 log = logging.getLogger("sluice.frontend")
@@ -59,8 +64,9 @@ class Feed:
 
 
 class KvEventSubscriber:
-    def __init__(self, index: KvIndex) -> None:
-        self.index = index
+    def __init__(self, index: KvIndex | None, journal: KvJournal | None = None) -> None:
+        self.index = index  # None: not --routing kv, nothing places by it
+        self.journal = journal
         self.batches = 0  # applied
         self.malformed = 0  # dropped undecodable or ill-formed messages
         self.gaps = 0  # holes no replay filled: that engine's entries were dropped
@@ -112,7 +118,7 @@ class KvEventSubscriber:
             old = self._feeds.pop(engine, None)
             if old is not None:
                 old.close()
-            self.index.drop(engine)
+            self._drop(engine)
             if verb == "follow" and endpoints[0]:
                 try:
                     feed = Feed(ctx, engine, *endpoints)
@@ -175,7 +181,7 @@ class KvEventSubscriber:
 
     def _take(self, feed: Feed, seq: int, batch: KVEventBatch, may_replay: bool) -> None:
         if seq <= feed.last_seq:  # numbers went back: the engine restarted
-            self.index.drop(feed.engine)
+            self._drop(feed.engine)
         elif seq > feed.last_seq + 1:
             if may_replay and feed.replay is not None:
                 feed.held.append((seq, batch))
@@ -185,10 +191,19 @@ class KvEventSubscriber:
                 log.warning("KV events: engine %s skipped batches %d..%d; dropping what it "
                             "was known to hold", feed.engine, feed.last_seq + 1, seq - 1)
             self.gaps += 1
-            self.index.drop(feed.engine)
-        self.index.apply(feed.engine, batch)
+            self._drop(feed.engine)
+            if self.journal is not None:
+                self.journal.gap(feed.engine)
+        if self.index is not None:
+            self.index.apply(feed.engine, batch)
+        if self.journal is not None:
+            self.journal.record(feed.engine, batch)
         feed.last_seq = seq
         self.batches += 1
+
+    def _drop(self, engine: str) -> None:
+        if self.index is not None:
+            self.index.drop(engine)
 
     def _ask_replay(self, feed: Feed, start: int) -> None:
         if feed.replay is None:

@@ -13,6 +13,8 @@
   started with --profile-dir; else 404); the stop answers each trace file's path.
 - /energy_metrics: every live engine's energy counters (RAPL, NVML; engine.process.energy);
   404 where no engine's machine reports any.
+- POST /kv_cache_events: the engines' KV events since the last call, in trtllm-serve's shape
+  (frontend.http.kv_cache_events); [] when no engine publishes (--kv-events-config).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from starlette.responses import PlainTextResponse, Response
 from frontend.base.api_models import CompletionRequest
 from frontend.base.errors import APIError
 from frontend.engine_client.engine_commands import run_on_engines
+from frontend.http.kv_cache_events import trtllm_events
 from frontend.openai import serving
 from shared.protocol import EnergyReading
 
@@ -128,6 +131,10 @@ class EngineOps:
             failed = next((r for _, r in results if r.status != 404), results[0][1])
             raise APIError(failed.status, failed.message)
         return _json(EnergyMetrics(time.time(), found))
+
+    async def kv_cache_events(self, request: Request) -> Response:
+        client = self.app.ctx.client
+        return _json(trtllm_events(client.kv_journal.drain(), client.engines))
 
     async def _all_engines(self, command: str) -> list:
         """The command's answers when every engine did it; else the first problem's error."""

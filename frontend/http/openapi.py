@@ -122,6 +122,8 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/stop_profile", "Stop it; each engine's trace file", answer=ProfileStopped),
     Operation("get", "/energy_metrics", "Energy counters of each engine's machine (404: none)",
               answer=EnergyMetrics),
+    Operation("post", "/kv_cache_events", "TensorRT-LLM's: the engines' KV events since the "
+              "last call (created, stored, removed), as trtllm-serve's list"),
     Operation("post", "/reset_prefix_cache", "vLLM's: every engine forgets its cached prefixes "
               "(409 while requests run)", answer_type=""),
     Operation("get", "/version", "The server's version"),

@@ -1,7 +1,8 @@
 """`use_beam_search` answers for chat completions and completions: each prompt's n best
 beams (`frontend.pipeline.beam_job`) as choices, best first, whole (beam search cannot
 stream). A beam's text is its tokens decoded; the choice's content is that text as is (no
-reasoning or tool-call parser reads a beam: the search ranks whole token sequences).
+reasoning or tool-call parser reads a beam: the search ranks whole token sequences), cut at
+a stop string where one ended it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from starlette.responses import Response
 from frontend.base.api_models import ChatCompletionRequest, CompletionRequest
 from frontend.pipeline.beam_job import BeamJob, run_beam_job, start_beam_job
 from frontend.pipeline.beam_search import Beam
+from frontend.pipeline.beam_stops import BeamStops
 from frontend.pipeline.serving_context import ServingContext
 from postproc.openai_shapes import (
     AssistantMessage,
@@ -37,8 +39,8 @@ async def beam_chat_completion(ctx: ServingContext, http: Request,
     if not await run_beam_job(ctx, http, job):
         return Response(status_code=499)  # the client left; nobody reads this
     choices = []
-    for i, (_, beam) in enumerate(_returned(job, request.n)):
-        text, finish, stop_reason = await _beam_text(ctx, request, beam)
+    for i, (p, beam) in enumerate(_returned(job, request.n)):
+        text, finish, stop_reason = await _beam_text(ctx, request, beam, job.searches[p].stops)
         choices.append(ChatChoice(
             index=i, message=AssistantMessage(role=role, content=text),
             finish_reason=finish, stop_reason=stop_reason,
@@ -65,7 +67,7 @@ async def beam_completion(ctx: ServingContext, http: Request,
         return Response(status_code=499)
     choices = []
     for i, (p, beam) in enumerate(_returned(job, request.n)):
-        text, finish, stop_reason = await _beam_text(ctx, request, beam)
+        text, finish, stop_reason = await _beam_text(ctx, request, beam, job.searches[p].stops)
         echo = (job.prompts[p].source_text or "") if request.echo else ""
         logprobs = (completion_logprobs(_entries(job, beam), start_offset=0)
                     if job.answer_logprobs is not None else None)
@@ -82,12 +84,15 @@ def _returned(job: BeamJob, n: int) -> list[tuple[int, Beam]]:
     return [(p, beam) for p, beams in enumerate(job.beams) for beam in beams[:n]]
 
 
-async def _beam_text(ctx: ServingContext, request, beam: Beam
-                     ) -> tuple[str, str, int | None]:
+async def _beam_text(ctx: ServingContext, request, beam: Beam, stops: BeamStops | None
+                     ) -> tuple[str, str, int | str | None]:
     """(text, finish_reason, stop_reason): a stop id is "stop" (stop_reason names a
-    stop_token_ids id; EOS leaves it null, as vLLM), else "length". The stop token stays
-    out of the text unless include_stop_str_in_output, as on the sampling path."""
+    stop_token_ids id; EOS leaves it null, as vLLM), a stop string "stop" naming it (the
+    text cut there, `beam_stops`), else "length". The stop token stays out of the text
+    unless include_stop_str_in_output, as on the sampling path."""
     ids = beam.tokens
+    if beam.stop_string is not None and stops is not None:
+        return (await stops.cut(ctx, ids))[0], "stop", beam.stop_string
     if not beam.stopped:
         return await ctx.tokenization.decode(ids, request.skip_special_tokens), "length", None
     last = ids[-1]

@@ -20,7 +20,6 @@ LENGTH_PENALTY_LIMIT = 20.0  # |length_penalty|: length ** 20 stays finite for a
 # (field, the value that asks for nothing): any other value is refused with beam search.
 _REFUSED_UNLESS = (
     ("stream", False),
-    ("stop", None),
     ("prompt_logprobs", None),
     ("presence_penalty", 0.0),
     ("frequency_penalty", 0.0),
@@ -36,7 +35,6 @@ _REFUSED_UNLESS = (
 )
 _WHY = {
     "stream": "beam search answers once, when every beam is done",
-    "stop": "beams end on EOS, stop_token_ids or max_tokens (stop strings are not matched)",
     "prompt_logprobs": "beam steps do not report the prompt's logprobs",
 }
 

@@ -20,6 +20,7 @@ from frontend.engine_client.lora_client import lora_name_for
 from frontend.pipeline.beam_checks import beam_width
 from frontend.pipeline.beam_runner import DISCONNECTED, BeamPrompt, ClientGone, run_search
 from frontend.pipeline.beam_search import Beam, BeamSettings
+from frontend.pipeline.beam_stops import BeamStops
 from frontend.pipeline.input_stage import PromptInput, chat_input, completion_inputs
 from frontend.pipeline.sampling import (
     check_request,
@@ -71,6 +72,9 @@ async def start_beam_job(ctx: ServingContext, request: Request_, prefix: str) ->
     if not request.ignore_eos:
         stop_ids |= frozenset(ctx.tokenization.settings.eos_token_ids)
     answer_logprobs = _answer_logprobs(request)
+    out = plan.output  # the stop strings as the sampling path's postproc gets them
+    stops = (BeamStops(out.stop, out.include_stop_str_in_output, out.min_tokens,
+                       out.skip_special_tokens) if out.stop else None)
     searches = []
     for p, prompt in enumerate(prompts):
         max_tokens = prompt_params(plan, prompt_max_tokens(
@@ -82,7 +86,7 @@ async def start_beam_job(ctx: ServingContext, request: Request_, prefix: str) ->
             reply_to=ctx.client.result_address, cache_salt=request.cache_salt,
             priority=request.priority, lora_name=lora_name,
             tokens_as_ids=bool(request.return_tokens_as_token_ids
-                               or ctx.output.return_tokens_as_token_ids)))
+                               or ctx.output.return_tokens_as_token_ids), stops=stops))
     _check_logprobs_cap(ctx, request, searches[0].num_top)
     return BeamJob(request_id, lora_name or ctx.model_name, prompts, searches, answer_logprobs)
 

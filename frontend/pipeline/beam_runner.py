@@ -20,6 +20,7 @@ import msgspec
 from frontend.base.errors import APIError
 from frontend.engine_client.client import EngineUnavailable
 from frontend.pipeline.beam_search import Beam, BeamSearch, BeamSettings
+from frontend.pipeline.beam_stops import BeamStops
 from frontend.pipeline.serving_context import ServingContext, frame_error
 from shared.protocol import (
     EngineRequest,
@@ -49,6 +50,7 @@ class BeamPrompt(msgspec.Struct, frozen=True):
     priority: int = 0
     lora_name: str | None = None
     tokens_as_ids: bool = False
+    stops: BeamStops | None = None  # the request's stop strings (beam_stops.py)
 
 
 async def run_search(ctx: ServingContext, prompt: BeamPrompt, queue: asyncio.Queue
@@ -58,7 +60,11 @@ async def run_search(ctx: ServingContext, prompt: BeamPrompt, queue: asyncio.Que
     search = BeamSearch(prompt.settings)
     step = 0
     while not search.done:
-        search.advance(await _step(ctx, prompt, search.running, step, queue))
+        grown = search.candidates(await _step(ctx, prompt, search.running, step, queue))
+        text_stops = None
+        if prompt.stops is not None:
+            text_stops = await prompt.stops.matches(ctx, grown, prompt.settings.stop_ids)
+        search.take(grown, text_stops)
         step += 1
     return search.finished
 

@@ -7,8 +7,9 @@ with their log-probabilities (the engine's one-token answers, `beam_runner`), an
 
 - each step the (1 + number of stop ids) * width best continuations over all beams are
   ranked by summed logprob; the best `width` that hit no stop continue;
-- of the best `width`, those that end (a stop id, or max_tokens reached) are finished,
-  scored summed logprob / generated_length ** length_penalty (the stop token counted);
+- of the best `width`, those that end (a stop id, max_tokens reached, or a stop string the
+  caller found in its text: `take`'s `text_stops`) are finished, scored summed logprob /
+  generated_length ** length_penalty (the stop token counted);
 - `early_stopping` true: stop once `width` beams finished; false: stop once the best running
   beam, scored at its current length, cannot beat the worst finished one; "never": the same,
   but scored at max_tokens when length_penalty > 0 (longer can only score better then).
@@ -48,7 +49,8 @@ class Beam(msgspec.Struct):
     logprob: float  # summed over tokens (float32)
     entries: list[LogprobEntry]  # per token: its logprob and the step's alternatives
     score: float = 0.0  # finished beams: logprob / len ** length_penalty
-    stopped: bool = False  # ended by a stop id (else by max_tokens)
+    stopped: bool = False  # ended by a stop id (else by max_tokens or a stop string)
+    stop_string: str | None = None  # ended by this stop string in its text
 
 
 def _add32(a: float, b: float) -> float:
@@ -69,15 +71,26 @@ class BeamSearch:
     def advance(self, steps: list[LogprobEntry]) -> None:
         """One step: `steps[b]` is running beam b's next-token entry (its `top` the best
         alternatives, best first)."""
+        self.take(self.candidates(steps))
+
+    def candidates(self, steps: list[LogprobEntry]) -> list[Beam]:
+        """The step's `keep` best continuations, best first (`advance`'s first half: a
+        caller with stop strings reads their text before `take`)."""
+        return [self._grow(b, t, total, steps[b]) for total, b, t in self._ranked(steps)]
+
+    def take(self, grown: list[Beam], text_stops: list[str | None] | None = None) -> None:
+        """The step's second half: `text_stops[j]`, the stop string candidate j's text
+        ends on (None: none), ends it as a stop id would."""
         s = self.settings
         length = self.generated + 1
-        ranked = self._ranked(steps)
-        ends = [t.token_id in s.stop_ids or length >= s.max_tokens for _, _, t in ranked]
-        grown = [self._grow(b, t, total, steps[b]) for total, b, t in ranked]
+        text_stops = text_stops or [None] * len(grown)
+        ends = [b.tokens[-1] in s.stop_ids or length >= s.max_tokens or m is not None
+                for b, m in zip(grown, text_stops, strict=True)]
         for j, (beam, end) in enumerate(zip(grown, ends, strict=True)):
             if j < s.width and end:
                 beam.score = float(np.float32(beam.logprob) / (length ** s.length_penalty))
                 beam.stopped = beam.tokens[-1] in s.stop_ids
+                beam.stop_string = None if beam.stopped else text_stops[j]
                 self.finished.append(beam)
         self.finished.sort(key=lambda b: b.score, reverse=True)  # stable: earlier first
         del self.finished[s.width:]

@@ -1,8 +1,9 @@
 """use_beam_search (vLLM's extra field) through the HTTP API on the session's shared stack
 (float32), token for token against transformers' beam search on the same GGUF in float32
 (`generate(num_beams=..., length_penalty=..., early_stopping=..., num_return_sequences=n)`),
-for completions and chat, n and best_of; logprobs per beam; every field that cannot combine
-a 400 naming it; the new fields' bounds; and no KV page left owned afterwards.
+for completions and chat, n and best_of; logprobs per beam; stop strings per beam, cut as
+the sampling path cuts them; every field that cannot combine a 400 naming it; the new
+fields' bounds; and no KV page left owned afterwards.
 
 transformers' references run on a thread from the moment the module starts, beside the
 server's first requests.
@@ -141,7 +142,6 @@ def test_answers_carry_text_finish_usage_and_logprobs_per_beam(base_url, tokeniz
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"),
-    ({"stop": ["."]}, "stop"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
@@ -184,6 +184,62 @@ def test_completion_bounds(base_url):
     r = ask(best_of=2, temperature=0, length_penalty=-1.5, early_stopping="never")
     assert r.status_code == 200, r.text
     assert math.isfinite(len(r.json()["choices"]))
+
+
+def _complete(base_url, **extra) -> dict:
+    body = {"prompt": FRANCE, "max_tokens": 12, **extra}
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_stop_strings_cut_one_beam_as_greedy_sampling_cuts_them(base_url):
+    """One beam is greedy decoding: with stop strings (include_stop_str_in_output, and a
+    min_tokens gate that skips the first match) its text, finish_reason and stop_reason are
+    the sampling path's, to the character."""
+    free = _complete(base_url, temperature=0)["choices"][0]["text"]
+    middle = free[len(free) // 2:len(free) // 2 + 2]
+    assert middle.strip() and free.count(" ") >= 3, free
+    for extra in ({"stop": [middle]}, {"stop": ["zzz", middle], "include_stop_str_in_output": True},
+                  {"stop": [" "], "min_tokens": 3}):
+        greedy = _complete(base_url, temperature=0, **extra)["choices"][0]
+        beam = _complete(base_url, use_beam_search=True, n=1, **extra)["choices"][0]
+        got = (beam["text"], beam["finish_reason"], beam["stop_reason"])
+        assert got == (greedy["text"], "stop", extra["stop"][-1]), (extra, free)
+    assert got[0].startswith(free[:free.index(" ", 1)])  # min_tokens: not the first space
+
+
+@pytest.mark.parametrize(("stop", "include"), [(" The", False), (" The", True), ("is", False)])
+def test_each_beam_ends_at_its_stop_string(base_url, tokenizer, stop, include):
+    """Three beams: one ends on the token that completes the stop string (" The" a token
+    of its own after " Paris." or after " Paris.\n-"; "is" inside " Paris"), its text cut
+    there; the others run on to max_tokens and never show it."""
+    body = _complete(base_url, use_beam_search=True, n=3, stop=[stop], max_tokens=8,
+                     include_stop_str_in_output=include, return_token_ids=True)
+    ended = []
+    for c in body["choices"]:
+        ids = c["token_ids"]
+        decoded = tokenizer.decode(ids, skip_special_tokens=True)
+        if c["finish_reason"] == "stop":
+            assert c["stop_reason"] == stop
+            ended.append(c["text"])
+            assert c["text"] == decoded[:decoded.index(stop) + (len(stop) if include else 0)]
+            assert stop not in tokenizer.decode(ids[:-1], skip_special_tokens=True)
+        else:
+            assert stop not in c["text"] and c["finish_reason"] == "length"
+            assert len(ids) == 8
+    assert 1 <= len(ended) < 3, body["choices"]
+    assert body["usage"]["completion_tokens"] == sum(len(c["token_ids"])
+                                                     for c in body["choices"])
+
+
+@pytest.mark.parametrize(("stop", "status"), [([""], 400), (["a"] * 65, 400), (["a"] * 64, 200)])
+def test_stop_strings_bounds_with_beams(base_url, stop, status):
+    body = {"prompt": FRANCE, "max_tokens": 2, "n": 2, "use_beam_search": True, "stop": stop}
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == "stop"
 
 
 def test_no_page_stays_owned(base_url):

@@ -293,3 +293,60 @@ def test_reset_prefix_cache_clears_every_engine(setup):
     wait_until(lambda: sum(isinstance(e, AllBlocksCleared) for e in x.events()) > before, 10,
                "AllBlocksCleared after the reset")
     assert _hits_after(address, prompt) == warm
+
+
+def _drain(url: str, seen: list[dict]) -> list[dict]:
+    r = httpx.post(f"{url}/kv_cache_events", timeout=10)
+    assert r.status_code == 200, r.text
+    seen.extend(r.json())
+    return seen
+
+
+def _stored_blocks(events: list[dict]) -> list[dict]:
+    return [b for e in events if e["data"]["type"] == "stored" for b in e["data"]["blocks"]]
+
+
+def test_trtllm_kv_cache_events_since_the_last_call(setup, tmp_path):
+    """TensorRT-LLM's POST /kv_cache_events on a frontend without --routing kv (over
+    engine-1: 12 pages, data-parallel rank 1): trtllm-serve's list of {event_id, data,
+    window_size, attention_dp_rank}, from the engine's first event (the replay) on; each call
+    answers only what came since the one before."""
+    proc, url = start_frontend(str(tmp_path), setup.addresses[1], "frontend-c")
+    try:
+        wait_healthy(url, [proc, *setup.engines])
+        seen: list[dict] = []
+        wait_until(lambda: _drain(url, seen), 10, "engine-1's events through the replay")
+        created = seen[0]
+        assert created == {"event_id": 0, "window_size": 192, "engine_id": "engine-1",
+                           "attention_dp_rank": 1,
+                           "data": {"type": "created", "num_blocks_per_cache_level": [12, 0]}}
+        prompt = _prompt(60, 64)  # four full pages
+        hashes = list(prompt_page_hashes(prompt, 16, None))[:4]
+        RawEngineClient(setup.addresses[1]).generate([prompt], GREEDY)
+        wait_until(lambda: {b["block_hash"] for b in _stored_blocks(_drain(url, seen))}
+                   >= set(hashes), 10, "the prompt's stored blocks")
+        assert [e["event_id"] for e in seen] == list(range(len(seen)))  # each event once
+        assert _drain(url, []) == []  # nothing new since the last call
+        mine = [b for b in _stored_blocks(seen) if b["block_hash"] in hashes]
+        assert [b["block_hash"] for b in mine] == hashes
+        for i, block in enumerate(mine):
+            assert block == {"type": "stored_block", "block_hash": hashes[i],
+                             "cache_level": 0, "priority": 35,
+                             "tokens": [{"type": "unique_token", "token_id": t,
+                                         "token_extra_id": 0}
+                                        for t in prompt[16 * i:16 * (i + 1)]]}
+        first = next(e["data"] for e in seen if e["data"]["type"] == "stored"
+                     and e["data"]["blocks"][0]["block_hash"] == hashes[0])
+        assert first["parent_hash"] is None
+        # Three more prompts recycle the 12 pages: the first prompt's come back removed.
+        for seed in (61, 62, 63):
+            RawEngineClient(setup.addresses[1]).generate([_prompt(seed, 64)], GREEDY)
+        after: list[dict] = []
+        wait_until(lambda: set(hashes) & {h for e in _drain(url, after)
+                                          if e["data"]["type"] == "removed"
+                                          for h in e["data"]["block_hashes"]},
+                   10, "removed events for the first prompt's pages")
+        assert after[0]["event_id"] == seen[-1]["event_id"] + 1
+        assert httpx.get(f"{url}/kv_cache_events", timeout=10).status_code == 405
+    finally:
+        proc.stop()

@@ -73,3 +73,14 @@ def test_false_goes_on_while_a_running_beam_can_still_win():
                     step((EOS, -3.0), (12, -0.2), (13, -7.0), (14, -8.0))])
     # finished: (EOS) -0.4 and nothing else of the top 2; not full, so on
     assert len(search.finished) == 1 and not search.done
+
+
+def test_a_stop_string_ends_a_beam_as_a_stop_id_does():
+    """`take` with text_stops: the candidate whose text reached a stop string finishes
+    (within the width) and names it; one past the width is dropped, not kept running."""
+    search = BeamSearch(settings())
+    grown = search.candidates([step((5, -0.1), (6, -0.2), (7, -0.3), (8, -0.4))])
+    search.take(grown, [None, "\n", "\n", None])
+    assert [(b.tokens, b.stop_string, b.stopped) for b in search.finished] == [
+        ([6], "\n", False)]
+    assert [b.tokens for b in search.running] == [[5], [8]]

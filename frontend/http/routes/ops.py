@@ -59,7 +59,7 @@ def routes(app: AppContext) -> list[Route]:
 
 
 def _trtllm_routes(app: AppContext) -> list[Route]:
-    """TensorRT-LLM's operator routes (seed 000); /kv_cache_events waits on KV events."""
+    """TensorRT-LLM's operator routes (seed 000)."""
     ops = EngineOps(app, VERSION)
     config = app.config
     pooling = resolve_runner(config.model, config.runner, config.hf_overrides) == "pooling"
@@ -75,4 +75,5 @@ def _trtllm_routes(app: AppContext) -> list[Route]:
         Route("/stop_profile", guarded(ops.stop_profile), methods=["POST"]),
         Route("/energy_metrics", guarded(ops.energy_metrics), methods=["GET"]),
         Route("/reset_prefix_cache", guarded(ops.reset_prefix_cache), methods=["POST"]),
+        Route("/kv_cache_events", guarded(ops.kv_cache_events), methods=["POST"]),
     ]
