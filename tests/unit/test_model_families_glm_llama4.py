@@ -1,0 +1,111 @@
+"""GLM-4.5 (Glm4MoeForCausalLM) and Llama 4 text (Llama4ForCausalLM), as
+tests/unit/test_model_families.py tests the other families: a tiny random-weight
+transformers model per case, saved with save_pretrained, read by our config reader and
+loader, served by EngineCore (paged torch attention, chunks of 8, batching, a prefix-cache
+hit) and compared with transformers' greedy generate in float32, logits within 1e-4.
+
+GLM: partial rotary (8 of 16 dims), q/k norms, q/k/v biases, one dense layer first, then
+top-2 of 8 experts in 4 groups of which 2 are kept, a random correction bias, a scaling
+factor and a shared expert. Llama 4: chunks of 8 in the rotary layers and a NoPE layer with
+full attention and temperature tuning (floor_scale 8, so positions past it are scaled), QK
+L2 norm, MoE every 2nd layer (top-1, sigmoid, with a shared expert)."""
+
+import pytest
+import torch
+import transformers
+
+from engine.kernels.cpu_kernels import kernels
+from engine.models.registry import load_model_config
+from tests.unit.test_model_families import _engine_config
+from tests.unit.test_model_reference import STEPS, TINY, VOCAB, _run, make_reference
+
+CHUNK = 8
+
+
+def _random_correction_bias(model) -> None:
+    """A buffer transformers leaves at zero: random here, so the choice it shifts shows."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.copy_(
+                    0.5 * torch.randn(gate.e_score_correction_bias.shape, generator=gen))
+
+
+CASES = {
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, dict(
+        head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True),
+        _random_correction_bias),
+}
+SEEDS: dict[str, int] = {}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def reference(request, tmp_path_factory):
+    case = request.param
+    config_cls, model_cls, overrides, prepare = CASES[case]
+    path = tmp_path_factory.mktemp(case)
+    return case, make_reference(path, config_cls, model_cls, {**TINY, **overrides},
+                                SEEDS.get(case, 8), prepare=prepare)
+
+
+def test_config_and_reference(reference):
+    case, ref = reference
+    config = load_model_config(ref.path)
+    assert config.architecture == case
+    if case == "glm4_moe":
+        assert config.rotary_dim == 8 and config.qk_norm and config.attention_bias
+        moe = config.moe
+        assert (moe.num_experts, moe.top_k, moe.dense_layers) == (8, 2, (0,))
+        assert moe.shared_expert_intermediate_size == 64
+        options = config.family_options
+        assert (options.num_groups, options.topk_groups) == (4, 2)
+        assert options.routed_scaling_factor == 2.5
+    for logits in ref.step_logits:  # no greedy near-ties: the comparison means something
+        top2 = logits.topk(2, dim=-1).values
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-3
+    assert len({tuple(seq) for seq in ref.tokens}) == len(ref.tokens)
+
+
+MODES = [("alone", False), ("together", True), ("single-chunk", False),
+         ("prefix-cached", False)]
+
+
+@pytest.mark.parametrize(("mode", "use_kernels"), MODES, ids=[m for m, _ in MODES])
+def test_matches_transformers(reference, mode, use_kernels):
+    """Chunked prefill (chunks of 8), whole prefill (single-chunk), one at a time, batched,
+    and after prefix-cache hits: every step's logits and the greedy tokens."""
+    _, ref = reference
+    tokens, logits, _ = _run(ref.path, ref.prompts, mode, kernels() if use_kernels else None)
+    for i, prompt in enumerate(ref.prompts):
+        assert logits[i].shape == (STEPS, VOCAB), f"prompt {i}"
+        torch.testing.assert_close(logits[i][0], ref.first_logits[i], atol=1e-4, rtol=0)
+        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+        assert tokens[i] == ref.tokens[i], f"prompt {i} (length {len(prompt)})"
+
+
+def test_served_by_build_engine(reference):
+    """`sluice serve DIR`'s engine builds the family (registry, backend, default ops)."""
+    from engine.process.build import build_engine
+    from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
+    from tests.tiny_vlm import tiny_vlm_tokenizer
+
+    _, ref = reference
+    tiny_vlm_tokenizer().save_pretrained(ref.path)
+    core = build_engine(_engine_config(ref.path, threads=1))
+    for i, prompt in enumerate(ref.prompts):
+        core.add(EngineRequest(
+            request_id=f"r{i}", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
+            params=SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True),
+            arrival_time=0.0))
+    tokens = {f"r{i}": [] for i in range(len(ref.prompts))}
+    while core.has_work:
+        for _, out in core.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
+    assert [tokens[f"r{i}"] for i in range(len(ref.prompts))] == ref.tokens
