@@ -10,9 +10,13 @@ factor and a shared expert. Llama 4: chunks of 8 in the rotary layers and a NoPE
 full attention and temperature tuning (floor_scale 8, so positions past it are scaled), QK
 L2 norm, MoE every 2nd layer (top-1, sigmoid, with a shared expert)."""
 
+import json
+import os
+
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from engine.kernels.cpu_kernels import kernels
 from engine.models.registry import load_model_config
@@ -39,6 +43,11 @@ CASES = {
         n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
         routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True),
         _random_correction_bias),
+    "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, dict(
+        num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=96,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        attention_chunk_size=CHUNK, no_rope_layer_interval=4, floor_scale=8,
+        attn_scale=0.5), None),
 }
 SEEDS: dict[str, int] = {}
 
@@ -66,6 +75,13 @@ def test_config_and_reference(reference):
         options = config.family_options
         assert (options.num_groups, options.topk_groups) == (4, 2)
         assert options.routed_scaling_factor == 2.5
+    else:
+        chunks = [config.attention_of(i).chunk for i in range(config.num_layers)]
+        assert chunks == [CHUNK, CHUNK, CHUNK, None] and config.nope_layers == (3,)
+        assert config.kv_window is None  # the NoPE layer attends the whole context
+        assert config.moe.dense_layers == (0, 2) and config.intermediate_size == 96
+        assert (config.moe.intermediate_size, config.moe.top_k) == (32, 1)
+        assert config.family_options.floor_scale == 8
     for logits in ref.step_logits:  # no greedy near-ties: the comparison means something
         top2 = logits.topk(2, dim=-1).values
         assert (top2[:, 0] - top2[:, 1]).min() > 1e-3
@@ -109,3 +125,57 @@ def test_served_by_build_engine(reference):
             assert out.error is None, out.error
             tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
     assert [tokens[f"r{i}"] for i in range(len(ref.prompts))] == ref.tokens
+
+
+@pytest.mark.parametrize("reference", ["llama4"], indirect=True)
+def test_llama4_conditional_generation_text_model(reference, tmp_path):
+    """A Llama4ForConditionalGeneration folder (text_config nested, the text model under
+    language_model., a vision tower beside it) serves its text model: the same tokens."""
+    _, ref = reference
+    with open(os.path.join(ref.path, "config.json")) as f:
+        text = json.load(f)
+    wrapper = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+               "text_config": text, "vision_config": {"hidden_size": 8}}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(wrapper, f)
+    tensors = {f"language_model.{k}": v
+               for k, v in load_file(os.path.join(ref.path, "model.safetensors")).items()}
+    tensors["vision_model.patch_embedding.weight"] = torch.zeros(8, 3)
+    tensors["multi_modal_projector.linear_1.weight"] = torch.zeros(8, 8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert load_model_config(str(tmp_path)).architecture == "llama4"
+    tokens, logits, _ = _run(str(tmp_path), ref.prompts, "together")
+    for i in range(len(ref.prompts)):
+        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+        assert tokens[i] == ref.tokens[i]
+
+
+@pytest.mark.parametrize(("case", "fields", "match"), [
+    ("glm4_moe", {"n_group": 3}, "n_group: 3 does not split 8 experts"),
+    ("glm4_moe", {"n_group": 8}, "n_group: 8 does not split 8 experts into groups of 2"),
+    ("glm4_moe", {"topk_group": 5}, r"topk_group: 5 is not within 1..4"),
+    ("glm4_moe", {"topk_group": 0}, r"topk_group: 0 is not within"),
+    ("glm4_moe", {"num_experts_per_tok": 9}, r"num_experts_per_tok: 9 is not within 1..8"),
+    ("glm4_moe", {"n_shared_experts": 0}, "n_shared_experts"),
+    ("glm4_moe", {"first_k_dense_replace": 4}, r"first_k_dense_replace: 4 is not within"),
+    ("glm4_moe", {"topk_method": "greedy"}, "topk_method"),
+    ("glm4_moe", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama4", {"attention_chunk_size": 0}, "attention_chunk_size: 0 is not positive"),
+    ("llama4", {"attention_chunk_size": -8}, "attention_chunk_size: -8 is not positive"),
+    ("llama4", {"attention_chunk_size": None}, "attention_chunk_size: chunked_attention layers"),
+    ("llama4", {"no_rope_layers": [1, 1, 0]}, r"no_rope_layers: needs one 0 or 1 per layer"),
+    ("llama4", {"no_rope_layers": [1, 2, 1, 0]}, "no_rope_layers"),
+    ("llama4", {"layer_types": ["sliding_attention"] * 4}, "layer_types"),
+    ("llama4", {"moe_layers": [4]}, r"moe_layers: names layers outside 0..3"),
+    ("llama4", {"num_experts_per_tok": 0}, r"num_experts_per_tok: 0 is not within 1..4"),
+    ("llama4", {"floor_scale": 0}, "floor_scale: 0.0 is not positive"),
+    ("llama4", {"attention_bias": True}, "attention_bias"),
+])
+def test_bad_config_refused(tmp_path, case, fields, match):
+    """What the engine would compute wrongly is refused at start, the key named."""
+    config_cls, _, overrides, _ = CASES[case]
+    config = json.loads(config_cls(**{**TINY, **overrides}).to_json_string())
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config | fields, f)
+    with pytest.raises(ValueError, match=f"config.json {match}"):
+        load_model_config(str(tmp_path))
