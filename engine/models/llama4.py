@@ -21,7 +21,10 @@ then up columns, and [E, inter, hidden].
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,7 +33,9 @@ from engine.layers.config import (
     LayerAttention,
     ModelConfig,
     MoeConfig,
+    config_from_gguf,
     config_from_hf,
+    gguf_arch_value,
     require,
 )
 from engine.models.llama import LlamaModel, attention_shapes, mlp_shapes
@@ -102,6 +107,20 @@ class Llama4Model(LlamaModel):
                   w(s + "down_proj.weight"), None)
         block = Llama4MoeBlock(moe, w(p + "router.weight"), None, gate_up, down, shared=shared)
         return dict(gate_up_weight=None, down_weight=None, moe=block)
+
+    def _attach_quantized(self, quantized) -> None:
+        """Besides the dense linears', each expert's blocks (a GGUF's ffn_*_exps, under
+        per-expert names: gate then up rows, as _mlp_fields puts them)."""
+        super()._attach_quantized(quantized)
+        for i, layer in enumerate(self.layers):
+            if layer.moe is None:
+                continue
+            p = f"model.layers.{i}.mlp.experts."
+            experts = zip(layer.moe.gate_up.weights, layer.moe.down.weights, strict=True)
+            for e, (gate_up, down) in enumerate(experts):
+                self._attach(gate_up, [quantized.get(f"{p}{e}.{n}.weight")
+                                       for n in ("gate_proj", "up_proj")])
+                self._attach(down, [quantized.get(f"{p}{e}.down_proj.weight")])
 
     def _attention(self, index, layer, x, rope_at, backend, meta) -> torch.Tensor:
         """LlamaModel's, with the NoPE layers' query temperature."""
@@ -228,3 +247,58 @@ def _per_layer_flags(hf: _Llama4HF, layers: int) -> list[int]:
     require(len(hf.no_rope_layers) == layers and set(hf.no_rope_layers) <= {0, 1},
             "no_rope_layers", f"needs one 0 or 1 per layer ({layers})")
     return hf.no_rope_layers
+
+
+# --- GGUF (llama.cpp's convert_hf_to_gguf.py, general.architecture "llama4") -------------------
+
+GGUF_LAYER_NAMES = {"ffn_gate_inp": "mlp.router"}
+_GGUF_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# What llama.cpp fixes for every llama4 file rather than reading it (llama-model.cpp).
+_GGUF_CHUNK, _GGUF_NOPE_EVERY, _GGUF_FLOOR_SCALE, _GGUF_ATTN_SCALE = 8192, 4, 8192.0, 0.1
+
+
+def read_llama4_gguf(reader) -> ModelConfig:
+    """llama.cpp's llama4, as llama.cpp reads it: chunks of 8192 in three of every four
+    layers, the fourth NoPE with temperature tuning (0.1, 8192), the QK norm except in the
+    128-expert model (Maverick), MoE every interleave_moe_layer_step-th layer. q/k rows are
+    stored as the checkpoint's (no permutation: llama4 rotates GPT-J style in llama.cpp too)."""
+    meta = functools.partial(gguf_arch_value, reader)
+    require(meta("attention.sliding_window", None) != 0, "GGUF attention.sliding_window",
+            "0 (no chunked attention) is not implemented")
+    layers, experts, step = meta("block_count"), meta("expert_count"), \
+        meta("interleave_moe_layer_step")
+    require(step > 0, "GGUF interleave_moe_layer_step", f"{step} is not positive")
+    nope = tuple(i for i in range(layers) if (i + 1) % _GGUF_NOPE_EVERY == 0)
+    moe = MoeConfig(num_experts=experts, top_k=meta("expert_used_count"),
+                    intermediate_size=meta("expert_feed_forward_length"),
+                    routing="sigmoid_topk",
+                    shared_expert_intermediate_size=meta("expert_feed_forward_length"),
+                    dense_layers=tuple(i for i in range(layers) if (i + 1) % step))
+    options = Llama4Options(True, _GGUF_FLOOR_SCALE, _GGUF_ATTN_SCALE, experts != 128)
+    attention = tuple(LayerAttention(chunk=None if i in nope else _GGUF_CHUNK)
+                      for i in range(layers))
+    return config_from_gguf(reader, architecture="llama4", moe=moe, nope_layers=nope,
+                            layer_attention=attention, family_options=options)
+
+
+def gguf_tensors(arrays: dict[str, np.ndarray], hf_name) -> dict[str, np.ndarray]:
+    """A llama4 GGUF's tensors under the checkpoint's names: each layer's ffn_gate_exps and
+    ffn_up_exps [E, inter, hidden] back into one stacked gate_up_proj [E, hidden, 2 * inter]
+    (gate columns, then up), ffn_down_exps [E, hidden, inter] into down_proj [E, inter,
+    hidden]."""
+    named, experts = {}, {}
+    for name, array in arrays.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
+            experts[(parts[1], parts[2])] = array
+            continue
+        hf = hf_name(name)
+        if hf is None:
+            raise ValueError(f"unexpected GGUF tensor {name!r}")
+        named[hf] = array
+    for layer in sorted({layer for layer, _ in experts}):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate, up = experts[(layer, "ffn_gate_exps")], experts[(layer, "ffn_up_exps")]
+        named[p + "gate_up_proj"] = np.concatenate([gate, up], axis=1).transpose(0, 2, 1)
+        named[p + "down_proj"] = experts[(layer, "ffn_down_exps")].transpose(0, 2, 1)
+    return named

@@ -99,7 +99,8 @@ FAMILIES = (
     # Llama4ForConditionalGeneration: its text model only (no image input).
     Family("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
            ("llama4_text", "llama4"), llama4.read_llama4_config, llama4.tensor_shapes,
-           llama4.Llama4Model, checkpoint_names=llama4.checkpoint_names),
+           llama4.Llama4Model, ("llama4",), llama4.read_llama4_gguf, llama4.GGUF_LAYER_NAMES,
+           llama4.gguf_tensors, checkpoint_names=llama4.checkpoint_names),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.kernels.cpu_kernels import kernels
 from engine.models.registry import load_model_config
-from tests.unit.test_model_families import _engine_config
+from tests.unit.test_model_families import _common_metadata, _engine_config
 from tests.unit.test_model_reference import STEPS, TINY, VOCAB, _run, make_reference
 
 CHUNK = 8
@@ -179,3 +179,143 @@ def test_bad_config_refused(tmp_path, case, fields, match):
         json.dump(config | fields, f)
     with pytest.raises(ValueError, match=f"config.json {match}"):
         load_model_config(str(tmp_path))
+
+
+# --- GGUF: the files convert_hf_to_gguf.py writes, under llama.cpp's own names ------------------
+
+
+def _write_gguf(path: str, arch, tensors: dict, metadata) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    metadata(writer)
+    for name, array in sorted(tensors.items()):
+        writer.add_tensor(name, array.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_names(hf_tensors: dict, arch, layers: int, experts) -> dict:
+    """HF tensors under gguf's TensorNameMap names; experts(name, tensor) -> {GGUF name:
+    tensor} for the ones the map does not take as they are (or None)."""
+    import gguf
+
+    names, out = gguf.get_tensor_name_map(arch, layers), {}
+    for name, tensor in hf_tensors.items():
+        special = experts(name, tensor)
+        if special is not None:
+            out.update(special)
+            continue
+        stem, _, suffix = name.rpartition(".")
+        mapped = names.get_name(stem)
+        assert mapped is not None, name
+        out[f"{mapped}.{suffix}"] = tensor
+    return out
+
+
+def _check_gguf(path: str, ref, arch: str) -> None:
+    assert load_model_config(path).architecture == arch
+    tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
+    for i in range(len(ref.prompts)):
+        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+        assert tokens[i] == ref.tokens[i]
+
+
+@pytest.mark.parametrize("reference", ["glm4_moe"], indirect=True)
+def test_glm4moe_gguf(reference, tmp_path):
+    """glm4moe: stacked experts [E, out, in], the correction bias as exp_probs_b.bias, the
+    router's settings and the rotary width in the metadata; a nextn (MTP) block after the
+    last layer, counted in block_count, is left out."""
+    import gguf
+
+    _, ref = reference
+    config_cls, _, overrides, _ = CASES["glm4_moe"]
+    hf = config_cls(**{**TINY, **overrides})
+    layers = hf.num_hidden_layers
+    hf_tensors = load_file(os.path.join(ref.path, "model.safetensors"))
+    stacked: dict = {}
+
+    def experts(name, tensor):
+        parts = name.split(".")
+        if name.endswith("e_score_correction_bias"):
+            return {f"blk.{parts[2]}.exp_probs_b.bias": tensor}
+        if ".experts." in name:  # model.layers.i.mlp.experts.e.gate_proj.weight
+            stacked.setdefault((parts[2], parts[6]), {})[int(parts[5])] = tensor
+            return {}
+        return None
+
+    tensors = _gguf_names(hf_tensors, gguf.MODEL_ARCH.GLM4_MOE, layers, experts)
+    kind = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+    for (layer, proj), per_expert in stacked.items():
+        tensors[f"blk.{layer}.{kind[proj]}.weight"] = torch.stack(
+            [per_expert[e] for e in sorted(per_expert)])
+    tensors[f"blk.{layers}.nextn.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors[f"blk.{layers}.attn_norm.weight"] = torch.ones(64)
+
+    def metadata(writer) -> None:
+        _common_metadata(writer, hf, hf.head_dim)
+        writer.add_block_count(layers + 1)
+        writer.add_nextn_predict_layers(1)
+        writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+        writer.add_rope_dimension_count(8)
+        writer.add_expert_count(hf.n_routed_experts)
+        writer.add_expert_used_count(hf.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(hf.moe_intermediate_size)
+        writer.add_expert_shared_count(hf.n_shared_experts)
+        writer.add_leading_dense_block_count(hf.first_k_dense_replace)
+        writer.add_expert_weights_scale(hf.routed_scaling_factor)
+        writer.add_expert_weights_norm(hf.norm_topk_prob)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_group_count(hf.n_group)
+        writer.add_expert_group_used_count(hf.topk_group)
+
+    path = str(tmp_path / "tiny-glm4moe.gguf")
+    _write_gguf(path, gguf.MODEL_ARCH.GLM4_MOE, tensors, metadata)
+    config = load_model_config(path)
+    assert config.num_layers == layers and config.rotary_dim == 8
+    assert config.qk_norm and config.attention_bias and config.moe.dense_layers == (0,)
+    _check_gguf(path, ref, "glm4_moe")
+
+
+def test_llama4_gguf(tmp_path):
+    """llama4: gate_up split into ffn_gate_exps / ffn_up_exps and down into ffn_down_exps,
+    [E, out, in]; q/k as the checkpoint's. llama.cpp fixes the chunk (8192), the NoPE
+    pattern (every 4th) and the temperature (0.1, 8192): the reference model has those."""
+    import gguf
+
+    config_cls, model_cls, overrides, _ = CASES["llama4"]
+    kwargs = {**TINY, **overrides, "attention_chunk_size": 8192, "floor_scale": 8192,
+              "attn_scale": 0.1}
+    ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8)
+    hf = config_cls(**kwargs)
+    inter = hf.intermediate_size
+
+    def experts(name, tensor):
+        layer = name.split(".")[2] if ".layers." in name else None
+        if name.endswith("experts.gate_up_proj"):  # [E, hidden, 2 * inter]
+            return {f"blk.{layer}.ffn_gate_exps.weight": tensor[..., :inter].transpose(1, 2),
+                    f"blk.{layer}.ffn_up_exps.weight": tensor[..., inter:].transpose(1, 2)}
+        if name.endswith("experts.down_proj"):  # [E, inter, hidden]
+            return {f"blk.{layer}.ffn_down_exps.weight": tensor.transpose(1, 2)}
+        return None
+
+    tensors = _gguf_names(load_file(os.path.join(ref.path, "model.safetensors")),
+                          gguf.MODEL_ARCH.LLAMA4, hf.num_hidden_layers, experts)
+
+    def metadata(writer) -> None:
+        _common_metadata(writer, hf, hf.head_dim)
+        writer.add_feed_forward_length(hf.intermediate_size_mlp)
+        writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+        writer.add_expert_count(hf.num_local_experts)
+        writer.add_expert_used_count(hf.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(inter)
+        writer.add_interleave_moe_layer_step(hf.interleave_moe_layer_step)
+
+    path = str(tmp_path / "tiny-llama4.gguf")
+    _write_gguf(path, gguf.MODEL_ARCH.LLAMA4, tensors, metadata)
+    config = load_model_config(path)
+    assert config.nope_layers == (3,) and config.moe.dense_layers == (0, 2)
+    assert [config.attention_of(i).chunk for i in range(4)] == [8192, 8192, 8192, None]
+    _check_gguf(path, ref, "llama4")
