@@ -184,13 +184,41 @@ def test_bad_config_refused(tmp_path, case, fields, match):
 # --- GGUF: the files convert_hf_to_gguf.py writes, under llama.cpp's own names ------------------
 
 
-def _write_gguf(path: str, arch, tensors: dict, metadata) -> None:
+def _q8_exact(rows: torch.Tensor) -> torch.Tensor:
+    """rows [..., in] rounded to what Q8_0 stores exactly along `in`."""
     import gguf
 
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    array = rows.contiguous().numpy()
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, q8), q8))
+
+
+def _round_experts(model) -> None:
+    """Every expert weight Q8_0-exact along its input dimension, so that a GGUF holding
+    the experts as Q8_0 blocks is the checkpoint itself."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." not in name:
+                continue
+            if isinstance(model, transformers.Llama4ForCausalLM):  # stacks [E, in, out]
+                param.copy_(_q8_exact(param.transpose(1, 2)).transpose(1, 2))
+            else:  # GLM's (transformers' fused layout): [E, out, in]
+                param.copy_(_q8_exact(param))
+
+
+def _write_gguf(path: str, arch, tensors: dict, metadata) -> None:
+    """Float32, but the stacked experts (ffn_*_exps) as Q8_0 blocks."""
+    import gguf
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     metadata(writer)
     for name, array in sorted(tensors.items()):
-        writer.add_tensor(name, array.contiguous().numpy())
+        array = array.contiguous().numpy()
+        if "_exps." in name:
+            writer.add_tensor(name, gguf.quants.quantize(array, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -216,23 +244,33 @@ def _gguf_names(hf_tensors: dict, arch, layers: int, experts) -> dict:
 
 
 def _check_gguf(path: str, ref, arch: str) -> None:
+    """Dequantized at load; then, with the CPU kernels, the experts held as their Q8_0
+    blocks alone (meta weights the ops multiply)."""
     assert load_model_config(path).architecture == arch
-    tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
-    for i in range(len(ref.prompts)):
-        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
-        assert tokens[i] == ref.tokens[i]
+    compiled = kernels()
+    for quantized in (False, True) if compiled is not None else (False,):
+        tokens, logits, _ = _run(path, ref.prompts, "together", compiled, quantized=quantized)
+        for i in range(len(ref.prompts)):
+            torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+            assert tokens[i] == ref.tokens[i], quantized
 
 
-@pytest.mark.parametrize("reference", ["glm4_moe"], indirect=True)
-def test_glm4moe_gguf(reference, tmp_path):
+def test_glm4moe_gguf(tmp_path):
     """glm4moe: stacked experts [E, out, in], the correction bias as exp_probs_b.bias, the
     router's settings and the rotary width in the metadata; a nextn (MTP) block after the
     last layer, counted in block_count, is left out."""
     import gguf
 
-    _, ref = reference
-    config_cls, _, overrides, _ = CASES["glm4_moe"]
-    hf = config_cls(**{**TINY, **overrides})
+    config_cls, model_cls, overrides, prepare = CASES["glm4_moe"]
+    kwargs = {**TINY, **overrides}
+
+    def prepared(model):
+        prepare(model)
+        _round_experts(model)
+
+    ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8,
+                         prepare=prepared)
+    hf = config_cls(**kwargs)
     layers = hf.num_hidden_layers
     hf_tensors = load_file(os.path.join(ref.path, "model.safetensors"))
     stacked: dict = {}
@@ -288,7 +326,8 @@ def test_llama4_gguf(tmp_path):
     config_cls, model_cls, overrides, _ = CASES["llama4"]
     kwargs = {**TINY, **overrides, "attention_chunk_size": 8192, "floor_scale": 8192,
               "attn_scale": 0.1}
-    ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8)
+    ref = make_reference(tmp_path / "hf", config_cls, model_cls, kwargs, seed=8,
+                         prepare=_round_experts)
     hf = config_cls(**kwargs)
     inter = hf.intermediate_size
 
