@@ -2,7 +2,8 @@
 tests/unit/test_model_families.py tests the other families: a tiny random-weight
 transformers model per case, saved with save_pretrained, read by our config reader and
 loader, served by EngineCore (paged torch attention, chunks of 8, batching, a prefix-cache
-hit) and compared with transformers' greedy generate in float32, logits within 1e-4.
+hit, preemption) and compared with transformers' greedy generate in float32, logits within
+1e-4.
 
 GLM: partial rotary (8 of 16 dims), q/k norms, q/k/v biases, one dense layer first, then
 top-2 of 8 experts in 4 groups of which 2 are kept, a random correction bias, a scaling
@@ -105,15 +106,15 @@ def test_matches_transformers(reference, mode, use_kernels):
         assert tokens[i] == ref.tokens[i], f"prompt {i} (length {len(prompt)})"
 
 
-def test_served_by_build_engine(reference):
-    """`sluice serve DIR`'s engine builds the family (registry, backend, default ops)."""
+def _serve(ref, **overrides):
+    """All prompts at once through `sluice serve DIR`'s engine (registry, backend told each
+    layer's attention, default ops): (tokens per prompt, the core)."""
     from engine.process.build import build_engine
     from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
     from tests.tiny_vlm import tiny_vlm_tokenizer
 
-    _, ref = reference
     tiny_vlm_tokenizer().save_pretrained(ref.path)
-    core = build_engine(_engine_config(ref.path, threads=1))
+    core = build_engine(_engine_config(ref.path, threads=1, **overrides))
     for i, prompt in enumerate(ref.prompts):
         core.add(EngineRequest(
             request_id=f"r{i}", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
@@ -124,7 +125,23 @@ def test_served_by_build_engine(reference):
         for _, out in core.step():
             assert out.error is None, out.error
             tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
-    assert [tokens[f"r{i}"] for i in range(len(ref.prompts))] == ref.tokens
+    return [tokens[f"r{i}"] for i in range(len(ref.prompts))], core
+
+
+def test_served_by_build_engine(reference):
+    """`sluice serve DIR`'s engine builds the family and serves transformers' tokens."""
+    _, ref = reference
+    tokens, _ = _serve(ref)
+    assert tokens == ref.tokens
+
+
+def test_preempted_equal_a_fresh_run(reference):
+    """16 pages of 4 tokens hold one prompt with its generation (at most 13 pages), not
+    all four (about 38): sequences are preempted and recomputed, with the same tokens."""
+    _, ref = reference
+    tokens, core = _serve(ref, page_size=4, num_pages=16, max_model_len=64)
+    assert core.num_preemptions > 0
+    assert tokens == ref.tokens
 
 
 @pytest.mark.parametrize("reference", ["llama4"], indirect=True)
