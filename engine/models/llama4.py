@@ -239,8 +239,9 @@ def read_llama4_config(raw: bytes) -> ModelConfig:
 
 
 def _per_layer_flags(hf: _Llama4HF, layers: int) -> list[int]:
-    """no_rope_layers (1: rotary, 0: NoPE), or every no_rope_layer_interval-th NoPE."""
-    if hf.no_rope_layers is None:
+    """no_rope_layers (1: rotary, 0: NoPE), or, where it is absent or empty (Scout's
+    config.json writes []), every no_rope_layer_interval-th NoPE, as transformers reads it."""
+    if not hf.no_rope_layers:
         every = hf.no_rope_layer_interval
         require(every > 0, "no_rope_layer_interval", f"{every} is not positive")
         return [int((i + 1) % every != 0) for i in range(layers)]

@@ -375,3 +375,31 @@ def test_llama4_gguf(tmp_path):
     assert config.nope_layers == (3,) and config.moe.dense_layers == (0, 2)
     assert [config.attention_of(i).chunk for i in range(4)] == [8192, 8192, 8192, None]
     _check_gguf(path, ref, "llama4")
+
+
+def test_released_config_spellings(tmp_path):
+    """As Llama-4-Scout's config.json writes them: no_rope_layers [] (the every-4th
+    default), attn_temperature_tuning 4 (true), a llama3 rope_scaling, head_dim absent
+    (transformers' 128); GLM-4.5's: partial_rotary_factor at the top level, or absent
+    (transformers' 0.5)."""
+    text = {"model_type": "llama4_text", "vocab_size": 256, "hidden_size": 128,
+            "intermediate_size": 32, "intermediate_size_mlp": 64, "num_hidden_layers": 8,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "no_rope_layers": [],
+            "attn_temperature_tuning": 4, "floor_scale": 8192, "interleave_moe_layer_step": 1,
+            "rope_theta": 500000.0, "rope_scaling": {
+                "factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    wrapper = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+               "text_config": text}
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    config = load_model_config(str(tmp_path))
+    assert config.nope_layers == (3, 7) and config.head_dim == 128
+    assert config.family_options.temperature_tuning is True
+    assert config.rope_scaling.rope_type == "llama3" and config.moe.dense_layers == ()
+    assert [config.attention_of(i).chunk for i in range(8)] == [8192] * 3 + [None] + \
+        [8192] * 3 + [None]
+    glm = json.loads(transformers.Glm4MoeConfig(**{**TINY, "head_dim": 16}).to_json_string())
+    glm.pop("rope_parameters")
+    for extra, rotary in (({"partial_rotary_factor": 0.25, "rope_theta": 1e6}, 4), ({}, 8)):
+        (tmp_path / "config.json").write_text(json.dumps(glm | extra))
+        assert load_model_config(str(tmp_path)).rotary_dim == rotary
