@@ -183,12 +183,17 @@ GGUF_LAYER_NAMES = {
 }
 
 
+_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
 def read_glm4_moe_gguf(reader) -> ModelConfig:
     """llama.cpp's glm4moe: the rotary width is rope.dimension_count, q/k norms where the
     file holds them, the leading dense layers (leading_dense_block_count) and the router's
     settings (expert_weights_norm / _scale, expert_group_count / _used_count, 1 where
     absent); the nextn (MTP) blocks the file counts in block_count are not served."""
     meta = functools.partial(gguf_arch_value, reader)
+    require(meta("expert_gating_func", _SIGMOID) == _SIGMOID, "GGUF expert_gating_func",
+            "only sigmoid (2) is implemented for glm4moe")
     names = {t.name for t in reader.tensors}
     layers = meta("block_count") - meta("nextn_predict_layers", 0)
     head_dim = meta("attention.key_length")

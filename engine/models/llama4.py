@@ -299,7 +299,9 @@ def gguf_tensors(arrays: dict[str, np.ndarray], hf_name) -> dict[str, np.ndarray
         named[hf] = array
     for layer in sorted({layer for layer, _ in experts}):
         p = f"model.layers.{layer}.mlp.experts."
-        gate, up = experts[(layer, "ffn_gate_exps")], experts[(layer, "ffn_up_exps")]
+        gate, up = experts.get((layer, "ffn_gate_exps")), experts.get((layer, "ffn_up_exps"))
+        if gate is None or up is None or (layer, "ffn_down_exps") not in experts:
+            raise ValueError(f"GGUF block {layer} lacks one of {', '.join(_GGUF_EXPERTS)}")
         named[p + "gate_up_proj"] = np.concatenate([gate, up], axis=1).transpose(0, 2, 1)
         named[p + "down_proj"] = experts[(layer, "ffn_down_exps")].transpose(0, 2, 1)
     return named

@@ -403,3 +403,30 @@ def test_released_config_spellings(tmp_path):
     for extra, rotary in (({"partial_rotary_factor": 0.25, "rope_theta": 1e6}, 4), ({}, 8)):
         (tmp_path / "config.json").write_text(json.dumps(glm | extra))
         assert load_model_config(str(tmp_path)).rotary_dim == rotary
+
+
+@pytest.mark.parametrize(("arch", "keys", "match"), [
+    ("llama4", {"attention.sliding_window": 0}, r"attention.sliding_window: 0 \(no chunked"),
+    ("llama4", {"interleave_moe_layer_step": 0}, "interleave_moe_layer_step: 0 is not"),
+    ("glm4moe", {"expert_gating_func": 1}, "expert_gating_func: only sigmoid"),
+])
+def test_bad_gguf_refused(tmp_path, arch, keys, match):
+    """A file asking for what llama.cpp's reading of it does not give is refused."""
+    import gguf
+
+    path = str(tmp_path / "meta.gguf")
+    writer = gguf.GGUFWriter(path, arch)
+    base = {"context_length": 128, "embedding_length": 64, "feed_forward_length": 32,
+            "block_count": 4, "attention.head_count": 4, "attention.head_count_kv": 2,
+            "attention.key_length": 16, "expert_count": 4, "expert_used_count": 1,
+            "expert_feed_forward_length": 32, "interleave_moe_layer_step": 2}
+    for key, value in (base | keys).items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_tensor("token_embd.weight", torch.zeros(32, 64).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"config.json GGUF {match}"):
+        load_model_config(path)
