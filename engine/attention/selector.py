@@ -81,11 +81,11 @@ def create_attention_backend(
         # One plan serves every layer: layers that attend differently (Gemma's sliding and
         # global ones) would need a plan each.
         kinds = set(model.layer_attention)
-        if len(kinds) > 1 or any(kind.sinks for kind in kinds):
+        if len(kinds) > 1 or any(kind.sinks or kind.chunk for kind in kinds):
             raise ValueError(
                 f"{model.architecture} mixes sliding-window and global layers or uses "
-                "attention sinks, which the flashinfer backend does not plan yet; use "
-                "--attention-backend torch")
+                "attention sinks or chunked local attention, which the flashinfer backend "
+                "does not plan yet; use --attention-backend torch")
 
         return FlashInferAttentionBackend(
             model.num_layers, num_pages, page_size, model.num_heads, model.num_kv_heads,

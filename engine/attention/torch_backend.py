@@ -14,10 +14,10 @@ Given the engine's compiled CPU kernels (`engine.kernels.cpu_kernels`), the deco
 gather altogether: `decode_attention` reads each sequence's pages where they lie.
 
 Layers that attend other than plainly (engine.layers.config.LayerAttention: a sliding
-window, a score scale, soft-capping, attention sinks) take `_attend_special`: the same
-pages, gathered, under an explicit mask of causality and window, through SDPA or, for
-soft-caps and sinks, through the scores written out as transformers' eager attention
-computes them. Where every layer is windowed, the scheduler releases the pages wholly
+window, a local chunk, a score scale, soft-capping, attention sinks) take `_attend_special`:
+the same pages, gathered, under an explicit mask of causality, window and chunk, through
+SDPA or, for soft-caps and sinks, through the scores written out as transformers' eager
+attention computes them. Where every layer is windowed, the scheduler releases the pages wholly
 behind the window (engine.step.scheduler); their ids stay in the page table, and since the mask
 hides every key there, whatever those pages hold by then is never seen.
 
@@ -287,7 +287,7 @@ class TorchAttentionBackend:
             else:
                 kh = self._gather(k_pages, p.context_pages, head_shape)[:end]
                 vh = self._gather(v_pages, p.context_pages, head_shape)[:end]
-            mask = self._mask(meta, ("prefill", p.rows.start), spec.window,
+            mask = self._mask(meta, ("prefill", p.rows.start), spec,
                               torch.arange(p.start, end, device=q.device), end)
             o = special_attention(q[p.rows].transpose(0, 1).unsqueeze(0),
                                   kh.transpose(0, 1).unsqueeze(0),
@@ -300,24 +300,28 @@ class TorchAttentionBackend:
                                                                             *head_shape)
             vd = self._gather(v_pages, table.reshape(-1), head_shape).view(batch, keys,
                                                                             *head_shape)
-            mask = self._mask(meta, ("decode",), spec.window, meta.decode_context - 1, keys)
+            mask = self._mask(meta, ("decode",), spec, meta.decode_context - 1, keys)
             o = special_attention(q[meta.decode_rows].unsqueeze(2), kd.transpose(1, 2),
                                   vd.transpose(1, 2), mask[:, None, None, :], spec, sinks)
             out[meta.decode_rows] = o.squeeze(2)
         return out
 
     @staticmethod
-    def _mask(meta: TorchAttentionMetadata, key, window: int | None, query_pos: torch.Tensor,
+    def _mask(meta: TorchAttentionMetadata, key, spec: LayerAttention, query_pos: torch.Tensor,
               num_keys: int) -> torch.Tensor:
         """[queries, keys], True where a query (at query_pos) may see a key (at
-        0..num_keys-1): causal, and within the window; built once per step per window."""
-        key = (*key, window)
+        0..num_keys-1): causal, within the window and within the query's own chunk (Llama
+        4's chunked local attention); built once per step per window and chunk."""
+        window, chunk = spec.window, spec.chunk
+        key = (*key, window, chunk)
         mask = meta.masks.get(key)
         if mask is None:
             key_pos = torch.arange(num_keys, device=query_pos.device).unsqueeze(0)
             mask = key_pos <= query_pos.unsqueeze(1)
             if window is not None:
                 mask &= key_pos > query_pos.unsqueeze(1) - window
+            if chunk is not None:
+                mask &= key_pos >= (query_pos.unsqueeze(1) // chunk) * chunk
             meta.masks[key] = mask
         return mask
 

@@ -67,6 +67,9 @@ class LayerAttention(msgspec.Struct, frozen=True):
     scale: float | None = None  # the score scale; None: head_dim ** -0.5
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     sinks: bool = False  # a learned per-head logit joins the softmax (gpt-oss)
+    # Chunked local attention (Llama 4): a query sees the keys of its own chunk of this many
+    # positions only (0..chunk-1, chunk..2*chunk-1, ...), causally.
+    chunk: int | None = None
 
 
 PLAIN_ATTENTION = LayerAttention()

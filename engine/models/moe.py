@@ -93,7 +93,7 @@ class MoeBlock:
         self.router, self.router_bias = router, router_bias
         self.gate_up, self.down = gate_up, down
         self.activation = activation
-        # (gate_up [2 * inter, hidden], down [hidden, inter], gate [1, hidden]) or None
+        # (gate_up [2 * inter, hidden], down [hidden, inter], gate [1, hidden] or None) or None
         self.shared = shared
         self.per_token = os.environ.get("SLUICE_MOE_PER_TOKEN") == "1"  # the benchmark's
         self.stacks: ExpertStacks | None = None  # for the grouped GEMM; None: the loop
@@ -150,7 +150,8 @@ class MoeBlock:
         if self.shared is not None:
             gate_up, down, gate = self.shared
             shared = ops.linear(ops.silu_and_mul(ops.linear(x, gate_up)), down)
-            out = out + torch.sigmoid(F.linear(x, gate)) * shared
+            # Qwen2-MoE gates its shared expert; GLM-4.5's and Llama 4's (gate None) are not.
+            out = out + (shared if gate is None else torch.sigmoid(F.linear(x, gate)) * shared)
         return out
 
     def grouped_experts(self, x, experts, weights, ops) -> torch.Tensor:

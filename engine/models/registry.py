@@ -23,7 +23,7 @@ from engine.layers import weights
 from engine.layers.checkpoint_names import GGUF_LAYER_NAMES, CheckpointNames
 from engine.layers.config import ModelConfig, gguf_architecture, gguf_reader
 from engine.layers.gguf_weights import QuantizedWeight, read_quantized_weights
-from engine.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3
+from engine.models import bert, gemma, glm4_moe, gpt_oss, idefics3, llama, llama4, moe, phi3
 
 
 class Family(msgspec.Struct, frozen=True):
@@ -92,6 +92,15 @@ FAMILIES = (
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss.read_gpt_oss_config,
            gpt_oss.tensor_shapes, gpt_oss.GptOssModel, ("gpt-oss",), gpt_oss.read_gpt_oss_gguf,
            gpt_oss.GGUF_LAYER_NAMES, gpt_oss.gguf_tensors),
+    Family("glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",), glm4_moe.read_glm4_moe_config,
+           glm4_moe.tensor_shapes, glm4_moe.Glm4MoeModel, ("glm4moe",),
+           glm4_moe.read_glm4_moe_gguf, glm4_moe.GGUF_LAYER_NAMES, glm4_moe.gguf_tensors,
+           checkpoint_names=glm4_moe.checkpoint_names),
+    # Llama4ForConditionalGeneration: its text model only (no image input).
+    Family("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
+           ("llama4_text", "llama4"), llama4.read_llama4_config, llama4.tensor_shapes,
+           llama4.Llama4Model, ("llama4",), llama4.read_llama4_gguf, llama4.GGUF_LAYER_NAMES,
+           llama4.gguf_tensors, checkpoint_names=llama4.checkpoint_names),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}
