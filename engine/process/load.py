@@ -290,9 +290,9 @@ def _check_quantized(config: EngineConfig, device, dtype, ops, shard) -> None:
     linears run as blocks, never dequantized: the CPU kernels, one rank. Refused in one line
     otherwise, as is a --quantization the checkpoint's quantization_config disagrees with."""
     if config.model.endswith(".gguf"):
-        if config.quantization is not None:
+        if config.quantization not in (None, "gguf"):
             raise StartupError(f"--quantization {config.quantization}: {config.model} is a "
-                               "GGUF file (its blocks say how it is quantized)")
+                               "GGUF file (--quantization gguf, or none)")
         return
     try:
         scheme = checkpoint_quantization(config.model, config.quantization)

@@ -8,6 +8,7 @@ activations path for 1-2 rows, 2^-16 of each group's largest; the others agree t
 greedy tokens equal, a flip forgiven only where transformers' top-2 gap is under 2e-3 (then
 the rest of that prompt is not compared). Every refusal is one line at start."""
 
+import functools
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from engine.layers.quant_formats import (
     unpack_gptq,
 )
 from engine.process.build import build_engine
+from engine.process.load import _check_quantized
 from shared.config import EngineConfig
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from sluice.cli import engine_config, parse_args
@@ -295,6 +297,19 @@ def test_override_on_a_dense_checkpoint_refused(tmp_path):
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(tmp_path)
     with pytest.raises(SystemExit, match="has no quantization_config"):
         build_engine(_config(tmp_path, quantization="gptq"))
+
+
+@pytest.mark.parametrize("quantization, refused", [(None, False), ("gguf", False),
+                                                    ("gptq", True)])
+def test_gguf_file_takes_only_gguf(quantization, refused):
+    config = _config("model.gguf", quantization=quantization)
+    check = functools.partial(_check_quantized, config, torch.device("cpu"), torch.float32,
+                              None, None)
+    if not refused:
+        check()  # returns before reading anything: the file's blocks say the rest
+        return
+    with pytest.raises(SystemExit, match="--quantization gptq: model.gguf is a GGUF file"):
+        check()
 
 
 def test_without_the_kernels_refused(gptq_folder, monkeypatch):
