@@ -9,6 +9,7 @@ greedy tokens equal, a flip forgiven only where transformers' top-2 gap is under
 the rest of that prompt is not compared). Every refusal is one line at start."""
 
 import functools
+import json
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.kernels.cpu_kernels import kernels
 from engine.layers.gguf_weights import BLOCK_KINDS
-from engine.layers.quant_config import WeightScheme
+from engine.layers.quant_config import QuantScheme, WeightScheme, checkpoint_quantization
 from engine.layers.quant_formats import (
     FLOAT_KIND,
     HALF_KIND,
@@ -43,6 +44,7 @@ from tests.unit.quant_builders import (
     awq_tensors,
     ct_tensors,
     gptq_tensors,
+    quant_config,
     quantize,
     rewrite_config,
 )
@@ -328,3 +330,75 @@ def test_engine_process_refuses_a_mismatch_in_one_line(gptq_folder):
     errors = [line for line in done.stderr.splitlines() if "--quantization awq" in line]
     assert len(errors) == 1 and "the checkpoint is gptq" in errors[0]
     assert "Traceback" not in done.stderr
+
+
+# --- quantization_config: what is read, and each bound ----------------------------------------
+
+
+def _scheme(tmp_path, quant):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quant}))
+    return checkpoint_quantization(str(tmp_path))
+
+
+CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+      "config_groups": {
+          "attn": {"targets": ["re:.*self_attn\\..*"], "weights": {
+              "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+              "group_size": 64}},
+          "rest": {"targets": ["Linear"], "weights": {
+              "num_bits": 4, "type": "int", "symmetric": False, "strategy": "channel"}}}}
+
+
+def test_compressed_tensors_targets_and_ignore(tmp_path):
+    scheme = _scheme(tmp_path, CT)
+    assert scheme.weights_of("model.layers.0.self_attn.q_proj") == WeightScheme(4, 64, True)
+    assert scheme.weights_of("model.layers.0.mlp.up_proj") == WeightScheme(4, -1, False)
+    assert scheme.weights_of("lm_head") is None
+
+
+@pytest.mark.parametrize("quant, scheme", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": False},
+     QuantScheme("gptq", WeightScheme(4, -1, False), zero_plus_one=True)),
+    ({"quant_method": "GPTQ", "bits": 4, "group_size": 1, "checkpoint_format": "gptq_v2"},
+     QuantScheme("gptq", WeightScheme(4, 1, True))),
+    ({"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "version": "GEMM"},
+     QuantScheme("awq", WeightScheme(4, 128, False))),
+    ({"quant_method": "mxfp4"}, None),  # gpt-oss reads its own
+])
+def test_schemes_read(tmp_path, quant, scheme):
+    assert _scheme(tmp_path, quant) == scheme
+
+
+@pytest.mark.parametrize("quant, match", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size 0: expected -1 or"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -2}, "group_size -2"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": True}, "group_size True"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": "128"}, "group_size '128'"),
+    ({"quant_method": "gptq", "bits": 3}, "gptq with 3 bits"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format"),
+    ({"quant_method": "awq", "bits": 4, "zero_point": False}, "without zero points"),
+    ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not run here"),
+    (CT | {"config_groups": {}}, "has no config_groups"),
+    (CT | {"kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
+    (CT | {"config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}}}, "type 'float'"),
+    (CT | {"config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "strategy": "tensor"}}}}, "strategy 'tensor'"),
+    (CT | {"config_groups": {"g": {"targets": ["Linear"], "input_activations": {
+        "num_bits": 8}, "weights": {"num_bits": 4, "strategy": "channel"}}}},
+     "quantizes input_activations"),
+    ([1], "not an object"),
+])
+def test_schemes_refused(tmp_path, quant, match):
+    with pytest.raises(ValueError, match=match):
+        _scheme(tmp_path, quant)
+
+
+@needs_kernels
+def test_ignored_module_stored_quantized_refused(tmp_path):
+    ref_path = tmp_path / "ct"
+    _build(ref_path, "ct-sym-g32")
+    rewrite_config(str(ref_path), quantization_config=quant_config("compressed-tensors", 32,
+                                                                   True) | {"ignore": [Q]})
+    with pytest.raises(SystemExit, match=f"{Q} is stored quantized, but quantization_config "):
+        build_engine(_config(ref_path))
