@@ -247,7 +247,8 @@ _SHORT_FLAGS = {"--pipeline-parallel-size": "-pp"}
 # vLLM's --quantization values for the checkpoints sluice runs in place: the method is read
 # from config.json's quantization_config; naming one only checks that it is the checkpoint's
 # (engine.layers.quant_config). The marlin names are vLLM's CUDA kernels for the same files.
-QUANTIZATION_METHODS = ("gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors", "gguf")
+QUANTIZATION_METHODS = ("gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors", "gguf",
+                        "mxfp4")
 
 
 def _quantization(text: str) -> str:

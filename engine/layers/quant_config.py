@@ -16,7 +16,8 @@ import msgspec
 # vLLM's --quantization names -> the method they ask for (the marlin ones are vLLM's CUDA
 # kernels for the same checkpoints).
 OVERRIDE_METHODS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
-                    "compressed-tensors": "compressed-tensors", "gguf": "gguf"}
+                    "compressed-tensors": "compressed-tensors", "gguf": "gguf",
+                    "mxfp4": "mxfp4"}
 # Methods a family reads itself (gpt-oss's MXFP4 experts): not this module's.
 FAMILY_METHODS = ("mxfp4",)
 RUN_BITS = 4

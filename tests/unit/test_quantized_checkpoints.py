@@ -369,6 +369,21 @@ def test_schemes_read(tmp_path, quant, scheme):
     assert _scheme(tmp_path, quant) == scheme
 
 
+@pytest.mark.parametrize("quant, override, match", [
+    ({"quant_method": "mxfp4"}, "mxfp4", None),  # gpt-oss's, named as vLLM names it
+    ({"quant_method": "mxfp4"}, "gptq", "--quantization gptq: the checkpoint is mxfp4"),
+    ({"quant_method": "awq", "bits": 4}, "awq_marlin", None),
+    ({"quant_method": "awq", "bits": 4}, "fp8", "--quantization fp8: sluice runs gptq"),
+])
+def test_override_against_the_config(tmp_path, quant, override, match):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quant}))
+    if match is None:
+        checkpoint_quantization(str(tmp_path), override)
+        return
+    with pytest.raises(ValueError, match=match):
+        checkpoint_quantization(str(tmp_path), override)
+
+
 @pytest.mark.parametrize("quant, match", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size 0: expected -1 or"),
     ({"quant_method": "gptq", "bits": 4, "group_size": -2}, "group_size -2"),
