@@ -102,8 +102,9 @@ def read_checkpoint_blocks(folder: str, scheme: QuantScheme, rename, expected
                 unpacked = UNPACKERS[scheme.method](tensors)
             blocks[name], half = to_blocks(unpacked, stem)
             all_half = all_half and half
-    if all_half:
-        blocks = {name: to_half(q) for name, q in blocks.items()}
+    if all_half:  # one at a time: the wider copy of each is dropped as the next is made
+        for name in list(blocks):
+            blocks[name] = to_half(blocks[name])
     log.info("%s checkpoint: %d linears kept 4-bit, in the CPU kernels' blocks (%d bits a "
              "weight with the scales)", scheme.method, len(blocks), 5 if all_half else 6)
     return blocks
