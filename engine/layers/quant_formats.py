@@ -56,13 +56,17 @@ class Unpacked(msgspec.Struct):
 
 
 def nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 words -> their 4-bit values (0..15), word c's nibble j at 8c + j along `dim`."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    """int32 words -> their 4-bit values (0..15), word c's nibble j at 8c + j along `dim`.
+    In bytes (little-endian: byte b holds nibbles 2b and 2b + 1), a quarter of the work
+    of shifting int32s."""
+    rows, cols = words.shape
+    # (flattened first: a [n, 1] column sliced from a wider tensor counts as contiguous
+    # while its last stride is not 1, which a view as bytes refuses)
+    data = words.contiguous().reshape(-1).view(torch.uint8).view(rows, cols, 4)
+    values = torch.stack([data & 0xF, data >> 4], dim=-1).view(rows, cols, 8)
     if dim == 1:
-        values = (words.unsqueeze(-1) >> shifts) & 0xF
-        return values.reshape(words.shape[0], -1).to(torch.uint8)
-    values = (words.unsqueeze(1) >> shifts.view(1, -1, 1)) & 0xF
-    return values.reshape(-1, words.shape[1]).to(torch.uint8)
+        return values.reshape(rows, cols * 8)
+    return values.permute(0, 2, 1).reshape(rows * 8, cols)
 
 
 class ModuleTensors:
@@ -185,10 +189,11 @@ def to_blocks(u: Unpacked, module: str) -> tuple[QuantizedWeight, bool]:
     if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
         raise ValueError(f"{module}: its scales are not all finite")
     nb = inp // BLOCK
-    # Weight j = 8t + k of a block: nibble t of 16-bit word k (cpu_kernels.cpp q4_1_index).
-    q = codes.reshape(out, nb, 4, 8).to(torch.int32)
-    words = (q << torch.tensor([0, 4, 8, 12], dtype=torch.int32).view(1, 1, 4, 1)).sum(2)
-    words = words.to(torch.int16).view(torch.uint8).reshape(out, nb, 16)
+    # Weight j = 8t + k of a block: nibble t of 16-bit word k (cpu_kernels.cpp q4_1_index),
+    # so word k's low byte holds weights k and 8 + k, its high byte 16 + k and 24 + k.
+    q = codes.reshape(out, nb, 4, 8)
+    low, high = q[:, :, 0] | (q[:, :, 1] << 4), q[:, :, 2] | (q[:, :, 3] << 4)
+    words = torch.stack([low, high], dim=-1).reshape(out, nb, 16)
     scales = torch.stack([d, m], dim=-1).contiguous().view(torch.uint8).reshape(out, nb, 8)
     blocks = torch.cat([scales, words], dim=-1).reshape(out, nb * 24).contiguous()
     half = torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m)
