@@ -9,7 +9,6 @@ greedy tokens equal, a flip forgiven only where transformers' top-2 gap is under
 the rest of that prompt is not compared). Every refusal is one line at start."""
 
 import functools
-import json
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.kernels.cpu_kernels import kernels
 from engine.layers.gguf_weights import BLOCK_KINDS
-from engine.layers.quant_config import QuantScheme, WeightScheme, checkpoint_quantization
+from engine.layers.quant_config import WeightScheme
 from engine.layers.quant_formats import (
     FLOAT_KIND,
     HALF_KIND,
@@ -34,8 +33,15 @@ from engine.layers.quant_formats import (
 )
 from engine.process.build import build_engine
 from engine.process.load import _check_quantized
+from engine.step.lora_adapters import LoraManager
 from shared.config import EngineConfig
-from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
+from shared.protocol import (
+    EngineRequest,
+    LoraAdapterInfo,
+    SamplingParams,
+    pack_ids,
+    unpack_ids,
+)
 from sluice.cli import engine_config, parse_args
 from tests.tiny_vlm import tiny_vlm_tokenizer
 from tests.unit.cli_builders import serve_argvs
@@ -44,7 +50,6 @@ from tests.unit.quant_builders import (
     awq_tensors,
     ct_tensors,
     gptq_tensors,
-    quant_config,
     quantize,
     rewrite_config,
 )
@@ -332,88 +337,41 @@ def test_engine_process_refuses_a_mismatch_in_one_line(gptq_folder):
     assert "Traceback" not in done.stderr
 
 
-# --- quantization_config: what is read, and each bound ----------------------------------------
-
-
-def _scheme(tmp_path, quant):
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quant}))
-    return checkpoint_quantization(str(tmp_path))
-
-
-CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-      "config_groups": {
-          "attn": {"targets": ["re:.*self_attn\\..*"], "weights": {
-              "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-              "group_size": 64}},
-          "rest": {"targets": ["Linear"], "weights": {
-              "num_bits": 4, "type": "int", "symmetric": False, "strategy": "channel"}}}}
-
-
-def test_compressed_tensors_targets_and_ignore(tmp_path):
-    scheme = _scheme(tmp_path, CT)
-    assert scheme.weights_of("model.layers.0.self_attn.q_proj") == WeightScheme(4, 64, True)
-    assert scheme.weights_of("model.layers.0.mlp.up_proj") == WeightScheme(4, -1, False)
-    assert scheme.weights_of("lm_head") is None
-
-
-@pytest.mark.parametrize("quant, scheme", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": False},
-     QuantScheme("gptq", WeightScheme(4, -1, False), zero_plus_one=True)),
-    ({"quant_method": "GPTQ", "bits": 4, "group_size": 1, "checkpoint_format": "gptq_v2"},
-     QuantScheme("gptq", WeightScheme(4, 1, True))),
-    ({"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "version": "GEMM"},
-     QuantScheme("awq", WeightScheme(4, 128, False))),
-    ({"quant_method": "mxfp4"}, None),  # gpt-oss reads its own
-])
-def test_schemes_read(tmp_path, quant, scheme):
-    assert _scheme(tmp_path, quant) == scheme
-
-
-@pytest.mark.parametrize("quant, override, match", [
-    ({"quant_method": "mxfp4"}, "mxfp4", None),  # gpt-oss's, named as vLLM names it
-    ({"quant_method": "mxfp4"}, "gptq", "--quantization gptq: the checkpoint is mxfp4"),
-    ({"quant_method": "awq", "bits": 4}, "awq_marlin", None),
-    ({"quant_method": "awq", "bits": 4}, "fp8", "--quantization fp8: sluice runs gptq"),
-])
-def test_override_against_the_config(tmp_path, quant, override, match):
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quant}))
-    if match is None:
-        checkpoint_quantization(str(tmp_path), override)
-        return
-    with pytest.raises(ValueError, match=match):
-        checkpoint_quantization(str(tmp_path), override)
-
-
-@pytest.mark.parametrize("quant, match", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size 0: expected -1 or"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": -2}, "group_size -2"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": True}, "group_size True"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": "128"}, "group_size '128'"),
-    ({"quant_method": "gptq", "bits": 3}, "gptq with 3 bits"),
-    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format"),
-    ({"quant_method": "awq", "bits": 4, "zero_point": False}, "without zero points"),
-    ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not run here"),
-    (CT | {"config_groups": {}}, "has no config_groups"),
-    (CT | {"kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
-    (CT | {"config_groups": {"g": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}}}, "type 'float'"),
-    (CT | {"config_groups": {"g": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "strategy": "tensor"}}}}, "strategy 'tensor'"),
-    (CT | {"config_groups": {"g": {"targets": ["Linear"], "input_activations": {
-        "num_bits": 8}, "weights": {"num_bits": 4, "strategy": "channel"}}}},
-     "quantizes input_activations"),
-    ([1], "not an object"),
-])
-def test_schemes_refused(tmp_path, quant, match):
-    with pytest.raises(ValueError, match=match):
-        _scheme(tmp_path, quant)
-
-
 @needs_kernels
-def test_ignored_module_stored_quantized_refused(tmp_path):
-    ref_path = tmp_path / "ct"
-    _build(ref_path, "ct-sym-g32")
-    rewrite_config(str(ref_path), quantization_config=quant_config("compressed-tensors", 32,
-                                                                   True) | {"ignore": [Q]})
-    with pytest.raises(SystemExit, match=f"{Q} is stored quantized, but quantization_config "):
-        build_engine(_config(ref_path))
+def test_lora_on_a_quantized_base(tmp_path):
+    """QLoRA's serving side: a PEFT adapter over the 4-bit base (desc_act's reordered inputs
+    included) gives the tokens of transformers' merged model over the dequantized weights."""
+    import peft
+
+    quantized, dense = tmp_path / "q", tmp_path / "dense"
+    ref, _ = _build(quantized, "gptq-asym-g64-desc_act", dense_copy=dense)
+    base = transformers.LlamaForCausalLM.from_pretrained(dense, torch_dtype=torch.float32)
+    torch.manual_seed(1)
+    lora = peft.get_peft_model(base, peft.LoraConfig(
+        init_lora_weights=False, lora_dropout=0.0, r=4, lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+    lora.save_pretrained(tmp_path / "adapter")
+    merged = lora.merge_and_unload().eval()
+    core = build_engine(_config(quantized))
+    manager = LoraManager(core.runner.model, 1, 16, 0)
+    core.lora, core.runner.lora_ops, core.scheduler.max_loras = manager, manager.ops, 1
+    manager.load(LoraAdapterInfo("a", str(tmp_path / "adapter")))
+    prompts = ref.prompts[:2]
+    for i, prompt in enumerate(prompts):
+        core.add(EngineRequest(
+            request_id=f"r{i}", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
+            params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+            arrival_time=0.0, lora_name="a"))
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_work:
+        for _, out in core.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt])
+            out = merged.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+            assert tokens[f"r{i}"] == out[0, len(prompt):].tolist(), f"prompt {i}"
+    # The adapter changed something: these are not the base model's tokens.
+    assert any(tokens[f"r{i}"] != ref.tokens[i][:8] for i in range(len(prompts)))
