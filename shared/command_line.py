@@ -235,8 +235,6 @@ VLLM_NOOP_FLAGS = {
 VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
     "--pipeline-parallel-size": (int, 1, "pipeline parallelism (one engine runs on one "
                                  "device)"),
-    "--quantization": (str, None, "quantization methods (awq, gptq, fp8, ...): weights load "
-                       "as GGUF or safetensors and compute in --dtype"),
     "--kv-cache-dtype": (str, "auto", "KV cache dtype other than --dtype's"),
     "--cpu-offload-gb": (float, 0.0, "offloading weights to CPU memory"),
     "--no-enable-prefix-caching": (bool, False, "way to turn prefix caching off (it is always "
@@ -244,7 +242,21 @@ VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
 }
 
 
-_SHORT_FLAGS = {"--pipeline-parallel-size": "-pp", "--quantization": "-q"}
+_SHORT_FLAGS = {"--pipeline-parallel-size": "-pp"}
+
+# vLLM's --quantization values for the checkpoints sluice runs in place: the method is read
+# from config.json's quantization_config; naming one only checks that it is the checkpoint's
+# (engine.layers.quant_config). The marlin names are vLLM's CUDA kernels for the same files.
+QUANTIZATION_METHODS = ("gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors", "gguf",
+                        "mxfp4")
+
+
+def _quantization(text: str) -> str:
+    if text not in QUANTIZATION_METHODS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: sluice runs {', '.join(QUANTIZATION_METHODS)} (4-bit; the "
+            "checkpoint's quantization_config says which)")
+    return text
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
@@ -252,6 +264,10 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
                              "ask for what sluice lacks (the process stops at start)")
     for flag, why in VLLM_NOOP_FLAGS.items():
         g.add_argument(flag, action="store_true", help=f"no-op: {why}")
+    g.add_argument("--quantization", "-q", type=_quantization, default=None,
+                   help="the checkpoint's quantization method, as vLLM's override; refused "
+                        "unless it is the one config.json's quantization_config names "
+                        "(default: that one, or none)")
     for flag, (kind, default, missing) in VLLM_UNSUPPORTED_FLAGS.items():
         names = [flag, *([_SHORT_FLAGS[flag]] if flag in _SHORT_FLAGS else [])]
         if kind is bool:

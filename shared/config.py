@@ -15,6 +15,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tokenizer: str | None = None  # --tokenizer's resolved path; None: the model's
     request_address: str  # the engine binds a ROUTER here; frontends connect
     dtype: str = "auto"
+    # --quantization: checked against the checkpoint's quantization_config; None: its own.
+    quantization: str | None = None
     device: str = "cpu"
     attention_backend: str = "auto"  # auto | torch | flashinfer (see engine.attention.selector)
     page_size: int = 16

@@ -237,7 +237,8 @@ def _engine_argv(args, common: list[str], address: str) -> list[str]:
                            ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                            ("--long-prefill-token-threshold",
                             args.long_prefill_token_threshold),
-                           ("--seed", args.seed), ("--profile-dir", args.profile_dir)))
+                           ("--seed", args.seed), ("--profile-dir", args.profile_dir),
+                           ("--quantization", args.quantization)))
     engine_argv += _switches((("--enforce-eager", args.enforce_eager),
                               ("--batch-invariant", args.batch_invariant)))
     if args.speculative_config is not None:

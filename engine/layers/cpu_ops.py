@@ -132,6 +132,9 @@ class CpuKernelOps(TorchOps):
         if weight.dtype == torch.bfloat16 and not self._k.bf16_quantized and not widened:
             return  # no AVX512-BF16: stay on the dense oneDNN path
         if weight.dtype in (torch.float32, torch.bfloat16):
+            if any(q.packed for q in parts):
+                self._quantized[id(weight)] = _joined_packed(parts)
+                return
             kinds = {q.kind for q in parts}
             kind = kinds.pop() if len(kinds) == 1 else ANY_KIND_LAYOUT
             packed = torch.cat([self._k.pack_blocks(q.blocks, q.kind, kind) for q in parts])
@@ -168,6 +171,8 @@ class CpuKernelOps(TorchOps):
                 and x.shape[0] <= self.int16_x_max_rows)
 
     def _blocks_linear(self, x: torch.Tensor, quantized) -> torch.Tensor:
+        if quantized.perm is not None:  # the blocks' column order (GPTQ desc_act)
+            x = x.index_select(-1, quantized.perm)
         return self._k.quantized_linear(x, quantized.blocks, quantized.kind,
                                         int16_x=self.int16_x(x, quantized.kind))
 
@@ -183,6 +188,8 @@ class CpuKernelOps(TorchOps):
         the kernel reads, rounded to x's dtype as a dense load rounds them), so the engine
         holds one expert's dense copy at a time, never all of them."""
         rows = x.reshape(-1, x.shape[-1])
+        if quantized.perm is not None:  # the blocks' column order (GPTQ desc_act)
+            rows = rows.index_select(-1, quantized.perm)
         limit = (BLOCKS_ONLY_MAX_ROWS if x.dtype == torch.float32
                  else BLOCKS_ONLY_MAX_ROWS_BF16)
         if self.batch_invariant or rows.shape[0] <= limit:
@@ -201,8 +208,9 @@ class CpuKernelOps(TorchOps):
         """The packed blocks and kinds of a layer's q/k/v, o, gate/up and down weights for
         `decode_layer`, or None where any of them has none (a dense or widened weight)."""
         found = [self._quantized.get(id(w)) for w in weights]
-        if any(q is None for q in found) or not hasattr(self._k, "decode_layer"):
-            return None
+        if any(q is None or q.perm is not None for q in found) or not hasattr(
+                self._k, "decode_layer"):
+            return None  # (the fused kernel never reorders a linear's inputs)
         return [q.blocks for q in found], [q.kind for q in found]
 
     def takes_decode_layer(self, x: torch.Tensor) -> bool:
@@ -269,3 +277,19 @@ class CpuKernelOps(TorchOps):
         if not self._fits(x) or x.dim() != 2:
             return super().silu_and_mul(x)
         return self._k.silu_and_mul(x.contiguous())
+
+
+def _joined_packed(parts: list):
+    """The parts of a fused weight already in the kernels' layout (engine.layers.quant_formats),
+    stacked: one kind and one input order for all, which the loader gives every part of a
+    checkpoint (a g_idx order differing between parts is refused)."""
+    kinds = {q.kind for q in parts}
+    if len(kinds) != 1 or not all(q.packed for q in parts):
+        raise ValueError("a fused weight's quantized parts are in different block layouts")
+    perms = [q.perm for q in parts]
+    if any((p is None) != (perms[0] is None) or (p is not None and not torch.equal(p, perms[0]))
+           for p in perms):
+        raise ValueError("the q/k/v (or gate/up) projections of a desc_act checkpoint order "
+                         "their inputs differently (g_idx); they share one input and must not")
+    return type(parts[0])(kinds.pop(), torch.cat([q.blocks for q in parts]), packed=True,
+                          perm=perms[0])

@@ -139,6 +139,11 @@ class QuantizedWeight(msgspec.Struct, frozen=True):
 
     kind: int  # BLOCK_KINDS value
     blocks: torch.Tensor  # uint8 [out, in / block weights * block bytes]
+    # Already in the kernels' packed layout for `kind` (a GPTQ/AWQ/compressed-tensors
+    # checkpoint's, engine.layers.quant_formats), not GGUF blocks to repack.
+    packed: bool = False
+    # The input columns in the blocks' order (a GPTQ desc_act checkpoint's), None: in order.
+    perm: torch.Tensor | None = None
 
 
 def read_quantized_weights(model_path: str, config: ModelConfig, names: CheckpointNames,

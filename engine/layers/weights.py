@@ -13,7 +13,13 @@ import torch
 
 from engine.layers.checkpoint_names import CheckpointNames
 from engine.layers.config import ModelConfig
-from engine.layers.gguf_weights import load_gguf
+from engine.layers.gguf_weights import QuantizedWeight, load_gguf, read_quantized_weights
+from engine.layers.quant_config import checkpoint_quantization
+from engine.layers.quant_weights import (
+    quantized_placeholders,
+    read_checkpoint_blocks,
+    skipping_quantized,
+)
 from engine.layers.safetensors_weights import load_safetensors, text_name_of
 
 
@@ -39,7 +45,9 @@ def read_weights(
     stacked experts (ffn_*_exps) are all stored in a BLOCK_KINDS kind is then not
     dequantized: each expert's weight is a meta tensor of that dtype and its shape, holding
     no bytes, which the model hands to the ops with the expert's blocks
-    (read_quantized_weights). Not with a shard."""
+    (read_quantized_weights). Not with a shard. A GPTQ / AWQ / compressed-tensors folder's
+    quantized linears stand as such meta tensors too (of this dtype; the folder is refused
+    without it): the ops multiply their blocks (read_quantized)."""
     expected = names.shapes
 
     def take(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -57,7 +65,15 @@ def read_weights(
         if pooling:
             rename = _bare_model_names(rename, expected)
         mapped = map_experts_as if shard is None else None
-        weights = load_safetensors(model_path, expected, dtype, rename, take, mapped)
+        scheme = checkpoint_quantization(model_path)
+        dense = rename if scheme is None else skipping_quantized(rename, scheme)
+        weights = load_safetensors(model_path, expected, dtype, dense, take, mapped)
+        if scheme is not None:
+            if experts_as_blocks is None or shard is not None:
+                raise ValueError(f"a {scheme.method} checkpoint's linears run on the CPU "
+                                 "kernels' blocks only, which these ops do not multiply")
+            weights.update(quantized_placeholders(model_path, scheme, rename, expected,
+                                                  experts_as_blocks))
     embed = weights.get("model.embed_tokens.weight")
     if pooling and embed is not None and "lm_head.weight" in expected.keys() - weights.keys():
         weights["lm_head.weight"] = embed  # shapes agree: [vocab, hidden]
@@ -65,6 +81,20 @@ def read_weights(
         expected = {name: shard.local_shape(name, shape) for name, shape in expected.items()}
     _check_complete(weights, expected)
     return weights
+
+
+def read_quantized(model_path: str, config: ModelConfig, names: CheckpointNames,
+                   shard=None) -> dict[str, QuantizedWeight]:
+    """The linears the CPU kernels multiply as blocks, by HF name: a GGUF file's
+    (read_quantized_weights), or a GPTQ / AWQ / compressed-tensors folder's, repacked into
+    the kernels' layout (engine.layers.quant_weights); empty for anything else."""
+    if model_path.endswith(".gguf"):
+        return read_quantized_weights(model_path, config, names, shard)
+    scheme = checkpoint_quantization(model_path)
+    if scheme is None:
+        return {}
+    rename = names.rename or text_name_of(config)
+    return read_checkpoint_blocks(model_path, scheme, rename, names.shapes)
 
 
 def _bare_model_names(rename, expected):

@@ -99,6 +99,10 @@ class LlamaModel:
             if any(w.is_meta and not self.ops.holds_blocks(w) for w in weights):
                 raise ValueError(f"layer {i}'s experts were loaded as GGUF blocks, but the "
                                  f"{self.ops.name} ops do not hold their blocks")
+        # The same for a GPTQ / AWQ / compressed-tensors checkpoint's linears.
+        if any(w.is_meta and not self.ops.holds_blocks(w) for w in self._linear_weights()):
+            raise ValueError(f"the checkpoint's quantized linears need blocks the "
+                             f"{self.ops.name} ops do not hold")
         self.rope = RotaryEmbedding(config, max_positions, dtype, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

@@ -22,7 +22,7 @@ import torch
 from engine.layers import weights
 from engine.layers.checkpoint_names import GGUF_LAYER_NAMES, CheckpointNames
 from engine.layers.config import ModelConfig, gguf_architecture, gguf_reader
-from engine.layers.gguf_weights import QuantizedWeight, read_quantized_weights
+from engine.layers.gguf_weights import QuantizedWeight
 from engine.models import bert, gemma, glm4_moe, gpt_oss, idefics3, llama, llama4, moe, phi3
 
 
@@ -192,6 +192,6 @@ def load_weights(model_path: str, config: ModelConfig, dtype: torch.dtype,
 
 def load_quantized_weights(model_path: str, config: ModelConfig, shard=None
                            ) -> dict[str, QuantizedWeight]:
-    """The GGUF tensors the CPU kernels multiply as stored
-    (engine.layers.gguf_weights.read_quantized_weights)."""
-    return read_quantized_weights(model_path, config, checkpoint_names(config), shard)
+    """The linears the CPU kernels multiply as blocks: a GGUF's, or a GPTQ / AWQ /
+    compressed-tensors folder's (engine.layers.weights.read_quantized)."""
+    return weights.read_quantized(model_path, config, checkpoint_names(config), shard)

@@ -244,6 +244,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         kv_cache_memory_gb=kv_cache_memory_gb(args), num_pages=args.num_kv_pages,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant,
+        quantization=getattr(args, "quantization", None),
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, threads=args.threads,
         scheduling_policy=args.scheduling_policy, postproc_address=postproc_address,

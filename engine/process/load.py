@@ -20,6 +20,7 @@ from engine.attention.selector import (
 )
 from engine.layers.config import ModelConfig
 from engine.layers.ops import make_ops
+from engine.layers.quant_config import checkpoint_quantization
 from engine.layers.sharding import Shard, check_tensor_parallel, local_config
 from engine.layers.tp_group import SINGLE, TPGroup
 from engine.models.registry import (
@@ -257,6 +258,7 @@ def _model(config: EngineConfig, model_config, local, max_model_len: int, dtype,
     # dequantizes its part of each expert instead.
     experts_as_blocks = (dtype if device.type == "cpu" and shard is None
                          and ops.multiplies_blocks(dtype) else None)
+    _check_quantized(config, device, dtype, ops, shard)
     try:  # a missing or misshapen tensor: named
         weights = load_weights(config.model, model_config, torch.float32,
                                pooling=pooling is not None, shard=shard, map_experts_as=dtype,
@@ -264,8 +266,11 @@ def _model(config: EngineConfig, model_config, local, max_model_len: int, dtype,
     except ValueError as exc:
         raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     # A GGUF's blocks, as the ops multiply small batches by them (a rank: its part of each).
-    quantized = (load_quantized_weights(config.model, model_config, shard)
-                 if device.type == "cpu" else {})
+    try:  # a quantized folder's missing, misshapen or unrunnable tensor: named
+        quantized = (load_quantized_weights(config.model, model_config, shard)
+                     if device.type == "cpu" else {})
+    except ValueError as exc:
+        raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     has_blocks = bool(quantized)
     try:
         model = build_model(local, weights, max_model_len, dtype, device, ops=ops,
@@ -278,6 +283,29 @@ def _model(config: EngineConfig, model_config, local, max_model_len: int, dtype,
     del weights, quantized  # the ops hold the blocks repacked
     _return_freed_memory()
     return model, has_blocks, score_head
+
+
+def _check_quantized(config: EngineConfig, device, dtype, ops, shard) -> None:
+    """A GPTQ / AWQ / compressed-tensors checkpoint (or --quantization) is served where its
+    linears run as blocks, never dequantized: the CPU kernels, one rank. Refused in one line
+    otherwise, as is a --quantization the checkpoint's quantization_config disagrees with."""
+    if config.model.endswith(".gguf"):
+        if config.quantization not in (None, "gguf"):
+            raise StartupError(f"--quantization {config.quantization}: {config.model} is a "
+                               "GGUF file (--quantization gguf, or none)")
+        return
+    try:
+        scheme = checkpoint_quantization(config.model, config.quantization)
+    except ValueError as exc:
+        raise StartupError(f"cannot serve {config.model}: {exc}") from None
+    if scheme is None:
+        return
+    where = ("CUDA" if device.type != "cpu" else "tensor parallelism" if shard is not None
+             else None if ops.multiplies_blocks(dtype) else f"{ops.name} ops in {dtype}")
+    if where is not None:
+        raise StartupError(f"cannot serve {config.model}: its {scheme.method} 4-bit linears "
+                           "run in place on the CPU kernels only (one rank, float32, or "
+                           f"bfloat16 where the CPU has AVX512-BF16), not with {where}")
 
 
 def _return_freed_memory() -> None:

@@ -131,7 +131,7 @@ def test_noop_flags_are_logged_once_at_start(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--quantization", "awq"], "--quantization awq: sluice has no quantization"),
+    (["--quantization", "fp8"], "'fp8': sluice runs gptq, gptq_marlin, awq"),
     (["--pipeline_parallel_size", "2"], "--pipeline-parallel-size 2"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4.0: sluice has no offloading"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
