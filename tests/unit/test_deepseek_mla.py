@@ -99,15 +99,18 @@ def test_matches_transformers(reference, mode, use_kernels):
         assert tokens[i] == ref.tokens[i], f"prompt {i}"
 
 
-def test_served_by_build_engine(reference):
-    """`sluice serve DIR`'s engine: the registry's family, the selector's latent backend,
-    the pages sized by the latent's width; all prompts at once, chunked."""
+@pytest.mark.parametrize("num_pages", [64, 16], ids=["roomy", "preempting"])
+def test_served_by_build_engine(reference, num_pages):
+    """`sluice serve DIR`'s engine: the registry's family, the selector's latent backend;
+    all prompts at once, chunked. With 16 pages of 4 (one sequence of max_model_len 64) the
+    prompts and their generations do not fit together: sequences are preempted, their
+    latent pages freed, and recomputed later to the same tokens."""
     _, ref = reference
     tiny_vlm_tokenizer().save_pretrained(ref.path)
     core = build_engine(EngineConfig(
         model=ref.path, served_model_name="m", request_address="inproc://x", device="cpu",
-        dtype="float32", attention_backend="torch", num_pages=64, max_num_batched_tokens=8,
-        threads=1))
+        dtype="float32", attention_backend="torch", num_pages=num_pages, page_size=4,
+        max_num_batched_tokens=8, threads=1, max_model_len=64))
     assert isinstance(core.runner.backend, MlaAttentionBackend)
     for i, prompt in enumerate(ref.prompts):
         core.add(EngineRequest(
@@ -120,6 +123,7 @@ def test_served_by_build_engine(reference):
             assert out.error is None, out.error
             tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
     assert [tokens[f"r{i}"] for i in range(len(ref.prompts))] == ref.tokens
+    assert (core.num_preemptions > 0) == (num_pages == 16)
 
 
 # --- the cache layout: one latent row per token per layer ------------------------------------
