@@ -184,7 +184,21 @@ class DeepseekModel(LlamaModel):
         return [w for w in dense if w is not None] + experts + [self.lm_head]
 
     def _attach_quantized(self, quantized) -> None:
-        pass  # no GGUF blocks for this family yet: every weight is dequantized
+        """A GGUF's experts stored in a kind the CPU kernels take: the ops multiply by their
+        blocks (MoeModel's way); every other weight here is dequantized."""
+        for i, layer in enumerate(self.layers):
+            if layer.moe is None:
+                continue
+            p = f"model.layers.{i}.mlp.experts."
+            experts = zip(layer.moe.gate_up.weights, layer.moe.down.weights, strict=True)
+            for e, (gate_up, down) in enumerate(experts):
+                found = [quantized.get(f"{p}{e}.{n}.weight") for n in ("gate_proj", "up_proj")]
+                if isinstance(gate_up, tuple):  # a mapped pair: one weight each
+                    self._attach(gate_up[0], found[:1])
+                    self._attach(gate_up[1], found[1:])
+                else:
+                    self._attach(gate_up, found)
+                self._attach(down, [quantized.get(f"{p}{e}.down_proj.weight")])
 
     def _fused_blocks(self, x, backend) -> None:
         return None  # the CPU kernels' fused decode layer is plain attention's

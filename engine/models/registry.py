@@ -23,7 +23,7 @@ from engine.layers import weights
 from engine.layers.checkpoint_names import GGUF_LAYER_NAMES, CheckpointNames
 from engine.layers.config import ModelConfig, gguf_architecture, gguf_reader
 from engine.layers.gguf_weights import QuantizedWeight, read_quantized_weights
-from engine.models import bert, deepseek, gemma, gpt_oss, idefics3, llama, moe, phi3
+from engine.models import bert, deepseek, deepseek_gguf, gemma, gpt_oss, idefics3, llama, moe, phi3
 
 
 class Family(msgspec.Struct, frozen=True):
@@ -93,12 +93,15 @@ FAMILIES = (
            gpt_oss.tensor_shapes, gpt_oss.GptOssModel, ("gpt-oss",), gpt_oss.read_gpt_oss_gguf,
            gpt_oss.GGUF_LAYER_NAMES, gpt_oss.gguf_tensors),
     # Multi-head latent attention (engine.attention.mla_backend) and DeepSeekMoE.
+    # llama.cpp's deepseek2 files hold either (the reader names the config's family).
     Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",),
            deepseek.read_deepseek_v3_config, deepseek.tensor_shapes, deepseek.DeepseekModel,
-           checkpoint_names=deepseek.checkpoint_names),
+           ("deepseek2",), deepseek_gguf.read_deepseek2_gguf, deepseek_gguf.GGUF_LAYER_NAMES,
+           deepseek_gguf.gguf_tensors, deepseek.checkpoint_names),
     Family("deepseek_v2", ("DeepseekV2ForCausalLM",), ("deepseek_v2",),
            deepseek.read_deepseek_v2_config, deepseek.tensor_shapes, deepseek.DeepseekModel,
-           checkpoint_names=deepseek.checkpoint_names),
+           (), None, deepseek_gguf.GGUF_LAYER_NAMES, deepseek_gguf.gguf_tensors,
+           deepseek.checkpoint_names),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}

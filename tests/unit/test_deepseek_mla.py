@@ -10,10 +10,13 @@ cache: each prompt alone (chunked prefill, pages of 4 under a budget of 8), all 
 (batched decode beside prefill chunks), whole (one chunk each), and again on a warm engine
 (prefix-cache hits)."""
 
+import os
+
 import msgspec
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from engine.attention.mla_backend import MlaAttentionBackend
 from engine.attention.selector import (
@@ -24,6 +27,7 @@ from engine.attention.selector import (
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu_kernels import kernels
 from engine.layers.config import ModelConfig
+from engine.layers.rotary import RotaryEmbedding
 from engine.models.deepseek import checkpoint_names
 from engine.models.registry import config_from_hf, load_model_config
 from engine.process.build import build_engine
@@ -212,3 +216,102 @@ def test_multi_token_prediction_layers_skipped():
     assert rename("model.layers.60.self_attn.kv_b_proj.weight") == (
         "model.layers.60.self_attn.kv_b_proj.weight")
     assert rename("lm_head.weight") == "lm_head.weight"
+
+
+# --- llama.cpp's deepseek2 GGUF ---------------------------------------------------------------
+
+
+def _write_deepseek2_gguf(folder: str, path: str, hf) -> None:
+    """What convert_hf_to_gguf.py's DeepseekV2Model writes, in float32: MLA as MQA
+    metadata, kv_b_proj split into attn_k_b (each head's key half transposed) and attn_v_b,
+    experts stacked, e_score_correction_bias as exp_probs_b.bias, YaRN's mscale_all_dim as
+    yarn_log_multiplier; llama.cpp's names from gguf's own TensorNameMap."""
+    import gguf
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    arch = gguf.MODEL_ARCH.DEEPSEEK2
+    names = gguf.get_tensor_name_map(arch, hf.num_hidden_layers)
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    v3 = hf.model_type == "deepseek_v3"
+    writer.add_context_length(hf.max_position_embeddings)
+    writer.add_embedding_length(hf.hidden_size)
+    writer.add_feed_forward_length(hf.intermediate_size)
+    writer.add_block_count(hf.num_hidden_layers)
+    writer.add_head_count(hf.num_attention_heads)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+    if hf.q_lora_rank is not None:
+        writer.add_q_lora_rank(hf.q_lora_rank)
+    writer.add_kv_lora_rank(hf.kv_lora_rank)
+    writer.add_key_length(hf.kv_lora_rank + hf.qk_rope_head_dim)
+    writer.add_value_length(hf.kv_lora_rank)
+    writer.add_key_length_mla(hf.qk_nope_head_dim + hf.qk_rope_head_dim)
+    writer.add_value_length_mla(hf.v_head_dim)
+    writer.add_rope_dimension_count(hf.qk_rope_head_dim)
+    writer.add_leading_dense_block_count(hf.first_k_dense_replace)
+    writer.add_expert_count(hf.n_routed_experts)
+    writer.add_expert_used_count(hf.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(hf.moe_intermediate_size)
+    writer.add_expert_shared_count(hf.n_shared_experts)
+    writer.add_expert_weights_scale(hf.routed_scaling_factor)
+    writer.add_expert_weights_norm(bool(hf.norm_topk_prob))
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    writer.add_expert_group_count(hf.n_group)
+    writer.add_expert_group_used_count(hf.topk_group)
+    rope = hf.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    heads, nope = hf.num_attention_heads, hf.qk_nope_head_dim
+    for name, tensor in sorted(tensors.items()):
+        parts = name.split(".")
+        if name.endswith("kv_b_proj.weight"):
+            kv_b = tensor.view(heads, nope + hf.v_head_dim, -1)
+            block = f"blk.{parts[2]}"
+            writer.add_tensor(f"{block}.attn_k_b.weight",
+                              kv_b[:, :nope].transpose(1, 2).contiguous().numpy())
+            writer.add_tensor(f"{block}.attn_v_b.weight", kv_b[:, nope:].contiguous().numpy())
+        elif ".experts." in name:
+            if parts[5] == "0":  # the layer's experts, stacked
+                proj = parts[6]
+                stacked = torch.stack([tensors[f"model.layers.{parts[2]}.mlp.experts.{e}."
+                                               f"{proj}.weight"]
+                                       for e in range(hf.n_routed_experts)])
+                gguf_proj = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                             "down_proj": "ffn_down_exps"}[proj]
+                writer.add_tensor(f"blk.{parts[2]}.{gguf_proj}.weight", stacked.numpy())
+        elif name.endswith("e_score_correction_bias"):
+            writer.add_tensor(f"blk.{parts[2]}.exp_probs_b.bias", tensor.numpy())
+        else:
+            mapped = names.get_name(name.removesuffix(".weight"))
+            assert mapped is not None, name
+            writer.add_tensor(f"{mapped}.weight", tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_deepseek2_gguf(reference, tmp_path):
+    """The converter's deepseek2 file of the checkpoint reads to the same config and serves
+    transformers' tokens and logits."""
+    case, ref = reference
+    config_cls, _, kwargs = CASES[case]
+    path = str(tmp_path / f"tiny-{case}.gguf")
+    _write_deepseek2_gguf(ref.path, path, config_cls(**kwargs))
+    from_gguf, from_hf = load_model_config(path), load_model_config(ref.path)
+    assert from_gguf.architecture == case
+    assert from_gguf.mla == from_hf.mla and from_gguf.moe == from_hf.moe
+    assert from_gguf.family_options == from_hf.family_options
+    # The same rotary tables (the file's YaRN beta defaults are the config's unset ones).
+    tables = [RotaryEmbedding(c, 128, torch.float32, CPU) for c in (from_gguf, from_hf)]
+    assert torch.equal(tables[0].cos, tables[1].cos) and torch.equal(tables[0].sin,
+                                                                     tables[1].sin)
+    tokens, logits, _ = _run(path, ref.prompts, "together", kernels())
+    for i in range(len(ref.prompts)):
+        torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
+        assert tokens[i] == ref.tokens[i]
