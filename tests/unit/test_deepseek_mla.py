@@ -34,6 +34,7 @@ from engine.process.build import build_engine
 from engine.process.load import _page_bytes
 from shared.config import EngineConfig
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
+from shared.speculative import parse_speculative_config
 from tests.tiny_vlm import tiny_vlm_tokenizer
 from tests.unit.test_model_reference import STEPS, TINY, VOCAB, _run, make_reference
 
@@ -103,19 +104,30 @@ def test_matches_transformers(reference, mode, use_kernels):
         assert tokens[i] == ref.tokens[i], f"prompt {i}"
 
 
-@pytest.mark.parametrize("num_pages", [64, 16], ids=["roomy", "preempting"])
-def test_served_by_build_engine(reference, num_pages):
+SPEC = parse_speculative_config(
+    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}')
+
+
+@pytest.mark.parametrize(("num_pages", "spec"), [(64, None), (16, None), (64, SPEC)],
+                         ids=["roomy", "preempting", "speculative"])
+def test_served_by_build_engine(reference, num_pages, spec):
     """`sluice serve DIR`'s engine: the registry's family, the selector's latent backend;
     all prompts at once, chunked. With 16 pages of 4 (one sequence of max_model_len 64) the
     prompts and their generations do not fit together: sequences are preempted, their
-    latent pages freed, and recomputed later to the same tokens."""
+    latent pages freed, and recomputed later to the same tokens. With n-gram drafts each
+    draft token is a decode row over the latent pages, verified to greedy's tokens."""
     _, ref = reference
     tiny_vlm_tokenizer().save_pretrained(ref.path)
     core = build_engine(EngineConfig(
         model=ref.path, served_model_name="m", request_address="inproc://x", device="cpu",
         dtype="float32", attention_backend="torch", num_pages=num_pages, page_size=4,
-        max_num_batched_tokens=8, threads=1, max_model_len=64))
+        max_num_batched_tokens=8, threads=1, max_model_len=64, speculative=spec))
     assert isinstance(core.runner.backend, MlaAttentionBackend)
+    drafted = []
+    if spec is not None:
+        record = core.scheduler.drafter.record
+        core.scheduler.drafter.record = lambda seq, proposed, accepted: (
+            drafted.append(proposed), record(seq, proposed, accepted))
     for i, prompt in enumerate(ref.prompts):
         core.add(EngineRequest(
             request_id=f"r{i}", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
@@ -128,6 +140,7 @@ def test_served_by_build_engine(reference, num_pages):
             tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
     assert [tokens[f"r{i}"] for i in range(len(ref.prompts))] == ref.tokens
     assert (core.num_preemptions > 0) == (num_pages == 16)
+    assert bool(drafted) == (spec is not None)
 
 
 # --- the cache layout: one latent row per token per layer ------------------------------------
