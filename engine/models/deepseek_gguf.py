@@ -24,7 +24,6 @@ from engine.layers.config import (
     MoeConfig,
     config_from_gguf,
     gguf_arch_value,
-    require,
 )
 from engine.models.deepseek import DeepseekOptions, DeepseekRouting
 
@@ -51,8 +50,8 @@ def read_deepseek2_gguf(reader) -> ModelConfig:
     qk = meta("attention.key_length_mla", None) or meta("attention.key_length")
     v_dim = meta("attention.value_length_mla", None) or meta("attention.value_length")
     gating = _GATING.get(meta("expert_gating_func", 1))
-    require(gating is not None, "GGUF deepseek2.expert_gating_func",
-            f"{meta('expert_gating_func', 1)} is neither softmax (1) nor sigmoid (2)")
+    _check(gating is not None, "expert_gating_func",
+           f"{meta('expert_gating_func', 1)} is neither softmax (1) nor sigmoid (2)")
     v3 = gating == "sigmoid"
     experts, groups = meta("expert_count"), meta("expert_group_count", 1) or 1
     names = {t.name for t in reader.tensors}
@@ -60,8 +59,8 @@ def read_deepseek2_gguf(reader) -> ModelConfig:
                               "top2_sum" if v3 else "max",
                               float(meta("expert_weights_scale", 1.0)),
                               any(n.endswith("exp_probs_b.bias") for n in names))
-    require(experts % groups == 0, "GGUF deepseek2.expert_group_count",
-            f"{groups} groups do not divide {experts} experts")
+    _check(experts % groups == 0, "expert_group_count",
+           f"{groups} groups do not divide {experts} experts")
     dense = tuple(range(meta("leading_dense_block_count", 0)))
     shared = meta("expert_shared_count", 0) * meta("expert_feed_forward_length")
     moe = MoeConfig(num_experts=experts, top_k=meta("expert_used_count"),
@@ -84,6 +83,11 @@ def read_deepseek2_gguf(reader) -> ModelConfig:
                     qk_rope_head_dim=rope, v_head_dim=v_dim, q_lora_rank=q_lora,
                     softmax_scale=scale)
     return msgspec.structs.replace(config, mla=mla, rope_scaling=scaling)
+
+
+def _check(condition: bool, key: str, why: str) -> None:
+    if not condition:
+        raise ValueError(f"GGUF deepseek2.{key}: {why}")
 
 
 def gguf_tensors(arrays: dict[str, np.ndarray], hf_name) -> dict[str, np.ndarray]:

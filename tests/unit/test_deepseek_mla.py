@@ -234,7 +234,7 @@ def test_multi_token_prediction_layers_skipped():
 # --- llama.cpp's deepseek2 GGUF ---------------------------------------------------------------
 
 
-def _write_deepseek2_gguf(folder: str, path: str, hf) -> None:
+def _write_deepseek2_gguf(folder: str, path: str, hf, gating=None) -> None:
     """What convert_hf_to_gguf.py's DeepseekV2Model writes, in float32: MLA as MQA
     metadata, kv_b_proj split into attn_k_b (each head's key half transposed) and attn_v_b,
     experts stacked, e_score_correction_bias as exp_probs_b.bias, YaRN's mscale_all_dim as
@@ -269,8 +269,9 @@ def _write_deepseek2_gguf(folder: str, path: str, hf) -> None:
     writer.add_expert_shared_count(hf.n_shared_experts)
     writer.add_expert_weights_scale(hf.routed_scaling_factor)
     writer.add_expert_weights_norm(bool(hf.norm_topk_prob))
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3
-                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    if gating is None:
+        gating = gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
+    writer.add_uint32(f"{gguf.MODEL_ARCH_NAMES[arch]}.expert_gating_func", int(gating))
     writer.add_expert_group_count(hf.n_group)
     writer.add_expert_group_used_count(hf.topk_group)
     rope = hf.rope_parameters
@@ -328,3 +329,14 @@ def test_deepseek2_gguf(reference, tmp_path):
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
         assert tokens[i] == ref.tokens[i]
+
+
+@pytest.mark.parametrize("gating", [0, 3])
+def test_deepseek2_gguf_unknown_gating_refused(reference, tmp_path, gating):
+    """Only llama.cpp's softmax (1) and sigmoid (2) gating functions are read."""
+    case, ref = reference
+    config_cls, _, kwargs = CASES[case]
+    path = str(tmp_path / "bad.gguf")
+    _write_deepseek2_gguf(ref.path, path, config_cls(**kwargs), gating=gating)
+    with pytest.raises(ValueError, match="expert_gating_func"):
+        load_model_config(path)
