@@ -237,6 +237,8 @@ class DeepseekOptions(msgspec.Struct, frozen=True):
 
 
 class _DeepseekHF(HFConfig):
+    """DeepseekV3Config's keys, with its defaults."""
+
     kv_lora_rank: int = 512
     q_lora_rank: int | None = 1536
     qk_rope_head_dim: int = 64
@@ -247,14 +249,28 @@ class _DeepseekHF(HFConfig):
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 2048
     first_k_dense_replace: int = 3
-    n_group: int | None = None
-    topk_group: int | None = None
+    n_group: int | None = 8
+    topk_group: int | None = 4
     topk_method: str | None = None  # V2: greedy | group_limited_greedy
     norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
+    routed_scaling_factor: float = 2.5
     rope_interleave: bool = True
     moe_layer_freq: int = 1
     quantization_config: dict | None = None
+
+
+class _DeepseekV2HF(_DeepseekHF):
+    """DeepseekV2Config's defaults where they differ from V3's."""
+
+    n_routed_experts: int = 64
+    n_shared_experts: int = 2
+    moe_intermediate_size: int = 1407
+    first_k_dense_replace: int = 0
+    n_group: int | None = None
+    topk_group: int | None = None
+    topk_method: str | None = "greedy"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
@@ -317,7 +333,7 @@ def read_deepseek_v2_config(raw: bytes) -> ModelConfig:
 
 
 def _read(raw: bytes, v3: bool) -> ModelConfig:
-    hf = msgspec.json.decode(raw, type=_DeepseekHF)
+    hf = msgspec.json.decode(raw, type=_DeepseekHF if v3 else _DeepseekV2HF)
     _check(hf)
     mla = MlaConfig(kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,
                     qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,

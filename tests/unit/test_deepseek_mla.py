@@ -10,6 +10,7 @@ cache: each prompt alone (chunked prefill, pages of 4 under a budget of 8), all 
 (batched decode beside prefill chunks), whole (one chunk each), and again on a warm engine
 (prefix-cache hits)."""
 
+import json
 import os
 
 import msgspec
@@ -340,3 +341,17 @@ def test_deepseek2_gguf_unknown_gating_refused(reference, tmp_path, gating):
     _write_deepseek2_gguf(ref.path, path, config_cls(**kwargs), gating=gating)
     with pytest.raises(ValueError, match="expert_gating_func"):
         load_model_config(path)
+
+
+@pytest.mark.parametrize(("config_cls", "arch"), [
+    (transformers.DeepseekV3Config, "DeepseekV3ForCausalLM"),
+    (transformers.DeepseekV2Config, "DeepseekV2ForCausalLM")])
+def test_keys_left_out_take_transformers_defaults(config_cls, arch):
+    """A config.json that leaves the MLA and routing keys out reads as transformers fills
+    them in (V2's defaults are not V3's: no groups, softmax greedy, two shared experts)."""
+    given = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_experts_per_tok=4)
+    sparse = {"architectures": [arch], "model_type": config_cls.model_type, **given}
+    full = json.loads(config_cls(**given, architectures=[arch]).to_json_string())
+    assert config_from_hf(json.dumps(sparse).encode()) == config_from_hf(
+        json.dumps(full).encode())
