@@ -8,6 +8,9 @@ sequence's whole context.
 Contract: all of a step's new k/v are stored before any of its attention reads the cache. The
 scheduler relies on it to let a sequence read prefix pages another sequence of the same step
 is filling (prompt sharing for n > 1).
+
+A model with latent attention (DeepSeek's MLA) calls `attend_latent` instead, on the
+backend built for it (engine.attention.mla_backend): one latent row per token, not K/V.
 """
 
 from __future__ import annotations

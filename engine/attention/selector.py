@@ -66,6 +66,31 @@ def select_attention_backend(
     return BackendChoice("torch", f"auto: flashinfer skipped because {why_not}")
 
 
+def for_model(choice: BackendChoice, model: ModelConfig) -> BackendChoice:
+    """auto's choice revised for the model: MLA runs on the torch path (FlashInfer's MLA
+    kernels are not wired in yet); an explicit --attention-backend flashinfer is refused at
+    create_attention_backend."""
+    if model.mla is not None and choice.name == "flashinfer" and choice.reason.startswith("auto"):
+        return BackendChoice("torch", "auto: MLA (latent KV) runs on the torch backend; "
+                             "FlashInfer's MLA kernels are not wired in yet")
+    return choice
+
+
+def _mla_backend(name, model: ModelConfig, num_pages, page_size, dtype, device,
+                 batch_invariant):
+    if name == "flashinfer":
+        raise ValueError(f"{model.architecture} uses multi-head latent attention, which the "
+                         "flashinfer backend does not serve yet; use --attention-backend torch")
+    if batch_invariant:
+        raise ValueError(f"--batch-invariant: {model.architecture}'s latent attention has no "
+                         "batch-invariant kernel yet")
+    from engine.attention.mla_backend import MlaAttentionBackend
+
+    mla = model.mla
+    return MlaAttentionBackend(model.num_layers, num_pages, page_size, mla.kv_lora_rank,
+                               mla.qk_rope_head_dim, dtype, device)
+
+
 def create_attention_backend(
     name: str,
     model: ModelConfig,
@@ -75,6 +100,8 @@ def create_attention_backend(
     device: torch.device,
     batch_invariant: bool = False,
 ):
+    if model.mla is not None:
+        return _mla_backend(name, model, num_pages, page_size, dtype, device, batch_invariant)
     if name == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 

@@ -93,6 +93,23 @@ class MoeConfig(msgspec.Struct, frozen=True):
     dense_layers: tuple[int, ...] = ()
 
 
+class MlaConfig(msgspec.Struct, frozen=True):
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one latent
+    per token, kv_lora_rank wide, plus a rotary key part shared by every head; the KV cache
+    holds those two (latent_width) instead of per-head K and V."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None  # None: one q_proj, no low-rank q
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale_all_dim squared
+
+    @property
+    def latent_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 class ModelConfig(msgspec.Struct, frozen=True):
     architecture: str  # the family's name in engine.models.registry
     vocab_size: int
@@ -123,6 +140,14 @@ class ModelConfig(msgspec.Struct, frozen=True):
     layer_attention: tuple[LayerAttention, ...] = ()
     # A family's own settings (a msgspec Struct its module defines), None for most.
     family_options: msgspec.Struct | None = None
+    mla: MlaConfig | None = None  # latent attention: the cache holds latents, not K/V
+
+    def kv_elements_per_token(self) -> int:
+        """Cache elements one token takes over all layers: its latent with MLA, else K and
+        V of every KV head."""
+        if self.mla is not None:
+            return self.num_layers * self.mla.latent_width
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     def attention_of(self, layer: int) -> LayerAttention:
         return self.layer_attention[layer] if self.layer_attention else PLAIN_ATTENTION

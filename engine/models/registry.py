@@ -23,7 +23,19 @@ from engine.layers import weights
 from engine.layers.checkpoint_names import GGUF_LAYER_NAMES, CheckpointNames
 from engine.layers.config import ModelConfig, gguf_architecture, gguf_reader
 from engine.layers.gguf_weights import QuantizedWeight
-from engine.models import bert, gemma, glm4_moe, gpt_oss, idefics3, llama, llama4, moe, phi3
+from engine.models import (
+    bert,
+    deepseek,
+    deepseek_gguf,
+    gemma,
+    glm4_moe,
+    gpt_oss,
+    idefics3,
+    llama,
+    llama4,
+    moe,
+    phi3,
+)
 
 
 class Family(msgspec.Struct, frozen=True):
@@ -101,6 +113,16 @@ FAMILIES = (
            ("llama4_text", "llama4"), llama4.read_llama4_config, llama4.tensor_shapes,
            llama4.Llama4Model, ("llama4",), llama4.read_llama4_gguf, llama4.GGUF_LAYER_NAMES,
            llama4.gguf_tensors, checkpoint_names=llama4.checkpoint_names),
+    # Multi-head latent attention (engine.attention.mla_backend) and DeepSeekMoE.
+    # llama.cpp's deepseek2 files hold either (the reader names the config's family).
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",),
+           deepseek.read_deepseek_v3_config, deepseek.tensor_shapes, deepseek.DeepseekModel,
+           ("deepseek2",), deepseek_gguf.read_deepseek2_gguf, deepseek_gguf.GGUF_LAYER_NAMES,
+           deepseek_gguf.gguf_tensors, deepseek.checkpoint_names),
+    Family("deepseek_v2", ("DeepseekV2ForCausalLM",), ("deepseek_v2",),
+           deepseek.read_deepseek_v2_config, deepseek.tensor_shapes, deepseek.DeepseekModel,
+           (), None, deepseek_gguf.GGUF_LAYER_NAMES, deepseek_gguf.gguf_tensors,
+           deepseek.checkpoint_names),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}

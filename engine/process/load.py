@@ -16,6 +16,7 @@ import torch
 from engine.attention.selector import (
     BackendUnavailable,
     create_attention_backend,
+    for_model,
     select_attention_backend,
 )
 from engine.layers.config import ModelConfig
@@ -43,9 +44,10 @@ log = logging.getLogger("sluice.engine")
 
 
 def _page_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes one KV page takes: K and V of `page_size` tokens in every layer."""
+    """Bytes one KV page takes: K and V (MLA: the latent) of `page_size` tokens in every
+    layer."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * config.page_size * model.num_kv_heads * model.head_dim * element
+    return config.page_size * model.kv_elements_per_token() * element
 
 
 def kv_pages_for(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
@@ -156,6 +158,10 @@ def load_rank_model(config: EngineConfig, rdv: Rendezvous | None,
         model_config = load_model_config(config.model)
     except ValueError as exc:
         raise SystemExit(f"cannot serve {config.model}: {exc}") from None
+    revised = for_model(choice, model_config)
+    if revised is not choice and (rdv is None or rdv.rank == 0):
+        log.info("attention backend: %s (%s)", revised.name, revised.reason)
+    choice = revised
     size = 1 if rdv is None else rdv.world_size
     check_tensor_parallel(model_config, size)
     local = local_config(model_config, size)  # this rank's heads

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from engine.attention.selector import create_attention_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu_kernels import kernels
 from engine.layers.cpu_ops import CpuKernelOps
@@ -217,7 +218,8 @@ def _build_core(
         CPU,
         kernels=compiled,
         layers=config.layer_attention,
-    )
+    ) if config.mla is None else create_attention_backend(  # a latent cache (DeepSeek)
+        "torch", config, NUM_PAGES, PAGE_SIZE, torch.float32, CPU)
     runner = ModelRunner(model, backend, config.vocab_size)
     allocator = PageAllocator(NUM_PAGES, PAGE_SIZE)
     # As build_engine does: a model windowed in every layer releases the pages behind it.
