@@ -16,6 +16,7 @@ if XDIST_WORKERS > 1:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // XDIST_WORKERS))
 
+from tests.memory_watch import MemoryWatch  # noqa: E402
 from tests.servers import Cluster, Engine, Stack, engine_and_frontend  # noqa: E402
 
 # One torch thread: on a 2-core machine the step's second thread waits on cores that the
@@ -132,3 +133,14 @@ def fuzz_stack(tmp_path_factory):
     yield s
     s.stop()
 
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        config.memory_watch = MemoryWatch()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    watch = getattr(config, "memory_watch", None)
+    if watch is not None and (line := watch.summary()):
+        terminalreporter.write_line(line)
