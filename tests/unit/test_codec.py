@@ -320,7 +320,7 @@ def test_cases_cover_every_tagged_message():
 
 
 def test_cases_cover_every_protocol_struct():
-    # A new Struct in shared/protocol.py must get a round-trip case here.
+    # A new Struct in shared/protocol/ must get a round-trip case here.
     assert set().union(*(_nested_types(m) for m in ALL_MESSAGES)) == _struct_types()
 
 
