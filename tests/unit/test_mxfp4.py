@@ -15,9 +15,17 @@ from engine.layers.gguf_weights import BLOCK_KINDS
 from engine.layers.safetensors_weights import in_mapped_file
 from engine.models.gpt_oss import FP4_VALUES, dequantize_mxfp4, mxfp4_gguf_blocks
 from engine.models.registry import load_model_config, load_weights
+from engine.process.build import build_engine
+from tests.tiny_vlm import tiny_vlm_tokenizer
+from tests.unit.engine_builders import drain, request
 from tests.unit.test_cpu_kernels import _both_builds
-from tests.unit.test_kquant_kernels import _held_bytes
-from tests.unit.test_model_families import CASES, _rewrite_config, _rewrite_tensors
+from tests.unit.test_kquant_kernels import _Counted, _held_bytes
+from tests.unit.test_model_families import (
+    CASES,
+    _engine_config,
+    _rewrite_config,
+    _rewrite_tensors,
+)
 from tests.unit.test_model_reference import TINY, _build_core, _run, make_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -209,10 +217,27 @@ def test_packed_mxfp4_experts_give_the_dequantized_models_tokens(mxfp4_checkpoin
     if compiled is None:
         pytest.skip("no C++ compiler: the engine runs plain torch ops")
     ref, _ = mxfp4_checkpoint
-    tokens, logits, _ = _run(ref.path, ref.prompts, mode, compiled)
+    counted = _Counted(compiled)
+    tokens, logits, _ = _run(ref.path, ref.prompts, mode, counted)
+    assert (counted.dequantized > 0) == (mode == "single-chunk")  # else the kernel alone
     dense_tokens, dense_logits, _ = _run(ref.path, ref.prompts, mode)
     assert tokens == dense_tokens == ref.tokens
     for i in range(len(ref.prompts)):
         torch.testing.assert_close(logits[i], dense_logits[i], atol=1e-4, rtol=0)
         torch.testing.assert_close(logits[i], ref.step_logits[i], atol=1e-4, rtol=0)
     assert len({tuple(t) for t in tokens}) == len(tokens)  # not one degenerate answer
+
+
+def test_served_packed_by_build_engine(mxfp4_checkpoint):
+    """`sluice serve DIR`'s engine (default ops: the kernels where they build) holds the
+    experts packed and gives transformers' greedy tokens."""
+    ref, _ = mxfp4_checkpoint
+    tiny_vlm_tokenizer().save_pretrained(ref.path)  # a byte-level one, as llguidance needs
+    core = build_engine(_engine_config(ref.path, threads=1))
+    model = core.runner.model
+    if kernels() is not None:
+        assert all(w.is_meta and model.ops.holds_blocks(w) for w in _experts(model))
+    for i, prompt in enumerate(ref.prompts):
+        core.add(request(f"r{i}", prompt, max_tokens=len(ref.tokens[i]), ignore_eos=True))
+    results = drain(core)
+    assert [results[f"r{i}"].tokens for i in range(len(ref.prompts))] == ref.tokens
