@@ -992,8 +992,7 @@ constexpr int64_t layout_bytes(int64_t layout) {
 
 // MXFP4's e2m1 codes as ggml keeps them, doubled (integers; code 8, -0, is +0 as there), and
 // its E8M0 scale halved to match: 2^(e - 128), built from its bits (a denormal for e < 2),
-// so every weight d * kE2m1[code] is exact in float32. (32-byte aligned halves: the AVX2
-// path looks each up as a vector of 8.)
+// so every weight d * kE2m1[code] is exact in float32.
 alignas(64) constexpr float kE2m1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 inline float mx_scale(uint8_t e) {
   const uint32_t bits = e >= 2 ? static_cast<uint32_t>(e - 1) << 23 : 0x00200000u << e;
@@ -1279,12 +1278,12 @@ template <int64_t LAYOUT>
 inline void block_f32(const uint8_t* blk, __m512& lo, __m512& hi) {
   if constexpr (LAYOUT == kFp4) {
     // Byte j: weight j's code (low nibble), weight j + 16's (high); vpermps reads 4 bits.
-    const __m512 d = _mm512_set1_ps(mx_scale(blk[0]));
-    const __m512 table = _mm512_load_ps(kE2m1);
+    // The table is scaled once per block (each d * value exact), then looked up twice.
+    const __m512 table = _mm512_mul_ps(_mm512_set1_ps(mx_scale(blk[0])), _mm512_load_ps(kE2m1));
     const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(
         reinterpret_cast<const __m128i*>(blk + 1)));
-    lo = _mm512_mul_ps(d, _mm512_permutexvar_ps(codes, table));
-    hi = _mm512_mul_ps(d, _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table));
+    lo = _mm512_permutexvar_ps(codes, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
     return;
   }
   __m512 d, m;
@@ -1411,19 +1410,17 @@ template <> struct BlockF32x8<Quant<kScaledBytes>> {
 };
 template <> struct BlockF32x8<Quant<kFp4>> {
   static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
-    // vpermps reads 3 bits here: codes 0-7 from the first half of the table, 8-15 from the
-    // second, picked by bit 3 (moved to the sign bit for the blend). The same values as
-    // the AVX-512 path's one lookup.
+    // pshufb looks the 32 codes up as int8 (kE2m1's integers), which widen and scale as
+    // Q8_0's bytes do: the AVX-512 path's values (d * value exact either way).
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 1));
+    const __m128i q[2] = {_mm_shuffle_epi8(table, _mm_and_si128(raw, low4)),  // weights 0-15
+                          _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), low4))};
     const __m256 d = _mm256_set1_ps(mx_scale(blk[0]));
-    const __m256 pos = _mm256_load_ps(kE2m1), neg = _mm256_load_ps(kE2m1 + 8);
-    for (int v = 0; v < 4; ++v) {  // weights 8v .. 8v + 7: bytes 8 (v % 2) on, nibble v / 2
-      __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(blk + 1 + 8 * (v % 2))));
-      if (v >= 2) codes = _mm256_srli_epi32(codes, 4);
-      const __m256 value = _mm256_blendv_ps(_mm256_permutevar8x32_ps(pos, codes),
-                                            _mm256_permutevar8x32_ps(neg, codes),
-                                            _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
-      w[v] = _mm256_mul_ps(d, value);
+    for (int v = 0; v < 4; ++v) {  // weights 8v .. 8v + 7
+      const __m128i part = v % 2 ? _mm_srli_si128(q[v / 2], 8) : q[v / 2];
+      w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part)));
     }
   }
 };
