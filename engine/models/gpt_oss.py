@@ -9,9 +9,9 @@ interleaved column by column; they load as our per-expert [out, in] rows, gate r
 up rows. The published checkpoints quantize the experts to MXFP4 (blocks of 32 FP4 values
 sharing a power-of-two scale). Where the CPU kernels multiply blocks (one rank), each expert
 stays MXFP4, repacked into GGUF's block of 17 bytes (the scale, then 16 bytes of codes), the
-kernel's layout: 4.25 bits a weight, the checkpoint's own bytes (gpt-oss-20b's experts: 12 GB,
-where bfloat16 took 39). Elsewhere they are dequantized at load, as transformers does on a
-machine without its MXFP4 kernels.
+kernel's layout: 4.25 bits a weight, the checkpoint's own bytes (gpt-oss-20b's 19 billion
+expert weights: about 10 GB, where bfloat16 took 38). Elsewhere they are dequantized at
+load, as transformers does on a machine without its MXFP4 kernels.
 """
 
 from __future__ import annotations

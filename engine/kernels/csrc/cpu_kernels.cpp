@@ -955,7 +955,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 //                   float32 m, 32 int8; w = d0|d1 * q + m
 //   Fp4 (MXFP4), 17 bytes: the GGUF block itself, 4.25 bits a weight (gpt-oss's experts are
 //                   most of its bytes); w = 2^(e - 128) * kE2m1[code]: a 16-entry table
-//                   looked up in registers (vpermps), times the block's power of two
+//                   looked up in registers (vpermps; pshufb on AVX2), times the block's
+//                   power of two
 // fp16 scales widen exactly (F16C), so both forms of a scale give the same float32 weights.
 // A k-quant's d is the product of its fp16 super-block scale and its integer sub-block scale
 // (exact in float32), its m minus dmin times the sub-block min (exact): so every weight is
