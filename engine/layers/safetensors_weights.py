@@ -44,16 +44,25 @@ def load_safetensors(folder, expected, dtype, rename=lambda n: n,
                     tensor = None
                     if mapped is not None and ".experts." in name:
                         tensor = mapped.tensor(stored, map_experts_as)
+                        if tensor is None:  # MXFP4 codes: mapped too, repacked from the file
+                            tensor = mapped.tensor(stored, torch.uint8)
                     if tensor is None:
-                        tensor = take(name, f.get_tensor(stored).to(dtype))
+                        tensor = take(name, _as_dtype(f.get_tensor(stored), dtype))
                     weights[name] = tensor
                 elif not _ignorable(name):
                     raise ValueError(f"unexpected tensor {name!r} in {shard}")
     return weights
 
 
+def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float tensor as `dtype`; uint8 codes (gpt-oss's MXFP4 blocks and scales) stay
+    bytes: as floats they would take 2 to 4 times the checkpoint's memory."""
+    return tensor if tensor.dtype == torch.uint8 else tensor.to(dtype)
+
+
 # safetensors' dtype names -> torch's, for the tensors worth mapping.
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "U8": torch.uint8}
 
 
 class _TensorEntry(msgspec.Struct):

@@ -39,7 +39,8 @@ def read_weights(
     map_experts_as: the dtype the model computes in. A safetensors checkpoint's MoE expert
     tensors stored in it are left in the file, memory-mapped (see `in_mapped_file`), not
     copied as `dtype`: experts are most of an MoE model's bytes, and the page cache holds
-    them once however many times they are mapped. Not with a shard.
+    them once however many times they are mapped. Not with a shard. (uint8 tensors, gpt-oss's
+    MXFP4 blocks and scales, load as bytes, never as `dtype`; expert ones mapped too.)
     experts_as_blocks: the dtype the model computes in, where its ops multiply a GGUF's
     block-quantized experts themselves (CpuKernelOps.multiplies_blocks). A layer whose
     stacked experts (ffn_*_exps) are all stored in a BLOCK_KINDS kind is then not

@@ -7,8 +7,11 @@ g = min(gate, limit).
 The checkpoint stores each projection's experts stacked as [experts, in, out], gate and up
 interleaved column by column; they load as our per-expert [out, in] rows, gate rows then
 up rows. The published checkpoints quantize the experts to MXFP4 (blocks of 32 FP4 values
-sharing a power-of-two scale); those are dequantized at load, as transformers does on a
-machine without its MXFP4 kernels.
+sharing a power-of-two scale). Where the CPU kernels multiply blocks (one rank), each expert
+stays MXFP4, repacked into GGUF's block of 17 bytes (the scale, then 16 bytes of codes), the
+kernel's layout: 4.25 bits a weight, the checkpoint's own bytes (gpt-oss-20b's 19 billion
+expert weights: about 10 GB, where bfloat16 took 38). Elsewhere they are dequantized at
+load, as transformers does on a machine without its MXFP4 kernels.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from engine.layers.config import (
     layer_windows,
     require,
 )
-from engine.layers.gguf_weights import MXFP4_BLOCK
+from engine.layers.gguf_weights import BLOCK_KINDS, MXFP4_BLOCK, QuantizedWeight
 from engine.models.llama import LlamaModel, attention_shapes
 from engine.models.moe import ExpertLinear, MoeBlock
 
@@ -61,6 +64,17 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return dense.reshape(*dense.shape[:2], -1).transpose(1, 2)
 
 
+def mxfp4_gguf_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One expert's blocks [out, in / 32, 16] (byte j: weights 2j, 2j + 1, low nibble first)
+    and scales [out, in / 32] -> GGUF MXFP4 rows, uint8 [out, in / 32 * 17]: per block the
+    scale byte (the same E8M0 exponent), then byte j holding weight j (low nibble) and
+    j + 16 (high), ggml's order."""
+    blocks, scales = blocks.to(torch.uint8), scales.to(torch.uint8)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # weight order
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), nibbles], dim=-1).flatten(-2).contiguous()
+
+
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """x: [n, 2 * inter], gate then up -> [n, inter], as transformers' GptOssExperts."""
     gate, up = x.chunk(2, dim=-1)
@@ -78,6 +92,9 @@ class GptOssModel(LlamaModel):
 
     def _mlp_fields(self, w, i: int) -> dict:
         p = f"model.layers.{i}.mlp."
+        if self._experts_packed():
+            gate_up, down_linear = self._packed_experts(w, p)
+            return self._moe_fields(w, p, gate_up, down_linear)
         stacked_gate_up = self._experts(w, p + "experts.gate_up_proj")  # [E, hidden, 2 * inter]
         gate_up_bias = w(p + "experts.gate_up_proj_bias")  # [E, 2 * inter]
         down = self._experts(w, p + "experts.down_proj")  # [E, inter, hidden]
@@ -92,12 +109,47 @@ class GptOssModel(LlamaModel):
             [deinterleave(gate_up_bias[e]).contiguous() for e in experts])
         down_linear = ExpertLinear([down[e].t().contiguous() for e in experts],
                                    [down_bias[e] for e in experts])
+        return self._moe_fields(w, p, gate_up, down_linear)
+
+    def _moe_fields(self, w, p: str, gate_up: ExpertLinear, down_linear: ExpertLinear) -> dict:
         options = self.config.family_options
         activation = functools.partial(clamped_swiglu, alpha=options.swiglu_alpha,
                                        limit=options.swiglu_limit)
         block = MoeBlock(self.config.moe, w(p + "router.weight"), w(p + "router.bias"),
                          gate_up, down_linear, activation=activation)
         return dict(gate_up_weight=None, down_weight=None, moe=block)
+
+    def _experts_packed(self) -> bool:
+        """Whether the MXFP4 experts stay packed: the ops multiply blocks at every row count
+        (CpuKernelOps.multiplies_blocks) on one rank (a rank's slice is dequantized)."""
+        return (self.config.family_options.mxfp4 and self.device.type == "cpu"
+                and not self.tp.parallel and self.ops.multiplies_blocks(self.dtype))
+
+    def _packed_experts(self, w, p: str) -> tuple[ExpertLinear, ExpertLinear]:
+        """Each expert's weights as meta tensors (no bytes) whose MXFP4 blocks the ops hold:
+        gate_up's rows (the checkpoint's blocks are out-major, gate and up interleaved) go
+        gate then up, as the dense path's columns do."""
+        moe, hidden = self.config.moe, self.config.hidden_size
+        names = p + "experts.gate_up_proj", p + "experts.down_proj"
+        (gu_blocks, gu_scales), (d_blocks, d_scales) = (
+            (w(n + "_blocks"), w(n + "_scales")) for n in names)
+        gate_up_bias, down_bias = w(names[0] + "_bias"), w(names[1] + "_bias")
+        gate_ups, downs = [], []
+        for e in range(moe.num_experts):
+            rows = torch.cat([gu_blocks[e, 0::2], gu_blocks[e, 1::2]])
+            scales = torch.cat([gu_scales[e, 0::2], gu_scales[e, 1::2]])
+            gate_ups.append(self._held(mxfp4_gguf_blocks(rows, scales), hidden))
+            downs.append(self._held(mxfp4_gguf_blocks(d_blocks[e], d_scales[e]),
+                                    moe.intermediate_size))
+        bias = [torch.cat([b[0::2], b[1::2]]) for b in gate_up_bias]
+        return ExpertLinear(gate_ups, bias), ExpertLinear(downs, list(down_bias))
+
+    def _held(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """A meta weight [out, width] standing for GGUF MXFP4 `rows`, handed to the ops
+        (LlamaModel refuses to start where they did not take them)."""
+        weight = torch.empty((rows.shape[0], width), dtype=self.dtype, device="meta")
+        self.ops.attach_quantized(weight, [QuantizedWeight(BLOCK_KINDS["MXFP4"], rows)])
+        return weight
 
     def _attach_quantized(self, quantized) -> None:
         """Besides the dense linears', each expert's blocks (a GGUF's MXFP4 ffn_*_exps:

@@ -81,6 +81,8 @@ class LlamaModel:
             tensor = weights[name]
             if tensor.is_meta:  # an expert held only as the checkpoint's blocks: no bytes
                 return tensor
+            if tensor.dtype == torch.uint8:  # codes (MXFP4 blocks): the family reads them
+                return tensor.to(device=device)
             return tensor.to(dtype=dtype, device=device)
 
         self.embed = w("model.embed_tokens.weight")

@@ -510,9 +510,9 @@ def test_flashinfer_refuses_mixed_layers_at_start(tmp_path):
 
 
 def test_gpt_oss_mxfp4_experts(tmp_path):
-    """The published gpt-oss checkpoints' MXFP4 experts (blocks + scales) load dequantized:
-    the same tokens and logits as transformers running the dense weights its own MXFP4
-    converter makes of those blocks."""
+    """The published gpt-oss checkpoints' MXFP4 experts (blocks + scales; kept packed by
+    the kernels: tests/unit/test_mxfp4.py) give the same tokens and logits as transformers
+    running the dense weights its own MXFP4 converter makes of those blocks."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     gen = torch.Generator().manual_seed(3)

@@ -928,7 +928,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // ------------------------------------------------------------- GGUF block-quantized linear
 
 // y = x @ W^T with W kept in the GGUF checkpoint's quantized blocks, so a decode step
-// streams 5 to 11 bits per weight from memory instead of 16 or 32. The checkpoint's
+// streams 4.25 to 11 bits per weight from memory instead of 16 or 32. The checkpoint's
 //   Q4_1, 20 bytes / 32 weights: fp16 d, fp16 m, 16 bytes of nibbles; w[j] = d * lo(q[j]) + m
 //                   and w[j + 16] = d * hi(q[j]) + m
 //   Q8_0, 34 bytes / 32 weights: fp16 d, 32 int8;                     w[j] = d * q[j]
@@ -941,7 +941,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 //   Q5_K, 176 bytes: Q4_K's header, 32 bytes of fifth bits, 128 bytes of nibbles; the same w
 //   Q6_K, 210 bytes: 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (one per
 //                    16 weights), fp16 d;  w = (d * scale) * (q - 32)
-// are repacked once at load (`pack_blocks`) into one of four layouts of 32 weights the
+// are repacked once at load (`pack_blocks`) into one of five layouts of 32 weights the
 // kernel reads fastest (kinds share a layout where their weights fit it):
 //   HalfNibbles (Q4_1), 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles in lane order:
 //                   weight j is nibble j / 8 of 16-bit word j % 8, so one broadcast and one
@@ -951,8 +951,12 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 //   Nibbles (Q4_K), 24 bytes: HalfNibbles with float32 d and m (a k-quant's d * scale is
 //                   not an fp16)
 //   Bytes (Q8_0), 34 bytes: fp16 d, 32 int8 (the GGUF block itself); w = d * q
-//   ScaledBytes (Q5_K, Q6_K, MXFP4), 44 bytes: float32 d0 (weights 0-15), float32 d1 (16-31),
+//   ScaledBytes (Q5_K, Q6_K), 44 bytes: float32 d0 (weights 0-15), float32 d1 (16-31),
 //                   float32 m, 32 int8; w = d0|d1 * q + m
+//   Fp4 (MXFP4), 17 bytes: the GGUF block itself, 4.25 bits a weight (gpt-oss's experts are
+//                   most of its bytes); w = 2^(e - 128) * kE2m1[code]: a 16-entry table
+//                   looked up in registers (vpermps; pshufb on AVX2), times the block's
+//                   power of two
 // fp16 scales widen exactly (F16C), so both forms of a scale give the same float32 weights.
 // A k-quant's d is the product of its fp16 super-block scale and its integer sub-block scale
 // (exact in float32), its m minus dmin times the sub-block min (exact): so every weight is
@@ -961,7 +965,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // so a row's result does not depend on its neighbours.
 constexpr int64_t kBlock = 32;
 enum Kind : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5 };
-enum Layout : int64_t { kNibbles = 0, kBytes = 1, kScaledBytes = 2, kHalfNibbles = 3 };
+enum Layout : int64_t { kNibbles = 0, kBytes = 1, kScaledBytes = 2, kHalfNibbles = 3, kFp4 = 4 };
 
 void check_kind(int64_t kind) {
   TORCH_CHECK(kind >= kQ4_1 && kind <= kMXFP4,
@@ -969,10 +973,8 @@ void check_kind(int64_t kind) {
 }
 
 inline Layout layout_of(int64_t kind) {
-  // MXFP4's scale 2^(e - 128) is no fp16 (nor, for small e, a normal float32): it takes
-  // ScaledBytes' float32 scales, which hold it exactly.
   return kind == kQ4_1 ? kHalfNibbles : kind == kQ4_K ? kNibbles
-       : kind == kQ8_0 ? kBytes : kScaledBytes;
+       : kind == kQ8_0 ? kBytes : kind == kMXFP4 ? kFp4 : kScaledBytes;
 }
 
 // A GGUF block of `kind`: its bytes, and the weights it holds.
@@ -985,7 +987,19 @@ inline int64_t gguf_block_weights(int64_t kind) {
 }
 
 constexpr int64_t layout_bytes(int64_t layout) {
-  return layout == kHalfNibbles ? 20 : layout == kNibbles ? 24 : layout == kBytes ? 34 : 44;
+  return layout == kHalfNibbles ? 20 : layout == kNibbles ? 24 : layout == kBytes ? 34
+       : layout == kFp4 ? 17 : 44;
+}
+
+// MXFP4's e2m1 codes as ggml keeps them, doubled (integers; code 8, -0, is +0 as there), and
+// its E8M0 scale halved to match: 2^(e - 128), built from its bits (a denormal for e < 2),
+// so every weight d * kE2m1[code] is exact in float32.
+alignas(64) constexpr float kE2m1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline float mx_scale(uint8_t e) {
+  const uint32_t bits = e >= 2 ? static_cast<uint32_t>(e - 1) << 23 : 0x00200000u << e;
+  float d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
 }
 
 // The layouts with nibbles: where d, m and the nibbles lie, and how wide the scales are.
@@ -1186,6 +1200,10 @@ torch::Tensor pack_blocks(const torch::Tensor& gguf, int64_t kind, int64_t as_ki
   auto packed = torch::empty({rows, nb * units * layout_bytes(layout)}, gguf.options());
   const uint8_t* src = gguf.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
+  if (layout == kFp4) {  // the GGUF block is the layout: a plain copy
+    std::memcpy(dst, src, gguf.numel());
+    return packed;
+  }
   at::parallel_for(0, rows * nb, 256, [&](int64_t begin, int64_t end) {
     Unit unit[8];
     for (int64_t i = begin; i < end; ++i) {
@@ -1210,6 +1228,8 @@ template <int64_t LAYOUT> struct Quant {
              scale_m<LAYOUT>(blk);
     else if constexpr (LAYOUT == kBytes)
       return scale_d<LAYOUT>(blk) * static_cast<int8_t>(blk[2 + j]);
+    else if constexpr (LAYOUT == kFp4)
+      return mx_scale(blk[0]) * kE2m1[j < 16 ? blk[1 + j] & 0xF : blk[1 + j - 16] >> 4];
     else
       return float_at(blk + 4 * (j / 16)) * static_cast<int8_t>(blk[12 + j]) + float_at(blk + 8);
   }
@@ -1257,6 +1277,16 @@ inline __m512i q4_1_nibbles(const uint8_t* blk) {
 // A block's 32 weights as float32, low and high 16 (exact: see the layouts above).
 template <int64_t LAYOUT>
 inline void block_f32(const uint8_t* blk, __m512& lo, __m512& hi) {
+  if constexpr (LAYOUT == kFp4) {
+    // Byte j: weight j's code (low nibble), weight j + 16's (high); vpermps reads 4 bits.
+    // The table is scaled once per block (each d * value exact), then looked up twice.
+    const __m512 table = _mm512_mul_ps(_mm512_set1_ps(mx_scale(blk[0])), _mm512_load_ps(kE2m1));
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(blk + 1)));
+    lo = _mm512_permutexvar_ps(codes, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+    return;
+  }
   __m512 d, m;
   broadcast_dm<LAYOUT>(blk, d, m);  // m: the nibble layouts' only
   if constexpr (has_nibbles(LAYOUT)) {
@@ -1377,6 +1407,22 @@ template <> struct BlockF32x8<Quant<kScaledBytes>> {
       w[v] = _mm256_fmadd_ps(_mm256_set1_ps(float_at(blk + 4 * (v / 2))),
                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
                                  reinterpret_cast<const __m128i*>(blk + 12 + 8 * v)))), m);
+  }
+};
+template <> struct BlockF32x8<Quant<kFp4>> {
+  static inline void load(const uint8_t* blk, __m256 (&w)[4]) {
+    // pshufb looks the 32 codes up as int8 (kE2m1's integers), which widen and scale as
+    // Q8_0's bytes do: the AVX-512 path's values (d * value exact either way).
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 1));
+    const __m128i q[2] = {_mm_shuffle_epi8(table, _mm_and_si128(raw, low4)),  // weights 0-15
+                          _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), low4))};
+    const __m256 d = _mm256_set1_ps(mx_scale(blk[0]));
+    for (int v = 0; v < 4; ++v) {  // weights 8v .. 8v + 7
+      const __m128i part = v % 2 ? _mm_srli_si128(q[v / 2], 8) : q[v / 2];
+      w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part)));
+    }
   }
 };
 template <> struct BlockF32x8<Dense<float>> {
@@ -1902,6 +1948,7 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
       case kBytes: return linear_rows<T, Quant<kBytes>>(x, wp, packed.size(1), packed.size(0), out);
       case kScaledBytes:
         return linear_rows<T, Quant<kScaledBytes>>(x, wp, packed.size(1), packed.size(0), out);
+      case kFp4: return linear_rows<T, Quant<kFp4>>(x, wp, packed.size(1), packed.size(0), out);
     }
   });
   return out;
@@ -1941,6 +1988,7 @@ torch::Tensor dequantize_blocks(const torch::Tensor& packed, int64_t kind) {
     case kNibbles: dequantize_rows<kNibbles>(wp, packed.size(1), rows, k, op); break;
     case kBytes: dequantize_rows<kBytes>(wp, packed.size(1), rows, k, op); break;
     case kScaledBytes: dequantize_rows<kScaledBytes>(wp, packed.size(1), rows, k, op); break;
+    case kFp4: dequantize_rows<kFp4>(wp, packed.size(1), rows, k, op); break;
   }
   return out;
 }
