@@ -47,8 +47,9 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 PARSERS = ("mistral", "pythonic", "qwen3_coder")
 # The think-tag reasoning parsers; openai_gptoss pairs with the Harmony tool parser only
-# (tests/unit/test_harmony_grammars.py).
-THINK_TAG_PARSERS = sorted(set(REASONING_PARSERS) - {"openai_gptoss"})
+# (tests/unit/test_harmony_grammars.py), and granite's tags are sentences
+# (tests/unit/test_family_parsers.py).
+THINK_TAG_PARSERS = sorted(set(REASONING_PARSERS) - {"openai_gptoss", "granite"})
 
 ARGS = {"city": "Paris", "days": 3, "units": "celsius", "tags": ["a", "b"], "note": None}
 
