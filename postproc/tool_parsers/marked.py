@@ -6,8 +6,10 @@ closes. Subclasses say what the markers are and how a head reads (`_head`).
 
 The call's header goes out when its head is read and the arguments' `{` has arrived; the
 arguments then stream as the model writes them (`JsonValueEnd`), never a character that may
-still be the start of a marker. Arguments that do not begin with `{` are read whole at the
-call's end: a JSON object is the call, anything else is content (delimiters taken out).
+still be the start of a marker; a marker inside a JSON string is text of the arguments (a
+forced call's grammar lets strings hold the markers' text), one outside ends the call.
+Arguments that do not begin with `{` are read whole at the call's end: a JSON object is the
+call, anything else is content (delimiters taken out).
 The markers are special tokens: the request must keep special tokens in the detokenized text
 (skip_special_tokens=False). Forced calls are written in the format's own spelling, the
 markers named by token id when they are special tokens of the model (`for_vocabulary`).
@@ -186,9 +188,10 @@ class MarkedCallParser(ToolParser):
         self._mode = _WHOLE
         return True
 
-    def _limit(self, buf: str, final: bool) -> tuple[int, int, str | None]:
-        """(where decided text ends, index of the next marker or -1, that marker)."""
-        i, tag = find_first(buf, self._markers())
+    def _limit(self, buf: str, final: bool, start: int = 0) -> tuple[int, int, str | None]:
+        """(where decided text ends, index of the next marker from `start` or -1, that
+        marker)."""
+        i, tag = find_first(buf, self._markers(), start)
         if i >= 0:
             return i, i, tag
         return (len(buf) if final else len(buf) - partial_suffix_len(buf, self._markers()),
@@ -196,8 +199,13 @@ class MarkedCallParser(ToolParser):
 
     def _stream_args(self, final: bool) -> bool:
         buf = self._buf
-        limit, i, tag = self._limit(buf, final)
-        end = self._scanner.scan(buf, limit)
+        search = self._scanner.pos
+        while True:
+            limit, i, tag = self._limit(buf, final, search)
+            end = self._scanner.scan(buf, limit)
+            if end is not None or i < 0 or not self._scanner.in_string:
+                break
+            search = i + 1  # a marker inside a JSON string is text of the arguments
         upto = self._scanner.pos if end is None else end
         self._call_args(buf[self._sent:upto])
         self._sent = upto

@@ -58,6 +58,8 @@ CASES = [
      + json.dumps(NESTED, ensure_ascii=False) + DS_CE + DS_E + "\n\nDone.", "Done.",
      [("get_weather", NESTED)]),
     ("deepseek_v31", "No tools, a <｜tool bar.", "No tools, a <｜tool bar.", []),
+    ("deepseek_v31", DS_B + DS_CB + "get_weather" + DS_SEP + '{"note": "a ' + DS_CE + ' b"}'
+     + DS_CE + DS_E, None, [("get_weather", {"note": "a " + DS_CE + " b"})]),  # in a string
     # kimi_k2: the template's ids are functions.NAME:INDEX
     ("kimi_k2", "I'll look." + K_B + K_CB + "functions.get_weather:0" + K_AB
      + '{"city": "Paris", "days": 3}' + K_CE + K_CB + "functions.get_time:1" + K_AB + "{}" + K_CE
