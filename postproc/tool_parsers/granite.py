@@ -49,6 +49,7 @@ class GraniteToolParser(ToolParser):
     def _reset(self) -> None:
         self._mode = _START
         self._tag = ""
+        self._given = ""  # the array's opening, given back if no call follows
         self._scanner: JsonValueEnd | None = None
 
     def _step(self, final: bool) -> bool:
@@ -96,6 +97,8 @@ class GraniteToolParser(ToolParser):
             self._buf = (self._tag if self._tag == _TEXT_TAG else "") + self._buf
             self._mode = _CONTENT
             return True
+        given = self._buf[: len(self._buf) - len(body)]
+        self._given = (self._tag if self._tag == _TEXT_TAG else "") + given
         self._buf, self._mode = body, _ELEMENT
         return True
 
@@ -118,6 +121,8 @@ class GraniteToolParser(ToolParser):
             if final:
                 self._scanner = None
                 if not self._drop_unfinished(final):
+                    if not self._num_calls:
+                        self._buf = self._given + self._buf
                     self._mode = _CONTENT
                     return True
             return False
@@ -126,7 +131,9 @@ class GraniteToolParser(ToolParser):
             call = call_from_object(parse_json(self._buf[:end]))
         except ValueError:
             call = None
-        if call is None:
+        if call is None:  # not a call list after all: nothing of it is lost
+            if not self._num_calls:
+                self._buf = self._given + self._buf
             self._mode = _CONTENT
             return True
         self._call(*call)

@@ -84,6 +84,8 @@ CASES = [
     ("granite", ' [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]\nDone.',
      "Done.", [PARIS]),
     ("granite", "[1] is a footnote.", "[1] is a footnote.", []),
+    ("granite", ' [ {"a": 1}] is data', ' [ {"a": 1}] is data', []),
+    ("granite", '[{"name": "get_weather", "arg', '[{"name": "get_weather", "arg', []),
     ("granite", "<tool_call>not a list", "<tool_call>not a list", []),
     # llama4: pythonic in <|python_start|>, and llama3-style JSON
     ("llama4_pythonic", '<|python_start|>[get_weather(city="Paris", days=3), get_time()]'
