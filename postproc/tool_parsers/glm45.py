@@ -38,6 +38,9 @@ _TAGS = ("<tool_call>", "</tool_call>", _KEY, _KEY_END, _VALUE, _VALUE_END)
 
 class Glm45ToolParser(TaggedBlockParser):
     name = "glm45"
+    # GLM's vocabulary has the argument tags as special tokens too: as delimiters the
+    # postproc step keeps them in the text this parser reads (processor.special_ids_to_skip).
+    delimiters = _TAGS
 
     @classmethod
     def call_grammar(cls, functions: dict, *, strict: bool) -> str | None:

@@ -245,3 +245,16 @@ def test_kimi_thinking_then_a_call_reaches_the_tool_parser():
     thought, content = get_reasoning_parser("kimi_k2")(KIMI).parse(text)
     calls = get_tool_parser("kimi_k2")(TOOLS).parse(content).calls
     assert thought == "Need the weather." and [c.function.name for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if len(c[3]) == 2 and c[0] != "llama4_pythonic"],
+                         ids=lambda c: c[0])
+def test_each_call_goes_out_before_the_output_ends(case):
+    """Streamed, not one-shot at the end: each call is out once its own text is, before the
+    next one is written and before finish(). (pythonic's list is read whole.)"""
+    name, text, _, calls = case
+    parser = get_tool_parser(name)(TOOLS)
+    out_at = []
+    for i, ch in enumerate(text):
+        out_at += [i] * sum(1 for c in parser.feed(ch).calls if c.id is not None)
+    assert len(out_at) == len(calls) and out_at[0] < out_at[1] - 10, out_at
