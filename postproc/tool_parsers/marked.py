@@ -70,6 +70,16 @@ class MarkedCallParser(ToolParser):
         return type(cls.__name__, (cls,), {"__module__": cls.__module__, "marker_lark": spelled})
 
     @classmethod
+    def strict_start_lark(cls) -> str | None:
+        """With the markers as special tokens (free text cannot hold them), a section of
+        calls may close with its end marker before more text. Text markers: the generic
+        rules, where free text cannot spell the begin marker."""
+        if not cls.marker_lark:
+            return None
+        calls = f"{cls.begin_lark} call ({cls.next_call_lark} call)* {cls.end_lark}?"
+        return f"start: (TEXT {calls})* TEXT\nTEXT: /(?s:.*)/\n"
+
+    @classmethod
     def call_grammar(cls, functions: dict, *, strict: bool) -> str | None:
         rules = []
         for i, (name, schema) in enumerate(functions.items()):

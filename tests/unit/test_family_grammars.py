@@ -190,6 +190,16 @@ def test_special_token_markers_are_named_by_id(parser, special_vocab):
     assert ids[0] == hf.convert_tokens_to_ids(tokens[0])
     matcher = LLMatcher(vocab, c.grammar, log_level=0)
     assert matcher.consume_tokens(ids) and matcher.is_accepting()
+    # Strict tools: text, then calls opened by the special token, then text again (granite's
+    # calls open the output or not at all).
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    c = constraint(chat(tools=[strict]), settings(vocab, parser))
+    matcher = LLMatcher(vocab, c.grammar, log_level=0)
+    before = "" if parser == "granite" else "Checking. "
+    assert matcher.consume_tokens(vocab.tokenize_str(before) + ids
+                                  + vocab.tokenize_str(" Done."))
+    wrong = vocab.tokenize_str(family_calls(parser, [("get_weather", {"city": 3})]))
+    assert not LLMatcher(vocab, c.grammar, log_level=0).consume_tokens(wrong)
 
 
 def test_granite_thinking_before_a_forced_call(llt):  # noqa: F811
