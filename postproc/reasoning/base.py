@@ -83,7 +83,15 @@ class ReasoningParser:
         opened it) it starts with the output, else with `start_tag`. The parser reads the
         same text as reasoning and what follows as content, so the call after it is a call."""
         opening = "" if inside else regex_literal(cls.start_tag)
-        return f"think[lazy]: /{opening}(?s:.*){regex_literal(cls.end_tag)}/\n"
+        end = regex_literal(cls.end_tag)
+        stops = (*cls.end_alternatives, *cls.content_starts)
+        if not stops:
+            return f"think[lazy]: /{opening}(?s:.*){end}/\n"
+        # The parser also ends the section at these, so its text cannot hold them: a
+        # terminal (lazy is for rules only) that ends at the first end tag.
+        others = "|".join(regex_literal(s) for s in stops)
+        return (f"think: THINK_SECTION\nTHINK_SECTION: /{opening}(?s:.*){end}/"
+                f" & ~/(?s:.*){end}(?s:.+)/ & ~/(?s:.*)({others})(?s:.*)/\n")
 
     @classmethod
     def starting(cls, thinking: bool) -> ReasoningParser:

@@ -221,6 +221,36 @@ def test_granite_thinking_before_a_forced_call(llt):  # noqa: F811
     assert not accepts(llt, grammar, "Here is my response:\n" + call)
 
 
+@pytest.mark.parametrize("reasoning, tools, thought, stop", [
+    ("kimi_k2", "kimi_k2", "<think>Rain?</think>", K_B),
+    ("granite", "granite", "Here is my thought process:\nRain?\nHere is my response:\n",
+     "Here's my response:"),
+])
+def test_thinking_cannot_hold_what_ends_it_for_the_parser(llt, reasoning, tools, thought,  # noqa: F811
+                                                          stop):
+    """Kimi's thinking also ends at a tool-call section, Granite's at "Here's my response:":
+    the grammar's thinking holds neither, so what it allows reads back as thinking, then a
+    call."""
+    from frontend.input.structured import StructuredSettings, build_constraint
+    from frontend.pipeline.sampling import check_request
+    structured = StructuredSettings(tool_call_parser=tools, reasoning_parser=reasoning,
+                                    tokenizer=llt)
+    request = chat(tools=[WEATHER], tool_choice="required")
+    check_request(request, structured)
+    call = family_calls(tools, [("get_weather", {"city": "Oslo"})])
+    for inside in (False, True):
+        grammar = build_constraint(request, structured, in_reasoning=inside).grammar
+        opened = thought if not inside else thought.split("Rain?")[1]
+        body = "Rain?" + opened if inside else thought
+        assert accepts(llt, grammar, body + call), body
+        spoiled = body.replace("Rain?", "Rain? " + stop + " no")
+        assert not accepts(llt, grammar, spoiled + call), spoiled
+        text = body + call
+        got, content = get_reasoning_parser(reasoning).starting(inside).parse(text)
+        assert got == "Rain?" and parsed(tools, content)[1] == [("get_weather",
+                                                                   {"city": "Oslo"})]
+
+
 def _serve_options(argv: list[str]):
     return cli.parse_args(["serve", "some/model", *argv])
 
