@@ -202,6 +202,17 @@ def test_special_token_markers_are_named_by_id(parser, special_vocab):
     assert not LLMatcher(vocab, c.grammar, log_level=0).consume_tokens(wrong)
 
 
+@pytest.mark.parametrize("parser", sorted(SPECIAL))
+def test_the_postproc_step_keeps_the_markers_for_the_parser(parser, special_vocab):
+    """A request that skips special tokens still gives the parser its markers: they are
+    its delimiters (postproc.processor.special_ids_to_skip)."""
+    from postproc.processor import special_ids_to_skip
+    hf, _ = special_vocab
+    skipped = special_ids_to_skip(hf, None, parser)
+    assert not skipped & set(hf.convert_tokens_to_ids(SPECIAL[parser]))
+    assert hf.convert_tokens_to_ids("<|im_end|>") in skipped
+
+
 def test_granite_thinking_before_a_forced_call(llt):  # noqa: F811
     """Granite's thinking opens with a sentence, not a tag: the grammar's section is the one
     the parser reads, and a call follows it."""
