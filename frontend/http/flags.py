@@ -170,7 +170,8 @@ def _add_chat_input_arguments(g) -> None:
 def _add_parser_arguments(g) -> None:
     """The output parsers (postproc): thinking and tool calls."""
     g.add_argument("--reasoning-parser", default=None,
-                   choices=["deepseek_r1", "openai_gptoss", "qwen3"],
+                   choices=["deepseek_r1", "openai_gptoss", "qwen3",
+                            "deepseek_v3", "glm45", "granite", "kimi_k2"],
                    help="split the model's thinking from its answer (default: off; "
                         "openai_gptoss for a gpt-oss model)")
     g.add_argument("--reasoning-field", default="reasoning_content",
@@ -179,7 +180,8 @@ def _add_parser_arguments(g) -> None:
                         "as DeepSeek, SGLang and llama.cpp; vLLM now says reasoning)")
     g.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "mistral", "openai", "pythonic",
-                            "qwen3_coder"],
+                            "qwen3_coder", "deepseek_v3", "deepseek_v31", "glm45", "granite",
+                            "kimi_k2", "llama4_json", "llama4_pythonic"],
                    help="turn the model's tool-call syntax into tool_calls (default: off, "
                         "openai for a gpt-oss model; without one, tools are only accepted "
                         "with tool_choice none)")

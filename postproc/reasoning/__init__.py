@@ -13,11 +13,19 @@ from __future__ import annotations
 from postproc.parser_registry import lookup, registry
 from postproc.reasoning.base import ReasoningDelta, ReasoningParser, prompt_think_state
 from postproc.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from postproc.reasoning.families import (
+    DeepSeekV3ReasoningParser,
+    Glm45ReasoningParser,
+    GraniteReasoningParser,
+    KimiK2ReasoningParser,
+)
 from postproc.reasoning.gpt_oss import GptOssReasoningParser
 from postproc.reasoning.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = registry(
-    DeepSeekR1ReasoningParser, GptOssReasoningParser, Qwen3ReasoningParser)
+    DeepSeekR1ReasoningParser, GptOssReasoningParser, Qwen3ReasoningParser,
+    DeepSeekV3ReasoningParser, Glm45ReasoningParser, GraniteReasoningParser,
+    KimiK2ReasoningParser)
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:

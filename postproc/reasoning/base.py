@@ -56,6 +56,11 @@ class ReasoningParser:
     delimiters: ClassVar[tuple[str, ...]] = ()
     # Whether the output starts inside the thinking block when the prompt does not say.
     thinks_by_default: ClassVar[bool] = False
+    # Other spellings of the tags the model may write (Granite's "Here's ..."), and markers
+    # that end thinking without a tag and stay in the content (Kimi K2's tool-call section).
+    start_alternatives: ClassVar[tuple[str, ...]] = ()
+    end_alternatives: ClassVar[tuple[str, ...]] = ()
+    content_starts: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, prompt_text: str = "") -> None:
         self._start(self.initial_thinking(prompt_text))
@@ -78,7 +83,15 @@ class ReasoningParser:
         opened it) it starts with the output, else with `start_tag`. The parser reads the
         same text as reasoning and what follows as content, so the call after it is a call."""
         opening = "" if inside else regex_literal(cls.start_tag)
-        return f"think[lazy]: /{opening}(?s:.*){regex_literal(cls.end_tag)}/\n"
+        end = regex_literal(cls.end_tag)
+        stops = (*cls.end_alternatives, *cls.content_starts)
+        if not stops:
+            return f"think[lazy]: /{opening}(?s:.*){end}/\n"
+        # The parser also ends the section at these, so its text cannot hold them: a
+        # terminal (lazy is for rules only) that ends at the first end tag.
+        others = "|".join(regex_literal(s) for s in stops)
+        return (f"think: THINK_SECTION\nTHINK_SECTION: /{opening}(?s:.*){end}/"
+                f" & ~/(?s:.*){end}(?s:.+)/ & ~/(?s:.*)({others})(?s:.*)/\n")
 
     @classmethod
     def starting(cls, thinking: bool) -> ReasoningParser:
@@ -126,7 +139,9 @@ class ReasoningParser:
         return (first.reasoning + last.reasoning) or None, (first.content + last.content) or None
 
     def _run(self, final: bool) -> None:
-        tags = (self.start_tag, self.end_tag)
+        starts = (self.start_tag, *self.start_alternatives)
+        ends = (self.end_tag, *self.end_alternatives)
+        tags = (*starts, *ends, *self.content_starts)
         buf = self._buf
         while True:
             i, tag = find_first(buf, tags)
@@ -134,11 +149,15 @@ class ReasoningParser:
                 break
             self._emit(buf[:i])
             buf = buf[i + len(tag):]
-            if tag == self.end_tag and self._thinking:
+            if tag in self.content_starts:
+                if self._thinking:
+                    self._thinking, self._held_ws, self._section_start = False, "", True
+                self._emit(tag)
+            elif tag in ends and self._thinking:
                 self._thinking = False
                 self._held_ws = ""
                 self._section_start = True
-            elif tag == self.start_tag and not self._thinking:
+            elif tag in starts and not self._thinking:
                 self._thinking = True
                 self._section_start = True
         keep = 0 if final else partial_suffix_len(buf, tags)

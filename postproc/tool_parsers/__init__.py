@@ -21,9 +21,14 @@ from postproc.tool_parsers.base import (
     ToolParser,
     collect,
 )
+from postproc.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from postproc.tool_parsers.glm45 import Glm45ToolParser
 from postproc.tool_parsers.gpt_oss import OpenAIToolParser
+from postproc.tool_parsers.granite import GraniteToolParser
 from postproc.tool_parsers.hermes import HermesToolParser
+from postproc.tool_parsers.kimi_k2 import KimiK2ToolParser
 from postproc.tool_parsers.llama3_json import Llama3JsonToolParser
+from postproc.tool_parsers.llama4 import Llama4JsonToolParser, Llama4PythonicToolParser
 from postproc.tool_parsers.mistral import MistralToolParser
 from postproc.tool_parsers.pythonic import PythonicToolParser
 from postproc.tool_parsers.qwen3_coder import Qwen3CoderToolParser
@@ -31,6 +36,14 @@ from postproc.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 TOOL_PARSERS: dict[str, type[ToolParser]] = registry(
     HermesToolParser,
     Llama3JsonToolParser,
+    # issue 52's families
+    DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser,
+    Glm45ToolParser,
+    GraniteToolParser,
+    KimiK2ToolParser,
+    Llama4JsonToolParser,
+    Llama4PythonicToolParser,
     MistralToolParser,
     OpenAIToolParser,
     PythonicToolParser,

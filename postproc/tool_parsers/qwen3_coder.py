@@ -223,6 +223,11 @@ def _lark_text(text: str) -> str:
 
 
 class _CoderGrammar:
+    # What ends a value and the tags a raw value cannot hold (glm45 reuses the typing).
+    close = "\n" + _PARAMETER_END
+    tags = _TAGS
+    fmt = "qwen3_coder"
+
     def __init__(self, root: dict, *, strict: bool):
         self.strict = strict
         self.defs = {k: root[k] for k in ("$defs", "definitions") if k in root}
@@ -230,13 +235,13 @@ class _CoderGrammar:
 
     def unsupported(self, what: str) -> None:
         if self.strict:
-            raise ValueError(f"the qwen3_coder format cannot enforce {what}")
+            raise ValueError(f"the {self.fmt} format cannot enforce {what}")
 
     def raw(self, exclude: tuple[str, ...] = (), scalars: tuple[str, ...] = ()) -> str:
         """A terminal: raw text that holds no tag, then `\\n</parameter>`; not one of the
         `exclude`d shapes (after stripping); or one of the `scalars` regexes."""
-        close = _regex_text("\n" + _PARAMETER_END)
-        tags = "|".join(_regex_text(t) for t in _TAGS)
+        close = _regex_text(self.close)
+        tags = "|".join(_regex_text(t) for t in self.tags)
         body = f"/(?s:.*){close}/ & ~/(?s:.*)({tags})(?s:.*){close}/"
         if exclude:
             body += f" & ~/{_WS}({'|'.join(exclude)}){_WS}{close}/"
@@ -256,16 +261,16 @@ class _CoderGrammar:
         out = []
         for value in values:
             text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-            if any(t in text for t in _TAGS):
+            if any(t in text for t in self.tags):
                 continue
             decoded = convert_value(text, schema)
             if decoded == value and type(decoded) is type(value):
-                out.append(_lark_text(text + "\n" + _PARAMETER_END))
+                out.append(_lark_text(text + self.close))
         return out
 
     def value(self, schema: Any) -> str:
         """A Lark expression: one parameter's value, then `\\n</parameter>`."""
-        close = _lark_text("\n" + _PARAMETER_END)
+        close = _lark_text(self.close)
         types = schema_types(schema)
         if not isinstance(schema, dict) or not types:
             if isinstance(schema, dict):

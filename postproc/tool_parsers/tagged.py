@@ -32,7 +32,7 @@ class TaggedBlockParser(ToolParser):
         tags = (self.open_tag, self.close_tag)
         buf = self._buf
         if not self._in_block:
-            tag = self._content_until(tags, final)
+            tag = self._content_until(tags, final, hold=self.delimiters)
             if tag is None:
                 return False
             if tag == self.open_tag:

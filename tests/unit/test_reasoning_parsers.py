@@ -172,8 +172,10 @@ def test_prompt_think_state(prompt, state):
 
 
 def test_registry():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "openai_gptoss", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "openai_gptoss", "qwen3", "deepseek_v3",
+                                      "glm45", "granite", "kimi_k2"}
     with pytest.raises(ValueError, match="^unknown reasoning parser 'nope'; known: deepseek_r1, "
+                                         "deepseek_v3, glm45, granite, kimi_k2, "
                                          "openai_gptoss, qwen3$"):
         get_reasoning_parser("nope")
 

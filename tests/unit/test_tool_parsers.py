@@ -426,9 +426,12 @@ def test_collect_matches_one_shot():
 
 def test_registry():
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "openai", "pythonic",
-                                 "qwen3_coder"}
-    with pytest.raises(ValueError, match="^unknown tool-call parser 'nope'; known: hermes, "
-                                         "llama3_json, mistral, openai, pythonic, qwen3_coder$"):
+                                 "qwen3_coder", "deepseek_v3", "deepseek_v31", "glm45",
+                                 "granite", "kimi_k2", "llama4_json", "llama4_pythonic"}
+    with pytest.raises(ValueError, match="^unknown tool-call parser 'nope'; known: deepseek_v3, "
+                                         "deepseek_v31, glm45, granite, hermes, kimi_k2, "
+                                         "llama3_json, llama4_json, llama4_pythonic, mistral, "
+                                         "openai, pythonic, qwen3_coder$"):
         get_tool_parser("nope")
 
 
