@@ -8,6 +8,7 @@ The flags and routes the docs name are checked in tests/unit/test_docs_honest.py
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -171,25 +172,36 @@ def test_ctrl_c_drains_names_sigint_and_leaves_no_socket_files(first_hour):
     sockets = set(re.findall(r"ipc://(/\S+?\.sock)", proc.log()))
     assert sockets and all(os.path.exists(s) for s in sockets)
     answer: dict = {}
+    first_token = threading.Event()
 
     def long_request() -> None:
-        # 64 tokens outlast the signal's way to the frontend (milliseconds) on any machine,
-        # and finish inside the drain window on a loaded one.
-        answer["response"] = httpx.post(f"{url}/v1/completions", timeout=ANSWER_WAIT_S, json={
-            "prompt": "Count:", "max_tokens": 64, "ignore_eos": True})
+        # Streamed, so the signal goes once the request is surely running (a poll of /load
+        # came back after a fast machine had finished the whole of it); 128 tokens outlast the
+        # signal's way to the frontend (milliseconds) on any machine, and finish inside the
+        # drain window on a loaded one.
+        body = {"prompt": "Count:", "max_tokens": 128, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body,
+                          timeout=ANSWER_WAIT_S) as response:
+            events = []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    first_token.set()
+            answer["status"], answer["events"] = response.status_code, events
 
     running = threading.Thread(target=long_request)
     running.start()
-    wait_until(lambda: _in_flight(url) == 1, 30, "the request in flight")
+    assert first_token.wait(60), "the request's first token"
     os.killpg(proc.popen.pid, signal.SIGINT)
     wait_until(lambda: _health(url).status_code == 503, 30, "/health to say 503")
     health = _health(url)
     assert health.headers["retry-after"] == "1" and health.headers["connection"] == "close"
     running.join(ANSWER_WAIT_S)
-    response = answer.get("response")  # none: the wait ran out
-    assert response is not None and response.status_code == 200, (  # in flight: it finished
-        response and response.text, proc.log()[-4000:])
-    assert response.json()["usage"]["completion_tokens"] == 64
+    events = answer.get("events")  # none: the wait ran out
+    assert answer.get("status") == 200 and events and events[-1] == "[DONE]", (  # it finished
+        events and events[-3:], proc.log()[-4000:])
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 128
     assert proc.popen.wait(60) == 0
     log = proc.log()
     assert "sluice: SIGINT: stopping" in log and "sluice.frontend: SIGINT: draining" in log
@@ -202,10 +214,6 @@ def test_ctrl_c_drains_names_sigint_and_leaves_no_socket_files(first_hour):
     assert not [line for line in frontend_lines if "SIGTERM" in line], log
     assert "Traceback" not in log and "leaked" not in log, log
     assert not [s for s in sockets if os.path.exists(s)]
-
-
-def _in_flight(url: str) -> int:
-    return httpx.get(f"{url}/load", timeout=5).json()["server_load"]
 
 
 def _health(url: str) -> httpx.Response:
