@@ -99,7 +99,16 @@ def create_attention_backend(
     dtype: torch.dtype,
     device: torch.device,
     batch_invariant: bool = False,
+    kv=None,
 ):
+    """kv: a KV cache narrower than dtype (engine.attention.kv_dtype), None: in dtype; only
+    the torch backend stores one."""
+    if kv is not None and (model.mla is not None or name == "flashinfer"):
+        what = "multi-head latent attention" if model.mla is not None else "the flashinfer backend"
+        raise ValueError(f"--kv-cache-dtype: {what} keeps its KV cache in --dtype only "
+                         "(narrow caches are wired on the torch backend); use "
+                         "--kv-cache-dtype auto" + ("" if model.mla is not None
+                                                    else " or --attention-backend torch"))
     if model.mla is not None:
         return _mla_backend(name, model, num_pages, page_size, dtype, device, batch_invariant)
     if name == "flashinfer":
@@ -125,5 +134,5 @@ def create_attention_backend(
     return TorchAttentionBackend(
         model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim, dtype, device,
         kernels=kernels() if device.type == "cpu" else None, batch_invariant=batch_invariant,
-        layers=model.layer_attention,
+        layers=model.layer_attention, kv=kv,
     )

@@ -13,6 +13,7 @@ import time
 import msgspec
 import torch
 
+from engine.attention.kv_dtype import kv_cache_dtype, stored_dtype
 from engine.attention.selector import (
     BackendUnavailable,
     create_attention_backend,
@@ -45,8 +46,8 @@ log = logging.getLogger("sluice.engine")
 
 def _page_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes one KV page takes: K and V (MLA: the latent) of `page_size` tokens in every
-    layer."""
-    element = torch.empty((), dtype=dtype).element_size()
+    layer, stored as --kv-cache-dtype says (fp8 / int8: one byte an element)."""
+    element = stored_dtype(config.kv_cache_dtype, dtype).itemsize
     return config.page_size * model.kv_elements_per_token() * element
 
 
@@ -54,6 +55,27 @@ def kv_pages_for(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -
     if config.num_pages is not None:
         return config.num_pages
     return max(1, int(config.kv_cache_memory_gb * 2**30) // _page_bytes(config, model, dtype))
+
+
+def _kv_cache_dtype(config: EngineConfig, model: ModelConfig, dtype: torch.dtype):
+    """--kv-cache-dtype's narrow cache (engine.attention.kv_dtype), None: in dtype."""
+    try:
+        kv = kv_cache_dtype(config.kv_cache_dtype, dtype, model.num_layers, config.model)
+    except ValueError as exc:
+        raise StartupError(f"cannot serve {config.model}: {exc}") from None
+    if kv is not None:
+        log.info("KV cache stored as %s (scales: %s)", str(kv.dtype).removeprefix("torch."),
+                 kv.source)
+    return kv
+
+
+def _narrow_cache_choice(choice, kv):
+    """auto's FlashInfer choice revised for a narrow KV cache, which the torch backend
+    stores; an explicit --attention-backend flashinfer is refused at its creation."""
+    if kv is not None and choice.name == "flashinfer" and choice.reason.startswith("auto"):
+        return type(choice)("torch", "auto: --kv-cache-dtype's narrow cache is stored on the "
+                            "torch backend")
+    return choice
 
 
 # Besides weights, KV cache and activations a GPU engine holds FlashInfer's workspaces
@@ -158,7 +180,8 @@ def load_rank_model(config: EngineConfig, rdv: Rendezvous | None,
         model_config = load_model_config(config.model)
     except ValueError as exc:
         raise SystemExit(f"cannot serve {config.model}: {exc}") from None
-    revised = for_model(choice, model_config)
+    kv = _kv_cache_dtype(config, model_config, dtype)
+    revised = _narrow_cache_choice(for_model(choice, model_config), kv)
     if revised is not choice and (rdv is None or rdv.rank == 0):
         log.info("attention backend: %s (%s)", revised.name, revised.reason)
     choice = revised
@@ -197,7 +220,7 @@ def load_rank_model(config: EngineConfig, rdv: Rendezvous | None,
     try:
         backend = create_attention_backend(choice.name, local, num_pages,
                                            config.page_size, dtype, device,
-                                           config.batch_invariant)
+                                           config.batch_invariant, kv)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     return RankModel(model, backend, model_config, max_model_len, num_pages, has_blocks,
