@@ -11,7 +11,8 @@ The step's metadata is built with numpy over the batch, once per step, since it 
 work every layer waits for.
 
 Given the engine's compiled CPU kernels (`engine.kernels.cpu_kernels`), the decode batch skips the
-gather altogether: `decode_attention` reads each sequence's pages where they lie.
+gather altogether: `decode_attention` reads each sequence's pages where they lie, a narrow
+cache's too (--kv-cache-dtype, engine.attention.kv_dtype: widened in registers as read).
 
 Layers that attend other than plainly (engine.layers.config.LayerAttention: a sliding
 window, a local chunk, a score scale, soft-capping, attention sinks) take `_attend_special`:
@@ -59,9 +60,9 @@ def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def narrow_kernels_take(kernels, kv: KvCacheDtype | None) -> bool:
-    """Whether the compiled decode kernel reads this cache: the engine's own dtype always;
-    a narrow one not yet (it is attended on the torch path, its pages widened as gathered)."""
-    return kv is None
+    """Whether the compiled decode kernel reads this cache: the engine's own dtype always,
+    a narrow one where the build widens it as read (`narrow_kv`; else the torch path)."""
+    return kv is None or bool(getattr(kernels, "narrow_kv", False))
 
 
 class PrefillSlice(msgspec.Struct):
@@ -105,7 +106,8 @@ class TorchAttentionBackend:
         kv: KvCacheDtype | None = None,
     ) -> None:
         """kernels: the compiled CPU kernels module, or None for plain torch. They take
-        float32 and bfloat16 caches; float16 stays on the torch path. batch_invariant needs
+        float32 and bfloat16 engines (float16 stays on the torch path), and their caches
+        in the engine's dtype or narrow (kv). batch_invariant needs
         them (ValueError). layers: how each layer attends, where any differs from plain
         causal attention (empty: none does). kv: a cache stored narrower than dtype
         (engine.attention.kv_dtype; --kv-cache-dtype), None: in dtype."""
@@ -299,9 +301,15 @@ class TorchAttentionBackend:
         if self.kernels is not None:
             k_cache = k_pages[0].view(-1, *head_shape)
             v_cache = v_pages[0].view(-1, *head_shape)
+            if self.kv is None:
+                return self.kernels.decode_attention(
+                    q, k_cache, v_cache, meta.decode_pages, meta.decode_lens, self.page_size,
+                    q.shape[-1] ** -0.5,
+                )
+            # A narrow cache, widened in the kernel: K's scale goes into the query's.
             return self.kernels.decode_attention(
                 q, k_cache, v_cache, meta.decode_pages, meta.decode_lens, self.page_size,
-                q.shape[-1] ** -0.5,
+                q.shape[-1] ** -0.5 * k_pages[1], v_pages[1],
             )
         batch = q.shape[0]
         kd = self._gather(k_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)

@@ -63,10 +63,15 @@ def _kv_cache_dtype(config: EngineConfig, model: ModelConfig, dtype: torch.dtype
         kv = kv_cache_dtype(config.kv_cache_dtype, dtype, model.num_layers, config.model)
     except ValueError as exc:
         raise StartupError(f"cannot serve {config.model}: {exc}") from None
-    if kv is not None:
-        log.info("KV cache stored as %s (scales: %s)", str(kv.dtype).removeprefix("torch."),
-                 kv.source)
     return kv
+
+
+def _log_kv_cache_dtype(kv, backend) -> None:
+    if kv is not None:
+        where = ("the compiled kernel" if getattr(backend, "kernels", None) is not None
+                 else "torch")
+        log.info("KV cache stored as %s (scales: %s; decode attention: %s)",
+                 str(kv.dtype).removeprefix("torch."), kv.source, where)
 
 
 def _narrow_cache_choice(choice, kv):
@@ -223,6 +228,8 @@ def load_rank_model(config: EngineConfig, rdv: Rendezvous | None,
                                            config.batch_invariant, kv)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+    if rdv is None or rdv.rank == 0:
+        _log_kv_cache_dtype(kv, backend)
     return RankModel(model, backend, model_config, max_model_len, num_pages, has_blocks,
                      device, dtype, choice, cmd_group, procs, score_head)
 

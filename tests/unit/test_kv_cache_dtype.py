@@ -183,3 +183,80 @@ def test_the_engines_own_dtype_named_passes_the_checks():
     cli.check_startup(cli.parse_args(["serve", "--device", "cpu", "--port", "0", "--dtype",
                                       "bfloat16", "--kv-cache-dtype", "bfloat16",
                                       "--batch-invariant"]))
+
+
+# ------------------------------------------------------------- the compiled decode kernel
+
+NARROW = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.float16, torch.bfloat16]
+
+
+def _narrow_case(stored, heads, kv_heads, dim, lengths, page_size=16):
+    """A random paged case whose caches hold every value of the narrow type (fp8: all 256
+    bytes but NaN; int8: -127..127), and the same caches widened for the reference."""
+    gen = torch.Generator().manual_seed(dim + heads)
+    num_pages = sum(-(-n // page_size) for n in lengths) + 3
+    shape = (num_pages * page_size, kv_heads, dim)
+    if stored in (torch.float8_e4m3fn, torch.float8_e5m2):
+        caches = []
+        for _ in range(2):
+            bits = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+            bits[~bits.view(stored).float().isfinite()] = 0  # the cache never holds NaN
+            caches.append(bits.view(stored))
+    elif stored == torch.int8:
+        caches = [torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+                  for _ in range(2)]
+    else:
+        caches = [torch.randn(shape, generator=gen).to(stored) for _ in range(2)]
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    table = torch.zeros(len(lengths), max(-(-n // page_size) for n in lengths), dtype=torch.long)
+    for b, n in enumerate(lengths):
+        table[b, : -(-n // page_size)] = torch.tensor([order.pop() for _ in range(-(-n // 16))])
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    return q, caches, table
+
+
+@pytest.mark.parametrize("stored", NARROW)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (10, 2, 64), (4, 4, 128),
+                                                  (8, 2, 24)])
+def test_the_kernel_reads_a_narrow_cache_as_widened(compiled, stored, heads, kv_heads, dim):
+    """Every fp8 byte pattern (incl. subnormals) widened in registers (AVX-512, AVX2) or
+    scalar (dim 24) gives the float64 attention over the torch-widened cache, scales and
+    all: the kernel's K scale folded into the query's, its V scale into the output."""
+    lengths = [1, 17, 100, 250]
+    q, (k8, v8), table = _narrow_case(stored, heads, kv_heads, dim, lengths)
+    # Scales that bring the largest stored value to about 6-9, as a real cache's.
+    ks = vs = {torch.float8_e4m3fn: 0.02, torch.float8_e5m2: 1e-4, torch.int8: 0.05}.get(
+        stored, 1.0)
+    got = compiled.decode_attention(q, k8, v8, table, torch.tensor(lengths), 16,
+                                    dim**-0.5 * ks, vs)
+    k, v = k8.double() * ks, v8.double() * vs
+    out = []
+    for b, n in enumerate(lengths):
+        slots = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in table[b].tolist()])[:n]
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q[b].double().unsqueeze(1), k[slots].transpose(0, 1), v[slots].transpose(0, 1),
+            enable_gqa=True).squeeze(1))
+    torch.testing.assert_close(got.double(), torch.stack(out), atol=2e-5, rtol=1e-5)
+
+
+def test_the_backend_decodes_a_narrow_cache_through_the_kernel(compiled):
+    """The backend's fp8 decode step through the kernel equals its torch path (gather and
+    widen), and the kernel is the one taken."""
+    from types import SimpleNamespace
+
+    from engine.request.batch import ScheduledChunk
+
+    kv = kv_cache_dtype("int8", torch.float32, 1)
+    made = [TorchAttentionBackend(1, 32, 4, 2, 64, torch.float32, CPU, kernels=kernels, kv=kv)
+            for kernels in (None, compiled)]
+    assert made[1].kernels is compiled
+    chunks = [ScheduledChunk(SimpleNamespace(pages=[9, 3, 7, 1]), start=s, num_tokens=1)
+              for s in (2, 9, 14)]
+    gen = torch.Generator().manual_seed(3)
+    filled = torch.randint(-127, 128, made[0].k_cache[0].shape, generator=gen, dtype=torch.int8)
+    for backend in made:
+        backend.k_cache[0].copy_(filled)
+        backend.v_cache[0].copy_(filled.flip(0))
+    q, k, v = (torch.randn(3, n, 64, generator=gen) for n in (4, 2, 2))
+    plain, fast = (b.attend(0, q, k, v, b.prepare(chunks)) for b in made)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
