@@ -9,12 +9,11 @@ read back as stored * scale in the engine's dtype.
 The scales are the checkpoint's where it has them (vLLM's names: `...self_attn.k_scale` and
 `...self_attn.v_scale`, or one `...self_attn.kv_scale` for both). Else fixed ones: 1.0 for
 fp8, as vLLM (e4m3 rounds to within 2^-4 relative anywhere in [2^-6, 448], e5m2 to 2^-3
-from 2^-14 to 57344, and the keys and values of the models served here stay far inside both), and
-INT8_SCALES for int8, whose step is one fixed size: keys 0.25 (+-31.75), values 0.1 (+-12.7),
-measured on SmolLM2-135M (largest key ~21 and value ~11 before RoPE over chat, code and
-prose prompts). int8 is the coarser of the two one-byte types for small values (a layer
-whose values are ~0.05 keeps them to within 0.05); a model with larger ones clips them, and
-its checkpoint should then carry scales. fp8 is the one to pick without scales.
+from 2^-14 to 57344, and the keys and values of the models served here stay far inside both). int8's
+step is one fixed size a layer, so the engine computes its scales at start from one prefill
+of a fixed text (engine.attention.kv_calibration); INT8_SCALES (keys 0.25: +-31.75, values
+0.1: +-12.7, from SmolLM2-135M's largest key ~21 and value ~11) are the fallback where that
+cannot run, and what a backend built without the engine gets.
 """
 
 from __future__ import annotations

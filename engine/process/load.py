@@ -74,6 +74,24 @@ def _log_kv_cache_dtype(kv, backend) -> None:
                  str(kv.dtype).removeprefix("torch."), kv.source, where)
 
 
+def _calibrated_int8(config: EngineConfig, kv, model, local: ModelConfig, dtype, device,
+                     max_model_len: int):
+    """int8 scales computed from one prefill of a fixed text (engine.attention.kv_calibration),
+    where the checkpoint has none; the fixed ones where that cannot run (no tokenizer)."""
+    from engine.attention.kv_calibration import CALIBRATION_TEXT, int8_scales
+
+    try:
+        tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
+                                   model=config.model)
+        ids = tokenizer.encode(CALIBRATION_TEXT)
+    except Exception as exc:  # noqa: BLE001 - any tokenizer failure: the fixed scales serve
+        log.warning("int8 KV scales: no tokenizer to calibrate with (%s); fixed ones", exc)
+        return kv
+    k, v = int8_scales(model, local, ids, dtype, device, max_model_len)
+    return msgspec.structs.replace(kv, k_scales=k, v_scales=v,
+                                   source="computed at start from a fixed text")
+
+
 def _narrow_cache_choice(choice, kv):
     """auto's FlashInfer choice revised for a narrow KV cache, which the torch backend
     stores; an explicit --attention-backend flashinfer is refused at its creation."""
@@ -222,6 +240,8 @@ def load_rank_model(config: EngineConfig, rdv: Rendezvous | None,
     if on_gpu:
         _check_cache_holds(num_pages, config, max_model_len, model_config.kv_window)
         log.info("KV cache: %d pages of %d tokens", num_pages, config.page_size)
+    if kv is not None and kv.dtype == torch.int8 and kv.source.startswith("fixed"):
+        kv = _calibrated_int8(config, kv, model, local, dtype, device, max_model_len)
     try:
         backend = create_attention_backend(choice.name, local, num_pages,
                                            config.page_size, dtype, device,

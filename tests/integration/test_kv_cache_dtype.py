@@ -1,4 +1,4 @@
-"""--kv-cache-dtype fp8 on the default model (float32 engines, real processes): 4x
+"""--kv-cache-dtype fp8 and int8 on the default model (float32 engines, real processes): 4x
 the pages of the same --kv-cache-memory-gb, greedy tokens close to the float32 cache's."""
 
 import time
@@ -18,7 +18,7 @@ from tests.conftest import SHARED_ENGINE_ARGS
 from tests.engine_client import engine_stats
 from tests.servers import Engine
 
-pytestmark = pytest.mark.slow  # an engine start: ~10-15 s
+pytestmark = pytest.mark.slow  # two engine starts: ~15-25 s
 
 TEXTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -27,15 +27,19 @@ TEXTS = [
     "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
 ]
 TOKENS = 24
+SAYS = {"fp8": "KV cache stored as float8_e4m3fn (scales: fixed: K 1.0, V 1.0 ",
+        "int8": "KV cache stored as int8 (scales: computed at start from a fixed text"}
 
 
 @pytest.fixture(scope="module")
 def narrow_engines(tmp_path_factory):
     engines = {}
     try:
-        for name in ("fp8",):
+        for name in ("fp8", "int8"):  # loading side by side
             engines[name] = Engine(str(tmp_path_factory.mktemp(name)), *SHARED_ENGINE_ARGS,
-                                   "--kv-cache-dtype", name)
+                                   "--kv-cache-dtype", name, wait=False)
+        for engine in engines.values():
+            engine.wait_ready()
         yield engines
     finally:
         for engine in engines.values():
@@ -84,16 +88,17 @@ def test_one_byte_cache_holds_four_times_the_pages(shared_engine, narrow_engines
         assert 4 * auto <= engine_stats(engine.address).num_total_pages < 4 * auto + 4, name
         # Decodes read it in place: the compiled kernel widens it (where it builds).
         said = "decode attention: the compiled kernel" if kernels() else "decode attention: torch"
-        assert "KV cache stored as float8_e4m3fn (scales: fixed: K 1.0, V 1.0 " in (
-            engine.proc.log()) and said in engine.proc.log()
+        assert SAYS[name] in engine.proc.log() and said in engine.proc.log()
 
 
-@pytest.mark.parametrize("name, bound", [("fp8", 0.25)])
+@pytest.mark.parametrize("name, bound, share", [("fp8", 0.25, 0.9), ("int8", 0.4, 0.5)])
 def test_greedy_tokens_stay_close_to_the_float32_caches(shared_engine, narrow_engines, name,
-                                                        bound):
-    """Most greedy tokens equal the float32 cache's (each prompt's tokens up to its first
-    difference: at least 3/4 of all), and each of those tokens' logprob within `bound` (in
-    nats) of the float32 engine's. Not equality: the cache rounds every key and value."""
+                                                        bound, share):
+    """Greedy tokens equal the float32 cache's up to each prompt's first difference for at
+    least `share` of all, and each of those tokens' logprob within `bound` (nats) of the
+    float32 engine's. Not equality: the cache rounds every key and value. Measured (4 x 24
+    tokens): fp8 all 96 equal, logprobs within 0.16; int8 (scales computed at start) 58,
+    within 0.23 (two prompts part at their tokens 2 and 8)."""
     tokenizer = load_tokenizer(default_model_path())
     prompts = [tokenizer.encode(text) for text in TEXTS]
     want = _greedy(shared_engine.address, prompts)
@@ -104,4 +109,4 @@ def test_greedy_tokens_stay_close_to_the_float32_caches(shared_engine, narrow_en
                     TOKENS)
         agreed += same
         assert np.abs(logprobs[:same] - base_logprobs[:same]).max(initial=0.0) < bound
-    assert agreed >= 0.75 * TOKENS * len(TEXTS), agreed
+    assert agreed >= share * TOKENS * len(TEXTS), agreed
