@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 from engine.attention.kv_calibration import MARGIN, int8_scales
@@ -21,12 +22,21 @@ from engine.attention.selector import create_attention_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers.config import MlaConfig
 from engine.models.llama import LlamaModel
+from engine.models.registry import load_model_config, load_weights
 from engine.process.load import kv_pages_for
 from engine.request.batch import ScheduledChunk
 from shared.config import EngineConfig
 from sluice import cli
 from tests.unit.cli_builders import serve_argvs
-from tests.unit.engine_builders import CONFIG, build_core, prompts, random_weights, request, run
+from tests.unit.engine_builders import (
+    CONFIG,
+    build_core,
+    hf_config_kwargs,
+    prompts,
+    random_weights,
+    request,
+    run,
+)
 
 CPU = torch.device("cpu")
 
@@ -283,3 +293,19 @@ def test_int8_scales_computed_from_one_prefill_of_the_fixed_text():
     for layer, k_max, v_max in seen:
         assert k[layer] == pytest.approx(float(k_max) * MARGIN / 127)
         assert v[layer] == pytest.approx(float(v_max) * MARGIN / 127)
+
+
+def test_a_checkpoint_with_kv_scales_loads_and_gives_them(tmp_path):
+    """vLLM's FP8-KV checkpoints carry self_attn.k_scale / v_scale beside the weights: the
+    weight loader passes them by (it refused them as unexpected tensors), the cache reads
+    them."""
+    transformers.LlamaConfig(**hf_config_kwargs(head_dim=CONFIG.head_dim)).save_pretrained(
+        tmp_path)
+    scales = {f"model.layers.{i}.self_attn.{kind}_scale": torch.tensor(0.1 * (i + 1) + j)
+              for i in range(CONFIG.num_layers) for j, kind in enumerate("kv")}
+    save_file({**random_weights(), **scales}, str(tmp_path / "model.safetensors"))
+    config = load_model_config(str(tmp_path))
+    assert "model.layers.0.self_attn.k_scale" not in load_weights(str(tmp_path), config,
+                                                                   torch.float32)
+    kv = kv_cache_dtype("fp8", torch.float32, config.num_layers, str(tmp_path))
+    assert kv.k_scales == pytest.approx((0.1, 0.2)) and kv.v_scales == pytest.approx((1.1, 1.2))
