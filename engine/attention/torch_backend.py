@@ -212,15 +212,17 @@ class TorchAttentionBackend:
 
     def decode_kernel_inputs(self, layer: int, meta: TorchAttentionMetadata) -> tuple | None:
         """What the kernels' decode_layer needs to write this layer's new K/V and attend
-        as `attend` would: (k_cache, v_cache, slots, page table, lengths, page size); None
-        where `attend` would not run the decode kernel alone (a prefill in the step, a
-        layer that attends specially, no kernels)."""
+        as `attend` would: (k_cache, v_cache, slots, page table, lengths, page size), and a
+        narrow cache's K and V scales; None where `attend` would not run the decode kernel
+        alone (a prefill in the step, a layer that attends specially, no kernels)."""
         if (self.kernels is None or meta.prefills or meta.decode_lens is None
-                or self.kv is not None  # the fused layer writes K/V in the engine's dtype
                 or (self.special and self.special[layer] is not None)):
             return None
-        return (self.k_cache[layer], self.v_cache[layer], meta.slot_mapping,
-                meta.decode_pages, meta.decode_lens, self.page_size)
+        inputs = (self.k_cache[layer], self.v_cache[layer], meta.slot_mapping,
+                  meta.decode_pages, meta.decode_lens, self.page_size)
+        if self.kv is None:
+            return inputs
+        return (*inputs, self.kv.k_scales[layer], self.kv.v_scales[layer])
 
     # ---------------------------------------------------------------- compute
 

@@ -31,12 +31,14 @@ from tests.unit.cli_builders import serve_argvs
 from tests.unit.engine_builders import (
     CONFIG,
     build_core,
+    drain,
     hf_config_kwargs,
     prompts,
     random_weights,
     request,
     run,
 )
+from tests.unit.kquant_builders import LlamaShape, engine_core, write_q4_k_m
 
 CPU = torch.device("cpu")
 
@@ -309,3 +311,41 @@ def test_a_checkpoint_with_kv_scales_loads_and_gives_them(tmp_path):
                                                                    torch.float32)
     kv = kv_cache_dtype("fp8", torch.float32, config.num_layers, str(tmp_path))
     assert kv.k_scales == pytest.approx((0.1, 0.2)) and kv.v_scales == pytest.approx((1.1, 1.2))
+
+
+def _gguf_decode(path: str, compiled, kv, fused: bool):
+    """Every step's hidden rows into the LM head, how many layers ran fused, the tokens."""
+    core, ops = engine_core(path, compiled, torch.float32, kv=kv)
+    assert core.runner.backend.k_cache[0].dtype == kv.dtype
+    model = core.runner.model
+    model.fuse_decode_layers = fused
+    seen, calls, logits, decode_layer = [], [0], model.logits, ops.decode_layer
+    model.logits = lambda hidden: seen.append(hidden.clone()) or logits(hidden)
+
+    def counting(*args):
+        calls[0] += 1
+        return decode_layer(*args)
+
+    ops.decode_layer = counting
+    for i, prompt in enumerate([[1, 5, 9, 200, 3], list(range(40, 60))]):
+        core.add(request(f"r{i}", prompt, max_tokens=8))
+    results = drain(core)
+    return seen, calls[0], [results[f"r{i}"].tokens for i in range(2)]
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_fused_gguf_decode_layers_write_and_read_a_narrow_cache_as_the_per_op_path(
+        compiled, tmp_path, name):
+    """A GGUF model's decode steps fused into one kernel call a layer store their K/V
+    narrow as the per-op path does and attend them alike: the same hidden rows, bit for bit,
+    step by step, and the same tokens."""
+    path = str(tmp_path / "tiny.gguf")
+    write_q4_k_m(path, LlamaShape(layers=2), set())
+    kv = msgspec.structs.replace(kv_cache_dtype(name, torch.float32, 2),
+                                 k_scales=(0.05, 0.04), v_scales=(0.03, 0.02))
+    per_op, none, tokens = _gguf_decode(path, compiled, kv, fused=False)
+    fused_rows, calls, fused_tokens = _gguf_decode(path, compiled, kv, fused=True)
+    assert none == 0 and calls > 0
+    for step, (a, b) in enumerate(zip(fused_rows, per_op, strict=True)):
+        assert torch.equal(a, b), step
+    assert fused_tokens == tokens

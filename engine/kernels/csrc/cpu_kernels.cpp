@@ -2089,8 +2089,37 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) 
 //   empty tensor for the last layer, which returns h + mlp alone (the model's final add)
 //   cos, sin, positions: rope's; k_cache, v_cache: this layer's [slots, KVH, D], written at
 //   slots; page_table, lengths, page_size, scale: decode_attention's
+//   k_scale, v_scale: a narrow cache's (--kv-cache-dtype; 1 otherwise): K/V are stored
+//   divided by them, and scale already holds k_scale
 //   int16_x: per linear, whether it takes quantized_linear's int16 path
 // Returns (x, h) for the next layer, or (h + mlp) after the last.
+// The step's new K or V rows x into the cache at slots, stored as the cache is: in x's own
+// dtype, or narrow as engine/attention/kv_dtype.py's quantize stores them (x / scale,
+// clipped to the type's range, int8 rounded to nearest), the same ops in the same order.
+void write_cache(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& x,
+                 double scale) {
+  const auto t = cache.scalar_type();
+  if (t == x.scalar_type()) {
+    cache.index_copy_(0, slots, x);
+    return;
+  }
+  torch::Tensor stored;
+  if (t == torch::kHalf || t == torch::kBFloat16) {
+    const double limit = t == torch::kHalf ? 65504.0 : 3.3895313892515355e38;
+    stored = x.clamp(-limit, limit).to(t);
+  } else {
+    const auto y = x.to(torch::kFloat) / scale;
+    if (t == torch::kChar) {
+      stored = y.round().clamp(-127, 127).to(t);
+    } else {
+      const double limit = t == torch::kFloat8_e4m3fn ? 448.0 : 57344.0;
+      stored = y.clamp(-limit, limit).to(t);
+    }
+  }
+  const auto as = cache.element_size() == 1 ? torch::kByte : torch::kShort;
+  cache.view(as).index_copy_(0, slots, stored.view(as));
+}
+
 std::vector<torch::Tensor> decode_layer(
     const torch::Tensor& x, const torch::Tensor& h, const std::vector<torch::Tensor>& blocks,
     const std::vector<int64_t>& kinds, const torch::Tensor& post_norm,
@@ -2098,7 +2127,7 @@ std::vector<torch::Tensor> decode_layer(
     const torch::Tensor& sin, const torch::Tensor& positions, int64_t heads, int64_t kv_heads,
     torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
     const torch::Tensor& page_table, const torch::Tensor& lengths, int64_t page_size,
-    double scale, const std::vector<bool>& int16_x) {
+    double scale, const std::vector<bool>& int16_x, double k_scale, double v_scale) {
   TORCH_CHECK(blocks.size() == 4 && kinds.size() == 4 && int16_x.size() == 4,
               "blocks, kinds and int16_x: q/k/v, o, gate/up and down");
   TORCH_CHECK(h.is_contiguous() && h.sizes() == x.sizes(), "h must be contiguous, x's shape");
@@ -2111,10 +2140,10 @@ std::vector<torch::Tensor> decode_layer(
   const auto k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
   const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
   const auto both = rope(q, k, cos, sin, positions);
-  k_cache.index_copy_(0, slots, both.narrow(1, heads, kv_heads));
-  v_cache.index_copy_(0, slots, v.contiguous());
+  write_cache(k_cache, slots, both.narrow(1, heads, kv_heads), k_scale);
+  write_cache(v_cache, slots, v.contiguous(), v_scale);
   const auto o = decode_attention(both.narrow(1, 0, heads), k_cache, v_cache, page_table,
-                                  lengths, page_size, scale);
+                                  lengths, page_size, scale, v_scale);
   const auto attn = quantized_linear(o.reshape({tokens, q_size}), blocks[1], kinds[1], int16_x[1]);
   // The MLP between the two fused residual adds and norms.
   const auto mid = add_rms_norm(h, attn, post_norm, eps);  // (normed, summed)
