@@ -91,6 +91,16 @@ def _mla_backend(name, model: ModelConfig, num_pages, page_size, dtype, device,
                                mla.qk_rope_head_dim, dtype, device)
 
 
+def narrow_cache_refusal(name: str, model: ModelConfig) -> str | None:
+    """Why backend `name` cannot store a narrow KV cache for this model; None: it can."""
+    if model.mla is None and name != "flashinfer":
+        return None
+    what = "multi-head latent attention" if model.mla is not None else "the flashinfer backend"
+    return (f"--kv-cache-dtype: {what} keeps its KV cache in --dtype only (narrow caches "
+            "are wired on the torch backend); use --kv-cache-dtype auto"
+            + ("" if model.mla is not None else " or --attention-backend torch"))
+
+
 def create_attention_backend(
     name: str,
     model: ModelConfig,
@@ -103,12 +113,9 @@ def create_attention_backend(
 ):
     """kv: a KV cache narrower than dtype (engine.attention.kv_dtype), None: in dtype; only
     the torch backend stores one."""
-    if kv is not None and (model.mla is not None or name == "flashinfer"):
-        what = "multi-head latent attention" if model.mla is not None else "the flashinfer backend"
-        raise ValueError(f"--kv-cache-dtype: {what} keeps its KV cache in --dtype only "
-                         "(narrow caches are wired on the torch backend); use "
-                         "--kv-cache-dtype auto" + ("" if model.mla is not None
-                                                    else " or --attention-backend torch"))
+    refused = narrow_cache_refusal(name, model) if kv is not None else None
+    if refused is not None:
+        raise ValueError(refused)
     if model.mla is not None:
         return _mla_backend(name, model, num_pages, page_size, dtype, device, batch_invariant)
     if name == "flashinfer":

@@ -18,6 +18,7 @@ from engine.attention.selector import (
     BackendUnavailable,
     create_attention_backend,
     for_model,
+    narrow_cache_refusal,
     select_attention_backend,
 )
 from engine.layers.config import ModelConfig
@@ -87,7 +88,11 @@ def _calibrated_int8(config: EngineConfig, kv, model, local: ModelConfig, dtype,
     except Exception as exc:  # noqa: BLE001 - any tokenizer failure: the fixed scales serve
         log.warning("int8 KV scales: no tokenizer to calibrate with (%s); fixed ones", exc)
         return kv
-    k, v = int8_scales(model, local, ids, dtype, device, max_model_len)
+    try:
+        k, v = int8_scales(model, local, ids, dtype, device, max_model_len)
+    except (RuntimeError, ValueError, TypeError) as exc:  # a model whose forward differs
+        log.warning("int8 KV scales: the calibration prefill failed (%s); fixed ones", exc)
+        return kv
     return msgspec.structs.replace(kv, k_scales=k, v_scales=v,
                                    source="computed at start from a fixed text")
 
@@ -205,6 +210,8 @@ def load_rank_model(config: EngineConfig, rdv: Rendezvous | None,
         raise SystemExit(f"cannot serve {config.model}: {exc}") from None
     kv = _kv_cache_dtype(config, model_config, dtype)
     revised = _narrow_cache_choice(for_model(choice, model_config), kv)
+    if kv is not None and narrow_cache_refusal(revised.name, model_config):
+        raise StartupError(narrow_cache_refusal(revised.name, model_config))  # before the load
     if revised is not choice and (rdv is None or rdv.rank == 0):
         log.info("attention backend: %s (%s)", revised.name, revised.reason)
     choice = revised
