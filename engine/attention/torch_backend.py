@@ -274,13 +274,17 @@ class TorchAttentionBackend:
             out.append(dequantize(stored, scale, self.dtype))
         return out[0], out[1]
 
-    def _gather(self, layer_pages: tuple[torch.Tensor, float], pages: torch.Tensor,
-                head_shape) -> torch.Tensor:
-        """Whole pages of one layer's cache -> [len(pages) * page_size, kv_heads, head_dim],
-        in the engine's dtype: a narrow cache's pages widened as gathered, never the whole
-        cache at once."""
+    @staticmethod
+    def _gather(pages_view: torch.Tensor, pages: torch.Tensor, head_shape) -> torch.Tensor:
+        """Whole pages of one layer's cache -> [len(pages) * page_size, kv_heads, head_dim]."""
+        return pages_view.index_select(0, pages).view(-1, *head_shape)
+
+    def _read(self, layer_pages: tuple[torch.Tensor, float], pages: torch.Tensor,
+              head_shape) -> torch.Tensor:
+        """`_gather` of (pages view, scale), in the engine's dtype: a narrow cache's pages
+        widened as gathered, never the whole cache at once."""
         view, scale = layer_pages
-        rows = view.index_select(0, pages).view(-1, *head_shape)
+        rows = self._gather(view, pages, head_shape)
         return rows if self.kv is None else dequantize(rows, scale, self.dtype)
 
     def _attend_prefill(self, q, k, v, p: PrefillSlice, k_pages, v_pages) -> torch.Tensor:
@@ -292,8 +296,8 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
         else:
             end = p.causal_mask.shape[1]
-            kh = self._gather(k_pages, p.context_pages, k.shape[1:])[:end]
-            vh = self._gather(v_pages, p.context_pages, v.shape[1:])[:end]
+            kh = self._read(k_pages, p.context_pages, k.shape[1:])[:end]
+            vh = self._read(v_pages, p.context_pages, v.shape[1:])[:end]
             kh, vh = kh.transpose(0, 1).unsqueeze(0), vh.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.causal_mask, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
@@ -314,8 +318,8 @@ class TorchAttentionBackend:
                 q.shape[-1] ** -0.5 * k_pages[1], v_pages[1],
             )
         batch = q.shape[0]
-        kd = self._gather(k_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
-        vd = self._gather(v_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
+        kd = self._read(k_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
+        vd = self._read(v_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
             enable_gqa=True,
@@ -334,8 +338,8 @@ class TorchAttentionBackend:
             if p.context_pages is None:
                 kh, vh = k[p.rows], v[p.rows]
             else:
-                kh = self._gather(k_pages, p.context_pages, head_shape)[:end]
-                vh = self._gather(v_pages, p.context_pages, head_shape)[:end]
+                kh = self._read(k_pages, p.context_pages, head_shape)[:end]
+                vh = self._read(v_pages, p.context_pages, head_shape)[:end]
             mask = self._mask(meta, ("prefill", p.rows.start), spec,
                               torch.arange(p.start, end, device=q.device), end)
             o = special_attention(q[p.rows].transpose(0, 1).unsqueeze(0),
@@ -345,9 +349,9 @@ class TorchAttentionBackend:
         if meta.decode_rows is not None:
             table = meta.decode_table
             batch, keys = table.shape[0], table.shape[1] * self.page_size
-            kd = self._gather(k_pages, table.reshape(-1), head_shape).view(batch, keys,
+            kd = self._read(k_pages, table.reshape(-1), head_shape).view(batch, keys,
                                                                             *head_shape)
-            vd = self._gather(v_pages, table.reshape(-1), head_shape).view(batch, keys,
+            vd = self._read(v_pages, table.reshape(-1), head_shape).view(batch, keys,
                                                                             *head_shape)
             mask = self._mask(meta, ("decode",), spec, meta.decode_context - 1, keys)
             o = special_attention(q[meta.decode_rows].unsqueeze(2), kd.transpose(1, 2),
