@@ -235,7 +235,6 @@ VLLM_NOOP_FLAGS = {
 VLLM_UNSUPPORTED_FLAGS: dict[str, tuple[type, object, str]] = {
     "--pipeline-parallel-size": (int, 1, "pipeline parallelism (one engine runs on one "
                                  "device)"),
-    "--kv-cache-dtype": (str, "auto", "KV cache dtype other than --dtype's"),
     "--cpu-offload-gb": (float, 0.0, "offloading weights to CPU memory"),
     "--no-enable-prefix-caching": (bool, False, "way to turn prefix caching off (it is always "
                                    "on; a request's cache_salt keeps tenants apart)"),

@@ -21,6 +21,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     attention_backend: str = "auto"  # auto | torch | flashinfer (see engine.attention.selector)
     page_size: int = 16
     kv_cache_memory_gb: float = 1.0  # on CPU; on CUDA gpu_memory_utilization sizes the cache
+    # --kv-cache-dtype (engine.attention.kv_dtype): auto = dtype's; fp8 / int8 one byte.
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory: weights, KV, activations
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     # --batch-invariant: a request's logits do not depend on what shares its step (kernels

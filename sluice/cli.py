@@ -221,6 +221,7 @@ def _engine_argv(args, common: list[str], address: str) -> list[str]:
         "engine", *common, "--engine-address", address, "--dtype", args.dtype,
         "--device", args.device, "--page-size", str(args.page_size),
         "--kv-cache-memory-gb", str(kv_cache_memory_gb(args)),
+        "--kv-cache-dtype", args.kv_cache_dtype,
         "--attention-backend", args.attention_backend,
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),

@@ -91,6 +91,16 @@ def _mla_backend(name, model: ModelConfig, num_pages, page_size, dtype, device,
                                mla.qk_rope_head_dim, dtype, device)
 
 
+def narrow_cache_refusal(name: str, model: ModelConfig) -> str | None:
+    """Why backend `name` cannot store a narrow KV cache for this model; None: it can."""
+    if model.mla is None and name != "flashinfer":
+        return None
+    what = "multi-head latent attention" if model.mla is not None else "the flashinfer backend"
+    return (f"--kv-cache-dtype: {what} keeps its KV cache in --dtype only (narrow caches "
+            "are wired on the torch backend); use --kv-cache-dtype auto"
+            + ("" if model.mla is not None else " or --attention-backend torch"))
+
+
 def create_attention_backend(
     name: str,
     model: ModelConfig,
@@ -99,7 +109,13 @@ def create_attention_backend(
     dtype: torch.dtype,
     device: torch.device,
     batch_invariant: bool = False,
+    kv=None,
 ):
+    """kv: a KV cache narrower than dtype (engine.attention.kv_dtype), None: in dtype; only
+    the torch backend stores one."""
+    refused = narrow_cache_refusal(name, model) if kv is not None else None
+    if refused is not None:
+        raise ValueError(refused)
     if model.mla is not None:
         return _mla_backend(name, model, num_pages, page_size, dtype, device, batch_invariant)
     if name == "flashinfer":
@@ -125,5 +141,5 @@ def create_attention_backend(
     return TorchAttentionBackend(
         model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim, dtype, device,
         kernels=kernels() if device.type == "cpu" else None, batch_invariant=batch_invariant,
-        layers=model.layer_attention,
+        layers=model.layer_attention, kv=kv,
     )

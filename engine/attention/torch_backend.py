@@ -11,7 +11,8 @@ The step's metadata is built with numpy over the batch, once per step, since it 
 work every layer waits for.
 
 Given the engine's compiled CPU kernels (`engine.kernels.cpu_kernels`), the decode batch skips the
-gather altogether: `decode_attention` reads each sequence's pages where they lie.
+gather altogether: `decode_attention` reads each sequence's pages where they lie, a narrow
+cache's too (--kv-cache-dtype, engine.attention.kv_dtype: widened in registers as read).
 
 Layers that attend other than plainly (engine.layers.config.LayerAttention: a sliding
 window, a local chunk, a score scale, soft-capping, attention sinks) take `_attend_special`:
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.attention.kv_dtype import KvCacheDtype, dequantize, quantize
 from engine.layers.config import PLAIN_ATTENTION, LayerAttention
 from engine.request.batch import ScheduledChunk
 
@@ -55,6 +57,12 @@ def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype,
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def narrow_kernels_take(kernels, kv: KvCacheDtype | None) -> bool:
+    """Whether the compiled decode kernel reads this cache: the engine's own dtype always,
+    a narrow one where the build widens it as read (`narrow_kv`; else the torch path)."""
+    return kv is None or bool(getattr(kernels, "narrow_kv", False))
 
 
 class PrefillSlice(msgspec.Struct):
@@ -95,22 +103,31 @@ class TorchAttentionBackend:
         kernels=None,
         batch_invariant: bool = False,
         layers: tuple[LayerAttention, ...] = (),
+        kv: KvCacheDtype | None = None,
     ) -> None:
         """kernels: the compiled CPU kernels module, or None for plain torch. They take
-        float32 and bfloat16 caches; float16 stays on the torch path. batch_invariant needs
+        float32 and bfloat16 engines (float16 stays on the torch path), and their caches
+        in the engine's dtype or narrow (kv). batch_invariant needs
         them (ValueError). layers: how each layer attends, where any differs from plain
-        causal attention (empty: none does)."""
+        causal attention (empty: none does). kv: a cache stored narrower than dtype
+        (engine.attention.kv_dtype; --kv-cache-dtype), None: in dtype."""
+        if kv is not None and batch_invariant:
+            raise ValueError("--batch-invariant: its kernels read a float32 or bfloat16 KV "
+                             "cache only; drop --kv-cache-dtype")
         self.page_size = page_size
         self.special = [spec if spec != PLAIN_ATTENTION else None for spec in layers]
         self.device = device
-        self.kernels = kernels if dtype in (torch.float32, torch.bfloat16) else None
+        self.dtype, self.kv = dtype, kv
+        self.kernels = (kernels if dtype in (torch.float32, torch.bfloat16)
+                        and narrow_kernels_take(kernels, kv) else None)
         if batch_invariant and self.kernels is None:
             raise ValueError("--batch-invariant needs the engine's CPU kernels and a float32 "
                              "or bfloat16 KV cache")
         self.batch_invariant = batch_invariant
         shape = (num_pages * page_size, num_kv_heads, head_dim)
-        self.k_cache = [zeros_on_first_write(shape, dtype, device) for _ in range(num_layers)]
-        self.v_cache = [zeros_on_first_write(shape, dtype, device) for _ in range(num_layers)]
+        stored = dtype if kv is None else kv.dtype
+        self.k_cache = [zeros_on_first_write(shape, stored, device) for _ in range(num_layers)]
+        self.v_cache = [zeros_on_first_write(shape, stored, device) for _ in range(num_layers)]
         # The same memory seen as one row per page, for gathering whole pages.
         self._k_pages = [c.view(num_pages, -1) for c in self.k_cache]
         self._v_pages = [c.view(num_pages, -1) for c in self.v_cache]
@@ -195,14 +212,17 @@ class TorchAttentionBackend:
 
     def decode_kernel_inputs(self, layer: int, meta: TorchAttentionMetadata) -> tuple | None:
         """What the kernels' decode_layer needs to write this layer's new K/V and attend
-        as `attend` would: (k_cache, v_cache, slots, page table, lengths, page size); None
-        where `attend` would not run the decode kernel alone (a prefill in the step, a
-        layer that attends specially, no kernels)."""
+        as `attend` would: (k_cache, v_cache, slots, page table, lengths, page size), and a
+        narrow cache's K and V scales; None where `attend` would not run the decode kernel
+        alone (a prefill in the step, a layer that attends specially, no kernels)."""
         if (self.kernels is None or meta.prefills or meta.decode_lens is None
                 or (self.special and self.special[layer] is not None)):
             return None
-        return (self.k_cache[layer], self.v_cache[layer], meta.slot_mapping,
-                meta.decode_pages, meta.decode_lens, self.page_size)
+        inputs = (self.k_cache[layer], self.v_cache[layer], meta.slot_mapping,
+                  meta.decode_pages, meta.decode_lens, self.page_size)
+        if self.kv is None:
+            return inputs
+        return (*inputs, self.kv.k_scales[layer], self.kv.v_scales[layer])
 
     # ---------------------------------------------------------------- compute
 
@@ -216,10 +236,11 @@ class TorchAttentionBackend:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """sinks: [heads] learned logits of a layer with attention sinks (gpt-oss)."""
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-        k_pages, v_pages = self._k_pages[layer], self._v_pages[layer]
+        k, v = self._write(layer, k, v, meta.slot_mapping)
+        # Each layer's pages with the scale its stored elements are read back with.
+        ks, vs = (1.0, 1.0) if self.kv is None else (self.kv.k_scales[layer],
+                                                     self.kv.v_scales[layer])
+        k_pages, v_pages = (self._k_pages[layer], ks), (self._v_pages[layer], vs)
         spec = self.special[layer] if self.special else None
         if spec is not None:
             return self._attend_special(spec, q, k, v, meta, k_pages, v_pages, sinks)
@@ -235,10 +256,36 @@ class TorchAttentionBackend:
             )
         return out
 
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        """The step's new K/V into the layer's cache; returns them as the cache now holds
+        them (a narrow cache: stored and read back), so the chunk attends its own keys with
+        the numbers a later step, another chunking or a prefix-cache hit reads."""
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        if self.kv is None:
+            k_cache.index_copy_(0, slots, k)
+            v_cache.index_copy_(0, slots, v)
+            return k, v
+        kv, out = self.kv, []
+        for cache, x, scale in ((k_cache, k, kv.k_scales[layer]), (v_cache, v, kv.v_scales[layer])):
+            stored = quantize(x, scale, kv.dtype)
+            # index_copy_ has no float8 kernel on the CPU: the bytes are copied as they are.
+            as_bytes = torch.uint8 if kv.one_byte else torch.int16
+            cache.view(as_bytes).index_copy_(0, slots, stored.view(as_bytes))
+            out.append(dequantize(stored, scale, self.dtype))
+        return out[0], out[1]
+
     @staticmethod
     def _gather(pages_view: torch.Tensor, pages: torch.Tensor, head_shape) -> torch.Tensor:
         """Whole pages of one layer's cache -> [len(pages) * page_size, kv_heads, head_dim]."""
         return pages_view.index_select(0, pages).view(-1, *head_shape)
+
+    def _read(self, layer_pages: tuple[torch.Tensor, float], pages: torch.Tensor,
+              head_shape) -> torch.Tensor:
+        """`_gather` of (pages view, scale), in the engine's dtype: a narrow cache's pages
+        widened as gathered, never the whole cache at once."""
+        view, scale = layer_pages
+        rows = self._gather(view, pages, head_shape)
+        return rows if self.kv is None else dequantize(rows, scale, self.dtype)
 
     def _attend_prefill(self, q, k, v, p: PrefillSlice, k_pages, v_pages) -> torch.Tensor:
         # [n, H, D] -> [1, H, n, D]
@@ -249,8 +296,8 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
         else:
             end = p.causal_mask.shape[1]
-            kh = self._gather(k_pages, p.context_pages, k.shape[1:])[:end]
-            vh = self._gather(v_pages, p.context_pages, v.shape[1:])[:end]
+            kh = self._read(k_pages, p.context_pages, k.shape[1:])[:end]
+            vh = self._read(v_pages, p.context_pages, v.shape[1:])[:end]
             kh, vh = kh.transpose(0, 1).unsqueeze(0), vh.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.causal_mask, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
@@ -258,15 +305,21 @@ class TorchAttentionBackend:
     def _attend_decodes(self, q, meta: TorchAttentionMetadata, k_pages, v_pages, head_shape):
         """q: [B, H, D], the decode rows only -> [B, H, D]."""
         if self.kernels is not None:
-            k_cache = k_pages.view(-1, *head_shape)
-            v_cache = v_pages.view(-1, *head_shape)
+            k_cache = k_pages[0].view(-1, *head_shape)
+            v_cache = v_pages[0].view(-1, *head_shape)
+            if self.kv is None:
+                return self.kernels.decode_attention(
+                    q, k_cache, v_cache, meta.decode_pages, meta.decode_lens, self.page_size,
+                    q.shape[-1] ** -0.5,
+                )
+            # A narrow cache, widened in the kernel: K's scale goes into the query's.
             return self.kernels.decode_attention(
                 q, k_cache, v_cache, meta.decode_pages, meta.decode_lens, self.page_size,
-                q.shape[-1] ** -0.5,
+                q.shape[-1] ** -0.5 * k_pages[1], v_pages[1],
             )
         batch = q.shape[0]
-        kd = self._gather(k_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
-        vd = self._gather(v_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
+        kd = self._read(k_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
+        vd = self._read(v_pages, meta.decode_pages, head_shape).view(batch, -1, *head_shape)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
             enable_gqa=True,
@@ -285,8 +338,8 @@ class TorchAttentionBackend:
             if p.context_pages is None:
                 kh, vh = k[p.rows], v[p.rows]
             else:
-                kh = self._gather(k_pages, p.context_pages, head_shape)[:end]
-                vh = self._gather(v_pages, p.context_pages, head_shape)[:end]
+                kh = self._read(k_pages, p.context_pages, head_shape)[:end]
+                vh = self._read(v_pages, p.context_pages, head_shape)[:end]
             mask = self._mask(meta, ("prefill", p.rows.start), spec,
                               torch.arange(p.start, end, device=q.device), end)
             o = special_attention(q[p.rows].transpose(0, 1).unsqueeze(0),
@@ -296,9 +349,9 @@ class TorchAttentionBackend:
         if meta.decode_rows is not None:
             table = meta.decode_table
             batch, keys = table.shape[0], table.shape[1] * self.page_size
-            kd = self._gather(k_pages, table.reshape(-1), head_shape).view(batch, keys,
+            kd = self._read(k_pages, table.reshape(-1), head_shape).view(batch, keys,
                                                                             *head_shape)
-            vd = self._gather(v_pages, table.reshape(-1), head_shape).view(batch, keys,
+            vd = self._read(v_pages, table.reshape(-1), head_shape).view(batch, keys,
                                                                             *head_shape)
             mask = self._mask(meta, ("decode",), spec, meta.decode_context - 1, keys)
             o = special_attention(q[meta.decode_rows].unsqueeze(2), kd.transpose(1, 2),

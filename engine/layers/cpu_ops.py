@@ -226,12 +226,15 @@ class CpuKernelOps(TorchOps):
         """One decoder layer of a pure decode step in one kernel call (the same kernels in
         the same order as the per-op path, so the same bits; cpu_kernels.cpp's
         decode_layer). attention: the backend's `decode_kernel_inputs` for this layer."""
-        k_cache, v_cache, slots, table, lengths, page_size = attention
+        # A narrow cache (--kv-cache-dtype) adds its K and V scales.
+        k_cache, v_cache, slots, table, lengths, page_size, *scales = attention
+        k_scale, v_scale = scales or (1.0, 1.0)
         return self._k.decode_layer(
             x, h, blocks[0], blocks[1], post_norm,
             next_norm if next_norm is not None else _NO_TENSOR, eps, rope.cos, rope.sin,
             positions, heads, kv_heads, k_cache, v_cache, slots, table, lengths, page_size,
-            k_cache.shape[-1] ** -0.5, [self.int16_x(x, kind) for kind in blocks[1]])
+            k_cache.shape[-1] ** -0.5 * k_scale, [self.int16_x(x, kind) for kind in blocks[1]],
+            k_scale, v_scale)
 
     def _widened_linear(self, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:

@@ -126,7 +126,9 @@ def in_mapped_file(tensor: torch.Tensor) -> bool:
 
 def _ignorable(name: str) -> bool:
     # Old checkpoints carry RoPE buffers, and some tied ones still store a copy of lm_head.
-    return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
+    # KV cache scales are read apart, by --kv-cache-dtype (engine.attention.kv_dtype).
+    return (name.endswith(("rotary_emb.inv_freq", ".self_attn.k_scale", ".self_attn.v_scale",
+                           ".self_attn.kv_scale")) or name == "lm_head.weight")
 
 
 class _ShardIndex(msgspec.Struct):

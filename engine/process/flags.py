@@ -120,6 +120,12 @@ def _add_device_arguments(g) -> None:
                    help="tokens per KV cache page (--block-size: vLLM's name)")
     g.add_argument("--kv-cache-memory-gb", type=positive_number, default=1.0,
                    help="memory for the KV cache on CPU, in GiB (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto",
+                   help="how the KV cache is stored, as vLLM's: auto (--dtype's), bfloat16, "
+                        "float16, fp8 (= fp8_e4m3), fp8_e5m2 or int8: one byte an element with "
+                        "a scale per layer (the checkpoint's k_scale / v_scale, else fixed), "
+                        "so --kv-cache-memory-gb holds 2x / 4x the pages of float16 / float32 "
+                        "(torch attention backend; docs/models.md, *KV cache dtype*)")
     g.add_argument("--kv-cache-memory-bytes", type=int_at_least(1), default=None,
                    help="the same in bytes (vLLM's name); wins over --kv-cache-memory-gb")
     g.add_argument("--gpu-memory-utilization", type=share, default=0.9,
@@ -211,6 +217,17 @@ def _attention_backend(text: str) -> str:
     return name
 
 
+# vLLM's --kv-cache-dtype values (engine.attention.kv_dtype.KV_CACHE_DTYPES; not imported,
+# so parsing the flags does not import torch).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def _kv_cache_dtype(text: str) -> str:
+    if text not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return text
+
+
 def _speculative_config(text: str) -> SpeculativeConfig:
     try:
         return parse_speculative_config(text)
@@ -242,6 +259,7 @@ def engine_config(args, address: str, postproc_address: str | None = None) -> En
         device=resolve_device(args.device), attention_backend=args.attention_backend,
         page_size=args.page_size,
         kv_cache_memory_gb=kv_cache_memory_gb(args), num_pages=args.num_kv_pages,
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant,
         quantization=getattr(args, "quantization", None),
@@ -364,6 +382,21 @@ def check_engine(args) -> None:
     check_cpu_isa()
     check_device(args.device)
     check_batch_invariant(args)
+    check_kv_cache_dtype(args)
+
+
+def check_kv_cache_dtype(args) -> None:
+    """A narrow KV cache (--kv-cache-dtype other than --dtype's) is stored on the torch
+    backend: refused ahead of the load where the flags ask for what cannot read it."""
+    name = getattr(args, "kv_cache_dtype", "auto")
+    if name in ("auto", args.dtype):
+        return
+    if args.batch_invariant:
+        raise StartupError(f"--kv-cache-dtype {name} cannot run with --batch-invariant: its "
+                           "kernels read a float32 or bfloat16 KV cache only")
+    if args.attention_backend == "flashinfer":
+        raise StartupError(f"--kv-cache-dtype {name} is stored on the torch attention backend "
+                           "only; use --attention-backend torch (or auto)")
 
 
 def check_cpu_isa() -> None:

@@ -13,10 +13,12 @@ import time
 import msgspec
 import torch
 
+from engine.attention.kv_dtype import kv_cache_dtype, stored_dtype
 from engine.attention.selector import (
     BackendUnavailable,
     create_attention_backend,
     for_model,
+    narrow_cache_refusal,
     select_attention_backend,
 )
 from engine.layers.config import ModelConfig
@@ -45,8 +47,8 @@ log = logging.getLogger("sluice.engine")
 
 def _page_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes one KV page takes: K and V (MLA: the latent) of `page_size` tokens in every
-    layer."""
-    element = torch.empty((), dtype=dtype).element_size()
+    layer, stored as --kv-cache-dtype says (fp8 / int8: one byte an element)."""
+    element = stored_dtype(config.kv_cache_dtype, dtype).itemsize
     return config.page_size * model.kv_elements_per_token() * element
 
 
@@ -54,6 +56,54 @@ def kv_pages_for(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -
     if config.num_pages is not None:
         return config.num_pages
     return max(1, int(config.kv_cache_memory_gb * 2**30) // _page_bytes(config, model, dtype))
+
+
+def _kv_cache_dtype(config: EngineConfig, model: ModelConfig, dtype: torch.dtype):
+    """--kv-cache-dtype's narrow cache (engine.attention.kv_dtype), None: in dtype."""
+    try:
+        kv = kv_cache_dtype(config.kv_cache_dtype, dtype, model.num_layers, config.model)
+    except ValueError as exc:
+        raise StartupError(f"cannot serve {config.model}: {exc}") from None
+    return kv
+
+
+def _log_kv_cache_dtype(kv, backend) -> None:
+    if kv is not None:
+        where = ("the compiled kernel" if getattr(backend, "kernels", None) is not None
+                 else "torch")
+        log.info("KV cache stored as %s (scales: %s; decode attention: %s)",
+                 str(kv.dtype).removeprefix("torch."), kv.source, where)
+
+
+def _calibrated_int8(config: EngineConfig, kv, model, local: ModelConfig, dtype, device,
+                     max_model_len: int):
+    """int8 scales computed from one prefill of a fixed text (engine.attention.kv_calibration),
+    where the checkpoint has none; the fixed ones where that cannot run (no tokenizer)."""
+    from engine.attention.kv_calibration import CALIBRATION_TEXT, int8_scales
+
+    try:
+        tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
+                                   model=config.model)
+        ids = tokenizer.encode(CALIBRATION_TEXT)
+    except Exception as exc:  # noqa: BLE001 - any tokenizer failure: the fixed scales serve
+        log.warning("int8 KV scales: no tokenizer to calibrate with (%s); fixed ones", exc)
+        return kv
+    try:
+        k, v = int8_scales(model, local, ids, dtype, device, max_model_len)
+    except (RuntimeError, ValueError, TypeError) as exc:  # a model whose forward differs
+        log.warning("int8 KV scales: the calibration prefill failed (%s); fixed ones", exc)
+        return kv
+    return msgspec.structs.replace(kv, k_scales=k, v_scales=v,
+                                   source="computed at start from a fixed text")
+
+
+def _narrow_cache_choice(choice, kv):
+    """auto's FlashInfer choice revised for a narrow KV cache, which the torch backend
+    stores; an explicit --attention-backend flashinfer is refused at its creation."""
+    if kv is not None and choice.name == "flashinfer" and choice.reason.startswith("auto"):
+        return type(choice)("torch", "auto: --kv-cache-dtype's narrow cache is stored on the "
+                            "torch backend")
+    return choice
 
 
 # Besides weights, KV cache and activations a GPU engine holds FlashInfer's workspaces
@@ -158,7 +208,10 @@ def load_rank_model(config: EngineConfig, rdv: Rendezvous | None,
         model_config = load_model_config(config.model)
     except ValueError as exc:
         raise SystemExit(f"cannot serve {config.model}: {exc}") from None
-    revised = for_model(choice, model_config)
+    kv = _kv_cache_dtype(config, model_config, dtype)
+    revised = _narrow_cache_choice(for_model(choice, model_config), kv)
+    if kv is not None and narrow_cache_refusal(revised.name, model_config):
+        raise StartupError(narrow_cache_refusal(revised.name, model_config))  # before the load
     if revised is not choice and (rdv is None or rdv.rank == 0):
         log.info("attention backend: %s (%s)", revised.name, revised.reason)
     choice = revised
@@ -194,12 +247,16 @@ def load_rank_model(config: EngineConfig, rdv: Rendezvous | None,
     if on_gpu:
         _check_cache_holds(num_pages, config, max_model_len, model_config.kv_window)
         log.info("KV cache: %d pages of %d tokens", num_pages, config.page_size)
+    if kv is not None and kv.dtype == torch.int8 and kv.source.startswith("fixed"):
+        kv = _calibrated_int8(config, kv, model, local, dtype, device, max_model_len)
     try:
         backend = create_attention_backend(choice.name, local, num_pages,
                                            config.page_size, dtype, device,
-                                           config.batch_invariant)
+                                           config.batch_invariant, kv)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+    if rdv is None or rdv.rank == 0:
+        _log_kv_cache_dtype(kv, backend)
     return RankModel(model, backend, model_config, max_model_len, num_pages, has_blocks,
                      device, dtype, choice, cmd_group, procs, score_head)
 

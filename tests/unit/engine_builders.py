@@ -102,6 +102,7 @@ def build_core(
     eos: tuple[int, ...] = (),
     policy: str = "fcfs",
     speculative: SpeculativeConfig | None = None,
+    kv=None,  # a narrow KV cache (engine.attention.kv_dtype.KvCacheDtype)
 ) -> tuple[EngineCore, Recorder]:
     rec = Recorder()
     model = LlamaModel(CONFIG, weights, max_model_len, torch.float32, CPU)
@@ -113,6 +114,7 @@ def build_core(
         CONFIG.head_dim,
         torch.float32,
         CPU,
+        kv=kv,
     )
     runner = ModelRunner(model, backend, VOCAB)
     allocator = PageAllocator(num_pages, page_size)

@@ -171,11 +171,12 @@ def write_moe_kquant(path: str, shape: MoeShape, experts: str = "Q4_K",
 
 def engine_core(path: str, compiled, dtype: torch.dtype = torch.float32, blocks: bool = True,
                 max_len: int = 128, blocks_only: bool = True, batch_invariant: bool = False,
-                budget: int = 8):
+                budget: int = 8, kv=None):
     """An EngineCore over the GGUF at `path` and its ops: the CPU kernels (compiled) with
     the file's blocks attached (blocks) or not, or the plain torch ops (compiled None) over
     the dequantized weights. blocks_only: an MoE's block experts held as blocks alone (as
-    build_engine loads them), else dequantized beside their blocks. budget: tokens a step."""
+    build_engine loads them), else dequantized beside their blocks. budget: tokens a step.
+    kv: a narrow KV cache (engine.attention.kv_dtype)."""
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.layers.cpu_ops import CpuKernelOps
     from engine.models.registry import (
@@ -200,7 +201,7 @@ def engine_core(path: str, compiled, dtype: torch.dtype = torch.float32, blocks:
     model = build_model(config, weights, max_len, dtype, cpu, ops=ops, quantized=quantized)
     pages = max_len  # 4 sequences of max_len, 4 tokens a page
     backend = TorchAttentionBackend(config.num_layers, pages, 4, config.num_kv_heads,
-                                    config.head_dim, dtype, cpu, kernels=compiled)
+                                    config.head_dim, dtype, cpu, kernels=compiled, kv=kv)
     allocator = PageAllocator(pages, 4)
     core = EngineCore(ModelRunner(model, backend, config.vocab_size), allocator,
                       Scheduler(allocator, budget, max_num_seqs=4), eos_token_ids=[],

@@ -134,7 +134,7 @@ def test_noop_flags_are_logged_once_at_start(monkeypatch, caplog):
     (["--quantization", "fp8"], "'fp8': sluice runs gptq, gptq_marlin, awq"),
     (["--pipeline_parallel_size", "2"], "--pipeline-parallel-size 2"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4.0: sluice has no offloading"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+    (["--kv-cache-dtype", "fp4"], "'fp4': choose one of auto, bfloat16, float16, fp8"),
 ])
 def test_flags_for_missing_features_fail_at_start(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -143,8 +143,7 @@ def test_flags_for_missing_features_fail_at_start(argv, message, capsys):
 
 
 def test_missing_feature_flags_at_their_neutral_value_pass():
-    args = cli.parse_args(["serve", "--tensor-parallel-size", "1", "--kv-cache-dtype", "auto",
-                           "--cpu-offload-gb", "0"])
+    args = cli.parse_args(["serve", "--tensor-parallel-size", "1", "--cpu-offload-gb", "0"])
     assert args.compat_notes == []
     with pytest.raises(SystemExit):
         cli.parse_args(["serve", "--tensor-parallel-size", "two"])

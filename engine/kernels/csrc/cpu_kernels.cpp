@@ -525,6 +525,84 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   return out;
 }
 
+// ---------------------------------------------------------------- narrow KV cache elements
+
+// --kv-cache-dtype's caches (engine/attention/kv_dtype.py) as the decode kernel reads them:
+// widened in registers as loaded, never copied whole. AVX-512 and AVX2 have no FP8
+// arithmetic, so bit moves make an fp16 of each byte, which F16C widens: e5m2 is an fp16's
+// top byte; e4m3's 7 exponent-and-mantissa bits put at the top of fp16's 10 mantissa bits
+// give value * 2^-8, normals and subnormals alike (fp16's exponent bias is 8 more), so
+// kRawScale<E4M3> = 256 is folded into the kernel's two scales instead. The per-layer K/V
+// scales come in the same way: K's in the query's scale, V's in the output's.
+struct E4M3 { uint8_t v; };
+struct E5M2 { uint8_t v; };
+struct Half16 { uint16_t v; };
+struct I8 { int8_t v; };
+
+inline float half_to_float(uint16_t bits) {
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+inline uint16_t e4m3_half_bits(uint8_t b) {
+  return static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8));
+}
+
+template <> struct Elem<E4M3> {
+  static inline float load(E4M3 x) { return half_to_float(e4m3_half_bits(x.v)); }
+};
+template <> struct Elem<E5M2> {
+  static inline float load(E5M2 x) { return half_to_float(static_cast<uint16_t>(x.v << 8)); }
+};
+template <> struct Elem<Half16> {
+  static inline float load(Half16 x) { return half_to_float(x.v); }
+};
+template <> struct Elem<I8> {
+  static inline float load(I8 x) { return static_cast<float>(x.v); }
+};
+
+template <typename C> constexpr float kRawScale = 1.f;
+template <> constexpr float kRawScale<E4M3> = 256.f;
+
+#ifdef __AVX512F__
+inline __m128i load_bytes16(const void* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+inline __m512 load16(const E4M3* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(load_bytes16(p));
+  const __m256i h = _mm256_or_si256(
+      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_cvtph_ps(h);
+}
+inline __m512 load16(const E5M2* p) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(load_bytes16(p)), 8));
+}
+inline __m512 load16(const Half16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const I8* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(p)));
+}
+#elif defined(SLUICE_AVX2)
+inline __m128i load_bytes8(const void* p) {
+  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+}
+inline __m256 load8(const E4M3* p) {
+  const __m128i w = _mm_cvtepu8_epi16(load_bytes8(p));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+  return _mm256_cvtph_ps(h);
+}
+inline __m256 load8(const E5M2* p) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(load_bytes8(p)), 8));
+}
+inline __m256 load8(const Half16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const I8* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(p)));
+}
+#endif
+
 // ------------------------------------------------------------------ paged decode attention
 
 // One query token per sequence against its whole context, read from the paged cache in
@@ -828,21 +906,24 @@ void attend_task_avx2(const float* qf, const T* kp, const T* vp, const int64_t* 
 }
 #endif
 
-template <typename T>
+// T: q's and the output's element, C: the cache's (T, or a narrow one). v_scale multiplies
+// the output (a narrow cache's V scale).
+template <typename T, typename C>
 void decode_attention_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& page_table,
                            const torch::Tensor& lengths, int64_t page_size, double scale,
-                           torch::Tensor& out) {
+                           double v_scale, torch::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const int64_t max_pages = page_table.size(1);
   const T* qp = ptr<T>(q);
-  const T* kp = ptr<T>(k_cache);
-  const T* vp = ptr<T>(v_cache);
+  const C* kp = ptr<C>(k_cache);
+  const C* vp = ptr<C>(v_cache);
   const int64_t* table = page_table.data_ptr<int64_t>();
   const int64_t* lens = lengths.data_ptr<int64_t>();
   T* op = ptr<T>(out);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale) * kRawScale<C>;
+  const float fv_scale = static_cast<float>(v_scale) * kRawScale<C>;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), scores, sums(group);
     for (int64_t task = begin; task < end; ++task) {
@@ -856,45 +937,67 @@ void decode_attention_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t* pages = table + b * max_pages;
       float* total = sums.data();
 #ifdef __AVX512F__
-      if (attend_group<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group, dim,
+      if (attend_group<C>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group, dim,
                           scores.data(), acc.data(), total)) {
         // done: the whole group at once
       } else if (dim % 16 == 0 && dim <= 256) {
-        attend_task_avx512<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
+        attend_task_avx512<C>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
                               dim, scores.data(), acc.data(), total);
       } else
 #elif defined(SLUICE_AVX2)
       if (group <= 8 && dim == 64) {
-        attend_group_avx2<T, 8>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
+        attend_group_avx2<C, 8>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
                                 scores.data(), acc.data(), total);
       } else if (group <= 8 && dim == 128) {
-        attend_group_avx2<T, 16>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh,
+        attend_group_avx2<C, 16>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh,
                                  group, scores.data(), acc.data(), total);
       } else if (dim % 8 == 0 && dim <= 256) {
-        attend_task_avx2<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
+        attend_task_avx2<C>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group,
                             dim, scores.data(), acc.data(), total);
       } else
 #endif
       {
-        attend_task<T>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group, dim,
+        attend_task<C>(qf.data(), kp, vp, pages, len, page_size, kv_heads, kvh, group, dim,
                        scores.data(), acc.data(), total);
       }
       for (int64_t g = 0; g < group; ++g) {
         T* dst = op + (b * heads + kvh * group + g) * dim;
-        const float inv = 1.f / sums[g];
+        const float inv = fv_scale / sums[g];
         for (int64_t d = 0; d < dim; ++d) dst[d] = Elem<T>::store(acc[g * dim + d] * inv);
       }
     }
   });
 }
 
+// The cache's element type as decode_attention_rows reads it: q's, or a narrow one
+// (--kv-cache-dtype). f(C{}) with C that type.
+template <typename T, typename F> void dispatch_cache(const torch::Tensor& cache, F&& f) {
+  switch (cache.scalar_type()) {
+    case torch::kFloat8_e4m3fn: return f(E4M3{});
+    case torch::kFloat8_e5m2: return f(E5M2{});
+    case torch::kChar: return f(I8{});
+    case torch::kHalf: return f(Half16{});
+    case torch::kBFloat16: return f(uint16_t{});
+    default: return f(T{});
+  }
+}
+
+bool cache_dtype_ok(const torch::Tensor& q, const torch::Tensor& cache) {
+  const auto t = cache.scalar_type();
+  return t == q.scalar_type() || t == torch::kFloat8_e4m3fn || t == torch::kFloat8_e5m2 ||
+         t == torch::kChar || t == torch::kHalf ||
+         (t == torch::kBFloat16 && q.scalar_type() == torch::kFloat);
+}
+
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                const torch::Tensor& v_cache, const torch::Tensor& page_table,
-                               const torch::Tensor& lengths, int64_t page_size, double scale) {
+                               const torch::Tensor& lengths, int64_t page_size, double scale,
+                               double v_scale = 1.0) {
   check_cpu_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D], last dim contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "the caches must have q's dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && cache_dtype_ok(q, k_cache),
+              "the caches must have q's dtype, or both one of float8_e4m3fn, float8_e5m2, "
+              "int8, float16 (bfloat16 under float32 q)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == q.size(2),
               "the caches must be contiguous [slots, KVH, D]");
@@ -919,8 +1022,11 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   }
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   dispatch(q, [&](auto tag) {
-    decode_attention_rows<decltype(tag)>(q, k_cache, v_cache, page_table, lengths, page_size,
-                                         scale, out);
+    using T = decltype(tag);
+    dispatch_cache<T>(k_cache, [&](auto cache_tag) {
+      decode_attention_rows<T, decltype(cache_tag)>(q, k_cache, v_cache, page_table, lengths,
+                                                    page_size, scale, v_scale, out);
+    });
   });
   return out;
 }
@@ -2031,8 +2137,37 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) 
 //   empty tensor for the last layer, which returns h + mlp alone (the model's final add)
 //   cos, sin, positions: rope's; k_cache, v_cache: this layer's [slots, KVH, D], written at
 //   slots; page_table, lengths, page_size, scale: decode_attention's
+//   k_scale, v_scale: a narrow cache's (--kv-cache-dtype; 1 otherwise): K/V are stored
+//   divided by them, and scale already holds k_scale
 //   int16_x: per linear, whether it takes quantized_linear's int16 path
 // Returns (x, h) for the next layer, or (h + mlp) after the last.
+// The step's new K or V rows x into the cache at slots, stored as the cache is: in x's own
+// dtype, or narrow as engine/attention/kv_dtype.py's quantize stores them (x / scale,
+// clipped to the type's range, int8 rounded to nearest), the same ops in the same order.
+void write_cache(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& x,
+                 double scale) {
+  const auto t = cache.scalar_type();
+  if (t == x.scalar_type()) {
+    cache.index_copy_(0, slots, x);
+    return;
+  }
+  torch::Tensor stored;
+  if (t == torch::kHalf || t == torch::kBFloat16) {
+    const double limit = t == torch::kHalf ? 65504.0 : 3.3895313892515355e38;
+    stored = x.clamp(-limit, limit).to(t);
+  } else {
+    const auto y = x.to(torch::kFloat) / scale;
+    if (t == torch::kChar) {
+      stored = y.round().clamp(-127, 127).to(t);
+    } else {
+      const double limit = t == torch::kFloat8_e4m3fn ? 448.0 : 57344.0;
+      stored = y.clamp(-limit, limit).to(t);
+    }
+  }
+  const auto as = cache.element_size() == 1 ? torch::kByte : torch::kShort;
+  cache.view(as).index_copy_(0, slots, stored.view(as));
+}
+
 std::vector<torch::Tensor> decode_layer(
     const torch::Tensor& x, const torch::Tensor& h, const std::vector<torch::Tensor>& blocks,
     const std::vector<int64_t>& kinds, const torch::Tensor& post_norm,
@@ -2040,7 +2175,7 @@ std::vector<torch::Tensor> decode_layer(
     const torch::Tensor& sin, const torch::Tensor& positions, int64_t heads, int64_t kv_heads,
     torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
     const torch::Tensor& page_table, const torch::Tensor& lengths, int64_t page_size,
-    double scale, const std::vector<bool>& int16_x) {
+    double scale, const std::vector<bool>& int16_x, double k_scale, double v_scale) {
   TORCH_CHECK(blocks.size() == 4 && kinds.size() == 4 && int16_x.size() == 4,
               "blocks, kinds and int16_x: q/k/v, o, gate/up and down");
   TORCH_CHECK(h.is_contiguous() && h.sizes() == x.sizes(), "h must be contiguous, x's shape");
@@ -2053,10 +2188,10 @@ std::vector<torch::Tensor> decode_layer(
   const auto k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
   const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
   const auto both = rope(q, k, cos, sin, positions);
-  k_cache.index_copy_(0, slots, both.narrow(1, heads, kv_heads));
-  v_cache.index_copy_(0, slots, v.contiguous());
+  write_cache(k_cache, slots, both.narrow(1, heads, kv_heads), k_scale);
+  write_cache(v_cache, slots, v.contiguous(), v_scale);
   const auto o = decode_attention(both.narrow(1, 0, heads), k_cache, v_cache, page_table,
-                                  lengths, page_size, scale);
+                                  lengths, page_size, scale, v_scale);
   const auto attn = quantized_linear(o.reshape({tokens, q_size}), blocks[1], kinds[1], int16_x[1]);
   // The MLP between the two fused residual adds and norms.
   const auto mid = add_rms_norm(h, attn, post_norm, eps);  // (normed, summed)
@@ -2098,7 +2233,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T over a dense W of x's dtype (or bfloat16 under float32 x), each row summed "
         "alone in a fixed order");
   m.def("decode_attention", &decode_attention,
-        "One-token attention per sequence over its pages of the KV cache, read in place");
+        "One-token attention per sequence over its pages of the KV cache, read in place; a "
+        "narrow cache (float8_e4m3fn, float8_e5m2, int8, float16) widened as read, its V "
+        "scale in v_scale (its K scale in scale)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"),
+        py::arg("lengths"), py::arg("page_size"), py::arg("scale"), py::arg("v_scale") = 1.0);
+  m.attr("narrow_kv") = true;  // decode_attention reads --kv-cache-dtype's narrow caches
   // Without the GIL: the engine's socket threads run while a layer computes.
   m.def("decode_layer", &decode_layer,
         "One decoder layer of a pure decode step over quantized blocks: (x, h) for the next "
