@@ -22,7 +22,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from engine.attention.torch_backend import (
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+    zeros_on_first_write,
+)
 
 
 class MlaAttentionBackend(TorchAttentionBackend):
@@ -39,7 +43,7 @@ class MlaAttentionBackend(TorchAttentionBackend):
         self.kv_lora_rank = kv_lora_rank
         width = kv_lora_rank + rope_dim
         shape = (num_pages * page_size, 1, width)
-        self.latent_cache = [torch.zeros(shape, dtype=dtype, device=device)
+        self.latent_cache = [zeros_on_first_write(shape, dtype, device)
                              for _ in range(num_layers)]
         self._pages = [c.view(num_pages, -1) for c in self.latent_cache]
 
