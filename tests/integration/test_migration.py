@@ -25,7 +25,9 @@ from tests.servers import Proc, metrics, start_frontend, wait_healthy, wait_unti
 
 pytestmark = pytest.mark.slow  # two engines and three frontends of its own
 
-MAX_TOKENS = 48
+# Long enough that streams still run when an engine dies or its 0.5 s drain ends, on a fast
+# machine too (48 tokens had all finished inside the drain there).
+MAX_TOKENS = 96
 # Greedy and seeded-sampled completions, and a greedy chat: four streams per frontend.
 BODIES = [
     {"prompt": "Count slowly to one thousand:", "temperature": 0},
