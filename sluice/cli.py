@@ -23,13 +23,11 @@ import msgspec
 from engine.process import flags as engine_cli
 from engine.process.flags import (
     add_engine_arguments,
-    add_lora_engine_arguments,
-    check_lora_flags,
     engine_config,
     kv_cache_memory_gb,
-    lora_engine_argv,
     resolve_device,
 )
+from engine.process.lora_flags import add_lora_engine_arguments, check_lora_flags, lora_engine_argv
 from frontend.http import flags as frontend_cli
 from frontend.http.flags import (
     add_frontend_arguments,
