@@ -37,7 +37,7 @@ from engine.layers.config import (
     require,
 )
 from engine.models.llama import LlamaModel, mlp_shapes
-from engine.models.moe import ExpertLinear, MoeBlock, expert_gate_up
+from engine.models.moe import ExpertLinear, MoeBlock, expert_gate_up, layered_moe_shapes
 
 
 class DeepseekRouting(msgspec.Struct, frozen=True):
@@ -356,10 +356,6 @@ def _read(raw: bytes, v3: bool) -> ModelConfig:
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     mla, moe, hidden = config.mla, config.moe, config.hidden_size
     heads, qk = config.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden),
-              "model.norm.weight": (hidden,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
     attn = {
         "self_attn.kv_a_proj_with_mqa.weight": (mla.latent_width, hidden),
         "self_attn.kv_a_layernorm.weight": (mla.kv_lora_rank,),
@@ -375,21 +371,14 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                  "self_attn.q_b_proj.weight": (heads * qk, mla.q_lora_rank)}
     else:
         attn["self_attn.q_proj.weight"] = (heads * qk, hidden)
-    for i in range(config.num_layers):
-        layer = dict(attn)
-        if i in moe.dense_layers:
-            layer |= mlp_shapes(config)
-        else:
-            layer["mlp.gate.weight"] = (moe.num_experts, hidden)
-            if config.family_options.routing.correction_bias:
-                layer["mlp.gate.e_score_correction_bias"] = (moe.num_experts,)
-            for e in range(moe.num_experts):
-                layer |= mlp_shapes(config, f"mlp.experts.{e}.", moe.intermediate_size)
-            if moe.shared_expert_intermediate_size:
-                layer |= mlp_shapes(config, "mlp.shared_experts.",
-                                    moe.shared_expert_intermediate_size)
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
-    return shapes
+    layer = {"mlp.gate.weight": (moe.num_experts, hidden)}
+    if config.family_options.routing.correction_bias:
+        layer["mlp.gate.e_score_correction_bias"] = (moe.num_experts,)
+    for e in range(moe.num_experts):
+        layer |= mlp_shapes(config, f"mlp.experts.{e}.", moe.intermediate_size)
+    if moe.shared_expert_intermediate_size:
+        layer |= mlp_shapes(config, "mlp.shared_experts.", moe.shared_expert_intermediate_size)
+    return layered_moe_shapes(config, layer, attn)
 
 
 def checkpoint_names(config: ModelConfig):

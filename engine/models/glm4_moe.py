@@ -30,8 +30,14 @@ from engine.layers.config import (
     gguf_arch_value,
     require,
 )
-from engine.models.llama import attention_shapes, mlp_shapes
-from engine.models.moe import ExpertLinear, MoeBlock, MoeModel, expert_gate_up
+from engine.models.llama import mlp_shapes
+from engine.models.moe import (
+    ExpertLinear,
+    MoeBlock,
+    MoeModel,
+    expert_gate_up,
+    layered_moe_shapes,
+)
 
 
 class GroupedRouting(msgspec.Struct, frozen=True):
@@ -95,25 +101,12 @@ class Glm4MoeModel(MoeModel):
 
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     moe, hidden = config.moe, config.hidden_size
-    shapes = {
-        "model.embed_tokens.weight": (config.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    for i in range(config.num_layers):
-        layer = attention_shapes(config)
-        if i in moe.dense_layers:
-            layer |= mlp_shapes(config)
-        else:
-            layer["mlp.gate.weight"] = (moe.num_experts, hidden)
-            layer["mlp.gate.e_score_correction_bias"] = (moe.num_experts,)
-            for e in range(moe.num_experts):
-                layer |= mlp_shapes(config, f"mlp.experts.{e}.", moe.intermediate_size)
-            layer |= mlp_shapes(config, "mlp.shared_experts.",
-                                moe.shared_expert_intermediate_size)
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
-    return shapes
+    layer = {"mlp.gate.weight": (moe.num_experts, hidden),
+             "mlp.gate.e_score_correction_bias": (moe.num_experts,)}
+    for e in range(moe.num_experts):
+        layer |= mlp_shapes(config, f"mlp.experts.{e}.", moe.intermediate_size)
+    layer |= mlp_shapes(config, "mlp.shared_experts.", moe.shared_expert_intermediate_size)
+    return layered_moe_shapes(config, layer)
 
 
 def checkpoint_names(config: ModelConfig):

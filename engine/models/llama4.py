@@ -38,8 +38,8 @@ from engine.layers.config import (
     gguf_arch_value,
     require,
 )
-from engine.models.llama import LlamaModel, attention_shapes, mlp_shapes
-from engine.models.moe import ExpertLinear, MoeBlock
+from engine.models.llama import LlamaModel, mlp_shapes
+from engine.models.moe import ExpertLinear, MoeBlock, layered_moe_shapes
 
 
 class Llama4Options(msgspec.Struct, frozen=True):
@@ -149,23 +149,10 @@ class Llama4Model(LlamaModel):
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     moe, hidden = config.moe, config.hidden_size
     experts, inter = moe.num_experts, moe.intermediate_size
-    shapes = {
-        "model.embed_tokens.weight": (config.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    for i in range(config.num_layers):
-        layer = attention_shapes(config)
-        if i in moe.dense_layers:
-            layer |= mlp_shapes(config)
-        else:
-            layer |= {"mlp.router.weight": (experts, hidden),
-                      "mlp.experts.gate_up_proj": (experts, hidden, 2 * inter),
-                      "mlp.experts.down_proj": (experts, inter, hidden)}
-            layer |= mlp_shapes(config, "mlp.shared_expert.", inter)
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
-    return shapes
+    layer = {"mlp.router.weight": (experts, hidden),
+             "mlp.experts.gate_up_proj": (experts, hidden, 2 * inter),
+             "mlp.experts.down_proj": (experts, inter, hidden)}
+    return layered_moe_shapes(config, layer | mlp_shapes(config, "mlp.shared_expert.", inter))
 
 
 def checkpoint_names(config: ModelConfig):

@@ -291,32 +291,38 @@ def mixtral_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return tensor_shapes(config, _MIXTRAL)
 
 
-def tensor_shapes(config: ModelConfig, names: _Names = _QWEN) -> dict[str, tuple[int, ...]]:
-    moe, hidden = config.moe, config.hidden_size
-    inter = moe.intermediate_size
+def layered_moe_shapes(config: ModelConfig, moe_layer: dict[str, tuple[int, ...]],
+                       attention: dict[str, tuple[int, ...]] | None = None
+                       ) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes of a MoE model: embeddings, final norm, LM head unless tied, and each
+    layer's attention (`attention`, else Llama's) with a dense MLP in `moe.dense_layers` and
+    the family's MoE block (`moe_layer`, names under the layer) everywhere else."""
+    hidden = config.hidden_size
     shapes = {
         "model.embed_tokens.weight": (config.vocab_size, hidden),
         "model.norm.weight": (hidden,),
     }
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    attention = attention_shapes(config) if attention is None else attention
     for i in range(config.num_layers):
-        layer = attention_shapes(config)
-        if i in moe.dense_layers:
-            layer |= mlp_shapes(config)
-        else:
-            p = names.block
-            layer[f"{p}{names.router}.weight"] = (moe.num_experts, hidden)
-            for e in range(moe.num_experts):
-                layer[f"{p}experts.{e}.{names.gate}.weight"] = (inter, hidden)
-                layer[f"{p}experts.{e}.{names.up}.weight"] = (inter, hidden)
-                layer[f"{p}experts.{e}.{names.down}.weight"] = (hidden, inter)
-            if moe.shared_expert_intermediate_size:
-                layer |= mlp_shapes(config, p + "shared_expert.",
-                                    moe.shared_expert_intermediate_size)
-                layer[f"{p}shared_expert_gate.weight"] = (1, hidden)
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+        mlp = mlp_shapes(config) if i in config.moe.dense_layers else moe_layer
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in (attention | mlp).items()})
     return shapes
+
+
+def tensor_shapes(config: ModelConfig, names: _Names = _QWEN) -> dict[str, tuple[int, ...]]:
+    moe, hidden = config.moe, config.hidden_size
+    inter, p = moe.intermediate_size, names.block
+    layer = {f"{p}{names.router}.weight": (moe.num_experts, hidden)}
+    for e in range(moe.num_experts):
+        layer[f"{p}experts.{e}.{names.gate}.weight"] = (inter, hidden)
+        layer[f"{p}experts.{e}.{names.up}.weight"] = (inter, hidden)
+        layer[f"{p}experts.{e}.{names.down}.weight"] = (hidden, inter)
+    if moe.shared_expert_intermediate_size:
+        layer |= mlp_shapes(config, p + "shared_expert.", moe.shared_expert_intermediate_size)
+        layer[f"{p}shared_expert_gate.weight"] = (1, hidden)
+    return layered_moe_shapes(config, layer)
 
 
 class _QwenMoeHF(HFConfig):
