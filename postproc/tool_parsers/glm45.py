@@ -80,30 +80,16 @@ class _GlmGrammar(_CoderGrammar):
     tags = _TAGS
     fmt = "glm45"
 
-    def parameters(self, schema: dict) -> str:
-        properties = schema.get("properties")
-        if not isinstance(properties, dict):
-            properties = {}
-        required = schema.get("required") or ()
-        missing = [k for k in required if k not in properties]
-        if missing:
-            raise ValueError(f"the glm45 format cannot write the required {missing[0]!r}, "
-                             "which has no schema")
-        if isinstance(schema.get("additionalProperties"), dict):
-            self.unsupported("a schema for additionalProperties")
-        if not properties and schema.get("additionalProperties") is not False:
-            return f'("<arg_key>" GLM_KEY "</arg_key>\\n<arg_value>" {self.raw()} "\\n")*'
-        parts = []
-        for name, sub in properties.items():
-            if not name or name != name.strip() or any(t in name for t in _TAGS):
-                if name in required:
-                    raise ValueError(f"the glm45 format cannot spell the parameter {name!r}")
-                self.unsupported(f"the parameter {name!r}")
-                continue
-            head = _lark_text(f"{_KEY}{name}{_KEY_END}\n{_VALUE}")
-            part = f'{head} {self.value(sub)} "\\n"'
-            parts.append(part if name in required else f"({part})?")
-        return " ".join(parts) if parts else '""'
+    def any_parameters(self) -> str:
+        return f'("<arg_key>" GLM_KEY "</arg_key>\\n<arg_value>" {self.raw()} "\\n")*'
+
+    @staticmethod
+    def spells(name: str) -> bool:
+        return bool(name) and name == name.strip() and not any(t in name for t in _TAGS)
+
+    @staticmethod
+    def parameter_head(name: str) -> str:
+        return _lark_text(f"{_KEY}{name}{_KEY_END}\n{_VALUE}")
 
 
 def _call_grammar(functions: dict[str, Any], *, strict: bool) -> str:

@@ -317,23 +317,36 @@ class _CoderGrammar:
         required = schema.get("required") or ()
         missing = [k for k in required if k not in properties]
         if missing:
-            raise ValueError(f"the qwen3_coder format cannot write the required {missing[0]!r}, "
-                             "which has no schema")
+            raise ValueError(f"the {self.fmt} format cannot write the required "
+                             f"{missing[0]!r}, which has no schema")
         if isinstance(schema.get("additionalProperties"), dict):
             self.unsupported("a schema for additionalProperties")
         if not properties and schema.get("additionalProperties") is not False:
-            return f'("<parameter=" QC_NAME ">\\n" {self.raw()} "\\n")*'
+            return self.any_parameters()
         parts = []
         for name, sub in properties.items():
-            if not name or name != name.strip() or ">" in name or "\n" in name:
+            if not self.spells(name):
                 if name in required:
-                    raise ValueError(f"the qwen3_coder format cannot spell the parameter "
+                    raise ValueError(f"the {self.fmt} format cannot spell the parameter "
                                      f"{name!r}")
                 self.unsupported(f"the parameter {name!r}")
                 continue
-            part = f'{_lark_text(f"{_PARAMETER}{name}>" + chr(10))} {self.value(sub)} "\\n"'
+            part = f'{self.parameter_head(name)} {self.value(sub)} "\\n"'
             parts.append(part if name in required else f"({part})?")
         return " ".join(parts) if parts else '""'
+
+    # What a format's parameters look like (glm45 writes them otherwise).
+    def any_parameters(self) -> str:
+        """Parameters of any names, each a raw value: a schema without properties."""
+        return f'("<parameter=" QC_NAME ">\\n" {self.raw()} "\\n")*'
+
+    @staticmethod
+    def spells(name: str) -> bool:
+        return bool(name) and name == name.strip() and ">" not in name and "\n" not in name
+
+    @staticmethod
+    def parameter_head(name: str) -> str:
+        return _lark_text(f"{_PARAMETER}{name}>" + chr(10))
 
 
 def _call_grammar(functions: dict[str, Any], *, strict: bool) -> str:
