@@ -243,3 +243,19 @@ def assert_all_free(core: EngineCore) -> None:
 def prompts(lengths, seed=1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def greedy_tokens(core: EngineCore, prompts, max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens (`max_tokens`, EOS ignored) from `core`, all added at once
+    and stepped to the end: what `sluice serve DIR`'s engine gives a batch."""
+    for i, prompt in enumerate(prompts):
+        core.add(EngineRequest(
+            request_id=f"r{i}", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
+            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            arrival_time=0.0))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_work:
+        for _, out in core.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
+    return [tokens[f"r{i}"] for i in range(len(prompts))]

@@ -34,9 +34,9 @@ from engine.models.registry import config_from_hf, load_model_config
 from engine.process.build import build_engine
 from engine.process.load import _page_bytes
 from shared.config import EngineConfig
-from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from shared.speculative import parse_speculative_config
 from tests.tiny_vlm import tiny_vlm_tokenizer
+from tests.unit.engine_builders import greedy_tokens
 from tests.unit.test_model_reference import STEPS, TINY, VOCAB, _run, make_reference
 
 CPU = torch.device("cpu")
@@ -129,17 +129,7 @@ def test_served_by_build_engine(reference, num_pages, spec):
         record = core.scheduler.drafter.record
         core.scheduler.drafter.record = lambda seq, proposed, accepted: (
             drafted.append(proposed), record(seq, proposed, accepted))
-    for i, prompt in enumerate(ref.prompts):
-        core.add(EngineRequest(
-            request_id=f"r{i}", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
-            params=SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True),
-            arrival_time=0.0))
-    tokens = {f"r{i}": [] for i in range(len(ref.prompts))}
-    while core.has_work:
-        for _, out in core.step():
-            assert out.error is None, out.error
-            tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
-    assert [tokens[f"r{i}"] for i in range(len(ref.prompts))] == ref.tokens
+    assert greedy_tokens(core, ref.prompts, STEPS) == ref.tokens
     assert (core.num_preemptions > 0) == (num_pages == 16)
     assert bool(drafted) == (spec is not None)
 

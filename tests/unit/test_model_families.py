@@ -33,6 +33,7 @@ from engine.process.build import build_engine
 from shared.config import EngineConfig
 from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
 from tests.tiny_vlm import tiny_vlm_tokenizer
+from tests.unit.engine_builders import greedy_tokens
 from tests.unit.test_model_reference import STEPS, TINY, VOCAB, _run, make_reference
 
 WINDOW = 8
@@ -172,17 +173,7 @@ def test_served_by_build_engine(reference):
     _, ref = reference
     tiny_vlm_tokenizer().save_pretrained(ref.path)  # a byte-level one, as llguidance needs
     core = build_engine(_engine_config(ref.path, threads=1))
-    for i, prompt in enumerate(ref.prompts):
-        core.add(EngineRequest(
-            request_id=f"r{i}", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
-            params=SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True),
-            arrival_time=0.0))
-    tokens = {f"r{i}": [] for i in range(len(ref.prompts))}
-    while core.has_work:
-        for _, out in core.step():
-            assert out.error is None, out.error
-            tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
-    assert [tokens[f"r{i}"] for i in range(len(ref.prompts))] == ref.tokens
+    assert greedy_tokens(core, ref.prompts, STEPS) == ref.tokens
 
 
 def test_windowed_model_releases_pages_behind_the_window(tmp_path):

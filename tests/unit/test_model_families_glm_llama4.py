@@ -110,22 +110,12 @@ def _serve(ref, **overrides):
     """All prompts at once through `sluice serve DIR`'s engine (registry, backend told each
     layer's attention, default ops): (tokens per prompt, the core)."""
     from engine.process.build import build_engine
-    from shared.protocol import EngineRequest, SamplingParams, pack_ids, unpack_ids
     from tests.tiny_vlm import tiny_vlm_tokenizer
+    from tests.unit.engine_builders import greedy_tokens
 
     tiny_vlm_tokenizer().save_pretrained(ref.path)
     core = build_engine(_engine_config(ref.path, threads=1, **overrides))
-    for i, prompt in enumerate(ref.prompts):
-        core.add(EngineRequest(
-            request_id=f"r{i}", prompt_token_ids=pack_ids(prompt), reply_to="tcp://test",
-            params=SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True),
-            arrival_time=0.0))
-    tokens = {f"r{i}": [] for i in range(len(ref.prompts))}
-    while core.has_work:
-        for _, out in core.step():
-            assert out.error is None, out.error
-            tokens[out.request_id].extend(unpack_ids(out.new_token_ids).tolist())
-    return [tokens[f"r{i}"] for i in range(len(ref.prompts))], core
+    return greedy_tokens(core, ref.prompts, STEPS), core
 
 
 def test_served_by_build_engine(reference):
