@@ -37,7 +37,13 @@ from engine.layers.config import (
     require,
 )
 from engine.models.llama import LlamaModel, mlp_shapes
-from engine.models.moe import ExpertLinear, MoeBlock, expert_gate_up, layered_moe_shapes
+from engine.models.moe import (
+    ExpertLinear,
+    MoeBlock,
+    expert_gate_up,
+    group_limited_top_k,
+    layered_moe_shapes,
+)
 
 
 class DeepseekRouting(msgspec.Struct, frozen=True):
@@ -89,21 +95,10 @@ class DeepseekMoeBlock(MoeBlock):
         logits = F.linear(x.float(), self.router)
         scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1)
         choice = scores + self.bias if self.bias is not None else scores
-        if r.n_group > 1:
-            groups = choice.view(choice.shape[0], r.n_group, -1)
-            if r.group_score == "top2_sum":
-                group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
-            else:
-                group_scores = groups.max(dim=-1).values
-            kept = group_scores.topk(r.topk_group, dim=-1).indices
-            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-            choice = choice.masked_fill(~mask.repeat_interleave(groups.shape[-1], dim=1),
-                                        float("-inf"))
-        experts = choice.topk(c.top_k, dim=-1).indices
-        weights = scores.gather(1, experts)
-        if c.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return experts, (weights * r.routed_scaling_factor).to(x.dtype)
+        experts, weights = group_limited_top_k(
+            scores, choice, r.n_group, r.topk_group, c.top_k, c.norm_topk_prob,
+            r.routed_scaling_factor, r.group_score)
+        return experts, weights.to(x.dtype)
 
     def __call__(self, x: torch.Tensor, ops) -> torch.Tensor:
         out = super().__call__(x, ops)

@@ -36,6 +36,7 @@ from engine.models.moe import (
     MoeBlock,
     MoeModel,
     expert_gate_up,
+    group_limited_top_k,
     layered_moe_shapes,
 )
 
@@ -61,19 +62,10 @@ class GroupedSigmoidMoeBlock(MoeBlock):
         c, r = self.config, self.routing
         linear = ops.linear if ops is not None else F.linear
         scores = torch.sigmoid(linear(x.float(), self.router))
-        choice = scores + self.score_bias
-        if r.num_groups > 1:
-            groups = choice.view(-1, r.num_groups, c.num_experts // r.num_groups)
-            best = groups.topk(2, dim=-1).values.sum(dim=-1)  # [T, groups]
-            kept = torch.zeros_like(best).scatter_(
-                1, best.topk(r.topk_groups, dim=-1).indices, 1.0).bool()
-            choice = choice.masked_fill(~kept.repeat_interleave(groups.shape[-1], dim=1),
-                                        float("-inf"))
-        experts = choice.topk(c.top_k, dim=-1).indices
-        weights = scores.gather(1, experts)
-        if c.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return experts, (weights * r.routed_scaling_factor).to(x.dtype)
+        experts, weights = group_limited_top_k(
+            scores, scores + self.score_bias, r.num_groups, r.topk_groups, c.top_k,
+            c.norm_topk_prob, r.routed_scaling_factor)
+        return experts, weights.to(x.dtype)
 
 
 class Glm4MoeModel(MoeModel):

@@ -62,6 +62,31 @@ def expert_gate_up(gate: torch.Tensor, up: torch.Tensor):
     return gate, up
 
 
+def group_limited_top_k(scores: torch.Tensor, choice: torch.Tensor, num_groups: int,
+                        top_groups: int, top_k: int, norm_topk_prob: bool, scale: float,
+                        group_score: str = "top2_sum") -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's expert choice (V3 and GLM-4.5; V2 with group_score "max"): `choice` (the
+    scores, plus V3's correction bias) keeps the best `top_groups` of `num_groups` expert
+    groups, each group scored by its best two choices (or its best one), then the `top_k`
+    experts among them. Their weights are `scores` (not `choice`), renormalised if asked,
+    times `scale`. Float32 in and out: (experts [T, top_k], weights [T, top_k])."""
+    if num_groups > 1:
+        groups = choice.view(choice.shape[0], num_groups, -1)
+        if group_score == "top2_sum":
+            group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = groups.max(dim=-1).values
+        kept = group_scores.topk(top_groups, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(groups.shape[-1], dim=1),
+                                    float("-inf"))
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, weights * scale
+
+
 class ExpertStacks(msgspec.Struct):
     """Every expert's weights of one layer as one [experts, out, in] tensor per projection
     (and [experts, out] biases), as a grouped GEMM takes them."""
